@@ -1,0 +1,20 @@
+"""Pure-torch MoE and dense decoder models, their checkpoint loader and the expert-parallel data plane."""
+
+from model_shards.config import ModelConfig
+from model_shards.dispatch import Dispatch, LocalDispatch
+from model_shards.kv_cache import KVCache, StepBatch
+from model_shards.loader import CheckpointError, load_checkpoint
+from model_shards.model import CausalLM
+from model_shards.moe import RoutingConfig
+
+__all__ = [
+    "CausalLM",
+    "CheckpointError",
+    "Dispatch",
+    "KVCache",
+    "LocalDispatch",
+    "ModelConfig",
+    "RoutingConfig",
+    "StepBatch",
+    "load_checkpoint",
+]

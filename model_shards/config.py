@@ -1,0 +1,164 @@
+"""Model configuration read from a Hugging Face `config.json`.
+
+One frozen dataclass covers every supported family; `from_hf` maps each family's field
+names onto it. Families differ only in a handful of switches (qkv bias, q/k norm, shared
+expert, which layers are sparse, how gates are normalised), so one model class serves all.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+QKNorm = Literal["none", "head", "full"]
+
+# architecture name in config.json -> family key
+ARCHITECTURES: dict[str, str] = {
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "OlmoeForCausalLM": "olmoe",
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+}
+MODEL_TYPES = {v: v for v in ARCHITECTURES.values()}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    family: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int  # dense MLP width (dense families, dense layers of MoE families)
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    qk_norm: QKNorm = "none"
+    clip_qkv: float | None = None
+    # mixture of experts (num_experts == 0 means a dense model)
+    num_experts: int = 0
+    top_k: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    gate_style: str = "mixtral"
+    shared_expert_intermediate_size: int = 0
+    sparse_layers: tuple[bool, ...] = field(default=())
+    eos_token_id: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.family not in MODEL_TYPES:
+            raise ValueError(f"family: unknown model family {self.family!r}; supported: {sorted(MODEL_TYPES)}")
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}: must be positive, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        if self.num_experts:
+            if not 1 <= self.top_k <= self.num_experts:
+                raise ValueError(f"top_k: must be in [1, num_experts={self.num_experts}], got {self.top_k}")
+            if self.moe_intermediate_size <= 0:
+                raise ValueError("moe_intermediate_size: must be positive for a mixture-of-experts model")
+        if len(self.sparse_layers) != self.num_layers:
+            object.__setattr__(self, "sparse_layers", tuple(bool(self.num_experts) for _ in range(self.num_layers)))
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> ModelConfig:
+        path = Path(path)
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"no config.json at {path}")
+        return cls.from_hf(json.loads(path.read_text()), source=str(path))
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any], source: str = "config.json") -> ModelConfig:
+        """Map a Hugging Face config dict onto ModelConfig; raises on an unknown architecture."""
+        archs = hf.get("architectures") or []
+        family = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
+        family = family or MODEL_TYPES.get(hf.get("model_type", ""))
+        if family is None:
+            raise ValueError(
+                f"{source}: unsupported architecture {archs or hf.get('model_type')!r}; "
+                f"supported: {sorted(ARCHITECTURES)}"
+            )
+        rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise ValueError(f"{source}: rope_type {rope_type!r} is not supported (only 'default')")
+        rope_theta = hf.get("rope_theta") or rope.get("rope_theta") or 10000.0
+        num_heads = hf["num_attention_heads"]
+        head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
+        eos = hf.get("eos_token_id")
+        eos = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        common = dict(
+            family=family,
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+            head_dim=head_dim,
+            intermediate_size=hf.get("intermediate_size", 0),
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta),
+            max_position_embeddings=hf.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            eos_token_id=eos,
+            bos_token_id=hf.get("bos_token_id"),
+        )
+        n = common["num_layers"]
+        if family == "mixtral":
+            return cls(
+                **common,
+                num_experts=hf["num_local_experts"],
+                top_k=hf["num_experts_per_tok"],
+                moe_intermediate_size=hf["intermediate_size"],
+                gate_style="mixtral",
+            )
+        if family in ("qwen2_moe", "qwen3_moe"):
+            mlp_only = set(hf.get("mlp_only_layers") or [])
+            step = hf.get("decoder_sparse_step") or 1
+            num_experts = hf.get("num_experts", hf.get("num_local_experts", 0))
+            return cls(
+                **common,
+                attention_bias=family == "qwen2_moe" and hf.get("qkv_bias", True),
+                qk_norm="head" if family == "qwen3_moe" else "none",
+                num_experts=num_experts,
+                top_k=hf["num_experts_per_tok"],
+                moe_intermediate_size=hf["moe_intermediate_size"],
+                norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+                gate_style="softmax_topk",
+                shared_expert_intermediate_size=hf.get("shared_expert_intermediate_size", 0)
+                if family == "qwen2_moe"
+                else 0,
+                sparse_layers=tuple(
+                    i not in mlp_only and num_experts > 0 and (i + 1) % step == 0 for i in range(n)
+                ),
+            )
+        if family == "olmoe":
+            return cls(
+                **common,
+                attention_bias=bool(hf.get("attention_bias", False)),
+                qk_norm="full",
+                clip_qkv=hf.get("clip_qkv"),
+                num_experts=hf["num_experts"],
+                top_k=hf["num_experts_per_tok"],
+                moe_intermediate_size=hf["intermediate_size"],
+                norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+                gate_style="softmax_topk",
+            )
+        # dense: llama, qwen2 (Qwen2 always has q/k/v biases)
+        return cls(**common, attention_bias=family == "qwen2" or bool(hf.get("attention_bias", False)))

@@ -1,0 +1,97 @@
+"""KV cache in per-sequence slots, and the per-step description of which slots a batch uses.
+
+Shapes: S slots, L layers, Hkv key/value heads, Tmax tokens per slot, Dh head dim,
+B batch rows, Tq query positions this step (rows shorter than Tq are padded).
+
+A sequence owns one slot for its lifetime. Rolling back rejected speculative tokens is
+free: the owner just lowers the sequence's length; stale entries past it are never read
+(the attention mask stops at each row's own length) and are overwritten by the next step.
+Each slot has one extra scratch column that absorbs the writes of padded query positions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class StepBatch:
+    """Which cache slots a forward pass reads and writes.
+
+    slots:   [B] cache slot of each row
+    start:   [B] tokens already cached for each row (position of the row's first query token)
+    q_lens:  [B] valid query tokens in each row (<= Tq; the rest is padding)
+    """
+
+    slots: torch.Tensor
+    start: torch.Tensor
+    q_lens: torch.Tensor
+
+    @classmethod
+    def build(cls, slots: list[int], start: list[int], q_lens: list[int]) -> StepBatch:
+        as_long = lambda v: torch.tensor(v, dtype=torch.long)  # noqa: E731
+        return cls(as_long(slots), as_long(start), as_long(q_lens))
+
+    def positions(self, tq: int) -> torch.Tensor:
+        return self.start[:, None] + torch.arange(tq)  # [B, Tq]
+
+    def valid(self, tq: int) -> torch.Tensor:
+        return torch.arange(tq)[None, :] < self.q_lens[:, None]  # [B, Tq]
+
+    def contiguous_slots(self) -> slice | None:
+        """The slot range when rows are slots s, s+1, ...: attention can then read a view, not a copy."""
+        first = int(self.slots[0])
+        if torch.equal(self.slots, torch.arange(first, first + len(self.slots))):
+            return slice(first, first + len(self.slots))
+        return None
+
+
+class KVCache:
+    """Preallocated keys and values: per layer [S, Hkv, Tmax + 1, Dh]."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_slots: int,
+        max_len: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        if num_slots <= 0 or max_len <= 0:
+            raise ValueError(f"KVCache needs num_slots > 0 and max_len > 0, got {num_slots}, {max_len}")
+        shape = (num_slots, num_kv_heads, max_len + 1, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
+        self.num_slots = num_slots
+        self.max_len = max_len
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    def write(self, layer: int, batch: StepBatch, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store this step's keys/values; k, v: [B, Hkv, Tq, Dh]."""
+        tq = k.shape[2]
+        pos = batch.positions(tq)  # [B, Tq]
+        pos = torch.where(batch.valid(tq), pos, self.max_len)  # padding -> scratch column
+        if int(pos.max()) > self.max_len:
+            raise ValueError(f"sequence longer than the KV cache ({self.max_len} tokens)")
+        rows = batch.slots[:, None]  # [B, 1]
+        # Advanced indices on dims 0 and 2 put the broadcast [B, Tq] first: values are [B, Tq, Hkv, Dh].
+        self.k[layer][rows, :, pos] = k.transpose(1, 2)
+        self.v[layer][rows, :, pos] = v.transpose(1, 2)
+
+    def read(self, layer: int, batch: StepBatch, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of the batch's rows up to `length` positions: [B, Hkv, length, Dh]."""
+        rng = batch.contiguous_slots()
+        if rng is not None:
+            return self.k[layer][rng, :, :length], self.v[layer][rng, :, :length]
+        return self.k[layer][batch.slots, :, :length], self.v[layer][batch.slots, :, :length]
+
+    def copy_slot(self, src: int, dst: int, length: int) -> None:
+        """Move a sequence between slots (used to keep the running batch in contiguous slots)."""
+        for t in self.k + self.v:
+            t[dst, :, :length] = t[src, :, :length]

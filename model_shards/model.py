@@ -1,0 +1,132 @@
+"""The decoder-only transformer for every supported family, MoE or dense.
+
+Shapes: B rows, T positions, D hidden, V vocab.
+Module names follow the Hugging Face checkpoints (`model.layers.N.self_attn.q_proj`, ...),
+so loading is a name-for-name copy; only per-expert tensors are fused on the way in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal
+
+import torch
+from torch import nn
+
+from model_shards.attention import Attention
+from model_shards.config import ModelConfig
+from model_shards.dispatch import Dispatch
+from model_shards.kv_cache import KVCache, StepBatch
+from model_shards.layers import MLP, RMSNorm, RotaryEmbedding
+from model_shards.moe import MoEBlock, RoutingConfig
+from router_service.stats import ExpertLoadStats
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, idx: int, local_experts: Sequence[int]) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg, idx)
+        self.is_sparse = cfg.sparse_layers[idx]
+        self.mlp = MoEBlock(cfg, idx, local_experts) if self.is_sparse else MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        cache: KVCache | None,
+        batch: StepBatch | None,
+        valid: torch.Tensor | None,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, cache, batch)  # [B, T, D]
+        h = self.post_attention_layernorm(x)
+        if not self.is_sparse:
+            return x + self.mlp(h)
+        if valid is None:  # no padding: every position is a real token
+            return x + self.mlp(h.view(-1, h.shape[-1])).view_as(h)
+        # Padding must not reach the router: it would take expert capacity and skew load statistics.
+        out = torch.zeros_like(h)
+        out[valid] = self.mlp(h[valid])  # [N_valid, D]
+        return x + out
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig, local_experts: Sequence[int]) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, local_experts) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)
+
+
+class CausalLM(nn.Module):
+    """`forward(input_ids)` -> logits [B, T, V]; with a KVCache and StepBatch it runs one engine step."""
+
+    def __init__(self, cfg: ModelConfig, local_experts: Sequence[int] | None = None) -> None:
+        super().__init__()
+        self.config = cfg
+        self.local_experts = tuple(range(cfg.num_experts) if local_experts is None else local_experts)
+        self.model = Transformer(cfg, self.local_experts)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    # ---- configuration of the MoE layers -------------------------------------------------
+    @property
+    def moe_blocks(self) -> list[MoEBlock]:
+        return [layer.mlp for layer in self.model.layers if layer.is_sparse]
+
+    def set_dispatch(self, dispatch: Dispatch) -> None:
+        for block in self.moe_blocks:
+            block.dispatch = dispatch
+
+    def set_routing(self, routing: RoutingConfig) -> None:
+        for block in self.moe_blocks:
+            block.routing = routing
+
+    def enable_stats(self) -> ExpertLoadStats:
+        """Start counting expert load in every MoE layer; returns the (shared) accumulator."""
+        stats = ExpertLoadStats(self.config.num_layers, max(self.config.num_experts, 1))
+        for block in self.moe_blocks:
+            block.stats = stats
+        return stats
+
+    def make_cache(self, num_slots: int, max_len: int) -> KVCache:
+        cfg = self.config
+        dtype = self.lm_head.weight.dtype
+        return KVCache(cfg.num_layers, num_slots, max_len, cfg.num_kv_heads, cfg.head_dim, dtype)
+
+    # ---- forward ---------------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        cache: KVCache | None = None,
+        batch: StepBatch | None = None,
+        logits: Literal["all", "last"] = "all",
+    ) -> torch.Tensor:
+        """input_ids: [B, T]. Without a cache: a full causal forward. With one: row b holds
+        `batch.q_lens[b]` new tokens at positions start[b]...; padding beyond is ignored.
+        Returns logits [B, T, V], or [B, V] at each row's last valid token when logits="last"."""
+        b, t = input_ids.shape
+        if (cache is None) != (batch is None):
+            raise ValueError("cache and batch go together")
+        x = self.model.embed_tokens(input_ids)  # [B, T, D]
+        if batch is None:
+            positions = torch.arange(t).expand(b, t)
+            valid = None
+        else:
+            positions = batch.positions(t)  # [B, T]
+            valid = batch.valid(t) if bool((batch.q_lens < t).any()) else None
+        rope = self.model.rotary(positions, x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, rope, cache, batch, valid)
+        if logits == "last":
+            last = (batch.q_lens - 1) if batch is not None else torch.full((b,), t - 1)
+            x = x[torch.arange(b), last][:, None]  # [B, 1, D]
+        out = self.lm_head(self.model.norm(x)).float()  # [B, T, V]
+        return out[:, 0] if logits == "last" else out

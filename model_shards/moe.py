@@ -1,0 +1,81 @@
+"""The sparse MoE block: gate -> capacity -> dispatch -> local experts -> combine (+ shared expert).
+
+Shapes: N tokens (flattened batch), D hidden, E experts, K experts per token.
+The gating math lives in router_service/; how routes reach experts is the `Dispatch`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from model_shards.config import ModelConfig
+from model_shards.dispatch import Dispatch, LocalDispatch
+from model_shards.experts import LocalExperts
+from model_shards.layers import MLP
+from router_service.capacity import apply_capacity, expert_capacity
+from router_service.gating import GateConfig, topk_gate
+from router_service.stats import ExpertLoadStats
+
+
+@dataclass(frozen=True)
+class RoutingConfig:
+    """Expert capacity: `overflow="none"` is exact (no limit); `drop`/`reroute` cap each expert at
+    max(min_capacity, ceil(capacity_factor * tokens * K / E)) routes per forward pass."""
+
+    overflow: str = "none"
+    capacity_factor: float = 1.25
+    min_capacity: int = 4
+
+    def __post_init__(self) -> None:
+        if self.overflow not in ("none", "drop", "reroute"):
+            raise ValueError(f"overflow: must be 'none', 'drop' or 'reroute', got {self.overflow!r}")
+        if self.capacity_factor <= 0:
+            raise ValueError(f"capacity_factor: must be positive, got {self.capacity_factor}")
+        if self.min_capacity < 0:
+            raise ValueError(f"min_capacity: must be >= 0, got {self.min_capacity}")
+
+
+class MoEBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, local_experts: Sequence[int]) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.gate_cfg = GateConfig(
+            num_experts=cfg.num_experts,
+            top_k=cfg.top_k,
+            style=cfg.gate_style,
+            norm_topk_prob=cfg.norm_topk_prob,
+        )
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.experts = LocalExperts(local_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+        if cfg.shared_expert_intermediate_size:
+            self.shared_expert = MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
+            self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+        else:
+            self.shared_expert = None
+        # Set by the owning model; plain attributes, not submodules or parameters.
+        self.dispatch: Dispatch = LocalDispatch()
+        self.routing = RoutingConfig()
+        self.stats: ExpertLoadStats | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [N, D] -> [N, D]."""
+        gates = topk_gate(self.gate(x), self.gate_cfg)  # weights, expert_ids [N, K]; probs [N, E]
+        routed = None
+        expert_ids, weights = gates.expert_ids, gates.weights
+        if self.routing.overflow != "none":
+            cap = expert_capacity(
+                x.shape[0], self.gate_cfg.num_experts, self.gate_cfg.top_k,
+                self.routing.capacity_factor, self.routing.min_capacity,
+            )
+            routed = apply_capacity(gates, cap, self.routing.overflow)
+            expert_ids, weights = routed.expert_ids, routed.weights
+        if self.stats is not None:
+            self.stats.update(self.layer_idx, gates, routed)
+        out = self.dispatch(x, expert_ids, weights, self.experts)  # [N, D]
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
