@@ -1,0 +1,84 @@
+"""Runs the target model for an engine step: owns the KV cache and which slot each sequence holds.
+
+Shapes: B rows, Tq query tokens (the longest row; shorter rows are padded), V vocab.
+
+Sequences are kept in slots 0..n-1 (a finished sequence's hole is filled by moving the last
+one in), so a step's rows are contiguous slots and attention reads cache views, not copies.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from model_shards import CausalLM, StepBatch
+
+
+@dataclass(frozen=True)
+class Row:
+    """One sequence in a forward pass: `tokens` are appended to its cache at position `start`."""
+
+    seq_id: str
+    tokens: list[int]
+    start: int
+
+
+class ModelRunner:
+    """Target model + KV cache for up to `max_num_seqs` sequences of up to `max_model_len` tokens."""
+
+    def __init__(self, model: CausalLM, max_num_seqs: int, max_model_len: int) -> None:
+        self.model = model
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.vocab_size = model.config.vocab_size
+        self.cache = model.make_cache(max_num_seqs, max_model_len)
+        self._slot: dict[str, int] = {}
+        self._owner: list[str] = []  # slot -> seq_id, always slots 0..n-1
+        self._length: dict[str, int] = {}  # highest position written per sequence (for slot moves)
+
+    @property
+    def num_free_slots(self) -> int:
+        return self.max_num_seqs - len(self._owner)
+
+    def add(self, seq_id: str) -> None:
+        if seq_id in self._slot:
+            raise ValueError(f"sequence {seq_id!r} already has a slot")
+        if not self.num_free_slots:
+            raise RuntimeError("no free KV cache slot")
+        self._slot[seq_id] = len(self._owner)
+        self._owner.append(seq_id)
+        self._length[seq_id] = 0
+
+    def remove(self, seq_id: str) -> None:
+        slot = self._slot.pop(seq_id, None)
+        if slot is None:
+            return
+        self._length.pop(seq_id)
+        last = self._owner.pop()
+        if last != seq_id:  # fill the hole with the last sequence to keep slots contiguous
+            self.cache.copy_slot(len(self._owner), slot, self._length[last])
+            self._owner[slot] = last
+            self._slot[last] = slot
+
+    def forward(self, rows: list[Row], logits: Literal["all", "last"] = "last") -> torch.Tensor:
+        """Logits [B, V] at each row's last token ("last") or [B, Tq, V] for every fed token ("all"),
+        in the order of `rows`."""
+        order = sorted(range(len(rows)), key=lambda i: self._slot[rows[i].seq_id])
+        tq = max(len(r.tokens) for r in rows)
+        ids = torch.zeros(len(rows), tq, dtype=torch.long)  # [B, Tq]
+        for b, i in enumerate(order):
+            ids[b, : len(rows[i].tokens)] = torch.tensor(rows[i].tokens)
+        ordered = [rows[i] for i in order]
+        batch = StepBatch.build(
+            [self._slot[r.seq_id] for r in ordered], [r.start for r in ordered], [len(r.tokens) for r in ordered]
+        )
+        for r in ordered:
+            if r.start + len(r.tokens) > self.max_model_len:
+                raise ValueError(f"sequence {r.seq_id!r} exceeds max_model_len={self.max_model_len}")
+            self._length[r.seq_id] = max(self._length[r.seq_id], r.start + len(r.tokens))
+        out = self.model(ids, self.cache, batch, logits=logits)
+        inverse = torch.empty(len(order), dtype=torch.long)
+        inverse[torch.tensor(order)] = torch.arange(len(order))
+        return out[inverse]

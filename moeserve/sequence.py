@@ -1,0 +1,65 @@
+"""Per-request state inside the engine, and what the engine reports back each step."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from moeserve.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    """One request being generated. `num_cached` counts tokens whose keys/values are in the KV
+    cache; in decode that is every token but the last sampled one, which the next step feeds."""
+
+    seq_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival: float = 0.0
+    output_ids: list[int] = field(default_factory=list)
+    num_cached: int = 0
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: str | None = None
+    generator: torch.Generator | None = None
+    detokenizer: object | None = None  # IncrementalDetokenizer, when the engine has a tokenizer
+    grammar: object | None = None  # per-request grammar matcher, when the request is constrained
+    num_spec: int = 0  # draft tokens to ask for this step (adaptive)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def pending_ids(self) -> list[int]:
+        """Tokens the next forward pass must feed (the uncached tail)."""
+        return self.token_ids[self.num_cached :]
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request: the new tokens and text, and whether it ended."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
