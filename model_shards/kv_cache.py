@@ -95,3 +95,53 @@ class KVCache:
         """Move a sequence between slots (used to keep the running batch in contiguous slots)."""
         for t in self.k + self.v:
             t[dst, :, :length] = t[src, :, :length]
+
+
+class SlotTable:
+    """Which sequence holds which cache slot. Slots stay contiguous (0..n-1): removing a
+    sequence moves the last one into its hole, and `remove` returns that move for the cache."""
+
+    def __init__(self, num_slots: int) -> None:
+        self.num_slots = num_slots
+        self._slot: dict[str, int] = {}
+        self._owner: list[str] = []
+        self._length: dict[str, int] = {}  # highest position written: how much a move must copy
+
+    def __len__(self) -> int:
+        return len(self._owner)
+
+    def __contains__(self, seq_id: str) -> bool:
+        return seq_id in self._slot
+
+    @property
+    def num_free(self) -> int:
+        return self.num_slots - len(self._owner)
+
+    def slot(self, seq_id: str) -> int:
+        return self._slot[seq_id]
+
+    def add(self, seq_id: str) -> int:
+        if seq_id in self._slot:
+            raise ValueError(f"sequence {seq_id!r} already has a slot")
+        if not self.num_free:
+            raise RuntimeError("no free KV cache slot")
+        self._slot[seq_id] = len(self._owner)
+        self._owner.append(seq_id)
+        self._length[seq_id] = 0
+        return self._slot[seq_id]
+
+    def written(self, seq_id: str, length: int) -> None:
+        self._length[seq_id] = max(self._length[seq_id], length)
+
+    def remove(self, seq_id: str) -> tuple[int, int, int] | None:
+        """Frees the sequence's slot; returns (src, dst, length) when another sequence must move."""
+        slot = self._slot.pop(seq_id, None)
+        if slot is None:
+            return None
+        self._length.pop(seq_id)
+        last = self._owner.pop()
+        if last == seq_id:
+            return None
+        self._owner[slot] = last
+        self._slot[last] = slot
+        return len(self._owner), slot, self._length[last]

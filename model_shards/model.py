@@ -112,9 +112,27 @@ class CausalLM(nn.Module):
         """input_ids: [B, T]. Without a cache: a full causal forward. With one: row b holds
         `batch.q_lens[b]` new tokens at positions start[b]...; padding beyond is ignored.
         Returns logits [B, T, V], or [B, V] at each row's last valid token when logits="last"."""
+        h = self.hidden_states(input_ids, cache, batch, last_only=logits == "last")  # [B, T or 1, D]
+        out = self.lm_logits(h)
+        return out[:, 0] if logits == "last" else out
+
+    def lm_logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(h).float()  # [..., V]
+
+    @torch.inference_mode()
+    def hidden_states(
+        self,
+        input_ids: torch.Tensor,
+        cache: KVCache | None = None,
+        batch: StepBatch | None = None,
+        last_only: bool = False,
+    ) -> torch.Tensor:
+        """Final normed hidden states [B, T, D] (or [B, 1, D] at each row's last valid token)."""
         b, t = input_ids.shape
         if (cache is None) != (batch is None):
             raise ValueError("cache and batch go together")
+        if b == 0:
+            return self._join_collectives_only(t, last_only)
         x = self.model.embed_tokens(input_ids)  # [B, T, D]
         if batch is None:
             positions = torch.arange(t).expand(b, t)
@@ -125,8 +143,15 @@ class CausalLM(nn.Module):
         rope = self.model.rotary(positions, x.dtype)
         for layer in self.model.layers:
             x = layer(x, rope, cache, batch, valid)
-        if logits == "last":
+        if last_only:
             last = (batch.q_lens - 1) if batch is not None else torch.full((b,), t - 1)
             x = x[torch.arange(b), last][:, None]  # [B, 1, D]
-        out = self.lm_head(self.model.norm(x)).float()  # [B, T, V]
-        return out[:, 0] if logits == "last" else out
+        return self.model.norm(x)
+
+    def _join_collectives_only(self, t: int, last_only: bool) -> torch.Tensor:
+        """A shard with no sequences this step still takes part in every MoE layer's all-to-all."""
+        dtype = self.lm_head.weight.dtype
+        empty = torch.zeros(0, self.config.hidden_size, dtype=dtype)
+        for block in self.moe_blocks:
+            block(empty)
+        return torch.zeros(0, 1 if last_only else t, self.config.hidden_size, dtype=dtype)

@@ -14,6 +14,7 @@ from typing import Literal
 import torch
 
 from model_shards import CausalLM, StepBatch
+from model_shards.kv_cache import SlotTable
 
 
 @dataclass(frozen=True)
@@ -34,50 +35,36 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.vocab_size = model.config.vocab_size
         self.cache = model.make_cache(max_num_seqs, max_model_len)
-        self._slot: dict[str, int] = {}
-        self._owner: list[str] = []  # slot -> seq_id, always slots 0..n-1
-        self._length: dict[str, int] = {}  # highest position written per sequence (for slot moves)
+        self.slots = SlotTable(max_num_seqs)
 
     @property
     def num_free_slots(self) -> int:
-        return self.max_num_seqs - len(self._owner)
+        return self.slots.num_free
 
     def add(self, seq_id: str) -> None:
-        if seq_id in self._slot:
-            raise ValueError(f"sequence {seq_id!r} already has a slot")
-        if not self.num_free_slots:
-            raise RuntimeError("no free KV cache slot")
-        self._slot[seq_id] = len(self._owner)
-        self._owner.append(seq_id)
-        self._length[seq_id] = 0
+        self.slots.add(seq_id)
 
     def remove(self, seq_id: str) -> None:
-        slot = self._slot.pop(seq_id, None)
-        if slot is None:
-            return
-        self._length.pop(seq_id)
-        last = self._owner.pop()
-        if last != seq_id:  # fill the hole with the last sequence to keep slots contiguous
-            self.cache.copy_slot(len(self._owner), slot, self._length[last])
-            self._owner[slot] = last
-            self._slot[last] = slot
+        move = self.slots.remove(seq_id)
+        if move is not None:
+            self.cache.copy_slot(*move)
 
     def forward(self, rows: list[Row], logits: Literal["all", "last"] = "last") -> torch.Tensor:
         """Logits [B, V] at each row's last token ("last") or [B, Tq, V] for every fed token ("all"),
         in the order of `rows`."""
-        order = sorted(range(len(rows)), key=lambda i: self._slot[rows[i].seq_id])
+        order = sorted(range(len(rows)), key=lambda i: self.slots.slot(rows[i].seq_id))
         tq = max(len(r.tokens) for r in rows)
         ids = torch.zeros(len(rows), tq, dtype=torch.long)  # [B, Tq]
         for b, i in enumerate(order):
             ids[b, : len(rows[i].tokens)] = torch.tensor(rows[i].tokens)
         ordered = [rows[i] for i in order]
         batch = StepBatch.build(
-            [self._slot[r.seq_id] for r in ordered], [r.start for r in ordered], [len(r.tokens) for r in ordered]
+            [self.slots.slot(r.seq_id) for r in ordered], [r.start for r in ordered], [len(r.tokens) for r in ordered]
         )
         for r in ordered:
             if r.start + len(r.tokens) > self.max_model_len:
                 raise ValueError(f"sequence {r.seq_id!r} exceeds max_model_len={self.max_model_len}")
-            self._length[r.seq_id] = max(self._length[r.seq_id], r.start + len(r.tokens))
+            self.slots.written(r.seq_id, r.start + len(r.tokens))
         out = self.model(ids, self.cache, batch, logits=logits)
         inverse = torch.empty(len(order), dtype=torch.long)
         inverse[torch.tensor(order)] = torch.arange(len(order))

@@ -1,0 +1,108 @@
+"""Start a shard group as plain local processes (no Ray): for tests, benchmarks and single-host use.
+
+The Ray deployment (deployments/shard_group.py) does the same with actors in a placement
+group; both call `load_shard` and run `ShardWorker` / `ShardedRunner`.
+"""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from model_shards.all_to_all import AllToAllDispatch, init_shard_group
+from model_shards.loader import load_checkpoint
+from model_shards.model import CausalLM
+from model_shards.moe import RoutingConfig
+from model_shards.shard_worker import ShardedRunner, ShardWorker
+from router_service.placement import Placement, contiguous_placement
+
+
+def load_shard(
+    checkpoint: str | Path,
+    placement: Placement | None,
+    rank: int,
+    routing: RoutingConfig | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> CausalLM:
+    """This rank's model: dense weights + only its experts, wired to the all-to-all when W > 1."""
+    experts = placement.rank_experts[rank] if placement is not None else None
+    model = load_checkpoint(checkpoint, dtype, experts=experts)
+    if placement is not None and placement.world_size > 1:
+        model.set_dispatch(AllToAllDispatch(placement, rank))
+    if routing is not None:
+        model.set_routing(routing)
+    return model
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _follower(checkpoint, placement, rank, world, master, max_num_seqs, max_model_len, routing, threads) -> None:
+    torch.set_num_threads(threads)
+    init_shard_group(rank, world, master)
+    model = load_shard(checkpoint, placement, rank, routing)
+    try:
+        ShardWorker(model, rank, world, max_num_seqs, max_model_len).serve_forever()
+    finally:
+        dist.destroy_process_group()
+
+
+class LocalShardGroup:
+    """W-1 follower processes + rank 0 in this process. Use as a context manager."""
+
+    def __init__(
+        self,
+        checkpoint: str | Path,
+        world_size: int,
+        max_num_seqs: int = 8,
+        max_model_len: int = 512,
+        placement: Placement | None = None,
+        routing: RoutingConfig | None = None,
+        threads_per_rank: int = 1,
+    ) -> None:
+        from model_shards.config import ModelConfig
+
+        cfg = ModelConfig.from_file(checkpoint)
+        self.placement = placement or contiguous_placement(cfg.num_experts, world_size)
+        if self.placement.world_size != world_size:
+            raise ValueError(f"placement is for {self.placement.world_size} ranks, not {world_size}")
+        self.args = (checkpoint, self.placement, world_size, max_num_seqs, max_model_len, routing, threads_per_rank)
+        self.runner: ShardedRunner | None = None
+        self.procs: list = []
+
+    def __enter__(self) -> ShardedRunner:
+        checkpoint, placement, world, max_num_seqs, max_model_len, routing, threads = self.args
+        master = f"127.0.0.1:{free_port()}"
+        ctx = mp.get_context("spawn")
+        self.procs = [
+            ctx.Process(
+                target=_follower,
+                args=(checkpoint, placement, r, world, master, max_num_seqs, max_model_len, routing, threads),
+                daemon=True,
+            )
+            for r in range(1, world)
+        ]
+        for p in self.procs:
+            p.start()
+        init_shard_group(0, world, master)
+        model = load_shard(checkpoint, placement, 0, routing)
+        self.runner = ShardedRunner(model, world, max_num_seqs, max_model_len)
+        return self.runner
+
+    def __exit__(self, *exc) -> None:
+        try:
+            if self.runner is not None and exc[0] is None:
+                self.runner.shutdown()
+        finally:
+            dist.destroy_process_group()
+            for p in self.procs:
+                p.join(timeout=10)
+                if p.is_alive():
+                    p.kill()
