@@ -1,0 +1,49 @@
+"""The router-service actor: expert-load statistics from every shard group, and placement plans.
+
+Engine replicas push their groups' cumulative counters every few seconds (never per step);
+the actor keeps the latest per (replica, rank), merges them on demand for /metrics and the
+admin route, and proposes an EPLB-style placement from observed load, which a shard group
+applies the next time it (re)forms. Live re-placement of a running group is not done: moving
+expert weights between ranks mid-flight would need a pause of the group anyway.
+"""
+
+from __future__ import annotations
+
+import ray
+
+from router_service.placement import Placement, balanced_placement, contiguous_placement
+from router_service.stats import ExpertLoadStats
+
+
+class RouterService:
+    """Plain class (testable without Ray); `RouterServiceActor` is its Ray actor form."""
+
+    def __init__(self, num_layers: int, num_experts: int) -> None:
+        self.num_layers, self.num_experts = num_layers, num_experts
+        self._latest: dict[tuple[str, int], dict] = {}
+
+    def report(self, source: str, rank_stats: list[dict]) -> None:
+        for rank, stats in enumerate(rank_stats):
+            self._latest[(source, rank)] = stats
+
+    def merged(self) -> ExpertLoadStats:
+        total = ExpertLoadStats(self.num_layers, self.num_experts)
+        for stats in self._latest.values():
+            total.merge(ExpertLoadStats.from_dict(stats))
+        return total
+
+    def summary(self) -> dict:
+        merged = self.merged()
+        return {"sources": sorted({s for s, _ in self._latest}), "layers": merged.summary(),
+                "counters": merged.to_dict()}
+
+    def placement(self, world_size: int, slots_per_rank: int | None = None) -> Placement:
+        """Balanced placement from observed load (contiguous until there is any)."""
+        load = self.merged().route_counts  # [L, E]
+        if int(load.sum()) == 0:
+            return contiguous_placement(self.num_experts, world_size)
+        slots = slots_per_rank or -(-self.num_experts // world_size)
+        return balanced_placement(load, world_size, slots)
+
+
+RouterServiceActor = ray.remote(num_cpus=0)(RouterService)

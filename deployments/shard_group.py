@@ -1,0 +1,168 @@
+"""The shard group on Ray: W-1 shard actors in a placement group + rank 0 in the engine's process.
+
+Ray places, starts and supervises the processes and carries a handful of calls per group
+lifetime (start, health, stats); the per-step data plane is torch.distributed between the
+ranks (model_shards/shard_worker.py). If a shard dies, rank 0's next collective fails within
+the group timeout; the engine then fails the step's requests with a clear error and calls
+`restart()`, which builds a fresh group (with a new placement, if the router service has one).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import ray
+import torch.distributed as dist
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from model_shards.all_to_all import init_shard_group
+from model_shards.local_group import free_port, load_shard
+from model_shards.moe import RoutingConfig
+from model_shards.shard_worker import ShardedRunner, ShardWorker
+from router_service.placement import Placement, contiguous_placement
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ShardGroupConfig:
+    checkpoint: str
+    world_size: int = 2
+    max_num_seqs: int = 16  # per rank
+    max_model_len: int = 1024
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
+    strategy: str = "PACK"  # PACK: one machine; SPREAD: across nodes on a cluster
+    gpus_per_shard: float = 0.0  # 1 on a GPU cluster (NCCL), 0 on CPU (gloo)
+    cpus_per_shard: float = 1.0
+    timeout_s: float = 30.0  # a dead peer fails a collective within this
+    start_timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise ValueError(f"world_size: must be >= 1, got {self.world_size}")
+        if self.strategy not in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"):
+            raise ValueError(f"strategy: must be a Ray placement strategy, got {self.strategy!r}")
+        if not Path(self.checkpoint).is_dir():
+            raise ValueError(f"checkpoint: folder not found: {self.checkpoint}")
+
+
+@ray.remote
+class ShardActor:
+    """Ranks 1..W-1: the worker loop runs in a thread; Ray methods (health, stats) stay responsive."""
+
+    def __init__(self, cfg: ShardGroupConfig, placement: Placement, rank: int, master: str) -> None:
+        self.cfg, self.placement, self.rank, self.master = cfg, placement, rank, master
+        self.thread: threading.Thread | None = None
+        self.stats = None
+        self.error: str | None = None
+
+    def start(self) -> dict:
+        init_shard_group(self.rank, self.cfg.world_size, self.master, self.cfg.timeout_s)
+        model = load_shard(self.cfg.checkpoint, self.placement, self.rank, self.cfg.routing)
+        self.stats = model.enable_stats()
+        worker = ShardWorker(model, self.rank, self.cfg.world_size, self.cfg.max_num_seqs, self.cfg.max_model_len)
+        self.thread = threading.Thread(target=self._loop, args=(worker,), daemon=True)
+        self.thread.start()
+        return {"rank": self.rank, "experts": list(self.placement.rank_experts[self.rank]),
+                "loaded_bytes": model.loaded_bytes}
+
+    def _loop(self, worker: ShardWorker) -> None:
+        try:
+            worker.serve_forever()
+        except Exception as e:  # the group broke (a peer died); the owner will restart us
+            self.error = f"{type(e).__name__}: {e}"
+        finally:
+            dist.destroy_process_group()
+
+    def health(self) -> dict:
+        return {"rank": self.rank, "alive": bool(self.thread and self.thread.is_alive()), "error": self.error}
+
+    def get_stats(self) -> dict | None:
+        return self.stats.to_dict() if self.stats is not None else None
+
+
+class ShardGroup:
+    """Owns one expert-parallel group; `start()` returns rank 0's runner for the engine."""
+
+    def __init__(self, cfg: ShardGroupConfig, placement: Placement | None = None) -> None:
+        from model_shards.config import ModelConfig
+
+        self.cfg = cfg
+        self.model_config = ModelConfig.from_file(cfg.checkpoint)
+        self.placement = placement or contiguous_placement(self.model_config.num_experts, cfg.world_size)
+        self.actors: list = []
+        self.pg = None
+        self.runner: ShardedRunner | None = None
+        self.stats = None
+        self.shard_info: list[dict] = []
+        self.generation = 0  # how many times the group was (re)formed
+
+    def start(self) -> ShardedRunner:
+        cfg, world = self.cfg, self.cfg.world_size
+        master = f"{ray.util.get_node_ip_address()}:{free_port()}"
+        if world > 1:
+            bundle = {"CPU": cfg.cpus_per_shard} | ({"GPU": cfg.gpus_per_shard} if cfg.gpus_per_shard else {})
+            self.pg = placement_group([bundle] * (world - 1), strategy=cfg.strategy)
+            ray.get(self.pg.ready(), timeout=cfg.start_timeout_s)
+            self.actors = [
+                ShardActor.options(
+                    num_cpus=cfg.cpus_per_shard,
+                    num_gpus=cfg.gpus_per_shard,
+                    max_concurrency=4,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=r - 1),
+                ).remote(cfg, self.placement, r, master)
+                for r in range(1, world)
+            ]
+        started = [a.start.remote() for a in self.actors]
+        init_shard_group(0, world, master, cfg.timeout_s)  # blocks until every rank has joined
+        model = load_shard(cfg.checkpoint, self.placement, 0, cfg.routing)
+        self.stats = model.enable_stats()
+        self.shard_info = [{"rank": 0, "experts": list(self.placement.rank_experts[0]),
+                            "loaded_bytes": model.loaded_bytes}]
+        self.shard_info += ray.get(started, timeout=cfg.start_timeout_s)
+        self.runner = ShardedRunner(model, world, cfg.max_num_seqs, cfg.max_model_len)
+        self.generation += 1
+        log.info("shard group %d formed: %s", self.generation, self.shard_info)
+        return self.runner
+
+    def stop(self, graceful: bool = True) -> None:
+        if self.runner is not None and graceful:
+            try:
+                self.runner.shutdown()
+            except Exception:  # the group is already broken
+                pass
+        self.runner = None
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        for a in self.actors:
+            ray.kill(a, no_restart=True)
+        self.actors = []
+        if self.pg is not None:
+            remove_placement_group(self.pg)
+            self.pg = None
+
+    def restart(self, placement: Placement | None = None) -> ShardedRunner:
+        """Tear the (possibly broken) group down and form a new one, optionally with a new placement."""
+        self.stop(graceful=False)
+        if placement is not None:
+            self.placement = placement
+        return self.start()
+
+    def health(self, timeout_s: float = 5.0) -> list[dict]:
+        try:
+            return ray.get([a.health.remote() for a in self.actors], timeout=timeout_s)
+        except Exception as e:
+            return [{"alive": False, "error": f"{type(e).__name__}: {e}"}]
+
+    def collect_stats(self, timeout_s: float = 5.0) -> list[dict]:
+        """Cumulative expert-load counters of every rank (rank 0 first); called periodically, not per step."""
+        own = [self.stats.to_dict()] if self.stats is not None else []
+        try:
+            others = ray.get([a.get_stats.remote() for a in self.actors], timeout=timeout_s)
+        except Exception:
+            others = []
+        return own + [s for s in others if s is not None]

@@ -1,0 +1,202 @@
+"""Batched token sampling with per-row parameters: temperature -> top-k -> top-p -> draw.
+
+Shape legend:
+    B  rows (sequences) in the batch
+    T  positions per row (1 for plain decoding; k + 1 when verifying k draft tokens)
+    V  vocabulary size
+    S  rows that sample (the rest, G, are greedy)
+    C  top-p candidates (TOP_P_CANDIDATES); N positions whose nucleus is wider than C
+
+Every row carries its own SamplingParams. The per-row values become [B] tensors so one
+set of tensor ops serves the whole batch, whatever mix of settings it holds.
+
+Semantics follow vLLM and transformers' TopK/TopP warpers: temperature scales the
+logits; top-k keeps every token whose logit is >= the k-th largest (ties are kept); top-p
+then renormalises what is left and keeps the smallest set of most likely tokens whose
+probability reaches top_p (always at least one). Greedy rows (temperature 0 or top_k 1)
+take the argmax of the raw logits and never touch a random generator.
+
+Cost per step, B rows of V logits: one softmax, a torch.topk for top-k and another over
+TOP_P_CANDIDATES for top-p (a full sort only for rows whose nucleus is wider than that),
+one cumulative sum and one uniform number per position for the draw (inverse CDF, far
+cheaper on CPU than V exponential or Gumbel numbers). Each seeded row draws its number
+from its own torch.Generator, so a seeded request gets the same tokens whatever else is
+in the batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moeserve.sampling_params import SamplingParams
+
+__all__ = ["Sampler", "make_generator", "random_sample"]
+
+NEG_INF = float("-inf")
+# top-p first looks for the nucleus among this many most likely tokens, which avoids a
+# full-vocabulary sort; rows whose nucleus is larger fall back to the sort.
+TOP_P_CANDIDATES = 128
+
+
+def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
+    """A fresh generator for one request; keep it with the request and pass it every step."""
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    return generator
+
+
+def random_sample(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """Draw one token per position by inverse CDF: probs [B, T, V] -> token ids [B, T].
+
+    Rows need not be normalised; tokens with probability 0 are never drawn. Rows whose
+    generator is None share torch's default generator; the others each draw from their
+    own, so their tokens do not depend on the rest of the batch.
+    """
+    cdf = probs.cumsum(dim=-1)  # [B, T, V]
+    u = torch.empty(cdf.shape[:-1] + (1,), dtype=cdf.dtype, device=cdf.device)  # [B, T, 1]
+    seeded = [i for i, g in enumerate(generators) if g is not None]
+    if len(seeded) < len(generators):
+        u.uniform_()
+    for i in seeded:
+        u[i].uniform_(generator=generators[i])
+    u = u * cdf[..., -1:]  # [B, T, 1] in [0, total mass)
+    # right=True: the first position whose cdf exceeds u, never a zero-probability token.
+    tokens = torch.searchsorted(cdf, u, right=True).squeeze(-1)  # [B, T]
+    # u * total can round up to total (position V); the last token with mass is meant.
+    last = cdf.argmax(dim=-1)  # [B, T] first position reaching the total
+    return torch.minimum(tokens, last)  # [B, T]
+
+
+def _apply_temperature(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    return logits / temperature.view(-1, 1, 1)  # [S, T, V]
+
+
+def _apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """Keep logits >= each row's k-th largest (ties kept); top_k [S] <= 0 or >= V is off."""
+    vocab = logits.shape[-1]
+    active = (top_k > 0) & (top_k < vocab)  # [S]
+    if not bool(active.any()):
+        return logits
+    k = torch.where(active, top_k, 1)  # [S]
+    top_values = logits.topk(int(k.max()), dim=-1).values  # [S, T, max_k] descending
+    kth = top_values.gather(-1, (k - 1).view(-1, 1, 1).expand(-1, logits.shape[1], 1))  # [S, T, 1]
+    kth = kth.masked_fill(~active.view(-1, 1, 1), NEG_INF)  # [S, T, 1]
+    return logits.masked_fill(logits < kth, NEG_INF)  # [S, T, V]
+
+
+def _apply_top_p(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Keep the nucleus and renormalise: probs [S, T, V], top_p [S] in (0, 1] (1 = off).
+
+    A token is kept when the mass of the tokens more likely than it is < top_p, which is
+    transformers' rule (drop while the ascending cumulative sum <= 1 - top_p) read from
+    the other end. Tokens tied with the last kept one are kept too.
+    """
+    vocab = probs.shape[-1]
+    p = top_p.view(-1, 1, 1).expand(-1, probs.shape[1], 1)  # [S, T, 1]
+    candidates = probs.topk(min(vocab, TOP_P_CANDIDATES), dim=-1).values  # [S, T, C] descending
+    inclusive = candidates.cumsum(dim=-1)  # [S, T, C]
+    exclusive = torch.cat([torch.zeros_like(inclusive[..., :1]), inclusive[..., :-1]], dim=-1)  # [S, T, C]
+    kept = (exclusive < p).sum(dim=-1, keepdim=True)  # [S, T, 1] >= 1, a prefix: exclusive is sorted
+    threshold = candidates.gather(-1, kept - 1)  # [S, T, 1] smallest kept probability
+    threshold = threshold.masked_fill(p >= 1.0, 0.0)  # [S, T, 1]
+
+    unresolved = ((inclusive[..., -1:] < p) & (p < 1.0)).squeeze(-1)  # [S, T]
+    if bool(unresolved.any()):
+        threshold[unresolved] = _top_p_threshold_sorted(probs[unresolved], p[unresolved])  # [N, 1]
+
+    probs = probs.masked_fill(probs < threshold, 0.0)  # [S, T, V]
+    return probs / probs.sum(dim=-1, keepdim=True)  # [S, T, V]
+
+
+def _top_p_threshold_sorted(probs: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """Full-sort fallback, transformers' formulation: probs [N, V], p [N, 1] -> [N, 1]."""
+    probs_sort = probs.sort(dim=-1, descending=False).values  # [N, V]
+    remove = probs_sort.cumsum(dim=-1) <= (1.0 - p)  # [N, V]
+    remove[:, -1] = False  # the most likely token always stays
+    first_kept = remove.sum(dim=-1, keepdim=True)  # [N, 1] removals form a prefix
+    return probs_sort.gather(-1, first_kept)  # [N, 1]
+
+
+class Sampler:
+    """Turns logits into probabilities or tokens, each row with its own SamplingParams.
+
+    Stateless: per-request state (the seeded generator) lives with the request.
+    """
+
+    def probs(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        """Processed probabilities, float32, same shape as logits ([B, V] or [B, T, V]).
+
+        Greedy rows get a one-hot at the argmax. The rejection sampler uses these for
+        both the draft and the target, so they must be exactly what `sample` draws from.
+        """
+        logits3, squeeze = _as_3d(logits, params)
+        greedy = [i for i, p in enumerate(params) if p.greedy]
+        sampled = [i for i, p in enumerate(params) if not p.greedy]
+        if not greedy:
+            probs = _processed_probs(logits3, params)  # [B, T, V]
+        else:
+            probs = torch.zeros(logits3.shape, dtype=torch.float32, device=logits3.device)  # [B, T, V]
+            rows = _index(greedy, logits3.device)
+            argmax = logits3[rows].argmax(dim=-1, keepdim=True)  # [G, T, 1]
+            probs[rows] = probs[rows].scatter_(-1, argmax, 1.0)  # one-hot
+            if sampled:
+                rows = _index(sampled, logits3.device)
+                probs[rows] = _processed_probs(logits3[rows], [params[i] for i in sampled])
+        return probs.squeeze(1) if squeeze else probs
+
+    def sample(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None] | None = None,
+    ) -> torch.Tensor:
+        """Token ids [B] for logits [B, V] (or [B, T] for logits [B, T, V]).
+
+        generators[i] is row i's own generator (from make_generator) or None; it is only
+        consulted for rows that actually sample. All-greedy batches are a plain argmax.
+        """
+        logits3, squeeze = _as_3d(logits, params)
+        if generators is None:
+            generators = [None] * len(params)
+        if len(generators) != len(params):
+            raise ValueError(f"generators has {len(generators)} entries for {len(params)} rows")
+
+        sampled = [i for i, p in enumerate(params) if not p.greedy]
+        if len(sampled) == len(params):
+            tokens = random_sample(_processed_probs(logits3, params), generators)  # [B, T]
+            return tokens.squeeze(1) if squeeze else tokens
+        tokens = logits3.argmax(dim=-1)  # [B, T]
+        if sampled:
+            rows = _index(sampled, logits3.device)
+            probs = _processed_probs(logits3[rows], [params[i] for i in sampled])  # [S, T, V]
+            tokens[rows] = random_sample(probs, [generators[i] for i in sampled])  # [S, T]
+        return tokens.squeeze(1) if squeeze else tokens
+
+
+def _processed_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Temperature, top-k, softmax, top-p for rows that sample: [S, T, V] -> [S, T, V] float32."""
+    device = logits.device
+    temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)  # [S]
+    scaled = _apply_temperature(logits.float(), temperature)  # [S, T, V]
+    if any(p.top_k > 0 for p in params):
+        top_k = torch.tensor([p.top_k for p in params], dtype=torch.long, device=device)  # [S]
+        scaled = _apply_top_k(scaled, top_k)  # [S, T, V]
+    probs = scaled.softmax(dim=-1)  # [S, T, V]
+    if any(p.top_p < 1.0 for p in params):
+        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)  # [S]
+        probs = _apply_top_p(probs, top_p)  # [S, T, V]
+    return probs
+
+
+def _as_3d(logits: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.Tensor, bool]:
+    if logits.dim() not in (2, 3):
+        raise ValueError(f"logits must be [B, V] or [B, T, V], got shape {tuple(logits.shape)}")
+    if logits.shape[0] != len(params):
+        raise ValueError(f"logits has {logits.shape[0]} rows but params has {len(params)} entries")
+    if logits.dim() == 2:
+        return logits.unsqueeze(1), True  # [B, 1, V]
+    return logits, False
+
+
+def _index(rows: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(rows, dtype=torch.long, device=device)

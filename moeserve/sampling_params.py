@@ -1,0 +1,111 @@
+"""Per-request sampling parameters: how to pick each next token and when to stop.
+
+The field names and meanings follow vLLM and the OpenAI API, so a gateway can copy a
+request body into them. Every bad value raises a ValueError that names the field and
+says why; the gateway turns it into a 400/422 (gRPC: INVALID_ARGUMENT).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+# Temperatures below this are treated as greedy decoding (vLLM uses the same epsilon):
+# dividing logits by ~0 only amplifies rounding noise.
+SAMPLING_EPS = 1e-5
+MAX_TEMPERATURE = 100.0
+# torch.Generator.manual_seed accepts exactly this range.
+MIN_SEED = -(2**63)
+MAX_SEED = 2**64 - 1
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _as_tuple(name: str, value: object) -> tuple:
+    """Accept a tuple, a list (JSON arrays arrive as lists) or any other non-string iterable."""
+    if isinstance(value, tuple):
+        return value
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise ValueError(f"{name} must be a list of values, got {type(value).__name__}")
+    return tuple(value)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request samples tokens and when it stops.
+
+    Fields:
+        max_tokens: most tokens to generate (>= 1).
+        temperature: 0 means greedy (argmax); otherwise logits are divided by it (0..100].
+        top_k: keep the k most likely tokens; 0 or -1 turns it off.
+        top_p: nucleus sampling, keep the smallest set of tokens whose probability
+            reaches top_p (0 < top_p <= 1; 1 turns it off).
+        seed: seeds this request's own random generator, so the same request gives the
+            same tokens whatever else is in the batch; None uses the shared generator.
+        stop: strings that end generation; the stop string is not part of the output.
+            A single string or a list is accepted and stored as a tuple.
+        stop_token_ids: token ids that end generation (besides EOS); the token is not
+            part of the output text.
+        ignore_eos: keep generating past EOS until max_tokens or a stop condition.
+
+    The order of processing is temperature, then top-k, then top-p (vLLM and
+    transformers agree on it).
+    """
+
+    max_tokens: int = 128
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+
+        if not _is_number(self.temperature) or not math.isfinite(self.temperature):
+            raise ValueError(f"temperature must be a finite number, got {self.temperature!r}")
+        if not 0.0 <= self.temperature <= MAX_TEMPERATURE:
+            raise ValueError(
+                f"temperature must be in [0, {MAX_TEMPERATURE:g}] (0 means greedy), got {self.temperature!r}"
+            )
+
+        if not _is_int(self.top_k) or self.top_k < -1:
+            raise ValueError(f"top_k must be an integer >= 1, or 0 or -1 to turn it off, got {self.top_k!r}")
+
+        if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
+
+        if self.seed is not None and (not _is_int(self.seed) or not MIN_SEED <= self.seed <= MAX_SEED):
+            raise ValueError(f"seed must be null or an integer in [-2**63, 2**64 - 1], got {self.seed!r}")
+
+        stop = (self.stop,) if isinstance(self.stop, str) else _as_tuple("stop", self.stop)
+        for s in stop:
+            if not isinstance(s, str):
+                raise ValueError(f"stop must contain only strings, got {type(s).__name__} {s!r}")
+            if not s:
+                raise ValueError("stop must not contain an empty string (it would match before any text)")
+        object.__setattr__(self, "stop", stop)
+
+        stop_token_ids = _as_tuple("stop_token_ids", self.stop_token_ids)
+        for t in stop_token_ids:
+            if not _is_int(t) or t < 0:
+                raise ValueError(f"stop_token_ids must contain only integers >= 0, got {t!r}")
+        object.__setattr__(self, "stop_token_ids", stop_token_ids)
+
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
+
+    @property
+    def greedy(self) -> bool:
+        """True when sampling reduces to argmax: temperature ~0, or top_k == 1."""
+        return self.temperature < SAMPLING_EPS or self.top_k == 1

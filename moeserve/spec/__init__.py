@@ -1,0 +1,44 @@
+"""Speculative decoding, the model-independent core.
+
+A proposer guesses k tokens per sequence, the target scores the k guesses plus one in a
+single forward pass, and the rejection sampler keeps the longest prefix the target agrees
+with. What the engine imports:
+
+- `RejectionSampler`, `SpecOutput` — exact verification (greedy and sampled).
+- `Proposer`, `ProposalRequest`, `Proposal`, `make_proposer`, `pad_proposals` — drafting.
+- `NgramProposer` — prompt lookup, the model-free proposer.
+- `AdaptiveK`, `AdaptiveKConfig`, `CostModel` — per-sequence choice of k.
+- `SpecMetrics` — acceptance rate, tokens per pass, and the formula next to it.
+"""
+
+from moeserve.spec.adaptive import AdaptiveK, AdaptiveKConfig, CostModel, expected_tokens_per_pass
+from moeserve.spec.metrics import SpecMetrics
+from moeserve.spec.ngram import NgramProposer
+from moeserve.spec.proposer import (
+    Proposal,
+    ProposalRequest,
+    Proposer,
+    make_proposer,
+    pad_proposals,
+    proposer_names,
+    register_proposer,
+)
+from moeserve.spec.rejection_sampler import RejectionSampler, SpecOutput
+
+__all__ = [
+    "AdaptiveK",
+    "AdaptiveKConfig",
+    "CostModel",
+    "NgramProposer",
+    "Proposal",
+    "ProposalRequest",
+    "Proposer",
+    "RejectionSampler",
+    "SpecMetrics",
+    "SpecOutput",
+    "expected_tokens_per_pass",
+    "make_proposer",
+    "pad_proposals",
+    "proposer_names",
+    "register_proposer",
+]

@@ -1,0 +1,173 @@
+"""Adaptive k: how many tokens to draft for each sequence, from what drafting has earned it.
+
+If each draft token is accepted with probability alpha (given the ones before it were),
+drafting k tokens yields (1 - alpha^(k+1)) / (1 - alpha) tokens per target pass in
+expectation. Drafting costs time, though: the draft runs k steps and the target scores
+k + 1 positions instead of 1. AdaptiveK picks the k that maximises tokens per second.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+def expected_tokens_per_pass(alpha: float, k: float) -> float:
+    """(1 - alpha^(k+1)) / (1 - alpha): expected tokens one target pass emits with k drafts.
+
+    The accepted prefix is geometric (each draft survives with probability alpha), and the
+    pass always adds one recovered or bonus token. Tends to k + 1 as alpha -> 1; k may be a
+    mean (non-integer).
+    """
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"alpha must lie in [0, 1], got {alpha}")
+    if k < 0:
+        raise ValueError(f"k must be >= 0, got {k}")
+    if alpha > 1.0 - 1e-9:
+        return k + 1.0
+    return (1.0 - alpha ** (k + 1.0)) / (1.0 - alpha)
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Measured per-sequence step costs (seconds), a linear model the engine refits.
+
+    A target pass over t tokens of one sequence costs target_base_s + target_per_token_s * t
+    (target_base_s is this sequence's share of the fixed per-step cost: weights read,
+    launches, a Ray-free loop). Drafting costs draft_per_token_s per draft token.
+    """
+
+    target_base_s: float
+    target_per_token_s: float
+    draft_per_token_s: float
+
+    def __post_init__(self) -> None:
+        for name in ("target_base_s", "target_per_token_s", "draft_per_token_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.target_base_s + self.target_per_token_s <= 0:
+            raise ValueError("a target pass must cost something: target_base_s + target_per_token_s > 0")
+
+    def step_cost(self, k: int) -> float:
+        """Seconds for one speculative step with k draft tokens (k = 0: plain decoding)."""
+        return self.target_base_s + self.target_per_token_s * (k + 1) + self.draft_per_token_s * k
+
+
+@dataclass(frozen=True)
+class AdaptiveKConfig:
+    """How AdaptiveK chooses k.
+
+    k_max: the largest k offered.
+    decay: weight a sequence's running acceptance estimate keeps per observation (an EMA
+        over accepted and tried counts).
+    prior_alpha, prior_weight: the belief before any observation, as pseudo-trials; a new
+        sequence starts from the pool's running alpha (all sequences, EMA with pool_decay).
+    probe_every: after this many steps at k = 0, draft one token anyway, so a sequence
+        whose text turned formulaic can win k back.
+    """
+
+    k_max: int = 8
+    decay: float = 0.8
+    prior_alpha: float = 0.5
+    prior_weight: float = 2.0
+    probe_every: int = 16
+    pool_decay: float = 0.99
+
+    def __post_init__(self) -> None:
+        if self.k_max < 0:
+            raise ValueError(f"k_max must be >= 0, got {self.k_max}")
+        for name in ("decay", "pool_decay"):
+            if not 0.0 < getattr(self, name) <= 1.0:
+                raise ValueError(f"{name} must lie in (0, 1], got {getattr(self, name)}")
+        if not 0.0 <= self.prior_alpha <= 1.0:
+            raise ValueError(f"prior_alpha must lie in [0, 1], got {self.prior_alpha}")
+        if self.prior_weight <= 0:
+            raise ValueError(f"prior_weight must be > 0, got {self.prior_weight}")
+        if self.probe_every < 1:
+            raise ValueError(f"probe_every must be >= 1, got {self.probe_every}")
+
+
+class _Acceptance:
+    """Decayed counts of draft tokens accepted and of acceptance trials."""
+
+    def __init__(self, alpha: float, weight: float) -> None:
+        self.accepted = alpha * weight
+        self.trials = weight
+        self.steps_at_zero = 0
+
+    @property
+    def alpha(self) -> float:
+        return self.accepted / self.trials
+
+    def update(self, num_proposed: int, num_accepted: int, decay: float) -> None:
+        # Each accepted token is a trial that succeeded; the first rejection is one that
+        # failed; drafts after it were never tried. Counting them as failures (accepted /
+        # proposed) would underestimate alpha, and the formula would then disagree.
+        trials = num_accepted + (1 if num_accepted < num_proposed else 0)
+        self.accepted = decay * self.accepted + num_accepted
+        self.trials = decay * self.trials + trials
+
+
+class AdaptiveK:
+    """Per-sequence k from a running acceptance rate and the measured costs.
+
+    Per step: `choose_k(seq_id)` before proposing, `observe(seq_id, proposed, accepted)`
+    after verification, `on_finished(seq_id)` when the sequence ends. `set_costs` takes
+    the engine's refitted cost model whenever it has one.
+    """
+
+    def __init__(self, config: AdaptiveKConfig, costs: CostModel) -> None:
+        self.config = config
+        self.costs = costs
+        self._pool = _Acceptance(config.prior_alpha, config.prior_weight)
+        self._seqs: dict[str, _Acceptance] = {}
+
+    def set_costs(self, costs: CostModel) -> None:
+        """Replaces the cost model (the engine re-measures as load changes)."""
+        self.costs = costs
+
+    def alpha(self, seq_id: str) -> float:
+        """The sequence's running acceptance estimate (the pool's for unknown ids)."""
+        state = self._seqs.get(seq_id)
+        return (state or self._pool).alpha
+
+    def best_k(self, alpha: float) -> int:
+        """argmax over k in [0, k_max] of expected tokens per second; ties go to smaller k."""
+        best, best_rate = 0, 0.0
+        for k in range(self.config.k_max + 1):
+            rate = expected_tokens_per_pass(alpha, k) / self.costs.step_cost(k)
+            if rate > best_rate * (1.0 + 1e-9):
+                best, best_rate = k, rate
+        return best
+
+    def choose_k(self, seq_id: str) -> int:
+        """k for this sequence's next step; 0 means decode without speculation."""
+        state = self._state(seq_id)
+        k = self.best_k(state.alpha)
+        if k == 0 and self.config.k_max > 0:
+            state.steps_at_zero += 1
+            if state.steps_at_zero >= self.config.probe_every:
+                state.steps_at_zero = 0
+                return 1
+        else:
+            state.steps_at_zero = 0
+        return k
+
+    def observe(self, seq_id: str, num_proposed: int, num_accepted: int) -> None:
+        """Records one verification: num_proposed drafted (what the proposer actually
+        returned, which may be fewer than k), num_accepted of them kept."""
+        if not 0 <= num_accepted <= num_proposed:
+            raise ValueError(f"need 0 <= num_accepted <= num_proposed, got {num_accepted}, {num_proposed}")
+        if num_proposed == 0:
+            return
+        self._state(seq_id).update(num_proposed, num_accepted, self.config.decay)
+        self._pool.update(num_proposed, num_accepted, self.config.pool_decay)
+
+    def on_finished(self, seq_id: str) -> None:
+        """Forgets the sequence."""
+        self._seqs.pop(seq_id, None)
+
+    def _state(self, seq_id: str) -> _Acceptance:
+        state = self._seqs.get(seq_id)
+        if state is None:
+            state = self._seqs[seq_id] = _Acceptance(self._pool.alpha, self.config.prior_weight)
+        return state

@@ -1,0 +1,139 @@
+"""Proposers: whatever guesses the draft tokens that the target then verifies.
+
+Two implementations sit behind one interface: prompt lookup (`ngram`, model-free, in this
+package) and a small dense draft model (in-process or as its own deployment). The engine
+asks for a batch of proposals once per step and turns them into padded tensors for the
+rejection sampler with `pad_proposals`.
+
+Shapes: B sequences, K draft tokens (the widest row), k one sequence's draft tokens,
+V vocabulary size.
+"""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class ProposalRequest:
+    """Ask for up to `num_tokens` draft tokens continuing `token_ids`.
+
+    token_ids: the sequence so far, prompt + generated (accepted) tokens. Between calls
+        for one seq_id it only grows; rejected drafts never appear in it.
+    num_tokens: k for this sequence this step; 0 asks for nothing.
+    """
+
+    seq_id: str
+    token_ids: Sequence[int]
+    num_tokens: int
+
+    def __post_init__(self) -> None:
+        if self.num_tokens < 0:
+            raise ValueError(f"num_tokens must be >= 0, got {self.num_tokens}")
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """Draft tokens for one sequence; possibly fewer than asked for (even none).
+
+    probs: [k, V] the draft distributions the tokens were sampled from, or None when the
+        proposal is deterministic (prompt lookup, greedy draft), which the rejection
+        sampler treats as one-hot q.
+    """
+
+    token_ids: list[int]
+    probs: Tensor | None = None  # [k, V]
+
+    def __post_init__(self) -> None:
+        if self.probs is not None and (self.probs.dim() != 2 or self.probs.shape[0] != len(self.token_ids)):
+            raise ValueError(
+                f"probs must be [{len(self.token_ids)}, V] for {len(self.token_ids)} tokens, "
+                f"got {list(self.probs.shape)}"
+            )
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+class Proposer(ABC):
+    """Guesses draft tokens for a batch of sequences."""
+
+    @abstractmethod
+    def propose(self, requests: list[ProposalRequest]) -> list[Proposal]:
+        """One proposal per request, in order; each at most request.num_tokens long."""
+
+    @abstractmethod
+    def on_finished(self, seq_id: str) -> None:
+        """Frees per-sequence state (index, KV cache); unknown ids are ignored."""
+
+
+# Names map to "module:Class" so that choosing "ngram" never imports a draft model's stack.
+_PROPOSERS: dict[str, str | type[Proposer]] = {
+    "ngram": "moeserve.spec.ngram:NgramProposer",
+}
+
+
+def register_proposer(name: str, target: str | type[Proposer]) -> None:
+    """Makes a proposer constructible by name; target is a class or "module:Class"."""
+    if name in _PROPOSERS:
+        raise ValueError(f"proposer {name!r} is already registered")
+    _PROPOSERS[name] = target
+
+
+def proposer_names() -> list[str]:
+    """The registered proposer names, sorted."""
+    return sorted(_PROPOSERS)
+
+
+def make_proposer(name: str, **kwargs: object) -> Proposer:
+    """Builds the proposer registered under `name` with its own keyword arguments."""
+    if name not in _PROPOSERS:
+        raise ValueError(f"unknown proposer {name!r}; known: {', '.join(proposer_names())}")
+    target = _PROPOSERS[name]
+    if isinstance(target, str):
+        module, _, attr = target.partition(":")
+        target = getattr(importlib.import_module(module), attr)
+    return target(**kwargs)
+
+
+def pad_proposals(
+    proposals: list[Proposal],
+    width: int | None = None,
+    device: torch.device | str | None = None,
+) -> tuple[Tensor, Tensor | None, Tensor]:
+    """Packs proposals into the rejection sampler's inputs.
+
+    Returns draft_ids [B, K] (padding 0), draft_probs [B, K, V] or None, num_draft [B],
+    where K = width or the longest proposal. draft_probs is None unless some proposal
+    carries probabilities; then deterministic rows get one-hot q at their tokens, which is
+    what None means row-wise, so mixed batches stay exact.
+    """
+    lengths = [p.num_tokens for p in proposals]
+    k_max = max(lengths, default=0) if width is None else width
+    if any(n > k_max for n in lengths):
+        raise ValueError(f"a proposal has {max(lengths)} tokens, more than width {k_max}")
+    draft_ids = torch.zeros(len(proposals), k_max, dtype=torch.long)  # [B, K]
+    for b, p in enumerate(proposals):
+        draft_ids[b, : p.num_tokens] = torch.tensor(p.token_ids, dtype=torch.long)
+    num_draft = torch.tensor(lengths, dtype=torch.long)  # [B]
+
+    with_probs = [p.probs for p in proposals if p.probs is not None]
+    if not with_probs:
+        return draft_ids.to(device), None, num_draft.to(device)
+    # Keep the draft's probabilities where the draft computed them unless told otherwise.
+    device = device if device is not None else with_probs[0].device
+    vocab = with_probs[0].shape[-1]
+    draft_probs = torch.zeros(len(proposals), k_max, vocab, device=device)  # [B, K, V]
+    for b, p in enumerate(proposals):
+        if p.probs is not None:
+            draft_probs[b, : p.num_tokens] = p.probs.to(device).float()  # [k, V]
+        elif p.num_tokens:
+            draft_probs[b, torch.arange(p.num_tokens), draft_ids[b, : p.num_tokens]] = 1.0
+    return draft_ids.to(device), draft_probs, num_draft.to(device)

@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# Set up .venv with everything moeserve needs. Safe to run again: steps already done are
+# skipped, so a second run takes seconds.
+#
+#   1. create .venv (with $PYTHON, default python3; 3.10 or newer) if it is missing
+#   2. torch==2.13.0 first, so the CPU build is used and nothing pulls a CUDA build
+#   3. this project, editable, with its test extras
+#   4. xgrammar with --no-deps: its declared dependency triton (~1 GB) is unused on CPU;
+#      the dependencies it really needs are in pyproject.toml
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+TORCH_VERSION="2.13.0"
+XGRAMMAR_VERSION="0.2.9"
+PYTHON="${PYTHON:-python3}"
+VENV=".venv"
+STAMP="$VENV/.moeserve-install-stamp"
+
+say() { echo "setup: $*" >&2; }
+
+if [ ! -x "$VENV/bin/python" ]; then
+    "$PYTHON" -c 'import sys; assert sys.version_info >= (3, 10), "moeserve needs Python 3.10 or newer"'
+    say "creating $VENV"
+    "$PYTHON" -m venv "$VENV"
+fi
+py="$VENV/bin/python"
+
+installed_version() {  # installed_version DIST -> version, or nothing
+    "$py" -c 'import importlib.metadata as m, sys
+try:
+    print(m.version(sys.argv[1]))
+except m.PackageNotFoundError:
+    pass' "$1"
+}
+
+torch_now="$(installed_version torch)"
+if [ "${torch_now%%+*}" != "$TORCH_VERSION" ]; then
+    say "installing torch==$TORCH_VERSION (found: ${torch_now:-none})"
+    "$py" -m pip install "torch==$TORCH_VERSION"
+fi
+
+# Reinstall the project only when its dependency list changed or the install is gone.
+want_stamp="$(sha256sum pyproject.toml | cut -d' ' -f1)"
+have_stamp="$(cat "$STAMP" 2>/dev/null || true)"
+if [ "$want_stamp" != "$have_stamp" ] || [ ! -x "$VENV/bin/moeserve" ] || [ -z "$(installed_version moeserve)" ]; then
+    say "installing moeserve (editable) with test extras"
+    "$py" -m pip install -e ".[test]"
+    echo "$want_stamp" >"$STAMP"
+fi
+
+if [ "$(installed_version xgrammar)" != "$XGRAMMAR_VERSION" ]; then
+    say "installing xgrammar==$XGRAMMAR_VERSION without its dependencies"
+    "$py" -m pip install --no-deps "xgrammar==$XGRAMMAR_VERSION"
+fi
+
+"$py" -c 'import torch, transformers, xgrammar, moeserve' || {
+    say "the environment in $VENV does not import; delete $VENV and run again"
+    exit 1
+}
+say "ready: torch $(installed_version torch), transformers $(installed_version transformers), ray $(installed_version ray)"

@@ -1,0 +1,108 @@
+"""Adaptive k: the formula, the cost model, and the per-sequence choice."""
+
+import pytest
+
+from moeserve.spec import AdaptiveK, AdaptiveKConfig, CostModel, expected_tokens_per_pass
+
+# A target pass dominated by its fixed cost (memory-bound decoding), a cheap draft.
+CHEAP_DRAFT = CostModel(target_base_s=10e-3, target_per_token_s=0.2e-3, draft_per_token_s=0.5e-3)
+# A draft that costs half a target step per token.
+DEAR_DRAFT = CostModel(target_base_s=10e-3, target_per_token_s=0.5e-3, draft_per_token_s=5e-3)
+
+
+def test_formula() -> None:
+    assert expected_tokens_per_pass(0.8, 4) == pytest.approx(3.3616)
+    assert expected_tokens_per_pass(0.6, 4) == pytest.approx(2.3056)
+    assert expected_tokens_per_pass(0.0, 4) == 1.0
+    assert expected_tokens_per_pass(1.0, 4) == 5.0
+    assert expected_tokens_per_pass(0.7, 0) == pytest.approx(1.0)
+    # Continuous at alpha -> 1.
+    assert expected_tokens_per_pass(1 - 1e-7, 4) == pytest.approx(5.0, rel=1e-5)
+    with pytest.raises(ValueError):
+        expected_tokens_per_pass(1.5, 4)
+
+
+def test_step_cost_is_linear() -> None:
+    assert CHEAP_DRAFT.step_cost(0) == pytest.approx(10.2e-3)
+    assert CHEAP_DRAFT.step_cost(4) == pytest.approx(10e-3 + 5 * 0.2e-3 + 4 * 0.5e-3)
+    with pytest.raises(ValueError):
+        CostModel(target_base_s=-1.0, target_per_token_s=0.0, draft_per_token_s=0.0)
+    with pytest.raises(ValueError):
+        CostModel(target_base_s=0.0, target_per_token_s=0.0, draft_per_token_s=0.0)
+
+
+def test_high_acceptance_gives_large_k() -> None:
+    adaptive = AdaptiveK(AdaptiveKConfig(k_max=8), CHEAP_DRAFT)
+    assert adaptive.best_k(0.95) >= 7
+    assert adaptive.best_k(1.0) == 8
+
+
+def test_low_acceptance_gives_zero_when_drafting_does_not_pay() -> None:
+    adaptive = AdaptiveK(AdaptiveKConfig(k_max=8), DEAR_DRAFT)
+    assert adaptive.best_k(0.1) == 0
+    assert adaptive.best_k(0.0) == 0
+    # Same acceptance with a cheap draft: a little speculation still pays.
+    assert AdaptiveK(AdaptiveKConfig(k_max=8), CHEAP_DRAFT).best_k(0.3) >= 1
+
+
+def test_best_k_is_the_argmax_of_tokens_per_second() -> None:
+    adaptive = AdaptiveK(AdaptiveKConfig(k_max=10), DEAR_DRAFT)
+    for alpha in [i / 20 for i in range(21)]:
+        rates = [expected_tokens_per_pass(alpha, k) / DEAR_DRAFT.step_cost(k) for k in range(11)]
+        assert adaptive.best_k(alpha) == max(range(11), key=lambda k: (rates[k], -k))
+
+
+def test_best_k_grows_with_alpha() -> None:
+    adaptive = AdaptiveK(AdaptiveKConfig(k_max=8), DEAR_DRAFT)
+    ks = [adaptive.best_k(i / 20) for i in range(21)]
+    assert ks == sorted(ks) and ks[0] == 0 and ks[-1] == 8
+
+
+def test_per_sequence_acceptance_drives_k() -> None:
+    adaptive = AdaptiveK(AdaptiveKConfig(k_max=8, probe_every=1000), DEAR_DRAFT)
+    for _ in range(20):
+        adaptive.observe("formulaic", num_proposed=4, num_accepted=4)
+        adaptive.observe("free-form", num_proposed=4, num_accepted=0)
+    assert adaptive.alpha("formulaic") > 0.95
+    assert adaptive.alpha("free-form") < 0.05
+    assert adaptive.choose_k("formulaic") >= 6
+    assert adaptive.choose_k("free-form") == 0
+
+
+def test_alpha_counts_only_tried_drafts() -> None:
+    # One step, 4 proposed, 2 accepted: 2 successes and 1 failure; the 4th draft was never tried.
+    adaptive = AdaptiveK(AdaptiveKConfig(decay=1.0, prior_alpha=0.5, prior_weight=1e-9), CHEAP_DRAFT)
+    adaptive.observe("s", num_proposed=4, num_accepted=2)
+    assert adaptive.alpha("s") == pytest.approx(2 / 3)
+    adaptive.observe("s", num_proposed=0, num_accepted=0)  # nothing drafted: nothing learned
+    assert adaptive.alpha("s") == pytest.approx(2 / 3)
+    with pytest.raises(ValueError):
+        adaptive.observe("s", num_proposed=1, num_accepted=2)
+
+
+def test_zero_k_probes_again() -> None:
+    adaptive = AdaptiveK(AdaptiveKConfig(k_max=4, probe_every=3, prior_alpha=0.0), DEAR_DRAFT)
+    assert [adaptive.choose_k("s") for _ in range(6)] == [0, 0, 1, 0, 0, 1]
+
+
+def test_new_sequence_starts_from_pool_alpha() -> None:
+    adaptive = AdaptiveK(AdaptiveKConfig(prior_alpha=0.5), CHEAP_DRAFT)
+    assert adaptive.alpha("new") == pytest.approx(0.5)
+    for i in range(200):
+        adaptive.observe(f"old-{i}", num_proposed=4, num_accepted=4)
+    assert adaptive.alpha("new") > 0.9
+    adaptive.on_finished("old-0")
+    adaptive.on_finished("never-seen")
+
+
+def test_set_costs_changes_the_choice() -> None:
+    adaptive = AdaptiveK(AdaptiveKConfig(k_max=8, prior_alpha=0.5, probe_every=1000), CHEAP_DRAFT)
+    cheap = adaptive.choose_k("s")
+    adaptive.set_costs(DEAR_DRAFT)
+    assert adaptive.choose_k("s") < cheap
+
+
+def test_bad_config_is_rejected() -> None:
+    for kwargs in ({"k_max": -1}, {"decay": 0.0}, {"prior_alpha": 2.0}, {"prior_weight": 0.0}, {"probe_every": 0}):
+        with pytest.raises(ValueError):
+            AdaptiveKConfig(**kwargs)
