@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from model_shards.dispatch import Dispatch
 from model_shards.experts import LocalExperts
+from model_shards.profiling import phase
 from router_service.dispatch_plan import build_dispatch_plan
 from router_service.placement import Placement
 
@@ -39,23 +40,26 @@ class AllToAllDispatch(Dispatch):
     def route(self, x: torch.Tensor, expert_ids: torch.Tensor, experts: LocalExperts) -> torch.Tensor:
         n, k = expert_ids.shape
         d = x.shape[-1]
-        plan = build_dispatch_plan(expert_ids, self.placement)
-        send = torch.cat([x[plan.token_index], plan.local_expert[:, None].to(x.dtype)], dim=1)  # [R, D+1]
-        send_counts = torch.tensor(plan.send_counts, dtype=torch.long)  # [W]
-        recv_counts = torch.empty_like(send_counts)
-        dist.all_to_all_single(recv_counts, send_counts, group=self.group)
-        recv_splits = recv_counts.tolist()
-        recv = x.new_empty(sum(recv_splits), d + 1)  # [Q, D+1]
-        dist.all_to_all_single(recv, send, recv_splits, plan.send_counts, group=self.group)
+        with phase("dispatch"):
+            plan = build_dispatch_plan(expert_ids, self.placement)
+            send = torch.cat([x[plan.token_index], plan.local_expert[:, None].to(x.dtype)], dim=1)  # [R, D+1]
+            send_counts = torch.tensor(plan.send_counts, dtype=torch.long)  # [W]
+            recv_counts = torch.empty_like(send_counts)
+            dist.all_to_all_single(recv_counts, send_counts, group=self.group)
+            recv_splits = recv_counts.tolist()
+            recv = x.new_empty(sum(recv_splits), d + 1)  # [Q, D+1]
+            dist.all_to_all_single(recv, send, recv_splits, plan.send_counts, group=self.group)
 
-        local = recv[:, -1].long()  # [Q] local expert slot of each received route
-        order = torch.argsort(local, stable=True)
-        counts = torch.bincount(local, minlength=experts.num_local).tolist()
-        y = torch.empty_like(recv[:, :d])  # [Q, D]
-        y[order] = experts(recv[order, :d], counts)
+        with phase("experts"):
+            local = recv[:, -1].long()  # [Q] local expert slot of each received route
+            order = torch.argsort(local, stable=True)
+            counts = torch.bincount(local, minlength=experts.num_local).tolist()
+            y = torch.empty_like(recv[:, :d])  # [Q, D]
+            y[order] = experts(recv[order, :d], counts)
 
-        back = x.new_empty(len(plan.route_index), d)  # [R, D]
-        dist.all_to_all_single(back, y, plan.send_counts, recv_splits, group=self.group)
-        out = x.new_zeros(n * k, d)  # [N*K, D]
-        out[plan.route_index] = back
+        with phase("combine"):
+            back = x.new_empty(len(plan.route_index), d)  # [R, D]
+            dist.all_to_all_single(back, y, plan.send_counts, recv_splits, group=self.group)
+            out = x.new_zeros(n * k, d)  # [N*K, D]
+            out[plan.route_index] = back
         return out.view(n, k, d)

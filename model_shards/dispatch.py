@@ -14,6 +14,7 @@ from abc import ABC, abstractmethod
 import torch
 
 from model_shards.experts import LocalExperts
+from model_shards.profiling import phase
 
 
 def combine(route_out: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -40,7 +41,9 @@ class Dispatch(ABC):
     def __call__(
         self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, experts: LocalExperts
     ) -> torch.Tensor:
-        return combine(self.route(x, expert_ids, experts), weights)
+        route_out = self.route(x, expert_ids, experts)
+        with phase("combine"):
+            return combine(route_out, weights)
 
 
 class LocalDispatch(Dispatch):
@@ -50,7 +53,12 @@ class LocalDispatch(Dispatch):
         n, k = expert_ids.shape
         if experts.expert_ids != tuple(range(experts.num_local)):
             raise ValueError("LocalDispatch needs every expert of the layer in this process")
-        order, _, counts = group_by_expert(expert_ids, experts.num_local)
-        out = x.new_zeros(n * k, x.shape[-1])  # [N*K, D]
-        out[order] = experts(x[order // k], counts)  # [R, D]
+        with phase("dispatch"):
+            order, _, counts = group_by_expert(expert_ids, experts.num_local)
+            routed = x[order // k]  # [R, D]
+        with phase("experts"):
+            y = experts(routed, counts)  # [R, D]
+        with phase("combine"):
+            out = x.new_zeros(n * k, x.shape[-1])  # [N*K, D]
+            out[order] = y
         return out.view(n, k, -1)

@@ -19,6 +19,7 @@ from model_shards.dispatch import Dispatch
 from model_shards.kv_cache import KVCache, StepBatch
 from model_shards.layers import MLP, RMSNorm, RotaryEmbedding
 from model_shards.moe import MoEBlock, RoutingConfig
+from model_shards.profiling import phase
 from router_service.stats import ExpertLoadStats
 
 
@@ -39,7 +40,8 @@ class DecoderLayer(nn.Module):
         batch: StepBatch | None,
         valid: torch.Tensor | None,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, cache, batch)  # [B, T, D]
+        with phase("attention"):
+            x = x + self.self_attn(self.input_layernorm(x), rope, cache, batch)  # [B, T, D]
         h = self.post_attention_layernorm(x)
         if not self.is_sparse:
             return x + self.mlp(h)

@@ -16,6 +16,7 @@ from model_shards.config import ModelConfig
 from model_shards.dispatch import Dispatch, LocalDispatch
 from model_shards.experts import LocalExperts
 from model_shards.layers import MLP
+from model_shards.profiling import phase
 from router_service.capacity import apply_capacity, expert_capacity
 from router_service.gating import GateConfig, topk_gate
 from router_service.stats import ExpertLoadStats
@@ -63,18 +64,19 @@ class MoEBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [N, D] -> [N, D]."""
-        gates = topk_gate(self.gate(x), self.gate_cfg)  # weights, expert_ids [N, K]; probs [N, E]
-        routed = None
-        expert_ids, weights = gates.expert_ids, gates.weights
-        if self.routing.overflow != "none":
-            cap = expert_capacity(
-                x.shape[0], self.gate_cfg.num_experts, self.gate_cfg.top_k,
-                self.routing.capacity_factor, self.routing.min_capacity,
-            )
-            routed = apply_capacity(gates, cap, self.routing.overflow)
-            expert_ids, weights = routed.expert_ids, routed.weights
-        if self.stats is not None:
-            self.stats.update(self.layer_idx, gates, routed)
+        with phase("gating"):
+            gates = topk_gate(self.gate(x), self.gate_cfg)  # weights, expert_ids [N, K]; probs [N, E]
+            routed = None
+            expert_ids, weights = gates.expert_ids, gates.weights
+            if self.routing.overflow != "none":
+                cap = expert_capacity(
+                    x.shape[0], self.gate_cfg.num_experts, self.gate_cfg.top_k,
+                    self.routing.capacity_factor, self.routing.min_capacity,
+                )
+                routed = apply_capacity(gates, cap, self.routing.overflow)
+                expert_ids, weights = routed.expert_ids, routed.weights
+            if self.stats is not None:
+                self.stats.update(self.layer_idx, gates, routed)
         out = self.dispatch(x, expert_ids, weights, self.experts)  # [N, D]
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)

@@ -1,0 +1,121 @@
+"""Expert parallelism on this machine: a decode step split into attention, gating, dispatch,
+experts and combine for W = 1 and W = 2 shard processes, the all-to-all share of a step, and
+decode throughput W = 2 vs W = 1 at a fixed batch.
+
+    python -m bench.expert_parallel [--checkpoint DIR] [--batch 16] [--steps 32] [--runs 3]
+
+Runs alternate W = 1 and W = 2 and report medians. The phase split is measured on rank 0;
+with W = 2, dispatch and combine include waiting for the other rank (that is the cost).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import torch  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from bench.common import REPORTS, median, write_report  # noqa: E402
+from model_shards.local_group import LocalShardGroup  # noqa: E402
+from model_shards.profiling import TIMER  # noqa: E402
+from moeserve.engine import LLMEngine  # noqa: E402
+from moeserve.engine.factory import demo_checkpoint  # noqa: E402
+from moeserve.sampling_params import SamplingParams  # noqa: E402
+
+PHASES = ["attention", "gating", "dispatch", "experts", "combine"]
+
+
+def one_run(checkpoint: str, world: int, batch: int, steps: int, prompt_len: int, seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(10, 1000, (prompt_len,), generator=g).tolist() for _ in range(batch)]
+    params = SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True)
+    with LocalShardGroup(checkpoint, world, max_num_seqs=batch, max_model_len=prompt_len + steps + 8) as runner:
+        engine = LLMEngine(runner)
+        for p in prompts:
+            engine.add_request(p, params)
+        engine.step()  # prefill
+        engine.step()  # warm-up decode
+        TIMER.reset()
+        TIMER.enabled = True
+        t0 = time.perf_counter()
+        for _ in range(steps - 1):
+            engine.step()
+        elapsed = time.perf_counter() - t0
+        TIMER.enabled = False
+    per_step = {k: TIMER.totals.get(k, 0.0) / (steps - 1) * 1e3 for k in PHASES}
+    step_ms = elapsed / (steps - 1) * 1e3
+    per_step["other"] = max(0.0, step_ms - sum(per_step.values()))
+    return {"world": world, "step_ms": step_ms, "tokens_per_s": batch * (steps - 1) / elapsed, "phases_ms": per_step}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--checkpoint", default=demo_checkpoint("demo-moe"))
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="one short run each")
+    args = ap.parse_args()
+    if args.quick:
+        args.runs, args.steps = 1, 8
+    torch.set_num_threads(1)  # one core per rank: W = 2 uses both cores, W = 1 one of them
+    results: dict[int, list[dict]] = {1: [], 2: []}
+    for run in tqdm(range(args.runs), desc="runs (W=1 and W=2 alternating)"):
+        for world in (1, 2):
+            results[world].append(one_run(args.checkpoint, world, args.batch, args.steps, args.prompt_len, run))
+
+    summary = {}
+    for world, runs in results.items():
+        summary[world] = {
+            "step_ms": median([r["step_ms"] for r in runs]),
+            "tokens_per_s": median([r["tokens_per_s"] for r in runs]),
+            "phases_ms": {k: median([r["phases_ms"][k] for r in runs]) for k in PHASES + ["other"]},
+        }
+        a2a = summary[world]["phases_ms"]["dispatch"] + summary[world]["phases_ms"]["combine"]
+        summary[world]["dispatch_combine_share"] = a2a / summary[world]["step_ms"]
+    ratio = summary[2]["tokens_per_s"] / summary[1]["tokens_per_s"]
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    left = [0.0, 0.0]
+    for name in PHASES + ["other"]:
+        vals = [summary[w]["phases_ms"][name] for w in (1, 2)]
+        ax.barh(["W=1", "W=2"], vals, left=left, label=name)
+        left = [a + b for a, b in zip(left, vals)]
+    ax.set_xlabel(f"ms per decode step (batch {args.batch})")
+    ax.legend(fontsize=7, ncol=3)
+    fig.tight_layout()
+    REPORTS.mkdir(parents=True, exist_ok=True)
+    fig.savefig(REPORTS / "expert_parallel.png", dpi=120)
+
+    lines = [
+        "# Expert parallelism: decode step split and throughput\n",
+        f"Checkpoint `{args.checkpoint.split('/')[-1]}`, batch {args.batch}, prompt {args.prompt_len} tokens, "
+        f"{args.steps} decode steps, median of {args.runs} alternating runs, 1 thread per rank.\n",
+        "| phase (ms/step, rank 0) | W=1 | W=2 |", "|---|---|---|",
+    ]
+    for name in PHASES + ["other"]:
+        lines.append(f"| {name} | {summary[1]['phases_ms'][name]:.2f} | {summary[2]['phases_ms'][name]:.2f} |")
+    lines += [
+        f"| **step** | **{summary[1]['step_ms']:.2f}** | **{summary[2]['step_ms']:.2f}** |",
+        "",
+        f"- dispatch + combine share of a step: W=1 {summary[1]['dispatch_combine_share']:.1%}, "
+        f"W=2 {summary[2]['dispatch_combine_share']:.1%} (W=2 includes the all-to-all and waiting for the peer)",
+        f"- decode throughput: W=1 {summary[1]['tokens_per_s']:.0f} tokens/s, W=2 {summary[2]['tokens_per_s']:.0f} "
+        f"tokens/s, **ratio W=2/W=1 = {ratio:.2f}x**",
+        "",
+        "![phases](expert_parallel.png)",
+    ]
+    md = write_report("expert_parallel", {"args": vars(args), "summary": summary, "ratio_w2_w1": ratio,
+                                          "runs": results}, "\n".join(lines) + "\n")
+    print("\n".join(lines))
+    print(f"report: {md}")
+
+
+if __name__ == "__main__":
+    main()

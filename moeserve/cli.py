@@ -1,0 +1,73 @@
+"""`moeserve` command line: `generate` streams a reply in this process; `serve` starts the app."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from moeserve.engine.factory import SPECULATION, EngineConfig, build_engine
+from moeserve.sampling_params import SamplingParams
+from moeserve.tokenizer import render_chat
+
+
+def _generate(args: argparse.Namespace) -> int:
+    cfg = EngineConfig(
+        model=args.model or "", draft_model=args.draft_model or "", speculation=args.draft,
+        num_spec_tokens=args.num_spec_tokens, max_model_len=args.max_model_len, max_num_seqs=1,
+    )
+    try:
+        params = SamplingParams(
+            max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
+        )
+        engine = build_engine(cfg)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    prompt = args.prompt if args.raw else render_chat(engine.tokenizer, [{"role": "user", "content": args.prompt}])
+    t0 = time.perf_counter()
+    n = 0
+    try:
+        for out in engine.stream(prompt, params):
+            sys.stdout.write(out.new_text)
+            sys.stdout.flush()
+            n = out.num_output_tokens
+    except ValueError as e:
+        print(f"\nerror: {e}", file=sys.stderr)
+        return 2
+    dt = time.perf_counter() - t0
+    print()
+    if args.verbose:
+        stats = engine.spec_metrics
+        print(f"[{n} tokens in {dt:.2f} s, {n / dt:.1f} tokens/s; speculation={cfg.speculation}, "
+              f"tokens per target pass {stats.tokens_per_pass:.2f}]", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="moeserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="generate a reply to PROMPT with the demo models, streaming to the terminal")
+    g.add_argument("prompt")
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--draft", choices=SPECULATION, default="ngram", help="speculative proposer (default ngram)")
+    g.add_argument("--num-spec-tokens", type=int, default=4)
+    g.add_argument("--model", help="target checkpoint folder (default: checkpoints/demo-moe)")
+    g.add_argument("--draft-model", help="draft checkpoint folder (default: checkpoints/demo-draft)")
+    g.add_argument("--max-model-len", type=int, default=1024)
+    g.add_argument("--raw", action="store_true", help="send PROMPT as is, without the chat template")
+    g.add_argument("-v", "--verbose", action="store_true", help="print throughput and speculation stats")
+    g.set_defaults(func=_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
