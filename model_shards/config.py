@@ -81,7 +81,16 @@ class ModelConfig:
             path = path / "config.json"
         if not path.is_file():
             raise FileNotFoundError(f"no config.json at {path}")
-        return cls.from_hf(json.loads(path.read_text()), source=str(path))
+        hf = json.loads(path.read_text())
+        # generation_config.json may list more end-of-sequence ids (e.g. an end-of-turn token)
+        gen = path.parent / "generation_config.json"
+        if gen.is_file():
+            extra = json.loads(gen.read_text()).get("eos_token_id")
+            if extra is not None:
+                ids = [hf.get("eos_token_id")] if not isinstance(hf.get("eos_token_id"), list) else hf["eos_token_id"]
+                extra = extra if isinstance(extra, list) else [extra]
+                hf = hf | {"eos_token_id": [i for i in dict.fromkeys(ids + extra) if i is not None]}
+        return cls.from_hf(hf, source=str(path))
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any], source: str = "config.json") -> ModelConfig:

@@ -1,0 +1,232 @@
+"""Train the demo pair: ``python -m demo.train [--out checkpoints] [--quick]``.
+
+Steps: train the tokenizer on the corpus; train the MoE target (cross-entropy + alpha * Switch
+balance loss), then the dense draft, each on packed sequences for a wall-clock budget turned
+into a fixed step count after timing the first steps; evaluate held-out perplexity and greedy
+agreement; save both in HF format with the tokenizer and write TRAINING.md + training_report.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+from transformers import GenerationConfig, LlamaForCausalLM, MixtralForCausalLM, PreTrainedTokenizerFast
+
+from demo.balance import format_load, switch_balance
+from demo.chat_format import END, EOS
+from demo.corpus import iter_documents
+from demo.evaluate import greedy_agreement, perplexity
+from demo.models import draft_config, parameter_counts, target_config
+from demo.tokenizer import save_tokenizer, train_tokenizer
+
+# shapes: B batch, T sequence length, V vocabulary
+
+
+def packed_batches(tokenizer: PreTrainedTokenizerFast, split: str, batch: int, seq_len: int) -> Iterator[torch.Tensor]:
+    """Endless [B, T] batches of documents concatenated end to end (each ends with EOS), cut every T tokens."""
+    docs = iter_documents(split)
+    buffer: list[int] = []
+    while True:
+        while len(buffer) < batch * seq_len:
+            buffer.extend(tokenizer.encode(next(docs).text))
+        chunk, buffer = buffer[:batch * seq_len], buffer[batch * seq_len:]
+        yield torch.tensor(chunk).view(batch, seq_len)  # [B, T]
+
+
+def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
+    """Linear warmup, then cosine decay to 10% of peak at ``total``."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def train_model(model: torch.nn.Module, batches: Iterator[torch.Tensor], *, name: str, budget_s: float, peak_lr: float,
+                max_steps: int, alpha: float = 0.0, log_every: int = 100, warmup: int = 30) -> dict:
+    """Train for ``budget_s`` seconds' worth of steps (capped at ``max_steps``); return loss curve and speed."""
+    is_moe = alpha > 0
+    opt = torch.optim.AdamW(model.parameters(), lr=peak_lr, betas=(0.9, 0.95), weight_decay=0.1)
+    model.train()
+    total, losses, tokens, train_time = max_steps, [], 0, 0.0
+    bar = tqdm(total=total, desc=f"train {name}", dynamic_ncols=True, mininterval=2.0)
+    step, step_times, wall_start = 0, [], time.perf_counter()
+    while step < total:
+        ids = next(batches)  # [B, T]
+        t0 = time.perf_counter()
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, total, peak_lr, warmup)
+        out = model(input_ids=ids, use_cache=False, output_router_logits=is_moe)
+        logits = out.logits[:, :-1]  # [B, T-1, V]
+        ce = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+        loss = ce
+        if is_moe:
+            balance, loads = switch_balance(out.router_logits, model.config.num_experts_per_tok)
+            loss = ce + alpha * balance
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        dt = time.perf_counter() - t0
+        step_times.append(dt)
+        if step > 0:  # step 0 pays one-off allocation costs
+            train_time, tokens = train_time + dt, tokens + ids.numel()
+        ce = ce.detach()
+        losses.append(float(ce))
+        if budget_s > 0 and step >= 5 and step % 25 == 5 and step < 0.8 * total:
+            # size the run from the measured speed of the recent steps: the machine is shared, so speed drifts;
+            # re-planning stops at 80% so the cosine tail runs to its planned end
+            recent = step_times[-25:]
+            left = budget_s - (time.perf_counter() - wall_start)
+            total = max(step + 10, min(max_steps, step + int(left * len(recent) / sum(recent))))
+            bar.total = total
+            bar.refresh()
+            tqdm.write(f"[{name}] step {step}: {ids.numel() * len(recent) / sum(recent):.0f} tokens/s recently -> "
+                       f"{total} steps of {ids.numel()} tokens")
+        postfix = {"ce": f"{float(ce):.3f}", "lr": f"{opt.param_groups[0]['lr']:.1e}"}
+        if is_moe:
+            postfix["bal"] = f"{float(balance.detach()):.3f}"
+            if step % log_every == 0 or step == total - 1:
+                tqdm.write(f"[{name}] step {step} ce {float(ce):.3f} expert load:\n{format_load(loads)}")
+        bar.set_postfix(postfix)
+        bar.update(1)
+        step += 1
+    bar.close()
+    return {"steps": step, "tokens_per_step": int(ids.numel()), "train_seconds": round(train_time, 1),
+            "tokens_per_second": round(tokens / max(train_time, 1e-9), 1), "loss_first": losses[0],
+            "loss_last_50": sum(losses[-50:]) / len(losses[-50:]), "losses": losses,
+            "final_expert_load": [[f.tolist(), p.detach().tolist()] for f, p in loads] if is_moe else None}
+
+
+def heldout_prompts(tokenizer: PreTrainedTokenizerFast, n: int) -> list[list[int]]:
+    """Held-out chats cut before their last assistant turn, rendered with the generation prompt."""
+    prompts = []
+    for sample in iter_documents("heldout"):
+        if sample.messages is None:
+            continue
+        prompts.append(tokenizer.apply_chat_template(sample.messages[:-1], add_generation_prompt=True, tokenize=True,
+                                                     return_dict=False))
+        if len(prompts) == n:
+            return prompts
+    raise AssertionError("unreachable: the document stream is endless")
+
+
+def save(model: torch.nn.Module, tokenizer: PreTrainedTokenizerFast, folder: Path, stop_ids: list[int]) -> None:
+    model.generation_config = GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=stop_ids,
+                                               pad_token_id=tokenizer.pad_token_id, do_sample=False)
+    model.save_pretrained(folder)  # config.json, generation_config.json, model.safetensors
+    save_tokenizer(tokenizer, folder)
+
+
+def write_report(out: Path, report: dict) -> None:
+    (out / "training_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    t, d = report["target"], report["draft"]
+    md = f"""# Demo pair: how it was trained
+
+Made by `python -m demo.train` (corpus: `demo/corpus.py`, tokenizer: `demo/tokenizer.py`). Torch threads: {report['threads']}.
+
+| | demo-moe (target) | demo-draft |
+|---|---|---|
+| family | Mixtral (`MixtralForCausalLM`) | Llama (`LlamaForCausalLM`) |
+| shape | {t['shape']} | {d['shape']} |
+| parameters, total | {t['params']['total']:,} | {d['params']['total']:,} |
+| parameters active per token (non-embedding + lm_head) | {t['params']['active_per_token']:,} | {d['params']['active_per_token']:,} |
+| training steps x tokens/step | {t['train']['steps']} x {t['train']['tokens_per_step']} | {d['train']['steps']} x {d['train']['tokens_per_step']} |
+| training speed | {t['train']['tokens_per_second']:,.0f} tokens/s | {d['train']['tokens_per_second']:,.0f} tokens/s |
+| training time | {t['train']['train_seconds']:.0f} s | {d['train']['train_seconds']:.0f} s |
+| train loss, first step -> mean of last 50 | {t['train']['loss_first']:.3f} -> {t['train']['loss_last_50']:.3f} | {d['train']['loss_first']:.3f} -> {d['train']['loss_last_50']:.3f} |
+| held-out perplexity | {t['heldout_perplexity']:.3f} | {d['heldout_perplexity']:.3f} |
+
+- Compute ratio (target active / draft active): **{report['compute_ratio']:.2f}x**.
+- Tokenizer: byte-level BPE, {report['tokenizer_size']} tokens (model vocab {report['vocab_size']}); special tokens
+  `<|endoftext|>` (EOS/BOS/pad, id 0), `<|system|>`, `<|user|>`, `<|assistant|>`, `<|end|>`; generation stops at
+  `<|end|>` or `<|endoftext|>` (`generation_config.json`).
+- Switch load-balancing loss, alpha = {report['alpha']}; final per-layer N * sum f_i P_i: {', '.join(f'{x:.3f}' for x in report['final_balance'])} (1.0 = even).
+- Greedy agreement, draft vs target, on {report['agreement']['prompts']} held-out chat prompts x up to
+  {report['agreement_new_tokens']} target-greedy tokens ({report['agreement']['positions']} positions): **{100 * report['agreement']['agreement']:.1f}%**
+  (mean per prompt {100 * report['agreement']['mean_per_prompt']:.1f}%). This is the acceptance rate to expect from greedy speculative decoding.
+- Total wall time: {report['wall_seconds']:.0f} s.
+"""
+    (out / "TRAINING.md").write_text(md)
+
+
+def shape_of(cfg) -> str:
+    s = f"d={cfg.hidden_size}, {cfg.num_hidden_layers} layers, {cfg.num_attention_heads} heads / {cfg.num_key_value_heads} KV, "
+    if hasattr(cfg, "num_local_experts"):
+        return s + f"{cfg.num_local_experts} experts top-{cfg.num_experts_per_tok}, expert intermediate {cfg.intermediate_size}"
+    return s + f"intermediate {cfg.intermediate_size}"
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Train, evaluate and save the demo pair; returns the report dict."""
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="checkpoints", help="folder for demo-moe/, demo-draft/ and the report")
+    ap.add_argument("--quick", action="store_true", help="a minuscule pair for a few steps (tests)")
+    ap.add_argument("--moe-minutes", type=float, default=12.0)
+    ap.add_argument("--draft-minutes", type=float, default=4.0)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args(argv)
+
+    start = time.perf_counter()
+    torch.set_num_threads(args.threads)
+    random.seed(args.seed)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    quick = args.quick
+    batch, seq_len = (4, 64) if quick else (args.batch, args.seq_len)
+    moe_steps, draft_steps, budget_moe, budget_draft = (30, 30, 0, 0) if quick else (100_000, 100_000, args.moe_minutes * 60, args.draft_minutes * 60)
+
+    tokenizer = train_tokenizer(vocab_size=512 if quick else 2048, n_docs=300 if quick else 4000)
+    vocab = 64 * math.ceil(len(tokenizer) / 64)  # padded to a multiple of 64 (rows past the tokenizer are never targets)
+    stop_ids = [tokenizer.convert_tokens_to_ids(END), tokenizer.convert_tokens_to_ids(EOS)]
+    heldout = torch.cat([b for _, b in zip(range(2 if quick else 12), packed_batches(tokenizer, "heldout", batch, seq_len))])
+    alpha = 0.02
+
+    torch.manual_seed(args.seed)
+    target = MixtralForCausalLM(target_config(vocab, quick))
+    torch.manual_seed(args.seed + 1)
+    draft = LlamaForCausalLM(draft_config(vocab, quick))
+    t_params, d_params = parameter_counts(target), parameter_counts(draft)
+    ratio = t_params["active_per_token"] / d_params["active_per_token"]
+    print(f"target: {t_params['total']:,} params, {t_params['active_per_token']:,} active per token; "
+          f"draft: {d_params['total']:,} params, {d_params['active_per_token']:,} active; compute ratio {ratio:.2f}x")
+
+    t_train = train_model(target, packed_batches(tokenizer, "train", batch, seq_len), name="demo-moe", budget_s=budget_moe,
+                          peak_lr=2e-3, max_steps=moe_steps, alpha=alpha, log_every=10 if quick else 100)
+    d_train = train_model(draft, packed_batches(tokenizer, "train", batch, seq_len), name="demo-draft",
+                          budget_s=budget_draft, peak_lr=3e-3, max_steps=draft_steps)
+
+    # save before the (slow) evaluation, so a crash there loses no training
+    save(target, tokenizer, out / "demo-moe", stop_ids)
+    save(draft, tokenizer, out / "demo-draft", stop_ids)
+    t_ppl, d_ppl = perplexity(target, heldout), perplexity(draft, heldout)
+    n_new = 8 if quick else 32
+    agreement = greedy_agreement(target, draft, heldout_prompts(tokenizer, 4 if quick else 64), n_new, stop_ids)
+    print(f"held-out perplexity: target {t_ppl:.3f}, draft {d_ppl:.3f}; greedy agreement {100 * agreement['agreement']:.1f}%")
+
+    n = target.config.num_local_experts
+    report = {
+        "quick": quick, "threads": args.threads, "seed": args.seed, "alpha": alpha, "vocab_size": vocab,
+        "tokenizer_size": len(tokenizer), "batch": batch, "seq_len": seq_len,
+        "target": {"shape": shape_of(target.config), "params": t_params, "heldout_perplexity": t_ppl, "train": t_train},
+        "draft": {"shape": shape_of(draft.config), "params": d_params, "heldout_perplexity": d_ppl, "train": d_train},
+        "compute_ratio": ratio, "agreement": agreement, "agreement_new_tokens": n_new,
+        "final_balance": [n * sum(f * p for f, p in zip(fs, ps)) for fs, ps in t_train["final_expert_load"]],
+        "wall_seconds": time.perf_counter() - start,
+    }
+    write_report(out, report)
+    return report
+
+
+if __name__ == "__main__":
+    main()
