@@ -1,0 +1,183 @@
+"""Grammar-layer conformance and mask timings on JSONSchemaBench (all 254 schemas).
+
+    python -m bench.grammar_conformance [--decodes 8] [--tokenizer checkpoints/demo-moe]
+
+For each schema: compile it (or record the refusal and its feature), decode `--decodes` times
+with a random model under the mask, judge each output with the oracle (json + jsonschema with
+formats), and check the file's invalid test instances are refused by the grammar. Prints the
+counts and writes bench/reports/grammar_conformance.{json,md}. Also times mask
+fill (per decode step) and apply (per step, and on synthetic batches up to a 128k vocabulary),
+and compile vs cache hit. Without --tokenizer it trains the tests' tiny byte-level BPE (~1 s).
+
+Goal (DESIGN.md property 3): invalid outputs 0, errors 0; every refusal names its feature.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
+
+from bench.common import write_report  # noqa: E402
+from moeserve.grammar import GrammarCompiler, GrammarSpec, allocate_bitmask, apply_bitmask, apply_bitmask_torch  # noqa: E402
+from tests.grammar.conformance import check_case, conformance_dir, load_cases, summarize  # noqa: E402
+from tests.grammar.tiny_tokenizer import build_tiny_tokenizer  # noqa: E402
+
+
+def main() -> None:
+    args = parse_args()
+    folder = Path(args.data) if args.data else conformance_dir()
+    if folder is None or not folder.is_dir():
+        sys.exit("conformance data not found: pass --data or set MOESERVE_CONFORMANCE_DIR")
+    tokenizer = load_tokenizer(args.tokenizer)
+    compiler = GrammarCompiler(tokenizer, args.vocab_size)
+    cases = load_cases(folder)[: args.limit]
+    print(f"{len(cases)} schemas from {folder}; vocab {compiler.vocab_size}; {args.decodes} decodes each")
+
+    started = time.perf_counter()
+    results = []
+    for i, case in enumerate(cases):
+        result = check_case(compiler, tokenizer, case, decodes=args.decodes, seed=args.seed, max_tokens=args.max_tokens)
+        results.append(result)
+        if result.status == "error" or result.invalid or result.unsound or result.unterminated:
+            print(f"  !! {case.name}: {result.status} {result.message} {result.invalid[:1]} {result.unsound[:1]}")
+        if (i + 1) % 50 == 0:
+            print(f"  {i + 1}/{len(cases)} ({time.perf_counter() - started:.0f} s)")
+    summary = summarize(results)
+    summary["seconds"] = round(time.perf_counter() - started, 1)
+    summary["compile_ms"] = percentiles([r.compile_s * 1e3 for r in results if r.status == "compiled"], 1)
+    summary["cache_hit_us"] = cache_hit_us(compiler, cases)
+    summary["apply_us_synthetic"] = synthetic_apply_us()
+    summary["refusal_examples"] = refusal_examples(results)
+
+    rows = [
+        {"name": r.name, "status": r.status, "feature": r.feature, "message": r.message, "valid": r.valid,
+         "invalid": r.invalid, "unterminated": r.unterminated, "unsound": r.unsound, "compile_ms": round(r.compile_s * 1e3, 2)}
+        for r in results
+    ]  # fmt: skip
+    print(json.dumps({k: v for k, v in summary.items() if k != "refusal_examples"}, indent=1))
+    if not args.no_report:
+        path = write_report("grammar_conformance", {"summary": summary, "schemas": rows}, markdown(summary, folder, args))
+        print(f"wrote {path} and its .json")
+    compiler.close()
+    if summary["invalid_outputs"] or summary["errors"] or summary["unsound_instances"]:
+        sys.exit(1)
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--data", help="folder of JSONSchemaBench files (default: ../shared/conformance next to the repo)")
+    p.add_argument("--tokenizer", help="transformers tokenizer folder (default: the tests' tiny BPE)")
+    p.add_argument("--vocab-size", type=int, default=None, help="model vocab size (default: the tokenizer's)")
+    p.add_argument("--decodes", type=int, default=8, help="random-model decodes per compiled schema")
+    p.add_argument("--max-tokens", type=int, default=2048)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--limit", type=int, default=None, help="only the first N schemas")
+    p.add_argument("--no-report", action="store_true", help="print only; do not rewrite bench/reports/")
+    return p.parse_args()
+
+
+def load_tokenizer(path: str | None):
+    if path is None:
+        return build_tiny_tokenizer()
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def percentiles(samples: list[float], digits: int = 1) -> dict:
+    if len(samples) < 2:
+        return {}
+    q = statistics.quantiles(samples, n=100)
+    return {"p50": round(q[49], digits), "p99": round(q[98], digits), "n": len(samples)}
+
+
+def cache_hit_us(compiler: GrammarCompiler, cases) -> dict:
+    samples = []
+    for case in cases[:50]:
+        spec = GrammarSpec.json_schema(case.schema)
+        t0 = time.perf_counter()
+        try:
+            compiler.compile(spec)
+        except Exception:  # noqa: BLE001,S112 - refusals are cached too; only the timing matters here
+            pass
+        samples.append((time.perf_counter() - t0) * 1e6)
+    return percentiles(samples)
+
+
+def synthetic_apply_us() -> dict:
+    """apply_bitmask on random masks: the CPU kernel and the torch fallback, by batch and vocab."""
+    out = {}
+    gen = torch.Generator().manual_seed(0)
+    for batch in (1, 8):
+        for vocab in (1024, 32768, 131072):
+            bitmask = allocate_bitmask(batch, vocab)
+            bitmask.copy_(torch.randint(-(2**31), 2**31 - 1, bitmask.shape, generator=gen, dtype=torch.int32))
+            logits = torch.randn(batch, vocab, generator=gen)
+            for name, fn in (("kernel", apply_bitmask), ("torch", apply_bitmask_torch)):
+                samples = []
+                for _ in range(200):
+                    work = logits.clone()
+                    t0 = time.perf_counter()
+                    fn(work, bitmask)
+                    samples.append((time.perf_counter() - t0) * 1e6)
+                out[f"{name} B={batch} V={vocab}"] = percentiles(samples)
+    return out
+
+
+def refusal_examples(results) -> dict:
+    examples = defaultdict(list)
+    for r in results:
+        if r.status == "refused" and len(examples[r.feature]) < 2:
+            examples[r.feature].append(f"{r.name}: {r.message}")
+    return dict(examples)
+
+
+def markdown(s: dict, folder: Path, args: argparse.Namespace) -> str:
+    lines = [
+        "# Grammar conformance: JSONSchemaBench",
+        "",
+        f"Data: `{folder.name}` ({s['schemas']} schemas). Random-model decodes per compiled schema: {args.decodes}, "
+        f"max {args.max_tokens} tokens. Tokenizer: {args.tokenizer or 'tests tiny byte-level BPE (1000 tokens)'}.",
+        "",
+        "| schemas | compiled | refused (4xx) | errors | valid outputs | invalid outputs | unterminated | invalid test instances accepted | valid test instances refused |",
+        "|---|---|---|---|---|---|---|---|---|",
+        f"| {s['schemas']} | {s['compiled']} | {s['refused']} | {s['errors']} | {s['valid_outputs']} | {s['invalid_outputs']} "
+        f"| {s['unterminated']} | {s['unsound_instances']} | {s['valid_instances_rejected']} |",
+        "",
+        "Valid test instances refused are narrowings (fixed property order, strict mode, compact JSON), not errors.",
+        "",
+        "## Refused, by feature",
+        "",
+        "| feature | schemas | example |",
+        "|---|---|---|",
+    ]
+    for feature, count in s["refused_by_feature"].items():
+        example = s["refusal_examples"].get(feature, [""])[0].replace("|", "\\|")
+        lines.append(f"| `{feature}` | {count} | {example[:160]} |")
+    lines += [
+        "",
+        "## Timings (this machine)",
+        "",
+        f"- decode steps: {s['tokens']} tokens, {s['forced_tokens']} of them jump-forward "
+        f"({100 * s['forced_tokens'] / max(1, s['tokens']):.0f}%)",
+        f"- mask fill per step (us): {s['mask_fill_us']}",
+        f"- mask apply per step (us): {s['mask_apply_us']}",
+        f"- compile (ms): {s['compile_ms']}; cache hit (us): {s['cache_hit_us']}",
+        "- apply on synthetic masks (us):",
+    ]
+    lines += [f"  - {k}: {v}" for k, v in s["apply_us_synthetic"].items()]
+    lines += ["", f"Total {s['seconds']} s.", ""]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,279 @@
+"""Per-model grammar compilation: `GrammarCompiler` turns a `GrammarSpec` into a `CompiledGrammar`.
+
+One compiler per (tokenizer, model vocab size), shared by all requests of a process, as vLLM v1
+keeps one grammar backend per engine. Compiling is bounded three ways, because the spec comes
+from the client: spec text length, wall time, and an LRU cache that makes repeats ~free.
+
+Time limit: xgrammar's C++ compile cannot be interrupted, so it runs in a small thread pool
+(xgrammar releases the GIL while compiling) and the caller stops waiting at the limit with a
+GrammarTimeoutError. The job finishes in the background and its result is cached, and a second
+request for the same spec waits on the same job instead of starting another; the pool bounds
+how many compile at once.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+
+import torch
+import xgrammar as xgr
+from transformers import PreTrainedTokenizerBase
+
+from moeserve.grammar.errors import GrammarError, GrammarTimeoutError
+from moeserve.grammar.regex_compat import xgrammar_regex
+from moeserve.grammar.schema_support import prepare_json_schema
+from moeserve.grammar.spec import GrammarSpec
+from moeserve.grammar.termination import ClosingPolicy, ClosingTables
+from moeserve.grammar.tokenizer_info import build_tokenizer_info
+from moeserve.grammar.utf8 import second_byte_rows
+
+
+@dataclass(frozen=True)
+class GrammarConfig:
+    """Limits and output style of grammar compilation (the gateway's part of the config)."""
+
+    max_threads: int = 2  # xgrammar threads per compile; the reference machine has 2 cores
+    max_compiles_in_flight: int = 2  # compile jobs running at once (a runaway one holds a slot)
+    cache_size: int = 256  # compiled grammars (and compile errors) kept, least recently used out
+    # A schema with ~80 optional properties compiles to ~25 MB (JSONSchemaBench sp_0), so bound bytes too.
+    cache_max_bytes: int = 512 * 1024 * 1024
+    # sp_0 takes 4.5-5.5 s on the 2-core reference machine; the slowest real schema we know of.
+    compile_timeout_s: float = 10.0
+    max_spec_chars: int = 256 * 1024  # the largest JSONSchemaBench schema is ~158 k characters
+    # Compact JSON: no whitespace at all between tokens. A weak model given `any_whitespace`
+    # spends tokens on spaces and newlines (a random model almost never stops); compact output
+    # is also what json.dumps(separators=(",", ":")) gives. (", ", ": ") is the spaced style.
+    separators: tuple[str, str] = (",", ":")
+
+    def __post_init__(self) -> None:
+        for name in ("max_threads", "max_compiles_in_flight", "cache_size", "cache_max_bytes", "max_spec_chars"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"GrammarConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if not self.compile_timeout_s > 0:
+            raise ValueError(f"GrammarConfig.compile_timeout_s must be > 0, got {self.compile_timeout_s}")
+        if len(self.separators) != 2 or any(s.strip() not in (",", ":") for s in self.separators):
+            raise ValueError(f"GrammarConfig.separators must look like (',', ':'), got {self.separators!r}")
+
+
+@dataclass(frozen=True, eq=False)
+class VocabRows:
+    """Per-vocabulary data every matcher needs besides the grammar."""
+
+    decoded_vocab: list[bytes]  # token id -> bytes ("" for tokens never allowed)
+    stop_row: torch.Tensor  # [W] bitmask row allowing only the stop tokens
+    second_byte_rows: dict[int, torch.Tensor]  # UTF-8 lead -> [W] tokens that may follow it (utf8.py)
+
+
+@dataclass(frozen=True)
+class CompiledGrammar:
+    """A grammar ready for matching, bound to one compiler's vocabulary. Immutable and shared by
+    every request with the same spec; per-request state lives in `GrammarMatcher`."""
+
+    spec: GrammarSpec
+    grammar: xgr.CompiledGrammar = field(repr=False, compare=False)
+    source: str = field(repr=False)  # what xgrammar compiled: rewritten schema, regex or EBNF
+    vocab_size: int
+    stop_token_ids: tuple[int, ...]
+    compile_s: float = field(compare=False)
+    vocab: VocabRows = field(repr=False, compare=False)
+
+    @property
+    def memory_size_bytes(self) -> int:
+        return self.grammar.memory_size_bytes
+
+    def serialize(self) -> str:
+        """xgrammar's JSON form, for shipping to another process; see `GrammarCompiler.deserialize`."""
+        return self.grammar.serialize_json()
+
+
+class GrammarCompiler:
+    """Compiles and caches grammars for one tokenizer and model vocabulary.
+
+    `vocab_size` is the model's (lm_head rows), which may exceed len(tokenizer); ids past the
+    tokenizer are never allowed. `stop_token_ids` default to the tokenizer's EOS.
+    """
+
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        vocab_size: int | None = None,
+        *,
+        config: GrammarConfig | None = None,
+        stop_token_ids: Sequence[int] | None = None,
+    ) -> None:
+        self.config = config or GrammarConfig()
+        if vocab_size is not None and vocab_size < len(tokenizer):
+            raise ValueError(f"vocab_size {vocab_size} is smaller than the tokenizer ({len(tokenizer)} tokens)")
+        text_info = build_tokenizer_info(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
+        json_info = build_tokenizer_info(
+            tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids, forbid_control_bytes=True
+        )
+        self.vocab_size: int = text_info.vocab_size
+        self.stop_token_ids: tuple[int, ...] = tuple(text_info.stop_token_ids)
+        self.decoded_vocab: list[bytes] = text_info.decoded_vocab
+        self._infos = {"text": text_info, "json": json_info}
+        threads = self.config.max_threads
+        self._xgr = {name: xgr.GrammarCompiler(info, max_threads=threads, cache_enabled=False) for name, info in self._infos.items()}
+        self._pool = ThreadPoolExecutor(self.config.max_compiles_in_flight, thread_name_prefix="grammar-compile")
+        self._lock = threading.RLock()  # a job done before add_done_callback runs _finish in this thread
+        self._cache: OrderedDict[str, CompiledGrammar | GrammarError] = OrderedDict()
+        self._in_flight: dict[str, Future] = {}
+        self._cache_bytes = 0
+        self.hits = 0
+        self.misses = 0
+        stop_row = xgr.allocate_token_bitmask(1, self.vocab_size)[0].zero_()  # [W]
+        for t in self.stop_token_ids:
+            stop_row[t // 32] |= 1 << (t % 32)
+        self._vocab = VocabRows(self.decoded_vocab, stop_row, second_byte_rows(self.decoded_vocab, self.vocab_size))
+        self._closing_tables: ClosingTables | None = None
+
+    def compile(self, spec: GrammarSpec) -> CompiledGrammar:
+        """The compiled grammar for `spec`, from the cache when possible.
+
+        Raises GrammarError naming the problem (invalid or unsupported grammar, too large), or
+        GrammarTimeoutError past `config.compile_timeout_s`.
+        """
+        if not isinstance(spec, GrammarSpec):
+            raise TypeError(f"compile() takes a GrammarSpec, got {type(spec).__name__}")
+        size = len(spec.value or "")
+        if size > self.config.max_spec_chars:
+            raise GrammarError(
+                f"{spec.kind} is {size} characters; the limit is {self.config.max_spec_chars}", feature="size"
+            )
+        with self._lock:
+            cached = self._cache.get(spec.key)
+            if cached is not None:
+                self._cache.move_to_end(spec.key)
+                self.hits += 1
+                if isinstance(cached, GrammarError):
+                    raise type(cached)(cached.message, feature=cached.feature)
+                return cached
+            job = self._in_flight.get(spec.key)
+            if job is None:
+                self.misses += 1
+                job = self._pool.submit(self._compile_now, spec)
+                self._in_flight[spec.key] = job
+                job.add_done_callback(lambda done, key=spec.key: self._finish(key, done))
+        try:
+            return job.result(timeout=self.config.compile_timeout_s)
+        except FutureTimeout:
+            raise GrammarTimeoutError(
+                f"compiling the {spec.kind} grammar took longer than {self.config.compile_timeout_s:g} s",
+                feature="timeout",
+            ) from None
+
+    def cache_info(self) -> dict[str, int]:
+        with self._lock:
+            return {
+                "hits": self.hits,
+                "misses": self.misses,
+                "size": len(self._cache),
+                "bytes": self._cache_bytes,
+                "in_flight": len(self._in_flight),
+            }
+
+    def deserialize(self, spec: GrammarSpec, data: str) -> CompiledGrammar:
+        """Rebuild a grammar `CompiledGrammar.serialize()` produced in a process with the same tokenizer."""
+        info = self._infos["json" if spec.kind in ("json_object", "json_schema") else "text"]
+        grammar = xgr.CompiledGrammar.deserialize_json(data, info)
+        return self._wrap(spec, grammar, source="(deserialized)", compile_s=0.0)
+
+    def closing_policy(self, compiled: CompiledGrammar) -> ClosingPolicy:
+        """A fresh per-request policy for steering `compiled`'s output to an end (termination.py)."""
+        if self._closing_tables is None:  # built on first use: a Python pass over the vocabulary
+            self._closing_tables = ClosingTables(self.decoded_vocab, self.stop_token_ids)
+        return ClosingPolicy(self._closing_tables, json=compiled.spec.kind in ("json_object", "json_schema"))
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # -- internals -----------------------------------------------------------------------
+
+    def _finish(self, key: str, job: Future) -> None:
+        error = job.exception()
+        with self._lock:
+            self._in_flight.pop(key, None)
+            if error is None or isinstance(error, GrammarError):  # deterministic outcomes only
+                entry = job.result() if error is None else error
+                self._cache[key] = entry
+                self._cache_bytes += _entry_bytes(entry)
+                while len(self._cache) > 1 and (
+                    len(self._cache) > self.config.cache_size or self._cache_bytes > self.config.cache_max_bytes
+                ):
+                    _, old = self._cache.popitem(last=False)
+                    self._cache_bytes -= _entry_bytes(old)
+
+    def _compile_now(self, spec: GrammarSpec) -> CompiledGrammar:
+        start = time.perf_counter()
+        sep = self.config.separators
+        json_opts = {"any_whitespace": False, "separators": sep}
+        try:
+            if spec.kind == "json_object":
+                source = '{"type":"object"}'
+                # strict_mode=False: "any object" must allow any keys (strict allows none undeclared).
+                grammar = self._xgr["json"].compile_json_schema(source, strict_mode=False, **json_opts)
+            elif spec.kind == "json_schema":
+                prepared = prepare_json_schema(json.loads(spec.value))
+                source = json.dumps(prepared, ensure_ascii=False)
+                grammar = self._xgr["json"].compile_json_schema(source, strict_mode=True, **json_opts)
+            elif spec.kind == "regex":
+                source = xgrammar_regex(spec.value, dot_excludes_newline=True)  # Python's semantics: regex_compat.py
+                grammar = self._xgr["text"].compile_regex(source)
+            elif spec.kind == "ebnf":
+                source = spec.value
+                grammar = self._xgr["text"].compile_grammar(source)
+            else:
+                source = "root ::= " + " | ".join(ebnf_literal(c) for c in spec.choices)
+                grammar = self._xgr["text"].compile_grammar(source)
+        except GrammarError as e:
+            if spec.kind == "regex":
+                raise GrammarError(f"invalid regex: {e.message}", feature="invalid-regex") from None
+            raise
+        except (RuntimeError, ValueError, TypeError) as e:  # xgrammar's parse/convert errors
+            raise GrammarError(f"invalid {spec.kind}: {_xgr_message(e)}", feature=f"invalid-{spec.kind}") from None
+        return self._wrap(spec, grammar, source=source, compile_s=time.perf_counter() - start)
+
+    def _wrap(self, spec: GrammarSpec, grammar: xgr.CompiledGrammar, *, source: str, compile_s: float) -> CompiledGrammar:
+        return CompiledGrammar(
+            spec=spec,
+            grammar=grammar,
+            source=source,
+            vocab_size=self.vocab_size,
+            stop_token_ids=self.stop_token_ids,
+            compile_s=compile_s,
+            vocab=self._vocab,
+        )
+
+
+def _entry_bytes(entry: CompiledGrammar | GrammarError) -> int:
+    return entry.memory_size_bytes if isinstance(entry, CompiledGrammar) else len(entry.message)
+
+
+def ebnf_literal(text: str) -> str:
+    """`text` as an xgrammar EBNF string literal (its `\\xHH` reads more than two hex digits: use \\u)."""
+    out = []
+    for ch in text:
+        if ch in '"\\':
+            out.append("\\" + ch)
+        elif ord(ch) < 0x20 or ord(ch) == 0x7F:
+            out.append(f"\\u{ord(ch):04x}")
+        else:
+            out.append(ch)
+    return '"' + "".join(out) + '"'
+
+
+_LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
+
+
+def _xgr_message(e: Exception) -> str:
+    """xgrammar's message without its C++ log prefix ("[12:45:16] /project/cpp/x.cc:5082: ")."""
+    lines = [_LOG_PREFIX.sub("", line).strip() for line in str(e).strip().splitlines()]
+    return " ".join(line for line in lines if line) or type(e).__name__

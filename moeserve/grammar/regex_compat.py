@@ -1,0 +1,98 @@
+"""Regexes as validators read them, rewritten so xgrammar 0.2.9 matches no more than that.
+
+The client's regex (a JSON-Schema `pattern`, or `guided_regex`) is judged by Python's `re`
+(jsonschema's `pattern`, our oracle's `re.fullmatch`). Measured against it, xgrammar's regex
+engines are mostly narrower (their `\\d`, `\\w` are ASCII), which is safe, but in places wider:
+
+- `.` matches a newline in `guided_regex` (Python's does not);
+- `\\s` matches U+FEFF; `\\S` and `[^\\s]` match U+0085 and U+001C-U+001F (whitespace to Python);
+- `\\D`, `\\W`, `[^\\d]`, `[^\\w]` match non-ASCII digits and letters (not \\D / \\W to Python);
+- in a JSON-Schema pattern, an optional group starting with a literal and going on with a
+  variable repetition loses the literal: `^a(b[01]+)?$` accepts "a0".
+
+`xgrammar_regex` rewrites each into an equal or narrower form xgrammar gets right: whitespace
+classes spelled out (the intersection of Python's and ECMA-262's whitespace where a match is
+wanted, their union where it is excluded), classes with other shorthands reduced to the
+printable ASCII characters Python says they match, `.` to `[^\\n]`, and `)?` to `){0,1}`.
+"""
+
+from __future__ import annotations
+
+import re
+
+from moeserve.grammar.errors import GrammarError
+
+# Whitespace to both Python's re and ECMA-262 (what `\s` may match) / to either (what `\S` must not).
+WS_BOTH = " \t\n\r\x0b\x0c\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000"
+WS_ANY = WS_BOTH + "\x1c-\x1f\x85\ufeff"
+_NARROWED = {"D": "\x00-/:-\x7f", "W": "\x00-/:-@[-^`{-\x7f"}  # ASCII non-digits / non-word characters
+_PRINTABLE = [chr(c) for c in range(0x20, 0x7F)]
+
+
+def _spelled(chars: str) -> str:
+    """Class text with every character outside printable ASCII as \\uXXXX (xgrammar refuses raw
+    control characters in a class and reads \\xHH greedily)."""
+    return "".join(c if 0x20 <= ord(c) < 0x7F else f"\\u{ord(c):04x}" for c in chars)
+
+
+def xgrammar_regex(pattern: str, *, dot_excludes_newline: bool) -> str:
+    """`pattern` rewritten as in the module docstring; raises GrammarError if it does not parse."""
+    try:
+        re.compile(pattern)
+    except re.error as e:
+        raise GrammarError(f"invalid regular expression {pattern!r}: {e}", feature="pattern") from None
+    out, i = [], 0
+    while i < len(pattern):
+        ch = pattern[i]
+        if ch == "\\":
+            esc = pattern[i : i + 2]
+            if esc == "\\s":
+                out.append(f"[{_spelled(WS_BOTH)}]")
+            elif esc == "\\S":
+                out.append(f"[^{_spelled(WS_ANY)}]")
+            elif esc[1:] in _NARROWED:
+                out.append(f"[{_spelled(_NARROWED[esc[1:]])}]")
+            else:
+                out.append(esc)
+            i += 2
+        elif ch == "[":
+            end = _class_end(pattern, i)
+            out.append(_rewrite_class(pattern[i : end + 1]))
+            i = end + 1
+        elif ch == ")" and pattern[i + 1 : i + 2] == "?":
+            out.append("){0,1}")
+            i += 2
+        elif ch == "." and dot_excludes_newline:
+            out.append("[^\\n]")
+            i += 1
+        else:
+            out.append(ch)
+            i += 1
+    return "".join(out)
+
+
+def _class_end(pattern: str, start: int) -> int:
+    """Index of the `]` closing the class opened at `start` (a leading `]` or `^]` is literal)."""
+    i = start + 1
+    if pattern[i : i + 1] == "^":
+        i += 1
+    if pattern[i : i + 1] == "]":
+        i += 1
+    while i < len(pattern) and pattern[i] != "]":
+        i += 2 if pattern[i] == "\\" else 1
+    return i
+
+
+def _rewrite_class(text: str) -> str:
+    negated = text.startswith("[^")
+    body = text[2:-1] if negated else text[1:-1]
+    shorthands = set(re.findall(r"\\([sSdDwW])", body))
+    if not shorthands:
+        return text
+    if shorthands <= {"s"} or (shorthands <= {"s", "d", "w"} and not negated):
+        return "[" + ("^" if negated else "") + body.replace("\\s", _spelled(WS_ANY if negated else WS_BOTH)) + "]"
+    # Anything else: the printable ASCII characters Python says the class matches (narrower, exact there).
+    members = [c for c in _PRINTABLE if re.fullmatch(text, c)]
+    if not members:
+        raise GrammarError(f"character class {text!r} matches no printable ASCII character", feature="pattern")
+    return "[" + "".join("\\" + c if c in "\\]^-[" else c for c in members) + "]"

@@ -1,0 +1,148 @@
+"""Intersection of two JSON schemas, for `allOf` and for siblings of `anyOf`/`oneOf`/`$ref`.
+
+xgrammar 0.2.9 does not enforce `allOf` with several branches, ignores the siblings of
+`anyOf`/`oneOf`, and (in 2019+ drafts) the siblings of `$ref`. Each of those means "the instance
+must satisfy A and B", so we rewrite them into one schema that says both. The merge is exact or
+it refuses: where an exact intersection is not a plain keyword-wise combination (different
+patterns, `additionalProperties` that would forbid the other side's properties, ...) it raises
+GrammarError naming the keyword, rather than guess.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from fractions import Fraction
+from typing import Any
+
+from moeserve.grammar.errors import GrammarError
+
+Schema = Any  # dict | bool, as parsed from JSON
+Prep = Callable[[Schema], Schema]  # resolves $ref / allOf / draft quirks at the top of a subschema
+Merge = Callable[[Schema, Schema], Schema]  # how nested subschemas are merged (lets the caller track them)
+
+_LOWER_BOUNDS = ("minimum", "exclusiveMinimum", "minLength", "minItems", "minProperties")
+_UPPER_BOUNDS = ("maximum", "exclusiveMaximum", "maxLength", "maxItems", "maxProperties")
+_NOTHING = object()  # a keyword pair no instance satisfies
+MAX_CROSS = 64  # anyOf x anyOf expands to at most this many branches
+_REFUSED_ANYWAY = {
+    "not": "not", "if": "if/then/else", "then": "if/then/else", "else": "if/then/else",
+    "contains": "contains", "dependentSchemas": "dependentSchemas", "$dynamicRef": "$dynamicRef",
+    "$recursiveRef": "$recursiveRef",
+}  # fmt: skip
+
+
+def json_key(value: Any) -> Any:
+    """A hashable key with JSON equality: 1 == 1.0, but True != 1 and "1" != 1."""
+    if isinstance(value, bool) or value is None:
+        return ("c", value)
+    if isinstance(value, (int, float)):
+        return ("n", Fraction(value) if math.isfinite(value) else value)
+    if isinstance(value, str):
+        return ("s", value)
+    if isinstance(value, list):
+        return ("l", tuple(json_key(v) for v in value))
+    if isinstance(value, dict):
+        return ("d", frozenset((k, json_key(v)) for k, v in value.items()))
+    raise TypeError(f"not a JSON value: {value!r}")
+
+
+def json_equal(a: Any, b: Any) -> bool:
+    return json_key(a) == json_key(b)
+
+
+def type_set(schema: dict) -> set[str] | None:
+    """The `type` keyword as a set, or None when absent (any type)."""
+    t = schema.get("type")
+    if t is None:
+        return None
+    return {t} if isinstance(t, str) else set(t)
+
+
+def merge_schemas(a: Schema, b: Schema, prep: Prep, merge: Merge | None = None) -> Schema:
+    """The schema of instances valid under both `a` and `b` (both already `prep`ped).
+
+    Nested subschemas are `prep`ped and merged with `merge` (default: this function).
+    """
+    merge = merge or (lambda x, y: merge_schemas(x, y, prep))
+    if a is True:
+        return b
+    if b is True:
+        return a
+    if a is False or b is False:
+        return False
+    out = dict(a)
+    if "properties" in a or "properties" in b:
+        out["properties"] = _merge_properties(a, b, prep, merge)
+    for key, vb in b.items():
+        if key == "properties":
+            continue
+        if key not in out:
+            out[key] = vb
+        elif not json_equal(out[key], vb):
+            out[key] = _merge_keyword(key, out[key], vb, prep, merge)
+            if out[key] is _NOTHING:
+                return False  # no instance satisfies both; anyOf drops such a branch
+    return out
+
+
+def _merge_keyword(key: str, va: Any, vb: Any, prep: Prep, merge: Merge) -> Any:
+    if key == "type":
+        return _merge_types(va, vb)
+    if key == "required":
+        return list(dict.fromkeys([*va, *vb]))
+    if key in ("items", "additionalProperties", "propertyNames") and not isinstance(va, list) and not isinstance(vb, list):
+        return merge(prep(va), prep(vb))
+    if key == "enum":
+        keys_b = {json_key(v) for v in vb}
+        return [v for v in va if json_key(v) in keys_b]  # an empty enum is refused later, with a message
+    if key == "const":
+        return _NOTHING
+    if key in _LOWER_BOUNDS:
+        return max(va, vb)
+    if key in _UPPER_BOUNDS:
+        return min(va, vb)
+    if key == "multipleOf" and all(isinstance(v, int) and not isinstance(v, bool) for v in (va, vb)):
+        return va * vb // math.gcd(va, vb)
+    if key == "uniqueItems":
+        return bool(va or vb)
+    if key == "anyOf" and len(va) * len(vb) <= MAX_CROSS:
+        # (A1 or A2) and (B1 or B2) == (A1 and B1) or (A1 and B2) or ...
+        return [merge(prep(x), prep(y)) for x in va for y in vb]
+    if key in _REFUSED_ANYWAY:  # the node will refuse the keyword itself; name it, not allOf
+        raise GrammarError(f"{key}: not supported (met while combining allOf branches)", feature=_REFUSED_ANYWAY[key])
+    raise GrammarError(
+        f"allOf (or keywords beside anyOf/oneOf/$ref) combines two different {key!r} values; "
+        "this server cannot enforce both at once",
+        feature=f"allOf:{key}",
+    )
+
+
+def _merge_types(va: Any, vb: Any) -> Any:
+    ta = {va} if isinstance(va, str) else set(va)
+    tb = {vb} if isinstance(vb, str) else set(vb)
+    both = ta & tb
+    # integer is a subtype of number: {number} & {integer} = {integer}
+    if "number" in ta and "integer" in tb or "number" in tb and "integer" in ta:
+        both.add("integer")
+    if not both:
+        return _NOTHING
+    order = ["object", "array", "string", "number", "integer", "boolean", "null"]
+    kept = [t for t in order if t in both]
+    return kept[0] if len(kept) == 1 else kept
+
+
+def _merge_properties(a: dict, b: dict, prep: Prep, merge: Merge) -> dict:
+    """Property-wise intersection. A name one side does not declare falls under that side's
+    additionalProperties, so {"properties": {"x": X}} AND {"additionalProperties": A} gives x: X AND A."""
+    if a.get("patternProperties") or b.get("patternProperties"):
+        raise GrammarError(
+            "allOf: combining patternProperties with properties from another branch is not supported",
+            feature="allOf:patternProperties",
+        )
+    props_a, props_b = a.get("properties", {}), b.get("properties", {})
+    rest_a, rest_b = a.get("additionalProperties", True), b.get("additionalProperties", True)
+    out = {}
+    for name in dict.fromkeys([*props_a, *props_b]):
+        out[name] = merge(prep(props_a.get(name, rest_a)), prep(props_b.get(name, rest_b)))
+    return out

@@ -1,0 +1,296 @@
+"""One plain schema node (no `$ref`/`allOf`/`anyOf`/`oneOf`/`enum` at its top), keyword by keyword.
+
+Each keyword is either kept in the form xgrammar enforces exactly, rewritten to such a form,
+dropped because it cannot constrain what this node produces (a string keyword on a node that
+produces only integers), or refused with a GrammarError naming it. What xgrammar 0.2.9 does with
+each keyword was measured (see tests/grammar/test_schema_support.py); the notes below say why.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+try:  # the regex parser behind `re`; getwidth() gives a pattern's min/max match length
+    from re import _parser as sre_parse  # Python >= 3.11
+except ImportError:  # pragma: no cover
+    import sre_parse  # type: ignore[no-redef]
+from typing import TYPE_CHECKING, Any
+
+from moeserve.grammar.errors import GrammarError
+from moeserve.grammar.formats import FORMAT_PATTERNS, SUPPORTED_FORMATS, UNSUPPORTED_FORMATS
+from moeserve.grammar.regex_compat import xgrammar_regex
+from moeserve.grammar.schema_merge import type_set
+
+if TYPE_CHECKING:
+    from moeserve.grammar.schema_support import SchemaNormalizer
+
+ALL_TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
+_KEYWORDS_OF = {
+    "object": (
+        "properties", "required", "additionalProperties", "patternProperties", "propertyNames",
+        "minProperties", "maxProperties", "unevaluatedProperties", "dependencies", "dependentRequired",
+        "dependentSchemas",
+    ),
+    "array": ("items", "prefixItems", "minItems", "maxItems", "uniqueItems", "contains", "minContains", "maxContains", "unevaluatedItems"),
+    "string": ("minLength", "maxLength", "pattern", "format"),
+    "number": ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"),
+}  # fmt: skip
+_NAME_KEYWORDS = {"type", "minLength", "maxLength", "pattern", "format", "enum"}
+
+
+def json_type(v: Any) -> str:
+    if isinstance(v, bool):
+        return "boolean"
+    if v is None:
+        return "null"
+    if isinstance(v, int):
+        return "integer"
+    return {float: "number", str: "string", list: "array", dict: "object"}[type(v)]
+
+
+def inferred_types(s: dict) -> set[str]:
+    """Types whose keywords appear in `s` ("number" stands for integer too)."""
+    return {t for t, kws in _KEYWORDS_OF.items() if any(k in s for k in kws)}
+
+
+def produced_types(s: dict) -> set[str]:
+    """JSON types a (fixed) node can produce once normalized: declared, listed, or inferred."""
+    if "enum" in s or "const" in s:
+        return {json_type(v) for v in ([s["const"]] if "const" in s else s["enum"])}
+    declared = type_set(s)
+    if declared is not None:
+        return declared
+    return inferred_types(s) or set(ALL_TYPES)
+
+
+def normalize_node(nz: SchemaNormalizer, s: dict) -> Any:
+    """The normalized form of plain node `s` (see module docstring)."""
+    rest = dict(s)
+    _refuse_logic(rest)
+    declared = type_set(rest)
+    rest.pop("type", None)
+    # Without `type`, xgrammar ignores e.g. `minimum` and lets any JSON through, while a validator
+    # applies it to numbers. Restricting to the types whose keywords appear is narrower, so sound.
+    types = declared if declared is not None else inferred_types(rest)
+    out: dict[str, Any] = {}
+    if types:
+        ordered = [t for t in ALL_TYPES if t in types]
+        out["type"] = ordered[0] if len(ordered) == 1 else ordered
+    _numbers(rest, types, out)
+    _strings(rest, types, out)
+    _arrays(nz, rest, types, out)
+    _objects(nz, rest, types, out)
+    for key in ("then", "else", "minContains", "maxContains"):  # inert without if / contains
+        rest.pop(key, None)
+    if rest:
+        key = sorted(rest)[0]
+        raise GrammarError(f"JSON-Schema keyword {key!r} is not supported", feature=key)
+    return out
+
+
+def _refuse(feature: str, why: str) -> GrammarError:
+    return GrammarError(f"{feature}: {why}", feature=feature)
+
+
+def _refuse_logic(s: dict) -> None:
+    """Keywords xgrammar ignores and we cannot rewrite."""
+    if "not" in s:
+        raise _refuse("not", "negated schemas are not supported")
+    if "if" in s:
+        raise _refuse("if/then/else", "conditional schemas are not supported")
+    for key in ("$dynamicRef", "$recursiveRef"):
+        if key in s:
+            raise _refuse(key, "dynamic references are not supported")
+    required = set(s.get("required", []))
+    for key in ("dependencies", "dependentRequired"):
+        deps = s.pop(key, {})
+        for name, then in deps.items():
+            # Satisfied whatever the instance is when every dependency is required anyway.
+            if not (isinstance(then, list) and set(then) <= required):
+                raise _refuse(key, f"the dependency of {name!r} is not supported (only when already required)")
+    if s.pop("dependentSchemas", None):
+        raise _refuse("dependentSchemas", "schema dependencies are not supported")
+
+
+def _numbers(s: dict, types: set[str], out: dict) -> None:
+    kw = {k: s.pop(k) for k in _KEYWORDS_OF["number"] if k in s}
+    if not types & {"integer", "number"}:
+        return
+    step = kw.pop("multipleOf", None)
+    if step is not None:
+        # xgrammar enforces multipleOf only for integers ("not supported for type:number; ignoring").
+        if "number" in types or float(step) != int(step):
+            raise _refuse("multipleOf", "multipleOf is enforced only on integer types with a whole-number step")
+        out["multipleOf"] = int(step)
+    if "number" in types:
+        out.update(kw)
+        return
+    # Integers only: xgrammar wants whole-number bounds, so turn every bound into an inclusive one.
+    lows = [math.ceil(kw["minimum"])] if "minimum" in kw else []
+    highs = [math.floor(kw["maximum"])] if "maximum" in kw else []
+    if "exclusiveMinimum" in kw:
+        lows.append(math.floor(kw["exclusiveMinimum"]) + 1)
+    if "exclusiveMaximum" in kw:
+        highs.append(math.ceil(kw["exclusiveMaximum"]) - 1)
+    if lows:
+        out["minimum"] = max(lows)
+    if highs:
+        out["maximum"] = min(highs)
+
+
+def _strings(s: dict, types: set[str], out: dict) -> None:
+    kw = {k: s.pop(k) for k in _KEYWORDS_OF["string"] if k in s}
+    if "string" not in types:
+        return
+    if kw.get("minLength") == 0:
+        del kw["minLength"]
+    fmt = kw.pop("format", None)
+    if fmt in UNSUPPORTED_FORMATS:
+        raise _refuse(f"format:{fmt}", f"format {fmt!r} is not supported")
+    if fmt in FORMAT_PATTERNS:
+        if "pattern" in kw:
+            raise _refuse("format+pattern", "combining format and pattern on one string is not supported")
+        kw["pattern"] = FORMAT_PATTERNS[fmt]
+    elif fmt in SUPPORTED_FORMATS:
+        kw["format"] = fmt
+    # Unknown formats (int32, non-blank, ...) are annotations: validators ignore them, so do we.
+    if "pattern" in kw:
+        _fold_lengths_into_pattern(kw)
+    kinds = sorted({"length" if k.endswith("Length") else k for k in kw})
+    if len(kinds) > 1:
+        # xgrammar keeps only one of format / pattern / length and silently drops the others.
+        raise _refuse("+".join(kinds), "combining format, pattern and minLength/maxLength on one string is not supported")
+    if "pattern" in kw:
+        kw["pattern"] = xgrammar_regex(kw["pattern"], dot_excludes_newline=False)
+    out.update(kw)
+
+
+def _fold_lengths_into_pattern(kw: dict) -> None:
+    """Drop length bounds the pattern already implies; turn `^X*$`/`^X+$` plus bounds into `^X{m,n}$`.
+
+    xgrammar produces strings that fully match the pattern, so a bound that every full match
+    meets (the pattern's width, from Python's regex parser) constrains nothing more.
+    """
+    try:
+        low, high = sre_parse.parse(kw["pattern"]).getwidth()
+    except (re.error, OverflowError, RecursionError):
+        return
+    if kw.get("minLength", 0) <= low:
+        kw.pop("minLength", None)
+    if "maxLength" in kw and high <= kw["maxLength"]:
+        kw.pop("maxLength")
+    if "minLength" not in kw and "maxLength" not in kw:
+        return
+    m = _STAR_PATTERN.fullmatch(kw["pattern"])
+    if m:
+        atom, plus = m.group(1), m.group(2) == "+"
+        lo = max(kw.pop("minLength", 0), 1 if plus else 0)
+        hi = kw.pop("maxLength", "")
+        kw["pattern"] = f"^{atom}{{{lo},{hi}}}$"
+
+
+# One character class or escaped/plain character, repeated: ^[a-z0-9-]*$, ^\d+$, ^.*$
+_STAR_PATTERN = re.compile(r"\^(\[(?:\\.|[^\]\\])+\]|\\[dDwWsS]|\.|[A-Za-z0-9 _-])([*+])\$")
+
+
+def _arrays(nz: SchemaNormalizer, s: dict, types: set[str], out: dict) -> None:
+    kw = {k: s.pop(k) for k in _KEYWORDS_OF["array"] if k in s}
+    if "array" not in types:
+        return
+    if kw.get("uniqueItems") is True and kw.get("maxItems", 2) > 1:
+        raise _refuse("uniqueItems", "unique array items are not supported")
+    if "contains" in kw:
+        raise _refuse("contains", "contains/minContains/maxContains are not supported")
+    items = kw.get("items", kw.get("unevaluatedItems"))  # with no adjacent applicator they mean the same
+    prefix = kw.get("prefixItems") or []
+    if prefix:
+        out["prefixItems"] = [nz.norm(x) for x in prefix]
+    if items is not None:
+        out["items"] = nz.norm(items)
+    elif not prefix or kw.get("minItems", 0) > len(prefix):
+        out["items"] = True  # xgrammar's strict mode would otherwise allow no items beyond prefixItems
+    for k in ("minItems", "maxItems"):
+        if k in kw:
+            out[k] = kw[k]
+
+
+def _objects(nz: SchemaNormalizer, s: dict, types: set[str], out: dict) -> None:
+    kw = {k: s.pop(k) for k in _KEYWORDS_OF["object"] if k in s}
+    if "object" not in types:
+        return
+    required = list(kw.get("required", []))
+    extra = kw.get("additionalProperties", kw.get("unevaluatedProperties"))  # None: absent
+    patterns = kw.get("patternProperties") or {}
+    names = kw.get("propertyNames")
+    props: dict[str, Any] = {}
+    for name, sub in (kw.get("properties") or {}).items():
+        n = nz.norm(sub)
+        if n is False:
+            if name in required:
+                raise _refuse("required", f"property {name!r} is required but its schema is false")
+            if extra not in (None, False):
+                raise _refuse("properties", f"property {name!r} is false while additionalProperties allows others")
+            continue  # in strict mode an undeclared name is never produced
+        props[name] = n
+    for name in required:
+        if name in props:
+            continue
+        if patterns or names is not None:
+            raise _refuse("required", f"required property {name!r} is not declared in properties (next to patternProperties/propertyNames)")
+        if extra is False:
+            raise _refuse("required", f"required property {name!r} is forbidden by additionalProperties: false")
+        props[name] = nz.norm(extra) if isinstance(extra, dict) else True
+    min_props = kw.get("minProperties", 0)
+    if min_props > len(required):
+        # xgrammar counts entries, and undeclared keys may repeat ({"b":1,"b":2} is one property
+        # once parsed), so only distinct declared properties can be trusted to reach minProperties.
+        if min_props > len(props):
+            raise _refuse("minProperties", f"minProperties {min_props} needs undeclared properties; duplicate keys could fake it")
+        extra, patterns, names = False, {}, None  # narrower: declared properties only
+    if patterns:
+        _pattern_properties(nz, patterns, props, names, out)
+        extra = None  # xgrammar ignores additionalProperties next to patternProperties: narrower, sound
+    if names is not None:
+        _property_names(nz, names, props, out)
+    if props or "properties" in kw:
+        out["properties"] = props
+    if required:
+        out["required"] = required
+    for k in ("minProperties", "maxProperties"):
+        if k in kw:
+            out[k] = kw[k]
+    if extra is not None:
+        out["additionalProperties"] = extra if isinstance(extra, bool) else nz.norm(extra)
+
+
+def _pattern_properties(nz: SchemaNormalizer, patterns: dict, props: dict, names: Any, out: dict) -> None:
+    # xgrammar produces keys that fully match the pattern (a subset of the keys that search-match)
+    # and gives them only the pattern's schema: sound only if no declared name matches it too and
+    # no second pattern could claim the same key.
+    if len(patterns) > 1:
+        raise _refuse("patternProperties", "more than one pattern is not supported")
+    if names is not None:
+        raise _refuse("patternProperties", "patternProperties with propertyNames is not supported")
+    ((pattern, sub),) = patterns.items()
+    try:
+        compiled = re.compile(pattern)
+    except re.error as e:
+        raise _refuse("patternProperties", f"invalid regular expression {pattern!r}: {e}") from None
+    clash = [name for name in props if compiled.search(name)]
+    if clash:
+        raise _refuse("patternProperties", f"declared properties {clash} also match pattern {pattern!r}")
+    out["patternProperties"] = {xgrammar_regex(pattern, dot_excludes_newline=False): nz.norm(sub)}
+
+
+def _property_names(nz: SchemaNormalizer, names: Any, props: dict, out: dict) -> None:
+    n = nz.norm(names)
+    if n is True or n == {}:
+        return
+    if not isinstance(n, dict) or not set(n) <= _NAME_KEYWORDS or "string" not in (type_set(n) or {"string"}):
+        raise _refuse("propertyNames", "only string constraints (pattern, length, format, enum) are supported")
+    fixed = nz.deref(names)
+    bad = [name for name in props if not nz.accepts(fixed, name)]
+    if bad:
+        raise _refuse("propertyNames", f"declared properties {bad} do not satisfy propertyNames")
+    out["propertyNames"] = n

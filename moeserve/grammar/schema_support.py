@@ -1,0 +1,329 @@
+"""Which JSON schemas we can enforce exactly, and the rewrite that makes xgrammar enforce them.
+
+The contract (DESIGN.md, property 3): every output produced under a JSON schema validates
+against it. xgrammar 0.2.9 enforces most of JSON Schema but silently ignores some keywords
+(measured: `not`, `if`/`then`/`else`, `dependencies*`, `uniqueItems`, `contains`, `multipleOf`
+on non-integers, `allOf` with several branches, siblings of `anyOf`/`oneOf` and of `$ref`,
+keywords of a type the schema does not declare, `pattern`/`format` combined with each other or
+with `minLength`/`maxLength`, ...). `prepare_json_schema` therefore
+
+1. validates the schema against its draft's metaschema,
+2. rewrites what can be rewritten exactly: `allOf` and sibling keywords are merged
+   (schema_merge.py), `oneOf` with provably disjoint branches becomes `anyOf`, `enum`/`const`
+   values are filtered by the real validator against everything else the schema says,
+   draft-04 boolean `exclusiveMinimum`, tuple `items`, non-integral bounds on integers,
+   `required` names not in `properties`, and a missing `type` is inferred from the keywords
+   (narrowing, so still sound);
+3. refuses the rest with a GrammarError naming the keyword (`feature`).
+
+Every node is rebuilt from the keywords it handles, so a keyword we do not know cannot slip
+through: it is refused by `schema_node.py`. All `$ref` targets are moved under a fresh `$defs`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+from urllib.parse import unquote
+
+import jsonschema
+
+from moeserve.grammar.errors import GrammarError
+from moeserve.grammar.schema_drafts import ANNOTATIONS, Draft, schema_draft
+from moeserve.grammar.schema_merge import json_key, merge_schemas, type_set
+from moeserve.grammar.schema_node import json_type, normalize_node, produced_types
+
+MAX_DEPTH = 200  # nesting/ref-chain depth; real schemas stay far below, recursive tricks do not
+MAX_MERGES = 20_000  # merges can multiply (anyOf siblings x branches); bound the work per schema
+
+Schema = Any
+_DROPPED = ANNOTATIONS | {"$defs", "definitions"}
+
+
+def prepare_json_schema(schema: Schema) -> Schema:
+    """Validate `schema` and return an equivalent-or-narrower schema xgrammar enforces exactly.
+
+    Raises GrammarError naming the problem: an invalid schema, or the unsupported feature.
+    """
+    draft = schema_draft(schema)
+    try:
+        draft.validator.check_schema(schema)
+    except jsonschema.SchemaError as e:
+        where = "/".join(str(p) for p in e.absolute_path) or "(root)"
+        raise GrammarError(f"invalid JSON schema ({draft.name}) at {where}: {e.message}", feature="invalid-schema") from None
+    try:
+        return SchemaNormalizer(schema, draft).run()
+    except RecursionError:
+        raise GrammarError("schema nests too deeply to compile", feature="depth") from None
+
+
+class SchemaNormalizer:
+    """One pass over one schema document. Subschemas are handled in their *fixed* form (draft
+    quirks rewritten, annotations dropped); `origins` remembers, for each fixed dict, the raw
+    subschemas whose conjunction it means, so `enum`/`oneOf` decisions can ask the real
+    validator about the raw schema (exact semantics, whatever the draft)."""
+
+    def __init__(self, root: Schema, draft: Draft) -> None:
+        self.root = root
+        self.draft = draft
+        self.validator = draft.validator(root, format_checker=draft.validator.FORMAT_CHECKER)
+        self.defs: dict[str, Schema] = {}
+        self.def_names: dict[str, str] = {}  # $ref string -> our $defs name
+        self.origins: dict[int, tuple[list[Schema], dict]] = {}  # id(fixed) -> (raw parts, fixed) kept alive
+        self.depth = 0
+        self.merges = 0
+        self.merging: set[tuple[int, int]] = set()  # merges in progress, to catch recursive ones
+        self.fixed_of: dict[int, dict] = {}  # id(raw) -> its fixed form, so a raw node is fixed once
+        self.id_scopes = 0  # > 0 while inside a subschema with its own $id
+
+    def run(self) -> Schema:
+        body = self.norm(self.root, is_root=True)
+        if body is False:
+            raise GrammarError("the schema accepts no value at all", feature="unsatisfiable")
+        if self.defs and isinstance(body, dict):
+            body = {**body, "$defs": self.defs}
+        return body
+
+    # -- the walk -------------------------------------------------------------------------
+
+    def norm(self, raw: Schema, *, is_root: bool = False) -> Schema:
+        """Normalized form of one subschema (raw or fixed)."""
+        self.depth += 1
+        try:
+            if self.depth > MAX_DEPTH:
+                raise GrammarError(f"schema nests deeper than {MAX_DEPTH} levels", feature="depth")
+            scoped = not is_root and self._has_base_id(raw)
+            self.id_scopes += scoped
+            try:
+                return self._norm(raw)
+            finally:
+                self.id_scopes -= scoped
+        finally:
+            self.depth -= 1
+
+    def _norm(self, raw: Schema) -> Schema:
+        s = self.prep(raw)
+        if isinstance(s, bool):
+            return s
+        if set(s) == {"$ref"}:
+            return {"$ref": self.ref_target(s["$ref"])}
+        if "enum" in s or "const" in s:
+            return self.finite(s)
+        if "anyOf" in s or "oneOf" in s:
+            return self.alternatives(s)
+        return normalize_node(self, s)
+
+    def prep(self, raw: Schema) -> Schema:
+        """Fix draft quirks, then fold `allOf` and 2019+ `$ref` siblings into one plain node."""
+        s = self.fixup(raw)
+        while isinstance(s, dict):
+            if "$ref" in s and len(s) > 1:
+                if self.draft.ref_ignores_siblings:  # draft <= 7: a $ref replaces its whole object
+                    s = self.fixed({"$ref": s["$ref"]}, self.parts(s))
+                    continue
+                siblings = self.fixed({k: v for k, v in s.items() if k != "$ref"}, self.parts(s))
+                s = self.merge(self.deref(self.fixed({"$ref": s["$ref"]}, [])), siblings)
+            elif "allOf" in s:
+                acc = self.deref(self.fixed({k: v for k, v in s.items() if k != "allOf"}, self.parts(s)))
+                for branch in s["allOf"]:
+                    acc = self.merge(acc, self.deref(branch))
+                s = acc
+            else:
+                return s
+        return s
+
+    def deref(self, raw: Schema) -> Schema:
+        """`prep`, then replace a bare `{"$ref": ...}` by its (prepped) target, for merging."""
+        seen = set()
+        s = self.prep(raw)
+        while isinstance(s, dict) and set(s) == {"$ref"}:
+            if s["$ref"] in seen:
+                raise GrammarError(f"$ref cycle through {s['$ref']!r} with nothing in between", feature="$ref")
+            seen.add(s["$ref"])
+            s = self.prep(self.resolve(s["$ref"]))
+        return s
+
+    def merge(self, a: Schema, b: Schema) -> Schema:
+        self.merges += 1
+        if self.merges > MAX_MERGES:
+            raise GrammarError(f"schema needs more than {MAX_MERGES} allOf/sibling merges", feature="depth")
+        pair = (id(a), id(b))
+        if pair in self.merging:
+            raise GrammarError("allOf (or $ref siblings) over a recursive schema is not supported", feature="allOf:recursive")
+        self.merging.add(pair)
+        try:
+            out = merge_schemas(a, b, self.deref, self.merge)
+        finally:
+            self.merging.discard(pair)
+        if isinstance(out, dict) and out is not a and out is not b:
+            self.fixed(out, self.parts(a) + self.parts(b))
+        return out
+
+    def finite(self, s: dict) -> Schema:
+        """enum/const: keep exactly the listed values the whole (raw) schema accepts."""
+        values = [s["const"]] if "const" in s else list(s["enum"])
+        if "const" in s and "enum" in s:
+            values = [v for v in s["enum"] if json_key(v) == json_key(s["const"])]
+        kept, seen = [], set()
+        for v in values:
+            if json_key(v) not in seen and self.accepts(s, v):
+                seen.add(json_key(v))
+                kept.append(v)
+        if not kept:
+            raise GrammarError("enum/const: no listed value satisfies the schema's other keywords", feature="enum")
+        return {"enum": kept}
+
+    def alternatives(self, s: dict) -> Schema:
+        """anyOf / oneOf: distribute the sibling keywords into each branch; oneOf must be provably disjoint."""
+        if "anyOf" in s and "oneOf" in s:
+            raise GrammarError("anyOf and oneOf in the same schema object are not supported", feature="anyOf+oneOf")
+        key = "anyOf" if "anyOf" in s else "oneOf"
+        siblings = self.fixed({k: v for k, v in s.items() if k != key}, self.parts(s))
+        branches = [self.merge(siblings, self.deref(b)) if siblings else self.prep(b) for b in s[key]]
+        branches = [b for b in branches if b is not False]  # a branch nothing satisfies never matches
+        if key == "oneOf":
+            self.check_disjoint(branches)
+        out = [n for n in (self.norm(b) for b in branches) if n is not False]
+        if not out:
+            raise GrammarError(f"{key}: no branch can be satisfied", feature=key)
+        return out[0] if len(out) == 1 else {"anyOf": out}
+
+    # -- oneOf ---------------------------------------------------------------------------
+
+    def check_disjoint(self, branches: list[Schema]) -> None:
+        """oneOf == anyOf when no instance a branch can produce also validates another branch."""
+        for i, bi in enumerate(branches):
+            for j, bj in enumerate(branches):
+                if i != j and not self.excludes(bi, bj):
+                    raise GrammarError(
+                        f"oneOf: branch {i} may also match branch {j}; only oneOf with provably disjoint "
+                        "branches (different types or enum values, a const discriminator property, or a "
+                        "property one branch requires and the other never produces) is supported",
+                        feature="oneOf",
+                    )
+
+    def excludes(self, gen: Schema, other: Schema) -> bool:
+        """True when every instance `gen` (normalized) can produce is rejected by `other`."""
+        gen, other = self.deref(gen), self.deref(other)
+        if other is False or gen is False:
+            return True
+        if gen is True or other is True:
+            return False
+        if "enum" in gen or "const" in gen:
+            values = [gen["const"]] if "const" in gen else gen["enum"]
+            return not any(self.accepts(gen, v) and self.accepts(other, v) for v in values)
+        produced, allowed = produced_types(gen), type_set(other)
+        if allowed is None and ("enum" in other or "const" in other):
+            allowed = {json_type(v) for v in ([other["const"]] if "const" in other else other["enum"])}
+        if allowed is not None and not _types_overlap(produced, allowed):
+            return True
+        return produced <= {"object"} and (self._discriminated(gen, other) or _never_has_required(gen, other))
+
+    def _discriminated(self, gen: dict, other: dict) -> bool:
+        """An object property `gen` requires whose enum/const values `other` declares disjoint ones for."""
+        for name in gen.get("required", []):
+            mine = self.deref(gen.get("properties", {}).get(name, True))
+            theirs = self.deref(other.get("properties", {}).get(name, True))
+            if isinstance(mine, dict) and isinstance(theirs, dict) and _finite(mine) and _finite(theirs):
+                if not {json_key(v) for v in _finite(mine)} & {json_key(v) for v in _finite(theirs)}:
+                    return True
+        return False
+
+    # -- plumbing ------------------------------------------------------------------------
+
+    def accepts(self, s: Schema, value: Any) -> bool:
+        """Does the raw schema behind fixed node `s` accept `value`? (the draft's own validator)"""
+        return all(self.validator.evolve(schema=raw).is_valid(value) for raw in self.parts(s))
+
+    def fixup(self, raw: Schema) -> Schema:
+        if isinstance(raw, bool) or id(raw) in self.origins:
+            return raw
+        if id(raw) in self.fixed_of:
+            return self.fixed_of[id(raw)]
+        if not isinstance(raw, dict):
+            raise GrammarError(f"a subschema must be an object or a boolean, got {type(raw).__name__}", feature="invalid-schema")
+        # Unknown keywords and annotations constrain nothing; $defs/definitions are reached only via resolve().
+        s = {k: v for k, v in raw.items() if k in self.draft.vocabulary and k not in _DROPPED}
+        if self.draft.year == 4:  # draft-04: exclusiveMinimum is a flag on minimum
+            for flag, bound in (("exclusiveMinimum", "minimum"), ("exclusiveMaximum", "maximum")):
+                if flag in s:
+                    if s.pop(flag) is True and bound in s:
+                        s[flag] = s.pop(bound)
+        if self.draft.tuple_items and isinstance(s.get("items"), list):
+            s["prefixItems"] = s.pop("items")
+            if "additionalItems" in s:
+                s["items"] = s.pop("additionalItems")
+        s.pop("additionalItems", None)  # without tuple items it constrains nothing
+        self.fixed_of[id(raw)] = s
+        return self.fixed(s, [raw])
+
+    def fixed(self, s: dict, parts: list[Schema]) -> dict:
+        self.origins[id(s)] = (parts, s)
+        return s
+
+    def parts(self, s: Schema) -> list[Schema]:
+        if isinstance(s, bool):
+            return [] if s else [False]
+        return self.origins[id(s)][0]
+
+    def resolve(self, ref: Any) -> Schema:
+        """The raw subschema a local `$ref` points to."""
+        if not isinstance(ref, str) or not ref.startswith("#"):
+            raise GrammarError(f"only local $ref ('#/...') is supported, got {ref!r}", feature="$ref:remote")
+        pointer = unquote(ref[1:])
+        if pointer and not pointer.startswith("/"):
+            raise GrammarError(f"$ref to an anchor ({ref!r}) is not supported; use a JSON pointer", feature="$ref:anchor")
+        if self.id_scopes:
+            raise GrammarError("$ref inside a subschema with its own $id is not supported", feature="$id")
+        node = self.root
+        for token in pointer.split("/")[1:] if pointer else []:
+            if node is not self.root and self._has_base_id(node):
+                raise GrammarError(f"$ref {ref!r} points into a subschema with its own $id; not supported", feature="$id")
+            token = token.replace("~1", "/").replace("~0", "~")
+            if isinstance(node, dict) and token in node:
+                node = node[token]
+            elif isinstance(node, list) and token.isdigit() and int(token) < len(node):
+                node = node[int(token)]
+            else:
+                raise GrammarError(f"$ref {ref!r} does not resolve", feature="$ref")
+        if node is not self.root and self._has_base_id(node):
+            raise GrammarError(f"$ref {ref!r} points to a subschema with its own $id; not supported", feature="$id")
+        return node
+
+    def _has_base_id(self, node: Schema) -> bool:
+        """Does this raw subschema set a new base URI (which changes how $refs inside resolve)?"""
+        if not isinstance(node, dict) or id(node) in self.origins:
+            return False
+        value = node.get("$id", node.get("id") if self.draft.year == 4 else None)
+        return isinstance(value, str) and not value.startswith("#")
+
+    def ref_target(self, ref: str) -> str:
+        """Our `$defs` pointer for `ref`, normalizing its target once (recursion-safe)."""
+        if ref not in self.def_names:
+            name = f"d{len(self.def_names)}"
+            self.def_names[ref] = name
+            self.defs[name] = True  # placeholder while the target (which may refer back) is normalized
+            self.defs[name] = self.norm(self.resolve(ref))
+        return f"#/$defs/{self.def_names[ref]}"
+
+
+def _never_has_required(gen: dict, other: dict) -> bool:
+    """`other` requires a property `gen`'s outputs never contain: we compile in strict mode, so a
+    plain object node produces only its declared (and required) properties."""
+    if any(k in gen for k in ("anyOf", "oneOf", "patternProperties", "unevaluatedProperties")):
+        return False
+    if gen.get("additionalProperties", False) is not False:
+        return False
+    produced = set(gen.get("properties", {})) | set(gen.get("required", []))
+    return any(name not in produced for name in other.get("required", []))
+
+
+def _finite(s: dict) -> list | None:
+    if "const" in s:
+        return [s["const"]]
+    return s.get("enum")
+
+
+def _types_overlap(produced: set[str], allowed: set[str]) -> bool:
+    numeric = {"integer", "number"}
+    return bool(produced & allowed) or bool(produced & numeric and allowed & numeric)
+

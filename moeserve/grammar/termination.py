@@ -1,0 +1,105 @@
+"""Ending a constrained output on time: steer toward closing what is open.
+
+A grammar guarantees every *finished* output is valid, not that the model finishes: a weak (or
+random) model inside `{"a": [` can keep adding items until `max_tokens`, and a cut-off JSON
+document is invalid. So near the end of its budget the sampler should take the shortest way
+out: add `CLOSING_BOOST * policy.scores()` to the already-masked logits, and among the tokens
+the grammar allows, the one that closes most wins (ties keep the model's preference).
+
+The score of a token is how many JSON levels it closes, found by running a tiny JSON lexer
+(outside a string / inside / after a backslash) over its bytes from the current lexer state:
+`"}` inside a string closes two levels, outside one it opens a string (-1). Outside strings a
+token that is just a comma scores +0.5: it ends a number or literal that could otherwise grow
+forever and moves on to the next (perhaps required) member, while a closing bracket, when
+allowed, still wins; a comma inside a longer token (`},{"`) commits to one more member and
+scores -0.5. The stop token scores `STOP_SCORE`, so it wins whenever the grammar allows it
+(the output is complete).
+Inside a string, single-byte tokens get a small bonus: when the closing quote is not allowed
+yet (a `pattern` wants a `:` first), short random steps explore the pattern's alphabet faster
+than long word tokens.
+
+Masked logits stay -inf, so this never admits a token the grammar refuses. It is a greedy
+heuristic, not a proof: on JSONSchemaBench with a random model switching to it after 48 tokens,
+5,208 of 5,208 outputs ended within 2,048 tokens (bench/grammar_conformance.py), most within a
+few dozen tokens of the switch (a schema with ~150 required properties needs ~1,400). A pattern
+that needs a long exact sequence, or a schema with no finite instance (a required property
+that recursively requires itself), still runs to max_tokens. Tables are per vocabulary
+(`ClosingTables`), the lexer state per request (`ClosingPolicy`); regex/EBNF/choice grammars
+get only the stop score and the single-byte bonus.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+
+STOP_SCORE = 1000.0
+CLOSING_BOOST = 1.0e4  # dwarfs any real logit gap, so the score decides and logits break ties
+SINGLE_BYTE_BONUS = 0.5  # inside strings; below one level so closing always wins
+COMMA_BONUS = 0.5  # outside strings: a lone comma +0.5, a comma in a longer token -0.5
+
+OUT, STR, ESC = 0, 1, 2  # lexer states: outside strings, inside a string, after a backslash
+
+
+def _lex(state: int, data: bytes) -> tuple[float, int]:
+    """Run the lexer over `data`; returns (score, final state): levels closed minus opened, plus
+    the comma term (see COMMA_BONUS)."""
+    depth, commas = 0, 0
+    for b in data:
+        if state == ESC:
+            state = STR
+        elif state == STR:
+            if b == 0x5C:  # backslash
+                state = ESC
+            elif b == 0x22:  # closing quote
+                state, depth = OUT, depth - 1
+        elif b == 0x22:
+            state, depth = STR, depth + 1
+        elif b in b"{[":
+            depth += 1
+        elif b in b"}]":
+            depth -= 1
+        elif b == 0x2C:  # comma
+            commas += 1
+    return -depth + COMMA_BONUS * (commas if data == b"," else -commas), state
+
+
+class ClosingTables:
+    """Per vocabulary: for each lexer state, each token's score and the state it leads to."""
+
+    def __init__(self, decoded_vocab: Sequence[bytes], stop_token_ids: Sequence[int]) -> None:
+        self.scores = torch.zeros(3, len(decoded_vocab))  # [3, V]
+        self.next_state = [[OUT] * len(decoded_vocab) for _ in range(3)]  # [3][V]
+        for state in (OUT, STR, ESC):
+            for t, text in enumerate(decoded_vocab):
+                score, after = _lex(state, text)
+                self.scores[state, t] = score + (SINGLE_BYTE_BONUS if state != OUT and len(text) == 1 else 0.0)
+                self.next_state[state][t] = after
+        self.scores[:, list(stop_token_ids)] = STOP_SCORE
+        # Non-JSON grammars: nothing to close; short steps explore a regex's alphabet fastest.
+        self.plain = torch.tensor([SINGLE_BYTE_BONUS if len(t) == 1 else 0.0 for t in decoded_vocab])  # [V]
+        self.plain[list(stop_token_ids)] = STOP_SCORE
+
+
+class ClosingPolicy:
+    """Per request: follows the output's lexer state; `scores()` is the closing preference now."""
+
+    def __init__(self, tables: ClosingTables, *, json: bool = True) -> None:
+        self.tables = tables
+        self.json = json
+        self.state = OUT
+
+    def advance(self, token_ids: Iterable[int]) -> None:
+        """Feed every accepted token (sampled or forced), in order."""
+        for t in token_ids:
+            self.state = self.tables.next_state[self.state][t]
+
+    def scores(self) -> torch.Tensor:
+        """[V] float32."""
+        return self.tables.scores[self.state] if self.json else self.tables.plain
+
+
+def bias_toward_closing(logits: torch.Tensor, scores: torch.Tensor, boost: float = CLOSING_BOOST) -> None:
+    """In place: logits [B, V] += boost * scores [V]. Apply after the grammar mask."""
+    logits.add_(scores.to(logits.device, logits.dtype), alpha=boost)

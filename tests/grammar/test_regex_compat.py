@@ -1,0 +1,72 @@
+"""regex_compat: after the rewrite, xgrammar accepts no string Python's `re` would reject."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import re
+
+import pytest
+import xgrammar as xgr
+
+from moeserve.grammar import GrammarError, GrammarSpec
+from moeserve.grammar.regex_compat import WS_ANY, WS_BOTH, xgrammar_regex
+
+TRICKY = ["a", "b", "0", "1", "_", " ", "-", ".", ":", "é", "\u0663", "\n", "\t", "\x0b", "\x1c", "\x85", "\xa0", "\u2003", "\ufeff", '"', "\\"]
+PATTERNS = [
+    r".", r"\s", r"\S", r"[^\s]", r"[^:\s]+", r"\w", r"\W", r"\d", r"\D", r"[^\d]", r"[^\w-]", r"[\w.-]+", r"[\S]",
+    r"a(b[01]+)?", r"(ab)?[01]{1,2}", r"[^a]", r"(a|b0+)?1", r"\d+(\.\d+)?",
+]
+
+
+def _class_chars(spec: str) -> set[str]:
+    out = set()
+    for m in re.finditer(r"(.)-(.)|(.)", spec, re.S):
+        lo, hi, one = m.groups()
+        out |= {one} if one else {chr(c) for c in range(ord(lo), ord(hi) + 1)}
+    return out
+
+
+def test_whitespace_sets_are_the_intersection_and_union():
+    python_ws = {chr(c) for c in range(0x10000) if re.fullmatch(r"\s", chr(c))}
+    ecma_ws = {"\t", "\n", "\x0b", "\x0c", "\r", " ", "\xa0", "\u1680", "\u2028", "\u2029", "\u202f", "\u205f", "\u3000", "\ufeff"} | {
+        chr(c) for c in range(0x2000, 0x200B)
+    }
+    assert _class_chars(WS_BOTH) == python_ws & ecma_ws
+    assert _class_chars(WS_ANY) == python_ws | ecma_ws
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_regex_kind_accepts_only_what_python_accepts(compiler, pattern):
+    compiled = compiler.compile(GrammarSpec.regex(pattern))
+    for n in (1, 2, 3):
+        for chars in itertools.product(TRICKY[:12] if n == 3 else TRICKY, repeat=n):
+            text = "".join(chars)
+            m = xgr.GrammarMatcher(compiled.grammar)
+            if m.accept_string(text) and m.is_completed():
+                assert re.fullmatch(pattern, text), (pattern, text, compiled.source)
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_schema_pattern_accepts_only_what_python_accepts(compiler, pattern):
+    compiled = compiler.compile(GrammarSpec.json_schema({"type": "string", "pattern": f"^{pattern}$"}))
+    for n in (1, 2):
+        for chars in itertools.product(TRICKY, repeat=n):
+            text = "".join(chars)
+            m = xgr.GrammarMatcher(compiled.grammar)
+            if m.accept_string(json.dumps(text, ensure_ascii=False)) and m.is_completed():
+                assert re.search(f"^{pattern}$", text), (pattern, text, compiled.source)
+
+
+def test_rewrites():
+    assert xgrammar_regex("a(b)?", dot_excludes_newline=False) == "a(b){0,1}"
+    assert xgrammar_regex(r"a\)?[)?]", dot_excludes_newline=False) == r"a\)?[)?]"
+    assert xgrammar_regex("a.b[.]", dot_excludes_newline=True) == r"a[^\n]b[.]"
+    assert xgrammar_regex(r"\S", dot_excludes_newline=False).startswith(r"[^ \u0009\u000a")
+    assert xgrammar_regex(r"[^\d]", dot_excludes_newline=False).startswith("[ !")  # printable ASCII non-digits
+
+
+def test_invalid_regex_is_a_grammar_error(compiler):
+    with pytest.raises(GrammarError, match="invalid regex") as info:
+        compiler.compile(GrammarSpec.regex("a(b"))
+    assert info.value.feature == "invalid-regex"

@@ -1,0 +1,143 @@
+"""What we enforce, rewrite and refuse in JSON Schema, keyword by keyword.
+
+Every "ok" case compiles and its grammar accepts the valid instances and refuses the invalid
+ones (as compact JSON); each exists because xgrammar 0.2.9 alone got it wrong or because we
+rewrite it (see test_xgrammar_quirks.py for the raw behaviour). Every "refused" case raises
+GrammarError with the named feature instead of compiling a grammar that would let invalid
+output through.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import xgrammar as xgr
+
+from moeserve.grammar import GrammarError, GrammarSpec
+
+D4 = "http://json-schema.org/draft-04/schema#"
+D7 = "http://json-schema.org/draft-07/schema#"
+OBJ_AB = {"a": {"type": "integer"}, "b": {"type": "integer"}}
+
+
+def accepts(compiled, instance) -> bool:
+    matcher = xgr.GrammarMatcher(compiled.grammar)
+    text = instance if isinstance(instance, Raw) else json.dumps(instance, separators=(",", ":"), ensure_ascii=False)
+    return matcher.accept_string(str(text)) and matcher.is_completed()
+
+
+class Raw(str):
+    """Output text given literally instead of as a JSON value."""
+
+
+OK = [
+    # (name, schema, valid instances, invalid instances)
+    ("pattern", {"type": "string", "pattern": "^a+$"}, ["aaa"], ["ab"]),
+    ("format email", {"type": "string", "format": "email"}, ["a@b.co"], ["nope"]),
+    ("format date (real calendar)", {"type": "string", "format": "date"}, ["2024-02-29", "2023-11-30"], ["2023-11-31", "2023-02-29", "0000-01-01"]),
+    ("format date-time", {"type": "string", "format": "date-time"}, ["2020-01-01T00:00:00Z", "2020-01-01T23:59:59.5+05:30"], ["2020-01-01T24:00:00Z", "2020-01-01T00:00:0012Z"]),
+    ("format unknown is an annotation", {"type": "string", "format": "int32"}, ["x"], [1]),
+    ("minLength/maxLength", {"type": "string", "minLength": 2, "maxLength": 3}, ["ab", "éé"], ["a", "abcd"]),
+    ("numbers", {"type": "number", "minimum": 1.5, "exclusiveMaximum": 3}, [1.5, 2.99], [1.4, 3, Raw("3.0")]),
+    ("integer non-integral bounds", {"type": "integer", "minimum": 1.5, "maximum": 4.5}, [2, 4], [1, 5]),
+    ("integer exclusive", {"type": "integer", "exclusiveMinimum": 1.5, "exclusiveMaximum": 4}, [2, 3], [1, 4]),
+    ("draft-04 exclusive flags", {"$schema": D4, "type": "integer", "minimum": 5, "exclusiveMinimum": True}, [6], [5]),
+    ("multipleOf on integers", {"type": "integer", "multipleOf": 3}, [6], [7]),
+    ("type inferred from keywords", {"minimum": 3}, [3], [2, "x"]),
+    ("type list", {"type": ["integer", "null"], "minimum": 0}, [0, None], [-1, "x"]),
+    ("enum filtered by siblings", {"type": "string", "enum": ["a", 1, "bb"], "maxLength": 1}, ["a"], [1, "bb"]),
+    ("const", {"const": {"a": 1}}, [{"a": 1}], [{"a": 2}]),
+    ("required not in properties", {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["b"]}, [{"b": 1}], [{"a": 1}]),
+    ("additionalProperties false", {"type": "object", "properties": {"a": {"type": "integer"}}, "additionalProperties": False}, [{"a": 1}], [{"a": 1, "b": 2}]),
+    ("additionalProperties schema", {"type": "object", "properties": {"a": {"type": "integer"}}, "additionalProperties": {"type": "string"}}, [{"a": 1, "b": "x"}], [{"a": 1, "b": 2}, {"a": "x"}]),
+    ("min/maxProperties", {"type": "object", "properties": OBJ_AB, "minProperties": 1, "maxProperties": 1}, [{"a": 1}], [{}, {"a": 1, "b": 1}]),
+    ("minProperties: declared keys only (no duplicates)", {"type": "object", "properties": OBJ_AB, "additionalProperties": True, "minProperties": 2},
+     [{"a": 1, "b": 2}], [{"a": 1, "c": 2}, Raw('{"a":1,"a":2}')]),
+    ("array without items", {"type": "array", "minItems": 2}, [[1, "x"]], [[1]]),
+    ("tuple items (draft-07)", {"$schema": D7, "type": "array", "items": [{"type": "integer"}], "additionalItems": False}, [[1]], [[1, 2], ["a"]]),
+    ("prefixItems", {"type": "array", "prefixItems": [{"type": "integer"}, {"type": "string"}]}, [[1, "a"]], [["a", 1]]),
+    ("uniqueItems trivially true", {"type": "array", "items": {"type": "integer"}, "uniqueItems": True, "maxItems": 1}, [[1]], [[1, 1]]),
+    ("allOf merged", {"allOf": [{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}, {"properties": {"b": {"type": "string"}}, "required": ["b"]}]}, [{"a": 1, "b": "x"}], [{"a": 1}, {"b": "x"}]),
+    ("allOf bounds", {"allOf": [{"type": "integer"}, {"minimum": 3}]}, [3], [2]),
+    ("anyOf with siblings", {"type": "object", "properties": OBJ_AB, "anyOf": [{"required": ["a"]}, {"required": ["b"]}]}, [{"a": 1}, {"b": 1}], [{}]),
+    ("allOf of anyOfs", {"allOf": [{"anyOf": [{"type": "integer"}, {"type": "string"}]}, {"anyOf": [{"type": "string"}, {"type": "null"}]}]}, ["x"], [1, None]),
+    ("oneOf disjoint types", {"oneOf": [{"type": "integer"}, {"type": "string"}]}, [1, "x"], [True]),
+    ("oneOf discriminator", {"oneOf": [
+        {"type": "object", "properties": {"k": {"const": "a"}, "x": {"type": "integer"}}, "required": ["k", "x"]},
+        {"type": "object", "properties": {"k": {"const": "b"}, "y": {"type": "string"}}, "required": ["k", "y"]},
+    ]}, [{"k": "a", "x": 1}, {"k": "b", "y": "s"}], [{"k": "a", "y": "s"}]),
+    ("oneOf by required properties", {"oneOf": [
+        {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]},
+        {"type": "object", "properties": {"y": {"type": "integer"}}, "required": ["y"]},
+    ]}, [{"x": 1}, {"y": 1}], [{"x": 1, "y": 1}, {}]),
+    ("$ref with siblings (2020-12)", {"$defs": {"x": {"type": "integer"}}, "$ref": "#/$defs/x", "minimum": 3}, [3], [2]),
+    ("$ref siblings ignored (draft-07)", {"$schema": D7, "definitions": {"x": {"type": "integer"}}, "$ref": "#/definitions/x", "minimum": 3}, [2], ["x"]),
+    ("recursive $ref", {"type": "object", "properties": {"c": {"type": "array", "items": {"$ref": "#"}}}}, [{"c": [{"c": []}]}], [{"c": [1]}]),
+    ("patternProperties", {"type": "object", "properties": {"b": {"type": "string"}}, "patternProperties": {"^x$": {"type": "integer"}}}, [{"b": "s", "x": 1}], [{"x": "s"}]),
+    ("pattern with optional group (xgrammar bug worked around)", {"type": "string", "pattern": "^a(b[01]+)?$"}, ["a", "ab01"], ["a0", "a01"]),
+    ("pattern implies length", {"type": "string", "pattern": "^[a-z]{3}$", "minLength": 1, "maxLength": 5}, ["abc"], ["ab"]),
+    ("^X*$ pattern with lengths", {"type": "string", "pattern": "^[0-9a-z-]*$", "minLength": 2, "maxLength": 3}, ["ab", "a-1"], ["a", "abcd", "A1"]),
+    ("propertyNames", {"type": "object", "propertyNames": {"pattern": "^a"}, "additionalProperties": {"type": "integer"}}, [{"a": 1}], [{"b": 1}]),
+    ("unevaluatedProperties false", {"type": "object", "properties": {"a": {"type": "integer"}}, "unevaluatedProperties": False}, [{"a": 1}], [{"a": 1, "b": 1}]),
+    ("unknown keyword ignored", {"type": "integer", "x-widget": "slider", "nullable": True}, [1], [None]),
+    ("const in draft-04 is not a keyword", {"$schema": D4, "type": "integer", "const": 3}, [4], ["x"]),
+]
+
+REFUSED = [
+    ("not", {"not": {"type": "string"}}, "not"),
+    ("if/then/else", {"if": {"type": "string"}, "then": {"minLength": 2}}, "if/then/else"),
+    ("uniqueItems", {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "uniqueItems"),
+    ("contains", {"type": "array", "contains": {"const": 5}}, "contains"),
+    ("dependencies", {"type": "object", "properties": OBJ_AB, "dependencies": {"a": ["b"]}, "$schema": D7}, "dependencies"),
+    ("dependentRequired", {"type": "object", "properties": OBJ_AB, "dependentRequired": {"a": ["b"]}}, "dependentRequired"),
+    ("dependentSchemas", {"type": "object", "properties": OBJ_AB, "dependentSchemas": {"a": {"required": ["b"]}}}, "dependentSchemas"),
+    ("multipleOf on numbers", {"type": "number", "multipleOf": 0.5}, "multipleOf"),
+    ("multipleOf fractional step", {"type": "integer", "multipleOf": 2.5}, "multipleOf"),
+    ("oneOf overlapping", {"oneOf": [{"type": "integer"}, {"type": "number"}]}, "oneOf"),
+    ("oneOf open objects", {"oneOf": [
+        {"type": "object", "properties": {"x": {}}, "required": ["x"], "additionalProperties": True},
+        {"type": "object", "properties": {"y": {}}, "required": ["y"]},
+    ]}, "oneOf"),
+    ("pattern + length", {"type": "string", "pattern": "^(a|bc)+$", "maxLength": 4}, "length+pattern"),
+    ("format + pattern", {"type": "string", "format": "email", "pattern": "^a"}, "format+pattern"),
+    ("format + length", {"type": "string", "format": "email", "maxLength": 5}, "format+length"),
+    ("unsupported format", {"type": "string", "format": "iri"}, "format:iri"),
+    ("remote $ref", {"$ref": "https://example.com/s.json"}, "$ref:remote"),
+    ("anchor $ref", {"$defs": {"a": {"$anchor": "x", "type": "integer"}}, "$ref": "#x"}, "$ref:anchor"),
+    ("unresolvable $ref", {"$ref": "#/$defs/missing"}, "$ref"),
+    ("two patternProperties", {"type": "object", "patternProperties": {"^a": {}, "b$": {}}}, "patternProperties"),
+    ("patternProperties clash", {"type": "object", "properties": {"xa": {"type": "string"}}, "patternProperties": {"^x": {"type": "integer"}}}, "patternProperties"),
+    ("propertyNames clash", {"type": "object", "properties": {"b": {}}, "propertyNames": {"pattern": "^a"}}, "propertyNames"),
+    ("empty enum after filtering", {"type": "integer", "enum": ["a", "b"]}, "enum"),
+    ("allOf conflicting patterns", {"allOf": [{"type": "string", "pattern": "^a"}, {"pattern": "b$"}]}, "allOf:pattern"),
+    ("allOf recursion", {"$defs": {"x": {"additionalProperties": {"$ref": "#/$defs/y"}}, "y": {"additionalProperties": {"$ref": "#/$defs/x"}}},
+                         "allOf": [{"$ref": "#/$defs/x"}, {"$ref": "#/$defs/y"}]}, "allOf:recursive"),
+    ("minProperties via undeclared keys", {"type": "object", "additionalProperties": {"type": "integer"}, "minProperties": 2}, "minProperties"),
+    ("allOf disjoint types", {"allOf": [{"type": "integer"}, {"type": "string"}]}, "unsatisfiable"),
+    ("invalid schema", {"type": "strng"}, "invalid-schema"),
+    ("unknown $schema", {"$schema": "http://example.com/my-draft", "type": "string"}, "$schema"),
+    ("unsatisfiable", {"type": "integer", "minimum": 5, "maximum": 3}, "invalid-json_schema"),
+]
+
+
+@pytest.mark.parametrize(("name", "schema", "valid", "invalid"), OK, ids=[c[0] for c in OK])
+def test_enforced_exactly(compiler, name, schema, valid, invalid):
+    compiled = compiler.compile(GrammarSpec.json_schema(schema))
+    for instance in valid:
+        assert accepts(compiled, instance), f"{name}: valid {instance!r} refused; source {compiled.source}"
+    for instance in invalid:
+        assert not accepts(compiled, instance), f"{name}: invalid {instance!r} accepted; source {compiled.source}"
+
+
+@pytest.mark.parametrize(("name", "schema", "feature"), REFUSED, ids=[c[0] for c in REFUSED])
+def test_refused_with_feature(compiler, name, schema, feature):
+    with pytest.raises(GrammarError) as info:
+        compiler.compile(GrammarSpec.json_schema(schema))
+    assert info.value.feature == feature, f"{name}: {info.value.message}"
+    assert info.value.message  # a sentence for the client, not an empty 400
+
+
+def test_invalid_schema_message_names_the_place(compiler):
+    with pytest.raises(GrammarError, match=r"at properties/a/type: 'strng' is not valid"):
+        compiler.compile(GrammarSpec.json_schema({"type": "object", "properties": {"a": {"type": "strng"}}}))
