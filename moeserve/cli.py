@@ -44,6 +44,28 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    """Deploy gateway + engine on an embedded local Ray; Ray is imported only here."""
+    from deployments.config import AppConfig  # lazy: `moeserve generate` never loads Ray
+    from deployments.local import serve_locally
+
+    overrides: dict = {}
+    if args.shards is not None:
+        overrides["shards"] = {"num_shards": args.shards}
+    if args.draft is not None:
+        overrides["speculative"] = {"draft": "model" if args.draft == "draft" else args.draft}
+    if args.grpc_port is not None:
+        overrides["gateway"] = {"grpc_port": args.grpc_port}
+    if args.model is not None:
+        overrides["model"] = {"path": args.model}
+    try:
+        cfg = AppConfig.load(args.config, overrides) if args.config else AppConfig.from_dict(overrides)
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return serve_locally(cfg, host=args.host, http_port=args.http_port, num_cpus=args.num_cpus, demo=args.demo)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="moeserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -61,6 +83,18 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--raw", action="store_true", help="send PROMPT as is, without the chat template")
     g.add_argument("-v", "--verbose", action="store_true", help="print throughput and speculation stats")
     g.set_defaults(func=_generate)
+
+    s = sub.add_parser("serve", help="start the app (gateway + engine) on a local Ray; Ctrl-C stops it")
+    s.add_argument("--config", help="YAML: an app config, or a Serve config (default: built-in defaults)")
+    s.add_argument("--shards", type=int, help="expert-parallel shards per engine replica")
+    s.add_argument("--draft", choices=("model", "ngram", "none", "draft"), help="speculative proposer")
+    s.add_argument("--model", help="target checkpoint folder (default: checkpoints/demo-moe)")
+    s.add_argument("--http-port", type=int, default=8000)
+    s.add_argument("--grpc-port", type=int, help="gRPC port (default 9000; 0 turns gRPC off)")
+    s.add_argument("--host", default="127.0.0.1", help="HTTP bind address (0.0.0.0 for all interfaces)")
+    s.add_argument("--num-cpus", type=int, default=4, help="logical CPUs for the local Ray (default 4)")
+    s.add_argument("--demo", action="store_true", help="once up, stream a JSON-schema-constrained demo reply")
+    s.set_defaults(func=_serve)
     return parser
 
 

@@ -16,7 +16,7 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)  # identity: the scheduler's list.remove must not compare every field
 class Sequence:
     """One request being generated. `num_cached` counts tokens whose keys/values are in the KV
     cache; in decode that is every token but the last sampled one, which the next step feeds."""

@@ -11,17 +11,21 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Iterator, Sequence as Seq
+from collections.abc import Iterator
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 import torch
 
 from moeserve.engine.model_runner import ModelRunner, Row
 from moeserve.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from moeserve.engine.structured import StructuredConfig, StructuredOutput
+from moeserve.grammar import CompiledGrammar
 from moeserve.sampler import Sampler, make_generator
 from moeserve.sampling_params import SamplingParams
 from moeserve.sequence import RequestOutput, Sequence
-from moeserve.spec.adaptive import AdaptiveK
+from moeserve.spec.adaptive import AdaptiveK, AdaptiveKConfig
+from moeserve.spec.cost_meter import PRIOR_COSTS, StepCostMeter
 from moeserve.spec.metrics import SpecMetrics
 from moeserve.spec.proposer import ProposalRequest, Proposer, pad_proposals
 from moeserve.spec.rejection_sampler import RejectionSampler
@@ -29,14 +33,21 @@ from moeserve.spec.rejection_sampler import RejectionSampler
 
 @dataclass(frozen=True)
 class SpecConfig:
-    """Speculative decoding: `num_tokens` draft tokens per step (the cap when adaptive)."""
+    """Speculative decoding: `num_tokens` draft tokens per step (the cap when adaptive).
+
+    adaptive: choose k per sequence (AdaptiveK) from its acceptance rate and the step
+        costs the engine measures; the cost model is refit every `refit_every` decode steps.
+    """
 
     num_tokens: int = 4
     adaptive: bool = False
+    refit_every: int = 16
 
     def __post_init__(self) -> None:
         if not 0 <= self.num_tokens <= 16:
             raise ValueError(f"num_tokens: must be in [0, 16], got {self.num_tokens}")
+        if self.refit_every < 1:
+            raise ValueError(f"refit_every: must be >= 1, got {self.refit_every}")
 
 
 class LLMEngine:
@@ -48,6 +59,7 @@ class LLMEngine:
         proposer: Proposer | None = None,
         spec: SpecConfig | None = None,
         adaptive: AdaptiveK | None = None,
+        structured: StructuredConfig | None = None,
     ) -> None:
         self.runner = runner
         self.tokenizer = tokenizer
@@ -57,19 +69,28 @@ class LLMEngine:
         self.scheduler = Scheduler(cfg)
         self.proposer = proposer
         self.spec = spec or SpecConfig(num_tokens=4 if proposer else 0)
+        if adaptive is None and self.spec.adaptive and proposer is not None:
+            adaptive = AdaptiveK(AdaptiveKConfig(k_max=self.spec.num_tokens), PRIOR_COSTS)
         self.adaptive = adaptive
+        self.step_costs = StepCostMeter()
         self.sampler = Sampler()
         self.rejection = RejectionSampler()
         self.spec_metrics = SpecMetrics()
+        self.structured = StructuredOutput(runner.vocab_size, structured)
         eos = getattr(tokenizer, "eos_token_id", None)
-        self.eos_ids = {eos} if eos is not None else set(runner.model.config.eos_token_id)
+        self.eos_ids = set(runner.model.config.eos_token_id) | ({eos} if eos is not None else set())
         self._seqs: dict[str, Sequence] = {}
         self._ids = itertools.count()
 
     # ---- requests ----------------------------------------------------------------------------
     def add_request(
-        self, prompt: str | Seq[int], params: SamplingParams | None = None, request_id: str | None = None
+        self,
+        prompt: str | Seq[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        grammar: CompiledGrammar | None = None,
     ) -> str:
+        """Queue a request; `grammar` (from GrammarCompiler.compile) constrains its output."""
         params = params or SamplingParams()
         prompt_ids = list(self.tokenizer.encode(prompt)) if isinstance(prompt, str) else [int(t) for t in prompt]
         limit = self.scheduler.cfg.max_model_len
@@ -83,6 +104,8 @@ class LLMEngine:
         if request_id in self._seqs:
             raise ValueError(f"request id {request_id!r} is already in use")
         seq = Sequence(request_id, prompt_ids, params, arrival=time.monotonic())
+        if grammar is not None:
+            seq.grammar = self.structured.new_request(grammar)
         if params.seed is not None:
             seq.generator = make_generator(params.seed)
         if self.tokenizer is not None:
@@ -119,6 +142,8 @@ class LLMEngine:
         logits = self.runner.forward(rows, logits="last")  # [B, V]
         for s in batch.seqs:
             s.num_cached = s.num_tokens
+        if self.structured.fill_last(batch.seqs):
+            self.structured.apply(logits)
         tokens = self.sampler.sample(logits, [s.params for s in batch.seqs], [s.generator for s in batch.seqs])
         return [[t] for t in tokens.tolist()]
 
@@ -126,23 +151,33 @@ class LLMEngine:
         seqs = batch.seqs
         t0 = time.perf_counter()
         proposals = self._propose(seqs)
+        if any(proposals):  # drafts the grammar refuses are cut; masks for all k+1 positions filled
+            self._last_proposals = self.structured.cut_and_fill(seqs, self._last_proposals)
+            proposals = [list(p.token_ids) for p in self._last_proposals]
         t1 = time.perf_counter()
+        fed = [len(s.pending_ids) for s in seqs]  # 1, or more after jump-forward
         rows = [Row(s.seq_id, s.pending_ids + p, s.num_cached) for s, p in zip(seqs, proposals)]
         if not any(proposals):
             logits = self.runner.forward(rows, logits="last")  # [B, V]
+            self._measure(len(seqs), 0, t1 - t0, time.perf_counter() - t1)
             for s in seqs:
                 s.num_cached = s.num_tokens
+            if self.structured.fill_last(seqs):
+                self.structured.apply(logits)
             tokens = self.sampler.sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
             return [[t] for t in tokens.tolist()]
-        logits = self.runner.forward(rows, logits="all")  # [B, K+1, V]
+        logits = self.runner.forward(rows, logits="all")  # [B, Tq, V]
+        logits = _verify_window(logits, fed, max(map(len, proposals)))  # [B, K+1, V]
+        self.structured.apply(logits)
         t2 = time.perf_counter()
         out = self._verify(seqs, logits, proposals)
         accepted = out.num_accepted.tolist()
-        for s, a, p in zip(seqs, accepted, proposals):
-            s.num_cached += 1 + a  # the fed token + accepted drafts; rejected ones are rolled back
+        for s, a, p, n in zip(seqs, accepted, proposals, fed):
+            s.num_cached += n + a  # the fed tokens + accepted drafts; rejected ones are rolled back
             if self.adaptive is not None:
                 self.adaptive.observe(s.seq_id, len(p), a)
         self.spec_metrics.record([len(p) for p in proposals], accepted, t1 - t0, t2 - t1)
+        self._measure(len(seqs), max(map(len, proposals)), t1 - t0, t2 - t1)
         return out.token_ids
 
     def _propose(self, seqs: list[Sequence]) -> list[list[int]]:
@@ -152,9 +187,17 @@ class LLMEngine:
         for s in seqs:
             k = self.adaptive.choose_k(s.seq_id) if self.adaptive else self.spec.num_tokens
             room = min(s.params.max_tokens - len(s.output_ids), self.scheduler.cfg.max_model_len - s.num_tokens) - 1
-            requests.append(ProposalRequest(s.seq_id, s.token_ids, max(0, min(k, room))))
+            requests.append(ProposalRequest(s.seq_id, s.token_ids, max(0, min(k, room)), s.params))
         self._last_proposals = self.proposer.propose(requests)
         return [list(p.token_ids) for p in self._last_proposals]
+
+    def _measure(self, num_rows: int, width: int, draft_s: float, target_s: float) -> None:
+        """Step times -> the cost model adaptive k optimises, refit every spec.refit_every steps."""
+        if self.adaptive is None:
+            return
+        self.step_costs.record(num_rows, width, draft_s, target_s)
+        if self.step_costs.num_recorded % self.spec.refit_every == 0:
+            self.adaptive.set_costs(self.step_costs.fit(self.adaptive.costs))
 
     def _verify(self, seqs: list[Sequence], logits: torch.Tensor, proposals: list[list[int]]):
         k = max(len(p) for p in proposals)
@@ -169,22 +212,36 @@ class LLMEngine:
     # ---- after a step ------------------------------------------------------------------------
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params
-        if (token in self.eos_ids and not p.ignore_eos) or token in p.stop_token_ids:
+        ignore_eos = p.ignore_eos and seq.grammar is None  # under a grammar EOS means "complete"
+        if (token in self.eos_ids and not ignore_eos) or token in p.stop_token_ids:
             return "stop"
         return None
 
-    def _postprocess(self, seq: Sequence, tokens: list[int]) -> RequestOutput:
+    def _append(self, seq: Sequence, tokens: list[int]) -> tuple[list[int], str | None]:
+        """Append tokens up to a stop or length limit: (the tokens added, the finish reason)."""
         added: list[int] = []
-        reason = None
         for t in tokens:
             reason = self._stop_reason(seq, t)
             if reason:
-                break
+                return added, reason
             added.append(t)
             seq.output_ids.append(t)
             if len(seq.output_ids) >= seq.params.max_tokens or seq.num_tokens >= self.scheduler.cfg.max_model_len:
-                reason = "length"
-                break
+                return added, "length"
+        return added, None
+
+    def _postprocess(self, seq: Sequence, tokens: list[int]) -> RequestOutput:
+        added, reason = self._append(seq, tokens)
+        if seq.grammar is not None and reason is None:
+            adv = self.structured.advance(seq, added)
+            if adv.accepted < len(added):  # only after a bug upstream: never emit what the grammar refuses
+                del seq.output_ids[len(seq.output_ids) - len(added) + adv.accepted :]
+                added = added[: adv.accepted]
+            if adv.finished:
+                reason = "stop"
+            elif adv.forced:  # jump-forward: fed with the next step's pending token
+                forced, reason = self._append(seq, adv.forced)
+                added += forced
         text = ""
         if seq.detokenizer is not None:
             text = seq.detokenizer.push(added)
@@ -230,6 +287,18 @@ class LLMEngine:
                     c.text += out.new_text
                     c.finished, c.finish_reason = out.finished, out.finish_reason
         return [done[rid] for rid in ids]
+
+
+def _verify_window(logits: torch.Tensor, fed: list[int], k: int) -> torch.Tensor:
+    """The K+1 verification positions of each row: logits [B, Tq, V] -> [B, K+1, V].
+
+    Row b's drafts follow its fed tokens, so its window starts at its last fed token
+    (fed[b] - 1); usually 0, more after jump-forward appended forced tokens."""
+    if all(n == 1 for n in fed):
+        return logits[:, : k + 1]
+    start = torch.tensor(fed).unsqueeze(1) - 1  # [B, 1]
+    pos = (start + torch.arange(k + 1)).clamp(max=logits.shape[1] - 1)  # [B, K+1]
+    return logits[torch.arange(len(fed)).unsqueeze(1), pos]  # [B, K+1, V]
 
 
 @dataclass

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from model_shards import load_checkpoint
-from moeserve.engine import LLMEngine, ModelRunner, SchedulerConfig, SpecConfig
+from moeserve.engine import LLMEngine, ModelRunner, SpecConfig
 from moeserve.sampling_params import SamplingParams
 from moeserve.spec.ngram import NgramProposer
 from tests.model_shards.hf_tiny import save_tiny

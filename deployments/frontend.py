@@ -1,0 +1,207 @@
+"""What the HTTP and gRPC front ends share: tokenize, validate, compile the grammar, guard the stream.
+
+A request's path through the gateway:
+
+    body -> (openai_api.py | grpc_server.py) -> Frontend.prepare: prompt ids, SamplingParams,
+    GrammarSpec compiled here (400 if bad) -> Frontend.stream: ONE streaming engine call;
+    every token passes this request's own grammar matcher before it is yielded.
+
+The guard is a second, independent check of the engine's masking: the engine masks logits
+with its matcher, the gateway replays the emitted tokens through its own. A refusal
+means a bug (or a mismatched tokenizer), so the stream ends with an INTERNAL error and
+`grammar_guard_refusals_total` rises; the tests assert it never does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from deployments.metrics import GatewayMetrics
+from deployments.openai_api import APIError
+from moeserve.grammar import GrammarError, GrammarMatcher
+from moeserve.grammar.spec import GrammarSpec
+from moeserve.protocol import ErrorCode, GenerateChunk, GenerateRequest, Usage, error_chunk
+from moeserve.sampling_params import SamplingParams
+from moeserve.tokenizer import render_chat
+
+STALL_GRACE_S = 5.0  # past the request timeout, how long the gateway still waits for the engine's own error
+
+
+class EngineClient(Protocol):
+    """The engine as the gateway sees it: an EngineServer in-process, or a Serve handle wrapper."""
+
+    def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]: ...
+
+    async def health(self) -> dict[str, Any]: ...
+
+    async def stats(self) -> dict[str, Any]: ...
+
+
+@dataclass(frozen=True)
+class FrontendConfig:
+    """model_name: the one model id served; request_timeout_s: per request, engine side too."""
+
+    model_name: str
+    max_model_len: int
+    request_timeout_s: float | None = 300.0
+
+
+@dataclass
+class Prepared:
+    """A validated request, ready to stream, with the gateway's own matcher for the guard."""
+
+    request: GenerateRequest
+    guard: Any | None  # grammar matcher, or None for free text
+    route: str
+
+
+class Frontend:
+    def __init__(
+        self, cfg: FrontendConfig, tokenizer: Any, engine: EngineClient, compiler: Any, metrics: GatewayMetrics
+    ) -> None:
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.engine = engine
+        self.compiler = compiler
+        self.metrics = metrics
+        self.eos_token_id = tokenizer.eos_token_id
+
+    # ---- validation ----------------------------------------------------------------------------
+    def check_model(self, model: str) -> None:
+        if model != self.cfg.model_name:
+            raise APIError(404, f"model {model!r} does not exist; this server serves {self.cfg.model_name!r}",
+                           param="model", code="model_not_found")
+
+    def encode_prompt(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise APIError(400, "prompt is empty", param="prompt")
+            return list(self.tokenizer.encode(prompt))
+        vocab = len(self.tokenizer)
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"prompt token ids must be in [0, {vocab}), got {bad[0]}", param="prompt")
+        return list(prompt)
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        text = render_chat(self.tokenizer, messages)  # ValueError names the message -> 400
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    async def prepare(
+        self,
+        prompt_ids: list[int],
+        make_params: Callable[[int], SamplingParams],
+        max_tokens: int | None,
+        grammar: GrammarSpec | None,
+        route: str,
+        request_id: str | None = None,
+    ) -> Prepared:
+        """Check the context length, build SamplingParams (max_tokens defaults to what fits) and
+        compile the grammar. Raises APIError (or ValueError naming the field) for bad input."""
+        limit, n = self.cfg.max_model_len, len(prompt_ids)
+        if n >= limit:
+            raise APIError(400, f"prompt has {n} tokens but the model's context is {limit} tokens "
+                                "(the completion needs at least one more)", param="prompt",
+                           code="context_length_exceeded")
+        if max_tokens is not None and n + max_tokens > limit:
+            raise APIError(400, f"this model's context is {limit} tokens; the prompt has {n} and max_tokens asks "
+                                f"for {max_tokens} more ({n + max_tokens} in all)", param="max_tokens",
+                           code="context_length_exceeded")
+        params = make_params(limit - n if max_tokens is None else max_tokens)
+        guard = None
+        if grammar is not None:
+            guard = await self._compile(grammar)
+        rid = request_id or f"req-{uuid.uuid4().hex}"
+        req = GenerateRequest(rid, tuple(prompt_ids), params, grammar, self.cfg.request_timeout_s)
+        return Prepared(req, guard, route)
+
+    async def _compile(self, spec: GrammarSpec) -> Any:
+        t0 = time.perf_counter()
+        try:
+            compiled = await asyncio.to_thread(self.compiler.compile, spec)
+        except GrammarError as e:
+            self.metrics.grammar_refused.labels(kind=spec.kind, feature=e.feature or "").inc()
+            msg = str(e) if str(e).startswith("invalid") else f"invalid {spec.kind} grammar: {e}"
+            raise APIError(400, msg, param=_grammar_param(spec), code="invalid_grammar") from None
+        self.metrics.grammar_compile_seconds.observe(time.perf_counter() - t0)
+        return GrammarMatcher(compiled)
+
+    # ---- streaming -----------------------------------------------------------------------------
+    async def stream(self, prep: Prepared) -> AsyncIterator[GenerateChunk]:
+        """The engine's chunks, each token checked by the guard; ends with a finished chunk."""
+        m, route, req = self.metrics, prep.route, prep.request
+        t0 = last = time.perf_counter()
+        first = True
+        usage = Usage(len(req.prompt_ids), 0)
+        m.in_flight.inc()
+        try:
+            async for chunk in self._engine_stream(req):
+                usage = chunk.usage
+                if chunk.token_ids:
+                    now = time.perf_counter()
+                    if first:
+                        m.ttft_seconds.labels(route=route).observe(now - t0)
+                        first = False
+                    else:
+                        m.inter_token_seconds.observe((now - last) / len(chunk.token_ids))
+                    last = now
+                    m.generated_tokens.inc(len(chunk.token_ids))
+                refusal = self._guard(prep, chunk)
+                if refusal is not None:
+                    m.grammar_guard_refusals.inc()
+                    yield error_chunk(req.request_id, ErrorCode.INTERNAL, refusal, usage)
+                    return
+                yield chunk
+                if chunk.finished:
+                    return
+            yield error_chunk(req.request_id, ErrorCode.UNAVAILABLE, "engine stream ended without a finish", usage)
+        finally:
+            m.in_flight.dec()
+            m.prompt_tokens.inc(len(req.prompt_ids))
+            m.e2e_seconds.labels(route=route).observe(time.perf_counter() - t0)
+
+    async def _engine_stream(self, req: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+        """The engine's chunks; a failed call or a stalled engine ends the stream with an error."""
+        # The engine enforces timeout_s itself; this backstop covers an engine that stopped answering.
+        deadline = None if req.timeout_s is None else time.monotonic() + req.timeout_s + STALL_GRACE_S
+        chunks = self.engine.generate(req)
+        try:
+            while True:
+                left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+                try:
+                    yield await asyncio.wait_for(anext(chunks), left)
+                except StopAsyncIteration:
+                    return
+                except asyncio.TimeoutError:
+                    msg = f"no answer from the engine within {req.timeout_s:g} s"
+                    yield error_chunk(req.request_id, ErrorCode.DEADLINE_EXCEEDED, msg)
+                    return
+                except Exception as e:  # a dead replica or a lost connection: an error, never a hang
+                    msg = f"engine call failed: {type(e).__name__}: {e}"
+                    yield error_chunk(req.request_id, ErrorCode.UNAVAILABLE, msg)
+                    return
+        finally:
+            await chunks.aclose()
+
+    def _guard(self, prep: Prepared, chunk: GenerateChunk) -> str | None:
+        matcher = prep.guard
+        if matcher is None or chunk.error is not None:
+            return None
+        for t in chunk.token_ids:
+            if not matcher.accept_token(t):
+                return f"grammar guard refused token {t} ({self.tokenizer.decode([t])!r}); the stream was stopped"
+        params = prep.request.params
+        ended_by_grammar = chunk.finish_reason == "stop" and not params.stop and not params.stop_token_ids
+        if ended_by_grammar and not matcher.is_completed():
+            return "grammar guard: the output stopped before the grammar was complete"
+        return None
+
+
+def _grammar_param(spec: GrammarSpec) -> str:
+    return {"json_object": "response_format", "json_schema": "response_format", "regex": "guided_regex",
+            "ebnf": "guided_grammar", "choice": "guided_choice"}[spec.kind]

@@ -1,0 +1,207 @@
+"""The gateway: OpenAI-compatible HTTP (FastAPI, SSE) and gRPC in front of the engine.
+
+`Gateway` is a plain class: construct it with an engine client (an in-process
+EngineServer in tests, a Serve handle in deployments/app.py) and serve `gateway.http_app` with
+any ASGI server. Under Serve, `serve.ingress()` picks the app up through
+`__serve_build_asgi_app__`; the app's lifespan starts and stops the gRPC server, so the
+gRPC port lives and dies with the replica (several replicas on one node share the port
+through SO_REUSEPORT, which grpcio sets by default).
+
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
+GET /metrics. Bad input is always a 4xx in OpenAI's error shape, never a 500.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from deployments.frontend import Frontend, FrontendConfig, Prepared
+from deployments.http_edge import install_edge
+from deployments.metrics import GatewayMetrics
+from deployments.openai_api import (
+    SSE_DONE,
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    ResponseBuilder,
+    sse,
+)
+from moeserve.protocol import GenerateChunk
+
+ROUTE_COMPLETIONS = "/v1/completions"
+ROUTE_CHAT = "/v1/chat/completions"
+ROUTES = (ROUTE_COMPLETIONS, ROUTE_CHAT, "/v1/models", "/health", "/metrics")
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    """model_name: the id clients send; grpc_port: None or 0 turns gRPC off."""
+
+    model_name: str
+    model_path: str
+    max_model_len: int
+    tokenizer_path: str | None = None
+    grpc_port: int | None = None
+    grpc_host: str = "0.0.0.0"
+    max_body_bytes: int = 2 * 1024 * 1024
+    request_timeout_s: float | None = 300.0
+
+    def __post_init__(self) -> None:
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+
+
+class Gateway:
+    """Validates, tokenizes, compiles grammars, streams from the engine, and guards each token."""
+
+    def __init__(self, engine: Any, config: GatewayConfig, tokenizer: Any = None, compiler: Any = None) -> None:
+        from deployments.engine_client import as_engine_client
+
+        self.config = config
+        if tokenizer is None:
+            from moeserve.tokenizer import load_tokenizer
+
+            tokenizer = load_tokenizer(config.tokenizer_path or config.model_path)
+        if compiler is None:
+            from moeserve.grammar import GrammarCompiler
+
+            compiler = GrammarCompiler(tokenizer, _vocab_size(config.model_path, tokenizer))
+        self.metrics = GatewayMetrics()
+        fcfg = FrontendConfig(config.model_name, config.max_model_len, config.request_timeout_s)
+        self.frontend = Frontend(fcfg, tokenizer, as_engine_client(engine), compiler, self.metrics)
+        self.grpc_server: Any = None
+        self.http_app = self._build_app()
+
+    async def __serve_build_asgi_app__(self) -> FastAPI:
+        """Serve's late-bound ingress hook: the app is built per replica, never pickled."""
+        return self.http_app
+
+    # ---- the app ---------------------------------------------------------------------------
+    def _build_app(self) -> FastAPI:
+        app = FastAPI(title="moeserve", lifespan=self._lifespan)
+        install_edge(app, ROUTES, self.config.max_body_bytes, self.metrics)
+        app.post(ROUTE_COMPLETIONS)(self.completions)
+        app.post(ROUTE_CHAT)(self.chat_completions)
+        app.get("/v1/models")(self.models)
+        app.get("/health")(self.health)
+        app.get("/metrics")(self.prometheus)
+        return app
+
+    @contextlib.asynccontextmanager
+    async def _lifespan(self, app: FastAPI) -> AsyncIterator[None]:
+        if self.config.grpc_port:
+            from deployments.grpc_server import start_grpc_server
+
+            self.grpc_server, _ = await start_grpc_server(self.frontend, self.config.grpc_host, self.config.grpc_port)
+        try:
+            yield
+        finally:
+            if self.grpc_server is not None:
+                await self.grpc_server.stop(grace=2.0)
+
+    # ---- routes ----------------------------------------------------------------------------
+    async def completions(self, body: CompletionRequest) -> Response:
+        """OpenAI `POST /v1/completions` (one prompt, n=1), streaming or not."""
+        body.check_supported()
+        self.frontend.check_model(body.model)
+        prompt_ids = self.frontend.encode_prompt(body.single_prompt())
+        prep = await self.frontend.prepare(
+            prompt_ids, body.sampling_params, body.max_tokens, body.grammar_spec(), ROUTE_COMPLETIONS
+        )
+        builder = ResponseBuilder(f"cmpl-{prep.request.request_id[4:]}", body.model, chat=False)
+        return await self._respond(prep, builder, body.stream, body.include_usage)
+
+    async def chat_completions(self, body: ChatCompletionRequest) -> Response:
+        """OpenAI `POST /v1/chat/completions` through the tokenizer's chat template."""
+        body.check_supported()
+        self.frontend.check_model(body.model)
+        prompt_ids = self.frontend.encode_chat(body.message_dicts())
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        prep = await self.frontend.prepare(prompt_ids, body.sampling_params, max_tokens, body.grammar_spec(),
+                                           ROUTE_CHAT)
+        builder = ResponseBuilder(f"chatcmpl-{prep.request.request_id[4:]}", body.model, chat=True)
+        return await self._respond(prep, builder, body.stream, body.include_usage)
+
+    async def models(self) -> dict[str, Any]:
+        """OpenAI `GET /v1/models`: the one served model."""
+        card = {"id": self.config.model_name, "object": "model", "created": 0, "owned_by": "moeserve",
+                "max_model_len": self.config.max_model_len}
+        return {"object": "list", "data": [card]}
+
+    async def health(self) -> Response:
+        """200 when this gateway and the engine answer; 503 otherwise."""
+        try:
+            engine = await self.frontend.engine.health()
+        except Exception as e:
+            return JSONResponse({"status": "unavailable", "error": f"{type(e).__name__}: {e}"}, status_code=503)
+        return JSONResponse({"status": "ok", "engine": engine})
+
+    async def prometheus(self) -> Response:
+        """Prometheus text format: this replica's request metrics and one engine replica's gauges."""
+        try:
+            stats = await self.frontend.engine.stats()
+        except Exception:  # metrics must answer even when the engine does not
+            stats = None
+        return Response(self.metrics.render(stats), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    # ---- responses -------------------------------------------------------------------------
+    async def _respond(self, prep: Prepared, builder: ResponseBuilder, stream: bool, include_usage: bool) -> Response:
+        chunks = self.frontend.stream(prep)
+        handed_off = False
+        try:
+            first = await anext(chunks)  # wait for the first token, so early errors keep their status code
+            if first.error is not None:
+                raise APIError.from_code(first.error.code, first.error.message)
+            if stream:  # the SSE generator owns (and closes) the stream from here
+                handed_off = True
+                return StreamingResponse(self._sse(first, chunks, builder, include_usage),
+                                         media_type="text/event-stream",
+                                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            text, last = [first.text], first
+            while not last.finished:
+                last = await anext(chunks)
+                text.append(last.text)
+        finally:
+            if not handed_off:
+                await chunks.aclose()  # also on cancellation: a client that went away aborts its request
+        if last.error is not None:
+            raise APIError.from_code(last.error.code, last.error.message)
+        return JSONResponse(builder.full("".join(text), last.finish_reason, last.usage))
+
+    async def _sse(
+        self, first: GenerateChunk, chunks: AsyncIterator[GenerateChunk], builder: ResponseBuilder, include_usage: bool
+    ) -> AsyncIterator[str]:
+        try:
+            if builder.chat:
+                yield builder.chunk("", first=True)
+            chunk = first
+            while True:
+                if chunk.error is not None:
+                    yield sse(APIError.from_code(chunk.error.code, chunk.error.message).body())
+                    break
+                if chunk.text or chunk.finished:
+                    yield builder.chunk(chunk.text, chunk.finish_reason)
+                if chunk.finished:
+                    if include_usage:
+                        yield builder.usage_chunk(chunk.usage)
+                    break
+                chunk = await anext(chunks)
+            yield SSE_DONE
+        finally:
+            await chunks.aclose()  # a client that went away aborts its request
+
+
+def _vocab_size(model_path: str, tokenizer: Any) -> int:
+    """The model's vocabulary (logit rows), which may exceed the tokenizer's (padded embeddings)."""
+    try:
+        with open(f"{model_path}/config.json") as f:
+            return int(json.load(f)["vocab_size"])
+    except (OSError, KeyError, ValueError):
+        return len(tokenizer)

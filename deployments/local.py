@@ -1,0 +1,88 @@
+"""`moeserve serve`: an embedded local Ray, the app deployed on it, URLs printed, Ctrl-C stops it.
+
+Kept out of moeserve/cli.py so that the CLI module never imports Ray until `serve` runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+
+from deployments.config import AppConfig
+
+DEMO_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "item": {"type": "string", "maxLength": 24},
+        "quantity": {"type": "integer", "minimum": 1, "maximum": 24},
+        "pickup": {"enum": ["morning", "afternoon"]},
+    },
+    "required": ["item", "quantity", "pickup"],
+    "additionalProperties": False,
+}
+
+
+def serve_locally(cfg: AppConfig, *, host: str, http_port: int, num_cpus: int, demo: bool = False) -> int:
+    """Start Ray (num_cpus logical CPUs, token auth off), deploy, print URLs, block until Ctrl-C."""
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    import ray
+    from ray import serve
+
+    from deployments.app import APP_NAME, build
+
+    app = build(cfg)  # config errors surface before Ray starts
+    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        serve.start(http_options={"host": host, "port": http_port})
+        t0 = time.perf_counter()
+        serve.run(app, name=APP_NAME, route_prefix="/")
+        shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+        print(f"moeserve is up ({time.perf_counter() - t0:.1f} s): model {cfg.model.name!r}")
+        print(f"  HTTP  http://{shown}:{http_port}/v1  (OpenAI API; /health, /metrics)")
+        if cfg.gateway.grpc_port:
+            print(f"  gRPC  {shown}:{cfg.gateway.grpc_port}  (moeserve.v1.GenerateService)")
+        print("Ctrl-C to stop.", flush=True)
+        if demo:
+            demo_request(f"http://{shown}:{http_port}", cfg.model.name)
+        while not stop.wait(1.0):
+            pass
+    except KeyboardInterrupt:
+        pass
+    finally:
+        print("stopping...", file=sys.stderr, flush=True)
+        serve.shutdown()
+        ray.shutdown()
+    return 0
+
+
+def demo_request(base_url: str, model: str) -> None:
+    """Stream one chat completion constrained to DEMO_SCHEMA and print it as it arrives."""
+    import httpx
+
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": "I'd like to order two sourdough loaves for the morning."}],
+        "response_format": {"type": "json_schema", "json_schema": {"name": "order", "schema": DEMO_SCHEMA}},
+        "max_tokens": 96,
+        "temperature": 0,
+        "stream": True,
+    }
+    print(f"demo: POST {base_url}/v1/chat/completions (response_format json_schema, stream)\n  ", end="")
+    with httpx.stream("POST", f"{base_url}/v1/chat/completions", json=body, timeout=120) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                print(f"\n  error: {event['error']['message']}")
+                continue
+            for choice in event.get("choices", []):
+                sys.stdout.write(choice["delta"].get("content") or "")
+                sys.stdout.flush()
+    print("\n")

@@ -1,0 +1,53 @@
+"""The gateway's Prometheus metrics, in a registry of its own (one per Gateway instance).
+
+A registry per instance keeps tests and several gateways in one process independent.
+Under Serve each gateway replica serves its own numbers on GET /metrics; the engine's
+gauges are read from the engine (one Serve call per scrape, never per token).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+# Seconds; CPU decode steps are ~10-50 ms, requests up to minutes.
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
+_COMPILE_BUCKETS = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5)
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("moeserve_requests", "Requests by route and status code", ["route", "code"],
+                                registry=r)
+        self.ttft_seconds = Histogram("moeserve_time_to_first_token_seconds", "Time to first token", ["route"],
+                                      buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e_seconds = Histogram("moeserve_e2e_request_latency_seconds", "End-to-end generation latency",
+                                     ["route"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.inter_token_seconds = Histogram("moeserve_inter_token_latency_seconds", "Time per output token after "
+                                             "the first", buckets=_TOKEN_BUCKETS, registry=r)
+        self.generated_tokens = Counter("moeserve_generated_tokens", "Output tokens streamed", registry=r)
+        self.prompt_tokens = Counter("moeserve_prompt_tokens", "Prompt tokens processed", registry=r)
+        self.in_flight = Gauge("moeserve_requests_in_flight", "Requests streaming now", registry=r)
+        self.grammar_guard_refusals = Counter("moeserve_grammar_guard_refusals", "Streamed tokens the gateway's "
+                                              "grammar guard refused (must stay 0)", registry=r)
+        self.grammar_compile_seconds = Histogram("moeserve_grammar_compile_seconds", "Grammar compile time "
+                                                 "(cache hits included)", buckets=_COMPILE_BUCKETS, registry=r)
+        self.grammar_refused = Counter("moeserve_grammar_refused", "Grammars refused with a 400, by kind and "
+                                       "feature", ["kind", "feature"], registry=r)
+        self.engine = Gauge("moeserve_engine", "Engine replica gauges (one replica, read at scrape)", ["name"],
+                            registry=r)
+
+    def render(self, engine_stats: dict[str, Any] | None = None) -> bytes:
+        """Prometheus text format; `engine_stats` (EngineServer.stats()) numbers become gauges."""
+        for name, value in (engine_stats or {}).items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                self.engine.labels(name=name).set(value)
+            elif isinstance(value, dict):
+                for sub, v in value.items():
+                    if isinstance(v, (int, float)) and not isinstance(v, bool):
+                        self.engine.labels(name=f"{name}_{sub}").set(v)
+        return generate_latest(self.registry)

@@ -1,0 +1,241 @@
+"""The OpenAI-compatible HTTP edge: request bodies (pydantic), response and SSE chunk bodies, errors.
+
+Request models validate types only; values are checked by `SamplingParams` and
+`GrammarSpec`, whose ValueErrors name the field, so one rule set serves HTTP and gRPC.
+Unknown fields are ignored (as vLLM does); known but unsupported ones get a 400.
+
+Responses are plain dicts in OpenAI's exact shapes (building pydantic models per streamed
+chunk costs more than the token did).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from moeserve.grammar.spec import GrammarSpec
+from moeserve.protocol import ErrorCode, Usage
+from moeserve.sampling_params import SamplingParams
+
+# --- errors -----------------------------------------------------------------------------------
+
+_STATUS = {
+    ErrorCode.INVALID_ARGUMENT: 400,
+    ErrorCode.RESOURCE_EXHAUSTED: 503,
+    ErrorCode.UNAVAILABLE: 503,
+    ErrorCode.DEADLINE_EXCEEDED: 504,
+    ErrorCode.INTERNAL: 500,
+}
+_TYPE = {400: "invalid_request_error", 404: "not_found_error", 413: "invalid_request_error"}
+
+
+class APIError(Exception):
+    """An error with its HTTP status, rendered as OpenAI's `{"error": {...}}` body."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    @classmethod
+    def from_code(cls, code: ErrorCode, message: str) -> APIError:
+        return cls(_STATUS[code], message, code=code.value)
+
+    def body(self) -> dict[str, Any]:
+        kind = _TYPE.get(self.status, "server_error" if self.status >= 500 else "invalid_request_error")
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+
+# --- requests ---------------------------------------------------------------------------------
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    """Fields shared by completions and chat completions (OpenAI names, plus vLLM's extras)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: Any = None
+    logit_bias: dict[str, float] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    user: str | None = None
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_grammar: str | None = None
+    guided_choice: list[str] | None = None
+
+    def check_supported(self) -> None:
+        """400 for known OpenAI options this server does not implement."""
+        if self.n != 1:
+            raise APIError(400, f"n must be 1 (only one choice per request is supported), got {self.n}", param="n")
+        if self.logprobs not in (None, False, 0):
+            raise APIError(400, "logprobs are not supported", param="logprobs")
+        if self.logit_bias:
+            raise APIError(400, "logit_bias is not supported", param="logit_bias")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) not in (None, 0, 0.0):
+                raise APIError(400, f"{name} is not supported (only 0)", param=name)
+
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
+        """The engine's SamplingParams; ValueError names the bad field."""
+        kwargs: dict[str, Any] = {"max_tokens": max_tokens, "ignore_eos": self.ignore_eos}
+        for name in ("temperature", "top_p", "top_k", "seed"):
+            if getattr(self, name) is not None:
+                kwargs[name] = getattr(self, name)
+        if self.stop is not None:
+            kwargs["stop"] = self.stop
+        if self.stop_token_ids:
+            kwargs["stop_token_ids"] = tuple(self.stop_token_ids)
+        return SamplingParams(**kwargs)
+
+    def grammar_spec(self) -> GrammarSpec | None:
+        return GrammarSpec.from_request(
+            response_format=self.response_format,
+            guided_json=self.guided_json,
+            guided_regex=self.guided_regex,
+            guided_grammar=self.guided_grammar,
+            guided_choice=self.guided_choice,
+        )
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16  # OpenAI's default for completions
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.echo:
+            raise APIError(400, "echo is not supported", param="echo")
+        if self.best_of not in (None, 1):
+            raise APIError(400, "best_of must be 1", param="best_of")
+        if self.suffix:
+            raise APIError(400, "suffix is not supported", param="suffix")
+
+    def single_prompt(self) -> str | list[int]:
+        """The one prompt: a string or token ids; batches of prompts are refused."""
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            if len(p) != 1:
+                raise APIError(400, f"prompt must be a single prompt, got a batch of {len(p)}", param="prompt")
+            p = p[0]
+        if isinstance(p, list) and not p:
+            raise APIError(400, "prompt is empty", param="prompt")
+        return p
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: str
+    content: str | list[ContentPart] | None = None
+
+    def text(self, index: int) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        parts = []
+        for j, part in enumerate(self.content):
+            if part.type != "text" or part.text is None:
+                raise APIError(
+                    400, f"messages[{index}].content[{j}]: only text parts are supported, got {part.type!r}",
+                    param=f"messages[{index}].content",
+                )
+            parts.append(part.text)
+        return "".join(parts)
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+
+    def message_dicts(self) -> list[dict[str, str]]:
+        return [{"role": m.role, "content": m.text(i)} for i, m in enumerate(self.messages)]
+
+
+# --- responses --------------------------------------------------------------------------------
+
+ObjectKind = Literal["text_completion", "chat.completion"]
+
+
+def usage_dict(usage: Usage) -> dict[str, int]:
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.total_tokens,
+    }
+
+
+class ResponseBuilder:
+    """Bodies for one request: the full response, or its SSE chunks, in OpenAI's formats."""
+
+    def __init__(self, request_id: str, model: str, chat: bool) -> None:
+        self.id = request_id
+        self.model = model
+        self.chat = chat
+        self.created = int(time.time())
+
+    def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
+
+    def full(self, text: str, finish_reason: str | None, usage: Usage) -> dict[str, Any]:
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None}
+            body = self._envelope("chat.completion", [{**choice, "finish_reason": finish_reason}])
+        else:
+            body = self._envelope("text_completion", [{"index": 0, "text": text, "logprobs": None,
+                                                       "finish_reason": finish_reason}])
+        body["usage"] = usage_dict(usage)
+        return body
+
+    def chunk(self, text: str, finish_reason: str | None = None, first: bool = False) -> str:
+        if self.chat:
+            delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {}
+            if text and not first:
+                delta["content"] = text
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            return sse(self._envelope("chat.completion.chunk", [choice]))
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        return sse(self._envelope("text_completion", [choice]))
+
+    def usage_chunk(self, usage: Usage) -> str:
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        return sse({**self._envelope(obj, []), "usage": usage_dict(usage)})
+
+
+def sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"

@@ -1,0 +1,220 @@
+"""Grammar-constrained decoding inside the engine step: masks, matcher advance, jump-forward.
+
+Per request the grammar state is `Sequence.grammar` (a RequestGrammar: the request's
+GrammarMatcher and its closing policy); this helper holds the per-engine parts (the
+bitmask buffer, the closing tables) and the three moments a step touches the grammar:
+
+1. before the target runs (decode with drafts): `cut_and_fill` walks each constrained
+   row's draft through its matcher, cuts the proposal at the first token the grammar
+   refuses (it would be rejected anyway: the masked target gives it probability 0) and
+   fills bitmask rows for all k+1 verification positions, rolling the matcher back after;
+   plain steps fill one row per sequence (`fill_last`);
+2. before sampling: `apply` masks the logits with those rows and, in the last
+   `close_margin` tokens of a request's budget, biases the allowed tokens toward closing
+   the output (termination.py), so a weak model still ends with a complete document;
+3. after sampling: `advance` moves the matcher over the emitted tokens, reports whether
+   the grammar is finished (only a stop token could follow), and returns the tokens the
+   grammar forces next (jump-forward), which the engine appends without sampling.
+
+Shapes: B rows, K draft tokens (widest row), P = K + 1 positions, V vocab, W = ceil(V / 32).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+import torch
+
+from moeserve.grammar import (
+    ClosingPolicy,
+    CompiledGrammar,
+    GrammarMatcher,
+    allocate_bitmask,
+    apply_bitmask,
+    bias_toward_closing,
+)
+from moeserve.grammar.termination import ClosingTables
+from moeserve.sequence import Sequence
+from moeserve.spec.proposer import Proposal
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StructuredConfig:
+    """jump_forward: append grammar-forced tokens without sampling them.
+    close_margin, close_fraction: in the last max(close_margin, close_fraction * max_tokens)
+        tokens of a request's budget (never more than half of it), steer sampling toward the
+        shortest complete output. Measured on JSONSchemaBench with a random model at
+        max_tokens 512: a 32-token tail leaves 7% of outputs cut off (a number that wandered
+        for 400 digits still has five required fields to go), a 64-token tail ends them.
+        A model that finishes on its own never reaches the tail, so it is never steered."""
+
+    jump_forward: bool = True
+    close_margin: int = 32
+    close_fraction: float = 0.125
+
+    def __post_init__(self) -> None:
+        if self.close_margin < 0:
+            raise ValueError(f"close_margin must be >= 0, got {self.close_margin}")
+        if not 0.0 <= self.close_fraction <= 0.5:
+            raise ValueError(f"close_fraction must be in [0, 0.5], got {self.close_fraction}")
+
+    def margin(self, max_tokens: int) -> int:
+        """How many of the last tokens of a `max_tokens` budget are steered toward closing."""
+        return min(max(self.close_margin, int(self.close_fraction * max_tokens)), max_tokens // 2)
+
+
+@dataclass
+class RequestGrammar:
+    """One request's grammar state, kept on `Sequence.grammar`: where the output stands in the
+    grammar (matcher) and in the JSON lexer that scores closing tokens (closing)."""
+
+    matcher: GrammarMatcher
+    closing: ClosingPolicy
+
+    def accept(self, tokens: Seq[int]) -> int:
+        n = self.matcher.accept_tokens(tokens)
+        self.closing.advance(tokens[:n])
+        return n
+
+    def closing_scores_after(self, draft: Seq[int]) -> torch.Tensor:
+        """[V] closing scores once `draft` is accepted (the policy itself is left unchanged)."""
+        if not draft:
+            return self.closing.scores()
+        ahead = ClosingPolicy(self.closing.tables, json=self.closing.json)
+        ahead.state = self.closing.state
+        ahead.advance(draft)
+        return ahead.scores()
+
+
+@dataclass(frozen=True)
+class Advance:
+    """What the matcher made of a step's tokens."""
+
+    accepted: int  # leading tokens the grammar accepted (all of them unless the engine has a bug)
+    finished: bool  # the output is complete and only a stop token may follow
+    forced: list[int]  # jump-forward tokens, already accepted by the matcher
+
+
+class StructuredOutput:
+    def __init__(self, vocab_size: int, config: StructuredConfig | None = None) -> None:
+        self.vocab_size = vocab_size
+        self.cfg = config or StructuredConfig()
+        self._bitmask = allocate_bitmask(8, vocab_size)  # [R, W], grown on demand
+        self._rows: list[int] = []  # constrained rows filled for the coming apply()
+        self._close: list[tuple[int, torch.Tensor]] = []  # (row, closing scores [V]) for rows to steer
+        self._tables: ClosingTables | None = None  # per vocabulary, built on first use
+        self._stop_row: torch.Tensor | None = None  # [W] only the stop tokens allowed
+        self.num_forced_tokens = 0
+
+    # ---- per request -------------------------------------------------------------------------
+    def new_request(self, compiled: CompiledGrammar) -> RequestGrammar:
+        """Fresh per-request state for `compiled` (from the process's GrammarCompiler)."""
+        if compiled.vocab_size != self.vocab_size:
+            raise ValueError(f"grammar was compiled for {compiled.vocab_size} tokens; the model has {self.vocab_size}")
+        if self._tables is None:  # a Python pass over the vocabulary, once per engine
+            vocab = compiled.grammar.tokenizer_info.decoded_vocab
+            self._tables = ClosingTables(vocab, list(compiled.stop_token_ids))
+            self._stop_row = allocate_bitmask(1, self.vocab_size)[0].zero_()
+            for t in compiled.stop_token_ids:
+                self._stop_row[t // 32] |= 1 << (t % 32)
+        closing = ClosingPolicy(self._tables, json=compiled.spec.kind in ("json_object", "json_schema"))
+        return RequestGrammar(GrammarMatcher(compiled), closing)
+
+    # ---- 1. bitmask rows ---------------------------------------------------------------------
+    def fill_last(self, seqs: Seq[Sequence]) -> bool:
+        """One row per sequence (row b = sequence b). False when no sequence is constrained."""
+        return self._fill(seqs, None)
+
+    def cut_and_fill(self, seqs: Seq[Sequence], proposals: list[Proposal]) -> list[Proposal]:
+        """Cut each constrained row's proposal at its first refused draft token, then fill rows
+        b * P + j for j = 0..k, with P = 1 + the widest proposal after cutting."""
+        cut = list(proposals)
+        for b, seq in enumerate(seqs):
+            draft = cut[b].token_ids
+            if seq.grammar is None or not draft:
+                continue
+            ok = self._grammar_prefix(seq.grammar.matcher, draft)
+            if ok < len(draft):
+                probs = cut[b].probs
+                cut[b] = Proposal(list(draft[:ok]), None if probs is None else probs[:ok])
+        self._fill(seqs, cut)
+        return cut
+
+    def _grammar_prefix(self, matcher: GrammarMatcher, draft: Seq[int]) -> int:
+        """How many leading draft tokens the grammar accepts (matcher left unchanged). Each token
+        is checked against the filled mask first: xgrammar logs a warning for every refused token."""
+        row = self._bitmask[-1:]  # [1, W] scratch, filled again by _fill afterwards
+        ok = 0
+        for t in draft:
+            matcher.fill_bitmask(row, 0)
+            if not (int(row[0, t // 32]) >> (t % 32)) & 1 or not matcher.accept_token(t):
+                break
+            ok += 1
+        matcher.rollback(ok)
+        return ok
+
+    def _fill(self, seqs: Seq[Sequence], proposals: list[Proposal] | None) -> bool:
+        self._rows, self._close = [], []
+        if all(s.grammar is None for s in seqs):
+            return False
+        width = 1 if proposals is None else 1 + max(p.num_tokens for p in proposals)
+        need = len(seqs) * width
+        if self._bitmask.shape[0] < need:
+            self._bitmask = allocate_bitmask(max(need, 2 * self._bitmask.shape[0]), self.vocab_size)
+        for b, seq in enumerate(seqs):
+            if seq.grammar is None:
+                continue
+            state: RequestGrammar = seq.grammar
+            matcher = state.matcher
+            row = b * width
+            draft = [] if proposals is None else proposals[b].token_ids
+            if draft:
+                matcher.fill_bitmasks_for_draft(draft, self._bitmask, row)  # all accepted: cut above
+            else:
+                matcher.fill_bitmask(self._bitmask, row)
+            left = seq.params.max_tokens - len(seq.output_ids)
+            margin = self.cfg.margin(seq.params.max_tokens)
+            for j in range(len(draft) + 1):
+                self._rows.append(row + j)
+                if left - j <= margin:
+                    self._close.append((row + j, state.closing_scores_after(draft[:j])))
+        return True
+
+    # ---- 2. masking --------------------------------------------------------------------------
+    def apply(self, logits: torch.Tensor) -> None:
+        """In place: mask the rows filled by the last fill call; logits [B, V] or [B, P, V]."""
+        if not self._rows:
+            return
+        flat = logits.view(-1, logits.shape[-1])  # [B * P, V]
+        apply_bitmask(flat, self._bitmask, self._rows)
+        for row, scores in self._close:
+            bias_toward_closing(flat[row : row + 1], scores)  # views: in place
+
+    # ---- 3. after sampling -------------------------------------------------------------------
+    def advance(self, seq: Sequence, tokens: Seq[int]) -> Advance:
+        """Accept the emitted tokens; say whether the grammar is done; find forced tokens."""
+        state: RequestGrammar = seq.grammar
+        matcher = state.matcher
+        accepted = state.accept(tokens)
+        if accepted < len(tokens):
+            logger.error("request %s: the grammar refused sampled token %d", seq.seq_id, tokens[accepted])
+            return Advance(accepted, True, [])
+        if self._only_stop_allowed(matcher):
+            return Advance(accepted, True, [])
+        forced: list[int] = []
+        if self.cfg.jump_forward:
+            forced = matcher.forced_tokens()
+            forced = forced[: state.accept(forced)]
+            self.num_forced_tokens += len(forced)
+        return Advance(accepted, False, forced)
+
+    def _only_stop_allowed(self, matcher: GrammarMatcher) -> bool:
+        if not matcher.is_completed():
+            return False
+        row = self._bitmask[-1:]  # [1, W] scratch: this step's rows were applied already
+        matcher.fill_bitmask(row, 0)
+        return bool(torch.equal(row[0], self._stop_row))

@@ -1,0 +1,76 @@
+"""The app config, the Serve builder, the CLI's `serve` command and the gRPC stubs (no Ray started)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from deployments.config import PROJECT_ROOT, AppConfig
+
+SERVE_CONFIG = PROJECT_ROOT / "deployments" / "serve_config.yaml"
+
+
+def test_shipped_serve_config_is_valid_and_deliberate():
+    cfg = AppConfig.load(SERVE_CONFIG)
+    engine = cfg.engine_server_config()
+    assert Path(engine.engine.model).is_absolute() and engine.engine.model.endswith("checkpoints/demo-moe")
+    assert cfg.gateway_config().max_model_len == engine.engine.max_model_len
+    for part in (cfg.deployments.gateway, cfg.deployments.engine):
+        opts = part.serve_options()
+        assert opts["max_ongoing_requests"] > 5 and "autoscaling_config" in opts
+    # the engine replica admits exactly what its own admission control queues
+    assert cfg.deployments.engine.max_ongoing_requests == cfg.engine.max_num_seqs + cfg.engine.max_queued_requests
+    assert AppConfig.from_dict({"config": "deployments/serve_config.yaml"}) == cfg
+
+
+def test_overrides_and_errors():
+    cfg = AppConfig.from_dict({"config": str(SERVE_CONFIG), "speculative": {"draft": "model"}, "gateway": {"grpc_port": 0}})
+    assert cfg.engine_server_config().engine.speculation == "draft"
+    assert cfg.gateway_config().grpc_port is None
+    with pytest.raises(ValidationError, match="extra"):
+        AppConfig.from_dict({"engine": {"max_num_seq": 4}})  # typo: unknown keys are refused
+    with pytest.raises(ValidationError, match="never let the batch fill"):
+        AppConfig.from_dict({"engine": {"max_num_seqs": 32}, "deployments": {"engine": {"max_ongoing_requests": 5}}})
+    with pytest.raises(ValidationError, match="num_replicas or autoscaling"):
+        AppConfig.from_dict({"deployments": {"gateway": {"num_replicas": 2, "max_ongoing_requests": 8,
+                                                         "autoscaling": {"target_ongoing_requests": 4}}}})
+
+
+def test_build_app_binds_without_starting_ray():
+    from ray.serve import Application
+
+    from deployments.app import build_app
+
+    assert isinstance(build_app({"config": str(SERVE_CONFIG)}), Application)
+    sharded = AppConfig.from_dict({"shards": {"num_shards": 4, "gpus_per_shard": 1, "strategy": "STRICT_PACK"},
+                                   "model": {"dtype": "bfloat16"}})
+    engine = sharded.engine_server_config()
+    assert (engine.num_shards, engine.gpus_per_shard, engine.shard_strategy) == (4, 1, "STRICT_PACK")
+    assert engine.engine.dtype == "bfloat16"
+    assert isinstance(build_app(sharded.model_dump()), Application)
+
+
+def test_cli_serve_parses_and_the_cli_module_does_not_load_ray():
+    code = (
+        "import sys, json; from moeserve.cli import build_parser; "
+        "a = build_parser().parse_args(['serve', '--shards', '1', '--draft', 'model', '--http-port', '8001', "
+        "'--grpc-port', '9001']); "
+        "print(json.dumps([a.command, a.shards, a.draft, a.http_port, a.grpc_port, 'ray' in sys.modules]))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=PROJECT_ROOT, check=True)
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == ["serve", 1, "model", 8001, 9001, False]
+
+
+def test_grpc_stubs_match_the_proto(tmp_path):
+    from deployments.proto import build_stubs
+
+    assert build_stubs.main(tmp_path) == 0
+    for name in ("generate_pb2.py", "generate_pb2_grpc.py"):
+        assert (tmp_path / name).read_text() == (PROJECT_ROOT / "deployments" / "proto" / name).read_text(), (
+            f"{name} is stale: run python deployments/proto/build_stubs.py"
+        )

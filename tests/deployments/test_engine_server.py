@@ -1,0 +1,172 @@
+"""EngineServer without Ray: streams, continuous batching, cancellation, errors that never hang."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from deployments.engine_server import EngineServer, EngineServerConfig
+from model_shards import load_checkpoint
+from moeserve.engine import LLMEngine, ModelRunner
+from moeserve.grammar import GrammarSpec, check_output
+from moeserve.protocol import ErrorCode, GenerateChunk, GenerateRequest
+from moeserve.sampling_params import SamplingParams
+from moeserve.tokenizer import load_tokenizer
+from tests.deployments.tiny_checkpoint import save_tiny_checkpoint
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+LONG = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return save_tiny_checkpoint(tmp_path_factory.mktemp("tiny-moe"))
+
+
+@pytest.fixture(scope="module")
+def tokenizer(folder):
+    return load_tokenizer(folder)
+
+
+def make_server(folder, tokenizer, max_num_seqs=4, queued=8) -> EngineServer:
+    engine = LLMEngine(ModelRunner(load_checkpoint(folder), max_num_seqs, 512), tokenizer)
+    return EngineServer(EngineServerConfig(max_queued_requests=queued), engine=engine)
+
+
+@pytest.fixture
+def server(folder, tokenizer):
+    srv = make_server(folder, tokenizer)
+    yield srv
+    srv.shutdown()
+
+
+def request(rid: str, prompt: str, tokenizer, params=GREEDY, **kw) -> GenerateRequest:
+    return GenerateRequest(rid, tuple(tokenizer.encode(prompt)), params, **kw)
+
+
+async def collect(server: EngineServer, req: GenerateRequest, timeout: float = 60) -> list[GenerateChunk]:
+    async def go():
+        return [c async for c in server.generate(req)]
+
+    return await asyncio.wait_for(go(), timeout)
+
+
+def wait_idle(server: EngineServer, timeout: float = 10) -> None:
+    """Until the engine thread has processed every abort (they are asynchronous)."""
+    deadline = time.monotonic() + timeout
+    while asyncio.run(server.stats())["live_requests"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def test_stream_matches_the_engine_and_reports_usage(server, folder, tokenizer):
+    chunks = asyncio.run(collect(server, request("a", "The bakery sells", tokenizer)))
+    assert chunks[-1].finish_reason == "length" and all(c.finish_reason is None for c in chunks[:-1])
+    tokens = [t for c in chunks for t in c.token_ids]
+    direct = LLMEngine(ModelRunner(load_checkpoint(folder), 1, 512), tokenizer).generate(["The bakery sells"], GREEDY)
+    assert tokens == direct[0].token_ids and "".join(c.text for c in chunks) == direct[0].text
+    assert chunks[-1].usage.completion_tokens == 12
+    assert chunks[-1].usage.prompt_tokens == len(tokenizer.encode("The bakery sells"))
+
+
+def test_concurrent_requests_batch_and_match_solo_runs(server, tokenizer):
+    prompts = ["Order: ", "The bakery sells", "Hello my", "Tomorrow we", "Please send", "A cake"]
+
+    async def main():
+        return await asyncio.gather(*(collect(server, request(f"r{i}", p, tokenizer)) for i, p in enumerate(prompts)))
+
+    together = asyncio.run(main())  # 6 requests, 4 slots: two join as others finish
+    for i, p in enumerate(prompts):
+        solo = asyncio.run(collect(server, request(f"solo{i}", p, tokenizer)))
+        assert [t for c in together[i] for t in c.token_ids] == [t for c in solo for t in c.token_ids]
+
+
+def test_closing_the_stream_aborts_the_request(server, tokenizer):
+    async def main():
+        gen = server.generate(request("gone", "Order: ", tokenizer, LONG))
+        await anext(gen)
+        await anext(gen)
+        await gen.aclose()  # what Serve does when the HTTP client disconnects
+
+    asyncio.run(main())
+    wait_idle(server)
+    assert not server.engine.has_unfinished()
+    assert server.engine.runner.num_free_slots == server.engine.runner.max_num_seqs
+    assert asyncio.run(server.stats())["finished"].get("abort") == 1
+
+
+def test_bad_prompt_and_bad_grammar_end_with_invalid_argument(server, tokenizer):
+    too_long = GenerateRequest("long", tuple([5] * 600), GREEDY)
+    (chunk,) = asyncio.run(collect(server, too_long))
+    assert chunk.error.code is ErrorCode.INVALID_ARGUMENT and "context" in chunk.error.message
+    bad = request("re", "x", tokenizer, grammar=GrammarSpec.regex("(["))
+    (chunk,) = asyncio.run(collect(server, bad))
+    assert chunk.error.code is ErrorCode.INVALID_ARGUMENT and "regex" in chunk.error.message
+
+
+def test_constrained_request_through_the_server(server, tokenizer):
+    spec = GrammarSpec.json_schema({"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]})
+    params = SamplingParams(max_tokens=64, temperature=1.0, seed=3)
+    chunks = asyncio.run(collect(server, request("json", "Order: ", tokenizer, params, grammar=spec)))
+    assert chunks[-1].finish_reason == "stop"
+    assert check_output(spec, "".join(c.text for c in chunks)) is None
+
+
+def test_a_failing_step_ends_every_stream_with_an_error(server, tokenizer, monkeypatch):
+    real_step = server.engine.step
+    calls = {"n": 0}
+
+    def flaky_step():
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("simulated kernel failure")
+        return real_step()
+
+    monkeypatch.setattr(server.engine, "step", flaky_step)
+
+    async def main():
+        return await asyncio.gather(*(collect(server, request(f"f{i}", "Order: ", tokenizer, LONG)) for i in range(3)))
+
+    for chunks in asyncio.run(main()):
+        assert chunks[-1].error.code is ErrorCode.INTERNAL and "simulated" in chunks[-1].error.message
+    ok = asyncio.run(collect(server, request("after", "Order: ", tokenizer)))  # the replica keeps serving
+    assert ok[-1].finish_reason == "length"
+
+
+def test_a_dead_engine_loop_fails_streams_and_health(server, tokenizer, monkeypatch):
+    def broken() -> bool:
+        raise RuntimeError("loop bug")
+
+    async def main():
+        gen = server.generate(request("d", "Order: ", tokenizer, LONG))
+        first = await anext(gen)
+        monkeypatch.setattr(server.engine, "has_unfinished", broken)
+        rest = [c async for c in gen]
+        return [first, *rest]
+
+    chunks = asyncio.run(asyncio.wait_for(main(), 30))
+    assert chunks[-1].error.code is ErrorCode.UNAVAILABLE
+    with pytest.raises(RuntimeError, match="loop bug"):
+        asyncio.run(server.health())
+    (late,) = asyncio.run(collect(server, request("late", "x", tokenizer)))
+    assert late.error.code is ErrorCode.UNAVAILABLE
+
+
+def test_backpressure_and_deadline(folder, tokenizer):
+    srv = make_server(folder, tokenizer, max_num_seqs=1, queued=0)
+    try:
+        async def main():
+            first = srv.generate(request("busy", "Order: ", tokenizer, LONG))
+            await anext(first)
+            (refused,) = await collect(srv, request("more", "x", tokenizer))
+            await first.aclose()
+            return refused
+
+        refused = asyncio.run(main())
+        assert refused.error.code is ErrorCode.RESOURCE_EXHAUSTED
+        wait_idle(srv)
+        chunks = asyncio.run(collect(srv, request("slow", "x", tokenizer, LONG, timeout_s=0.2)))
+        assert chunks[-1].error.code is ErrorCode.DEADLINE_EXCEEDED
+    finally:
+        srv.shutdown()

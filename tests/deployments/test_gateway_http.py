@@ -1,0 +1,299 @@
+"""The gateway's HTTP API in-process (no Ray): the official openai client, raw SSE, every grammar
+kind, every kind of bad input (a 4xx with a message, never a 500), metrics and the stream guard."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from deployments.engine_server import EngineServer, EngineServerConfig
+from deployments.gateway import Gateway, GatewayConfig
+from model_shards import load_checkpoint
+from moeserve.engine import LLMEngine, ModelRunner, SpecConfig
+from moeserve.grammar import GrammarSpec, check_output
+from moeserve.protocol import GenerateChunk, Usage
+from moeserve.spec.ngram import NgramProposer
+from moeserve.tokenizer import load_tokenizer
+from tests.deployments.tiny_checkpoint import MODEL_NAME, save_tiny_checkpoint
+
+MAX_LEN = 256
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "item": {"type": "string", "maxLength": 10},
+        "size": {"enum": ["small", "large"]},
+        "qty": {"type": "integer", "minimum": 1, "maximum": 12},
+    },
+    "required": ["item", "size", "qty"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory):
+    folder = save_tiny_checkpoint(tmp_path_factory.mktemp("tiny-moe"))
+    tokenizer = load_tokenizer(folder)
+    engine = LLMEngine(ModelRunner(load_checkpoint(folder), 8, MAX_LEN), tokenizer, proposer=NgramProposer(),
+                       spec=SpecConfig(num_tokens=3))
+    server = EngineServer(EngineServerConfig(), engine=engine)
+    gw = Gateway(server, GatewayConfig(model_name=MODEL_NAME, model_path=str(folder), max_model_len=MAX_LEN,
+                                       max_body_bytes=64 * 1024))
+    yield gw
+    server.shutdown()
+
+
+def http(gw: Gateway) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=gw.http_app), base_url="http://gateway", timeout=60)
+
+
+def client(gw: Gateway) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(api_key="none", base_url="http://gateway/v1", http_client=http(gw), max_retries=0)
+
+
+def test_openai_completion_chat_and_streaming(gateway):
+    async def main():
+        c = client(gateway)
+        comp = await c.completions.create(model=MODEL_NAME, prompt="The bakery sells", max_tokens=8, temperature=0)
+        chat = await c.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "Hi"}],
+                                               max_tokens=6, seed=1)
+        stream = await c.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "Hi"}],
+                                                 max_tokens=6, temperature=0, stream=True,
+                                                 stream_options={"include_usage": True})
+        chunks = [ch async for ch in stream]
+        again = await c.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "Hi"}],
+                                                max_tokens=6, temperature=0)
+        models = await c.models.list()
+        return comp, chat, chunks, again, models
+
+    comp, chat, chunks, again, models = asyncio.run(main())
+    assert comp.choices[0].finish_reason in ("stop", "length") and comp.usage.completion_tokens <= 8
+    assert comp.usage.prompt_tokens == len(load_tokenizer(gateway.config.model_path).encode("The bakery sells"))
+    assert chat.object == "chat.completion" and chat.choices[0].message.role == "assistant"
+    assert chunks[0].choices[0].delta.role == "assistant"
+    streamed = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert streamed == again.choices[0].message.content  # greedy: streaming and not give the same text
+    assert chunks[-1].usage.completion_tokens == again.usage.completion_tokens
+    assert [m.id for m in models.data] == [MODEL_NAME]
+
+
+def test_response_format_json_schema_validates(gateway):
+    async def main():
+        c = client(gateway)
+        rf = {"type": "json_schema", "json_schema": {"name": "order", "schema": SCHEMA, "strict": True}}
+        return await asyncio.gather(*(
+            c.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "Order bread"}],
+                                      response_format=rf, max_tokens=80, temperature=1.0, seed=s)
+            for s in range(4)
+        ))
+
+    for r in asyncio.run(main()):
+        assert r.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMA)
+
+
+GRAMMARS = {
+    "json_object": ({"response_format": {"type": "json_object"}}, GrammarSpec.json_object()),
+    "regex": ({"guided_regex": r"[A-Z]{2}\d{3}"}, GrammarSpec.regex(r"[A-Z]{2}\d{3}")),
+    "choice": ({"guided_choice": ["sourdough", "baguette", "rye"]}, GrammarSpec.choice(["sourdough", "baguette", "rye"])),
+    "ebnf": ({"guided_grammar": 'root ::= "yes" | "no" | "n/a"'}, None),
+    "guided_json": ({"guided_json": SCHEMA}, GrammarSpec.json_schema(SCHEMA)),
+}
+
+
+@pytest.mark.parametrize("kind", list(GRAMMARS))
+@pytest.mark.parametrize("stream", [False, True])
+def test_every_grammar_kind_end_to_end(gateway, kind, stream):
+    extra, spec = GRAMMARS[kind]
+
+    async def main():
+        c = client(gateway)
+        kwargs = dict(model=MODEL_NAME, prompt="Answer: ", max_tokens=80, temperature=1.0, seed=7, extra_body=extra)
+        if not stream:
+            r = await c.completions.create(**kwargs)
+            return r.choices[0].text, r.choices[0].finish_reason
+        parts, reason = [], None
+        async for ch in await c.completions.create(stream=True, **kwargs):
+            parts.append(ch.choices[0].text)
+            reason = ch.choices[0].finish_reason or reason
+        return "".join(parts), reason
+
+    text, reason = asyncio.run(main())
+    assert reason == "stop", text
+    if spec is not None:
+        assert check_output(spec, text) is None, text
+    else:
+        assert text in ("yes", "no", "n/a")
+    assert gateway.metrics.grammar_guard_refusals._value.get() == 0
+
+
+def test_sse_wire_format(gateway):
+    async def main():
+        async with http(gateway) as h:
+            body = {"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 5, "stream": True,
+                    "stream_options": {"include_usage": True}, "temperature": 0}
+            r = await h.post("/v1/completions", json=body)
+            return r
+
+    r = asyncio.run(main())
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    events = [e for e in r.text.split("\n\n") if e]
+    assert all(e.startswith("data: ") for e in events) and events[-1] == "data: [DONE]"
+    payloads = [json.loads(e[6:]) for e in events[:-1]]
+    assert {p["object"] for p in payloads} == {"text_completion"} and len({p["id"] for p in payloads}) == 1
+    assert payloads[-1]["choices"] == [] and payloads[-1]["usage"]["completion_tokens"] == 5
+    assert payloads[-2]["choices"][0]["finish_reason"] == "length"
+
+
+BAD = [
+    ({"model": "gpt-4", "prompt": "x"}, 404, "does not exist"),
+    ({"model": MODEL_NAME, "prompt": "x", "temperature": -1}, 400, "temperature"),
+    ({"model": MODEL_NAME, "prompt": "x", "top_p": 1.5}, 400, "top_p"),
+    ({"model": MODEL_NAME, "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ({"model": MODEL_NAME, "prompt": "x", "temperature": "hot"}, 400, "temperature"),
+    ({"model": MODEL_NAME, "prompt": "x", "n": 2}, 400, "n must be 1"),
+    ({"model": MODEL_NAME, "prompt": "x", "logprobs": 3}, 400, "logprobs"),
+    ({"model": MODEL_NAME, "prompt": "x", "stop": [""]}, 400, "stop"),
+    ({"model": MODEL_NAME, "prompt": "x", "seed": 2**70}, 400, "seed"),
+    ({"model": MODEL_NAME, "prompt": ["a", "b"]}, 400, "single prompt"),
+    ({"model": MODEL_NAME, "prompt": ""}, 400, "empty"),
+    ({"model": MODEL_NAME, "prompt": [5000]}, 400, "token ids"),
+    ({"model": MODEL_NAME}, 400, "prompt"),
+    ({"model": MODEL_NAME, "prompt": "the " * 300}, 400, "context"),
+    ({"model": MODEL_NAME, "prompt": "x", "max_tokens": 1000}, 400, "context"),
+    ({"model": MODEL_NAME, "prompt": "x", "guided_regex": "(["}, 400, "regex"),
+    ({"model": MODEL_NAME, "prompt": "x", "guided_grammar": "root ::= ("}, 400, "ebnf"),
+    ({"model": MODEL_NAME, "prompt": "x", "guided_choice": []}, 400, "guided_choice"),
+    ({"model": MODEL_NAME, "prompt": "x", "guided_regex": "a", "guided_choice": ["a"]}, 400, "at most one"),
+    ({"model": MODEL_NAME, "prompt": "x", "response_format": {"type": "xml"}}, 400, "response_format"),
+    ({"model": MODEL_NAME, "prompt": "x", "response_format": {"type": "json_schema", "json_schema": {
+        "name": "u", "schema": {"type": "array", "uniqueItems": True}}}}, 400, "uniqueItems"),
+    ({"model": MODEL_NAME, "prompt": "x", "response_format": {"type": "json_schema", "json_schema": {
+        "name": "t", "schema": {"type": "bogus"}}}}, 400, "bogus"),
+]
+BAD_CHAT = [
+    ({"model": MODEL_NAME, "messages": []}, 400, "messages"),
+    ({"model": MODEL_NAME, "messages": [{"role": "wizard", "content": "hi"}]}, 400, "role"),
+    ({"model": MODEL_NAME, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "text parts"),
+    ({"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": -3}, 400,
+     "max_tokens"),
+]
+
+
+@pytest.mark.parametrize("route,body,status,needle", [("/v1/completions", *b) for b in BAD]
+                         + [("/v1/chat/completions", *b) for b in BAD_CHAT])
+def test_bad_input_gets_a_4xx_with_a_message(gateway, route, body, status, needle):
+    for stream in (False, True):
+        r = asyncio.run(_post(gateway, route, {**body, "stream": stream}))
+        assert r.status_code == status, r.text
+        error = r.json()["error"]
+        assert needle.lower() in error["message"].lower(), error
+        assert set(error) == {"message", "type", "param", "code"}
+
+
+def test_raw_body_errors(gateway):
+    bad_json = asyncio.run(_post(gateway, "/v1/completions", content=b"{not json"))
+    assert bad_json.status_code == 400 and "not valid JSON" in bad_json.json()["error"]["message"]
+    huge = asyncio.run(_post(gateway, "/v1/completions", content=b"x" * (65 * 1024)))
+    assert huge.status_code == 413 and "larger than" in huge.json()["error"]["message"]
+    not_found = asyncio.run(_get(gateway, "/v2/nothing"))
+    assert not_found.status_code == 404
+
+
+def test_metrics_and_health(gateway):
+    asyncio.run(_post(gateway, "/v1/completions", {"model": MODEL_NAME, "prompt": "x", "max_tokens": 3}))
+    asyncio.run(_post(gateway, "/v1/completions", {"model": "nope", "prompt": "x"}))
+    text = asyncio.run(_get(gateway, "/metrics")).text
+    assert 'moeserve_requests_total{code="200",route="/v1/completions"}' in text
+    assert 'moeserve_requests_total{code="404",route="/v1/completions"}' in text
+    for name in ("moeserve_time_to_first_token_seconds_count", "moeserve_e2e_request_latency_seconds_count",
+                 "moeserve_generated_tokens_total", 'moeserve_engine{name="steps"}'):
+        assert name in text
+    assert "moeserve_grammar_guard_refusals_total 0.0" in text
+    health = asyncio.run(_get(gateway, "/health"))
+    assert health.status_code == 200 and health.json()["status"] == "ok"
+
+
+class LyingEngine:
+    """An engine that emits a token its grammar forbids: the guard must stop the stream."""
+
+    def __init__(self, token: int) -> None:
+        self.token = token
+
+    async def generate(self, request):
+        yield GenerateChunk(request.request_id, (self.token,), "!", None, Usage(1, 1))
+        yield GenerateChunk(request.request_id, (), "", "stop", Usage(1, 1))
+
+    async def health(self):
+        raise RuntimeError("engine replica is gone")
+
+    async def stats(self):
+        return {}
+
+
+def test_guard_stops_a_stream_with_a_refused_token_and_counts_it(gateway):
+    fe = gateway.frontend
+    bang = fe.tokenizer.encode("!")[0]
+    liar = Gateway(LyingEngine(bang), gateway.config, tokenizer=fe.tokenizer, compiler=fe.compiler)
+    body = {"model": MODEL_NAME, "prompt": "x", "guided_regex": "[a-z]+"}
+    r = asyncio.run(_post(liar, "/v1/completions", body))
+    assert r.status_code == 500 and "guard refused" in r.json()["error"]["message"]
+    r = asyncio.run(_post(liar, "/v1/completions", {**body, "stream": True}))
+    assert r.status_code == 500  # the refusal is the first chunk, so the status still says so
+    assert liar.metrics.grammar_guard_refusals._value.get() == 2
+    assert asyncio.run(_get(liar, "/health")).status_code == 503
+
+
+async def _post(gw: Gateway, path: str, body: dict | None = None, content: bytes | None = None) -> httpx.Response:
+    async with http(gw) as h:
+        if content is not None:
+            return await h.post(path, content=content, headers={"content-type": "application/json"})
+        return await h.post(path, json=body)
+
+
+async def _get(gw: Gateway, path: str) -> httpx.Response:
+    async with http(gw) as h:
+        return await h.get(path)
+
+
+class StalledEngine(LyingEngine):
+    """An engine replica that accepted the call and then never answered."""
+
+    async def generate(self, request):
+        await asyncio.sleep(3600)
+        yield  # pragma: no cover
+
+
+def test_a_stalled_engine_times_out_instead_of_hanging(gateway, monkeypatch):
+    import dataclasses
+
+    import deployments.frontend
+
+    monkeypatch.setattr(deployments.frontend, "STALL_GRACE_S", 0.1)
+    fe = gateway.frontend
+    cfg = dataclasses.replace(gateway.config, request_timeout_s=0.2)
+    stalled = Gateway(StalledEngine(0), cfg, tokenizer=fe.tokenizer, compiler=fe.compiler)
+    r = asyncio.run(asyncio.wait_for(_post(stalled, "/v1/completions", {"model": MODEL_NAME, "prompt": "x"}), 10))
+    assert r.status_code == 504 and "no answer" in r.json()["error"]["message"]
+
+
+def test_stop_strings_and_seed(gateway):
+    async def main():
+        c = client(gateway)
+        free = await c.completions.create(model=MODEL_NAME, prompt="The bakery sells", max_tokens=24, temperature=0,
+                                          extra_body={"ignore_eos": True})
+        text = free.choices[0].text
+        stop = text[len(text) // 2 : len(text) // 2 + 2]
+        cut = await c.completions.create(model=MODEL_NAME, prompt="The bakery sells", max_tokens=24, temperature=0,
+                                         stop=[stop], extra_body={"ignore_eos": True})
+        seeded = [await c.completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=12, temperature=1.0, seed=42)
+                  for _ in range(2)]
+        return text, stop, cut, seeded
+
+    text, stop, cut, seeded = asyncio.run(main())
+    assert cut.choices[0].text == text[: text.index(stop)] and cut.choices[0].finish_reason == "stop"
+    assert seeded[0].choices[0].text == seeded[1].choices[0].text

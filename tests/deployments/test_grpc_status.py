@@ -1,0 +1,70 @@
+"""gRPC status codes for engine-side failures, in-process (no Ray, no model): a fake engine
+answers each request with one error chunk, and the grpcio client must see the mapped code."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from deployments.frontend import Frontend, FrontendConfig
+from deployments.grpc_server import start_grpc_server
+from deployments.metrics import GatewayMetrics
+from deployments.proto import generate_pb2 as pb
+from deployments.proto import generate_pb2_grpc as pb_grpc
+from moeserve.grammar import GrammarCompiler
+from moeserve.protocol import ErrorCode, GenerateChunk, Usage, error_chunk
+from tests.grammar.tiny_tokenizer import build_tiny_tokenizer
+
+
+class ScriptedEngine:
+    """Answers with one error chunk whose code is the prompt's text, or a short normal stream."""
+
+    async def generate(self, request):
+        text = self.tokenizer.decode(list(request.prompt_ids))
+        if text in ErrorCode._value2member_map_:
+            yield error_chunk(request.request_id, ErrorCode(text), f"scripted {text}")
+            return
+        yield GenerateChunk(request.request_id, (5,), "ok", "stop", Usage(len(request.prompt_ids), 1))
+
+    async def health(self):
+        return {"status": "ok"}
+
+    async def stats(self):
+        return {}
+
+
+@pytest.fixture(scope="module")
+def frontend():
+    tokenizer = build_tiny_tokenizer()
+    engine = ScriptedEngine()
+    engine.tokenizer = tokenizer
+    cfg = FrontendConfig("tiny", max_model_len=64)
+    return Frontend(cfg, tokenizer, engine, GrammarCompiler(tokenizer), GatewayMetrics())
+
+
+@pytest.mark.parametrize("code,status", [
+    (ErrorCode.INVALID_ARGUMENT, grpc.StatusCode.INVALID_ARGUMENT),
+    (ErrorCode.RESOURCE_EXHAUSTED, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (ErrorCode.UNAVAILABLE, grpc.StatusCode.UNAVAILABLE),
+    (ErrorCode.DEADLINE_EXCEEDED, grpc.StatusCode.DEADLINE_EXCEEDED),
+    (ErrorCode.INTERNAL, grpc.StatusCode.INTERNAL),
+])
+def test_engine_errors_map_to_status_codes(frontend, code, status):
+    async def main():
+        server, port = await start_grpc_server(frontend, "127.0.0.1", 0)
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                stub = pb_grpc.GenerateServiceStub(channel)
+                ok = [r async for r in stub.Generate(pb.GenerateRequest(model="tiny", prompt="fine"), timeout=10)]
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    async for _ in stub.Generate(pb.GenerateRequest(model="tiny", prompt=code.value), timeout=10):
+                        pass
+                return ok, e.value
+        finally:
+            await server.stop(grace=None)
+
+    ok, error = asyncio.run(main())
+    assert ok[-1].finish_reason == "stop" and ok[-1].text == "ok"
+    assert error.code() == status and f"scripted {code.value}" in error.details()
