@@ -11,7 +11,6 @@ from dataclasses import dataclass
 
 import pytest
 import yaml
-from pydantic import ValidationError
 
 from deployments.config import AppConfig, deep_merge
 from tests.k8s.manifests import K8S, REPO, VARIANTS, build, one, pod_templates, serve_config
@@ -19,9 +18,6 @@ from tests.k8s.manifests import K8S, REPO, VARIANTS, build, one, pod_templates, 
 SERVE_CONFIG = REPO / "deployments" / "serve_config.yaml"
 GPU_OVERRIDES = K8S / "overlays" / "prod-gpu" / "serve-overrides.yaml"
 HEAD_RESOURCE = "node:__internal_head__"  # Ray's built-in resource of the head node
-# Fields the prod-gpu overrides use that AppConfig does not accept yet (see k8s/README.md).
-PENDING_GPU_FIELDS = {("model", "dtype"), ("shards", "gpus_per_shard"), ("shards", "strategy"),
-                      ("deployments", "engine", "num_gpus")}
 
 
 def load_generator():
@@ -81,14 +77,7 @@ def test_serve_config_is_valid_for_ray_serve(variant: str) -> None:
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_serve_config_args_are_valid_for_the_app(variant: str) -> None:
     args = serve_config(one(build(variant), "RayService"))["applications"][0]["args"]
-    try:
-        AppConfig.from_dict(args)
-    except ValidationError as e:
-        unknown = {tuple(err["loc"]) for err in e.errors() if err["type"] == "extra_forbidden"}
-        others = [err for err in e.errors() if err["type"] != "extra_forbidden"]
-        if variant == "prod-gpu" and not others and unknown <= PENDING_GPU_FIELDS:
-            pytest.xfail(f"AppConfig does not accept these GPU settings yet: {sorted(unknown)}")
-        raise
+    AppConfig.from_dict(args)  # raises a ValidationError naming any field the app does not accept
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -109,9 +98,7 @@ def test_grpc_service_reaches_a_gateway() -> None:
     config must pin the gateway there (Ray's `node:__internal_head__` resource, which a
     local single-node Ray has too)."""
     for variant in VARIANTS:
-        if not plan(variant).gateway.pinned_to_head:
-            pytest.xfail("deployments/serve_config.yaml does not pin the gateway to the head pod yet "
-                         "(needs a `resources` field in the deployment section; see k8s/README.md)")
+        assert plan(variant).gateway.pinned_to_head, variant
 
 
 # --- capacity: what Serve asks for fits in the pods ------------------------------------
