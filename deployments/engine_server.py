@@ -240,7 +240,9 @@ class EngineServer:
         req, stream = cmd.request, cmd.stream
         self._counters["requests"] += 1
         try:
-            self.engine.add_request(list(req.prompt_ids), req.params, req.request_id, grammar=cmd.grammar)
+            self.engine.add_request(
+                list(req.prompt_ids), req.params, req.request_id, grammar=cmd.grammar, resume_ids=req.resume_ids
+            )
         except ValueError as e:
             self._end(stream, error_chunk(req.request_id, ErrorCode.INVALID_ARGUMENT, str(e)))
             return

@@ -18,7 +18,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from deployments.metrics import GatewayMetrics
@@ -29,6 +29,8 @@ from moeserve.protocol import ErrorCode, GenerateChunk, GenerateRequest, Usage, 
 from moeserve.sampling_params import SamplingParams
 from moeserve.tokenizer import render_chat
 
+# A failed step (INTERNAL) or an unreachable replica (UNAVAILABLE) is worth one more attempt.
+RESUMABLE = (ErrorCode.INTERNAL, ErrorCode.UNAVAILABLE)
 STALL_GRACE_S = 5.0  # past the request timeout, how long the gateway still waits for the engine's own error
 
 
@@ -49,6 +51,7 @@ class FrontendConfig:
     model_name: str
     max_model_len: int
     request_timeout_s: float | None = 300.0
+    max_retries: int = 2  # resumes of one stream after an engine replica or shard failure
 
 
 @dataclass
@@ -140,7 +143,7 @@ class Frontend:
         usage = Usage(len(req.prompt_ids), 0)
         m.in_flight.inc()
         try:
-            async for chunk in self._engine_stream(req):
+            async for chunk in self._resumable_stream(req):
                 usage = chunk.usage
                 if chunk.token_ids:
                     now = time.perf_counter()
@@ -164,6 +167,40 @@ class Frontend:
             m.in_flight.dec()
             m.prompt_tokens.inc(len(req.prompt_ids))
             m.e2e_seconds.labels(route=route).observe(time.perf_counter() - t0)
+
+    async def _resumable_stream(self, req: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+        """The engine's chunks; when an attempt fails in a way a fresh attempt can fix (a dead
+        replica, a broken shard group), resubmit with the tokens already streamed as
+        `resume_ids`, so the client sees one stream and nothing accepted is lost."""
+        delivered: list[int] = []
+        delivered_chars = 0
+        resumed: _ResumedText | None = None
+        for attempt in range(self.cfg.max_retries + 1):
+            current = req
+            if attempt:
+                current = replace(req, request_id=f"{req.request_id}-resume{attempt}", resume_ids=tuple(delivered))
+            async for chunk in self._engine_stream(current):
+                if resumed is not None:
+                    chunk = resumed.retext(chunk)
+                retry = (
+                    chunk.error is not None
+                    and chunk.error.code in RESUMABLE
+                    and attempt < self.cfg.max_retries
+                    and len(delivered) + len(chunk.token_ids) < req.params.max_tokens
+                )
+                delivered += chunk.token_ids
+                delivered_chars += len(chunk.text)
+                if retry:
+                    if chunk.token_ids:  # tokens coalesced with the error still reach the client
+                        yield replace(chunk, request_id=req.request_id, finish_reason=None, error=None)
+                    break
+                yield replace(chunk, request_id=req.request_id)
+                if chunk.finished:
+                    return
+            else:
+                return
+            self.metrics.retries.inc()
+            resumed = resumed or _ResumedText(self.tokenizer, req, delivered, delivered_chars)
 
     async def _engine_stream(self, req: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         """The engine's chunks; a failed call or a stalled engine ends the stream with an error."""
@@ -205,3 +242,28 @@ class Frontend:
 def _grammar_param(spec: GrammarSpec) -> str:
     return {"json_object": "response_format", "json_schema": "response_format", "regex": "guided_regex",
             "ebnf": "guided_grammar", "choice": "guided_choice"}[spec.kind]
+
+
+class _ResumedText:
+    """The text of a resumed stream, decoded by the gateway itself.
+
+    The client holds a prefix of the true text (the failed attempt's detokenizer may have held
+    back an incomplete character or a possible stop-string start). This decodes the whole
+    output and sends whatever the client does not have yet, so the text stays exactly
+    `decode(all tokens)` across attempts.
+    """
+
+    def __init__(self, tokenizer: Any, req: GenerateRequest, delivered: list[int], delivered_chars: int) -> None:
+        from moeserve.detokenizer import IncrementalDetokenizer
+
+        self.detok = IncrementalDetokenizer(tokenizer, list(req.prompt_ids), req.params.stop)
+        self.text = self.detok.push(delivered)  # everything decoded so far
+        self.sent = delivered_chars  # characters the client has
+
+    def retext(self, chunk: GenerateChunk) -> GenerateChunk:
+        self.text += self.detok.push(list(chunk.token_ids))
+        if chunk.finished and chunk.error is None:
+            self.text += self.detok.finish()
+        out = self.text[self.sent :]
+        self.sent = max(self.sent, len(self.text))
+        return replace(chunk, text=out)

@@ -31,6 +31,8 @@ class GatewayMetrics:
                                              "the first", buckets=_TOKEN_BUCKETS, registry=r)
         self.generated_tokens = Counter("moeserve_generated_tokens", "Output tokens streamed", registry=r)
         self.prompt_tokens = Counter("moeserve_prompt_tokens", "Prompt tokens processed", registry=r)
+        self.retries = Counter("moeserve_request_retries", "Streams resumed on a fresh engine attempt after a "
+                               "replica or shard failure", registry=r)
         self.in_flight = Gauge("moeserve_requests_in_flight", "Requests streaming now", registry=r)
         self.grammar_guard_refusals = Counter("moeserve_grammar_guard_refusals", "Streamed tokens the gateway's "
                                               "grammar guard refused (must stay 0)", registry=r)

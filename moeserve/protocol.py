@@ -46,6 +46,9 @@ class GenerateRequest:
 
     timeout_s: the engine aborts the request with DEADLINE_EXCEEDED this long after it
         receives it (None: no limit). The gateway keeps its own overall limit as well.
+    resume_ids: output tokens an earlier attempt already streamed to the client; when a
+        replica or shard dies mid-stream the gateway resubmits with them and the engine
+        continues after them, so the client sees one uninterrupted stream.
     """
 
     request_id: str
@@ -53,6 +56,7 @@ class GenerateRequest:
     params: SamplingParams
     grammar: GrammarSpec | None = None
     timeout_s: float | None = None
+    resume_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.request_id:
@@ -60,6 +64,7 @@ class GenerateRequest:
         if self.timeout_s is not None and self.timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")
         object.__setattr__(self, "prompt_ids", tuple(int(t) for t in self.prompt_ids))
+        object.__setattr__(self, "resume_ids", tuple(int(t) for t in self.resume_ids))
 
 
 @dataclass(frozen=True)
