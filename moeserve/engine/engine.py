@@ -89,8 +89,11 @@ class LLMEngine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         grammar: CompiledGrammar | None = None,
+        resume_ids: Seq[int] = (),
     ) -> str:
-        """Queue a request; `grammar` (from GrammarCompiler.compile) constrains its output."""
+        """Queue a request; `grammar` (from GrammarCompiler.compile) constrains its output.
+        `resume_ids`: output an earlier attempt already delivered (a retry after a failed
+        replica); generation continues after them and they count toward max_tokens."""
         params = params or SamplingParams()
         prompt_ids = list(self.tokenizer.encode(prompt)) if isinstance(prompt, str) else [int(t) for t in prompt]
         limit = self.scheduler.cfg.max_model_len
@@ -103,15 +106,21 @@ class LLMEngine:
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._seqs:
             raise ValueError(f"request id {request_id!r} is already in use")
-        seq = Sequence(request_id, prompt_ids, params, arrival=time.monotonic())
+        resume_ids = [int(t) for t in resume_ids]
+        if len(prompt_ids) + len(resume_ids) >= limit or len(resume_ids) >= params.max_tokens:
+            raise ValueError("nothing left to generate after the resumed output")
+        seq = Sequence(request_id, prompt_ids, params, arrival=time.monotonic(), output_ids=resume_ids)
         if grammar is not None:
             seq.grammar = self.structured.new_request(grammar)
+            if seq.grammar.accept(resume_ids) != len(resume_ids):
+                raise ValueError("the resumed output does not match the grammar")
         if params.seed is not None:
             seq.generator = make_generator(params.seed)
         if self.tokenizer is not None:
             from moeserve.detokenizer import IncrementalDetokenizer
 
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop)
+            seq.detokenizer.push(resume_ids)  # the client has this text; text held back stays held back
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
         return request_id
