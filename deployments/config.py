@@ -41,6 +41,8 @@ class EngineSection(_Section):
     # Backpressure: past max_num_seqs running + this many waiting, new requests get 503 / RESOURCE_EXHAUSTED.
     max_queued_requests: int = Field(64, ge=0)
     torch_threads: int | None = Field(None, ge=1)
+    # How often each replica pushes its expert-load counters to the router-service actor (0: never).
+    expert_load_report_s: float = Field(10.0, ge=0)
 
 
 class SpeculativeSection(_Section):
@@ -199,7 +201,7 @@ class AppConfig(_Section):
         )
         sh = self.shards
         return EngineServerConfig(engine, e.max_queued_requests, sh.num_shards, sh.strategy, sh.gpus_per_shard,
-                                  e.torch_threads)
+                                  e.torch_threads, report_expert_load_s=e.expert_load_report_s)
 
     def gateway_config(self) -> GatewayConfig:
         g = self.gateway

@@ -16,6 +16,8 @@ class EngineServerConfig:
 
     max_queued_requests: requests waiting for a batch slot beyond `engine.max_num_seqs`
         running ones; past it new requests end at once with RESOURCE_EXHAUSTED (backpressure).
+    report_expert_load_s: how often (seconds) the replica pushes its cumulative expert-load
+        counters to the router-service actor; 0 turns it off (no Ray needed).
     num_shards: 1 runs the whole model in this process; W > 1 runs an expert-parallel shard
         group (rank 0 in this process, W - 1 shard actors placed with `shard_strategy`, each
         with `gpus_per_shard` GPUs).
@@ -27,6 +29,7 @@ class EngineServerConfig:
     shard_strategy: str = "PACK"
     gpus_per_shard: float = 0.0
     torch_threads: int | None = None
+    report_expert_load_s: float = 0.0  # > 0: push expert-load counters to the router-service actor this often
 
     def __post_init__(self) -> None:
         if self.max_queued_requests < 0:

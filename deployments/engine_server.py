@@ -33,6 +33,7 @@ from moeserve.engine import LLMEngine
 from moeserve.grammar.errors import GrammarError
 from moeserve.protocol import ErrorCode, GenerateChunk, GenerateRequest, Usage, error_chunk
 from moeserve.sequence import RequestOutput
+from router_service.stats import ExpertLoadStats
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +86,8 @@ class EngineServer:
             engine, self.shard_group = load_engine(config)
         self.engine = engine
         self.compiler = compiler if compiler is not None else _default_compiler(self.engine)
+        model = engine.runner.model
+        self._load_stats = model.enable_stats() if self.shard_group is None and model.config.is_moe else None
         self._inbox: queue.SimpleQueue[_Add | _Abort] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, _Stream] = {}  # engine thread only
@@ -96,6 +99,8 @@ class EngineServer:
         self._step_seconds = 0.0
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
+        if config.report_expert_load_s > 0:
+            threading.Thread(target=self._report_expert_load, name="expert-load", daemon=True).start()
 
     # ---- the async API ---------------------------------------------------------------------
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
@@ -148,10 +153,36 @@ class EngineServer:
         """Serve's health-check hook."""
         await self.health()
 
+    def expert_load(self) -> list[dict[str, Any]]:
+        """This replica's cumulative expert-load counters, one dict per rank (ExpertLoadStats.to_dict)."""
+        if self.shard_group is not None:
+            return self.shard_group.collect_stats()
+        return [self._load_stats.to_dict()] if self._load_stats is not None else []
+
+    def _report_expert_load(self) -> None:
+        """Push counters to the router-service actor every few seconds (never per step)."""
+        from deployments.router_actor import router_actor
+
+        cfg, source = self.engine.runner.model.config, f"engine-{id(self):x}"
+        while not self._stopping and self._dead is None:
+            time.sleep(self.config.report_expert_load_s)
+            try:
+                router_actor(cfg.num_layers, cfg.num_experts).report.remote(source, self.expert_load())
+            except Exception:  # statistics must never disturb serving
+                logger.warning("could not report expert load", exc_info=True)
+
     async def stats(self) -> dict[str, Any]:
-        """Counters and gauges for /metrics: requests, tokens, steps, batch, speculation."""
+        """Counters and gauges for /metrics: requests, tokens, steps, batch, speculation, expert load."""
         sched = self.engine.scheduler
+        load = await asyncio.to_thread(self.expert_load)
+        experts = None
+        if load:
+            merged = ExpertLoadStats.from_dict(load[0])
+            for other in load[1:]:
+                merged.merge(ExpertLoadStats.from_dict(other))
+            experts = merged.summary()
         return {
+            "experts": experts,
             "live_requests": len(self._live),
             "running": len(sched.running),
             "waiting": len(sched.waiting),

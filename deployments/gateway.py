@@ -13,6 +13,7 @@ GET /metrics. Bad input is always a 4xx in OpenAI's error shape, never a 500.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator
@@ -92,6 +93,7 @@ class Gateway:
         app.get("/v1/models")(self.models)
         app.get("/health")(self.health)
         app.get("/metrics")(self.prometheus)
+        app.get("/admin/experts")(self.experts)
         return app
 
     @contextlib.asynccontextmanager
@@ -150,6 +152,19 @@ class Gateway:
         except Exception:  # metrics must answer even when the engine does not
             stats = None
         return Response(self.metrics.render(stats), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def experts(self, world_size: int = 2) -> Response:
+        """Admin: expert load merged over every engine replica (from the router-service actor)
+        and the placement it proposes for a shard group of `world_size` ranks."""
+        from deployments.router_actor import find_router_actor
+
+        actor = await asyncio.to_thread(find_router_actor)
+        if actor is None:
+            return JSONResponse({"error": "no expert-load statistics reported yet"}, status_code=503)
+        summary = await actor.summary.remote()
+        placement = await actor.placement.remote(max(1, min(world_size, 64)))
+        return JSONResponse(summary | {"placement": {"world_size": placement.world_size,
+                                                     "rank_experts": placement.rank_experts}})
 
     # ---- responses -------------------------------------------------------------------------
     async def _respond(self, prep: Prepared, builder: ResponseBuilder, stream: bool, include_usage: bool) -> Response:

@@ -40,11 +40,22 @@ class GatewayMetrics:
                                                  "(cache hits included)", buckets=_COMPILE_BUCKETS, registry=r)
         self.grammar_refused = Counter("moeserve_grammar_refused", "Grammars refused with a 400, by kind and "
                                        "feature", ["kind", "feature"], registry=r)
+        self.expert_fraction = Gauge("moeserve_expert_routed_fraction", "f_i: share of routes sent to each expert "
+                                     "(cumulative, one engine replica)", ["layer", "expert"], registry=r)
+        self.expert_prob = Gauge("moeserve_expert_router_probability", "P_i: mean router probability per expert",
+                                 ["layer", "expert"], registry=r)
+        self.expert_balance = Gauge("moeserve_expert_balance", "Switch balance term N * sum f_i P_i (1 = even)",
+                                    ["layer"], registry=r)
+        self.expert_imbalance = Gauge("moeserve_expert_imbalance", "max/mean expert load (1 = even)", ["layer"],
+                                      registry=r)
+        self.expert_overflow = Gauge("moeserve_expert_overflow_routes", "Routes dropped or rerouted by expert "
+                                     "capacity (cumulative)", ["layer", "kind"], registry=r)
         self.engine = Gauge("moeserve_engine", "Engine replica gauges (one replica, read at scrape)", ["name"],
                             registry=r)
 
     def render(self, engine_stats: dict[str, Any] | None = None) -> bytes:
         """Prometheus text format; `engine_stats` (EngineServer.stats()) numbers become gauges."""
+        self._render_experts((engine_stats or {}).get("experts") or [])
         for name, value in (engine_stats or {}).items():
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 self.engine.labels(name=name).set(value)
@@ -53,3 +64,17 @@ class GatewayMetrics:
                     if isinstance(v, (int, float)) and not isinstance(v, bool):
                         self.engine.labels(name=f"{name}_{sub}").set(v)
         return generate_latest(self.registry)
+
+    def _render_experts(self, layers: list[dict[str, Any]]) -> None:
+        for layer in layers:
+            if not layer["tokens"]:
+                continue
+            name = str(layer["layer"])
+            for e, (f, p) in enumerate(zip(layer["f"], layer["P"])):
+                self.expert_fraction.labels(layer=name, expert=str(e)).set(f)
+                self.expert_prob.labels(layer=name, expert=str(e)).set(p)
+            self.expert_balance.labels(layer=name).set(layer["balance"])
+            if layer["imbalance"] is not None:
+                self.expert_imbalance.labels(layer=name).set(layer["imbalance"])
+            for kind in ("dropped", "rerouted"):
+                self.expert_overflow.labels(layer=name, kind=kind).set(layer[kind])

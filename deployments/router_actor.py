@@ -47,3 +47,17 @@ class RouterService:
 
 
 RouterServiceActor = ray.remote(num_cpus=0)(RouterService)
+ROUTER_ACTOR_NAME = "moeserve-router-service"
+
+
+def router_actor(num_layers: int, num_experts: int):
+    """The cluster's one router-service actor (created by the first engine replica that reports)."""
+    return RouterServiceActor.options(name=ROUTER_ACTOR_NAME, get_if_exists=True).remote(num_layers, num_experts)
+
+
+def find_router_actor():
+    """The router-service actor, or None while no engine has reported yet."""
+    try:
+        return ray.get_actor(ROUTER_ACTOR_NAME)
+    except ValueError:
+        return None

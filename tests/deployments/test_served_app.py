@@ -51,7 +51,7 @@ def app(tmp_path_factory):
     one = {"num_replicas": 1, "num_cpus": 0.5}
     config = {
         "model": {"path": str(folder), "name": MODEL_NAME},
-        "engine": {"max_num_seqs": 8, "max_model_len": 256, "max_queued_requests": 16},
+        "engine": {"max_num_seqs": 8, "max_model_len": 256, "max_queued_requests": 16, "expert_load_report_s": 1},
         "speculative": {"draft": "ngram", "num_tokens": 3},
         "gateway": {"grpc_port": grpc_port, "grpc_host": "127.0.0.1"},
         "deployments": {"gateway": {**one, "max_ongoing_requests": 64},
@@ -188,3 +188,24 @@ def test_grpc_deadline_and_cancellation_free_the_engine(app):
         time.sleep(0.2)
     assert 'moeserve_engine{name="live_requests"} 0.0' in metrics
     assert "moeserve_grammar_guard_refusals_total 0.0" in metrics
+
+
+def test_expert_load_reaches_metrics_and_the_router_service(app):
+    httpx.post(f"{app['http']}/v1/completions", timeout=30,
+               json={"model": MODEL_NAME, "prompt": "count the experts", "max_tokens": 8})
+    metrics = httpx.get(f"{app['http']}/metrics", timeout=10).text
+    assert 'moeserve_expert_balance{layer="0"}' in metrics
+    assert 'moeserve_expert_routed_fraction{expert="0",layer="0"}' in metrics
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:  # the engine reports every second
+        r = httpx.get(f"{app['http']}/admin/experts", params={"world_size": 2}, timeout=10)
+        if r.status_code == 200:
+            break
+        time.sleep(0.5)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    layer = body["layers"][0]
+    assert layer["tokens"] > 0 and layer["routes"] == layer["tokens"] * 2
+    assert abs(sum(layer["f"]) - 1) < 1e-6
+    experts = sorted({e for rank in body["placement"]["rank_experts"] for e in rank})
+    assert experts == list(range(len(layer["f"]))) and body["placement"]["world_size"] == 2

@@ -1,0 +1,223 @@
+"""The draft model as its own Serve deployment, and the engine-side proposer that calls it.
+
+    engine step --one Serve call per step, whole batch--> DraftServer --> DraftModelProposer
+
+The user's design has "a separate draft-model deployment" propose tokens. A Serve call
+costs more than a decode step here (~14 ms against ~1 ms per draft token), so the call
+carries every sequence of the step at once (`DraftCall`) and returns all proposals; the
+engine never calls per sequence or per draft token.
+
+State and routing: the draft keeps a KV cache per sequence, so each engine sticks to one
+draft replica (Serve's consistent-hash router keyed by the engine's session id). Sticking
+is an optimisation, not a correctness condition: a replica that sees a sequence it does
+not hold, or holds a stale copy of, rolls back to the common prefix or rebuilds by
+prefilling (DraftModelProposer compares token ids every step). Sequence ids are prefixed
+with the engine's session id, so two engines never share a draft cache entry.
+
+Failure: when the call times out or the deployment is gone, `RemoteDraftProposer`
+returns no drafts for that step (the engine decodes without speculation, exact all the
+same) and backs off before trying again, doubling the pause up to a limit.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from ray import serve
+from ray.serve import Application
+from ray.serve.config import RequestRouterConfig
+
+from moeserve.spec.proposer import Proposal, ProposalRequest, Proposer
+
+log = logging.getLogger(__name__)
+
+STICKY_ROUTER = "ray.serve.experimental.consistent_hash_router.ConsistentHashRouter"
+
+
+@dataclass(frozen=True)
+class DraftServerConfig:
+    """What a draft replica loads. greedy: see DraftModelProposer (False samples drafts for
+    sampled requests and returns q, which then crosses the wire: [k, V] floats per row)."""
+
+    model_path: str
+    max_num_seqs: int = 64
+    max_model_len: int = 1024
+    greedy: bool = True
+    torch_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.model_path:
+            raise ValueError("model_path: the draft checkpoint folder is required")
+        for name in ("max_num_seqs", "max_model_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.torch_threads is not None and self.torch_threads < 1:
+            raise ValueError(f"torch_threads: must be >= 1, got {self.torch_threads}")
+
+
+@dataclass(frozen=True)
+class DraftCall:
+    """One engine step's request to the draft deployment.
+
+    requests: every drafting sequence of the step (ids already session-prefixed).
+    finished: sequences that ended since the last call; their KV slots are freed first.
+    """
+
+    requests: list[ProposalRequest]
+    finished: list[str] = field(default_factory=list)
+
+
+class DraftServer:
+    """A draft replica: DraftModelProposer behind a lock (Serve may run calls concurrently,
+    e.g. a late call overlapping the engine's retry)."""
+
+    def __init__(self, config: DraftServerConfig) -> None:
+        import torch
+
+        from moeserve.spec.draft_model import DraftModelProposer
+
+        if config.torch_threads:
+            torch.set_num_threads(config.torch_threads)
+        self.config = config
+        self.proposer = DraftModelProposer(config.model_path, config.max_num_seqs, config.max_model_len, config.greedy)
+        self._lock = threading.Lock()
+        self._calls = 0
+        self._busy_s = 0.0
+        self._id = uuid.uuid4().hex[:8]
+
+    def propose(self, call: DraftCall) -> list[Proposal]:
+        """Proposals for `call.requests`, in order."""
+        with self._lock:
+            t0 = time.perf_counter()
+            for seq_id in call.finished:
+                self.proposer.on_finished(seq_id)
+            out = self.proposer.propose(call.requests)
+            self._calls += 1
+            self._busy_s += time.perf_counter() - t0
+            return out
+
+    def stats(self) -> dict[str, Any]:
+        """This replica's counters (a Serve call reaches one replica: the session's, when sticky)."""
+        p = self.proposer
+        return {
+            "replica": self._id,
+            "calls": self._calls,
+            "busy_s": self._busy_s,
+            "tracked_seqs": p.num_tracked,
+            "new_seqs": p.num_new_seqs,
+            "rebuilt_tokens": p.num_rebuilt_tokens,
+            "evictions": p.num_evictions,
+        }
+
+    def check_health(self) -> None:
+        """Serve's health-check hook: the model is loaded once the constructor returned."""
+
+
+def bind_draft(
+    config: DraftServerConfig,
+    num_replicas: int = 1,
+    name: str = "draft",
+    ray_actor_options: dict[str, Any] | None = None,
+) -> Application:
+    """The draft deployment, bound and ready for `serve.run` or for composition: pass the
+    result to the engine deployment's bind() and Serve hands the engine a handle to it."""
+    deployment = serve.deployment(
+        DraftServer,
+        name=name,
+        num_replicas=num_replicas,
+        # Each engine has at most one call in flight (plus a late one after a timeout).
+        max_ongoing_requests=8,
+        request_router_config=RequestRouterConfig(request_router_class=STICKY_ROUTER),
+        ray_actor_options=ray_actor_options or {"num_cpus": 1},
+    )
+    return deployment.bind(config)
+
+
+class RemoteDraftProposer(Proposer):
+    """Engine-side proposer: one Serve call to the draft deployment per engine step.
+
+    handle: a DeploymentHandle to DraftServer.
+    timeout_s: how long a step waits for drafts before decoding without them.
+    backoff_s, max_backoff_s: after a failure no call is made for backoff_s, doubling with
+        each further failure up to max_backoff_s; a success resets it.
+    sticky: route every call of this engine to one replica (its session id).
+    """
+
+    def __init__(
+        self,
+        handle: Any,
+        timeout_s: float = 0.5,
+        backoff_s: float = 1.0,
+        max_backoff_s: float = 30.0,
+        sticky: bool = True,
+    ) -> None:
+        if timeout_s <= 0 or backoff_s < 0 or max_backoff_s < backoff_s:
+            raise ValueError("need timeout_s > 0 and 0 <= backoff_s <= max_backoff_s")
+        self.session = uuid.uuid4().hex[:12]
+        self.handle = handle.options(method_name="propose", session_id=self.session) if sticky else handle.options(
+            method_name="propose"
+        )
+        self.timeout_s, self.backoff_s, self.max_backoff_s = timeout_s, backoff_s, max_backoff_s
+        self._pause_s = backoff_s
+        self._retry_at = 0.0
+        self._finished: deque[str] = deque(maxlen=100_000)  # the server's LRU covers any overflow
+        self.num_calls = 0
+        self.num_fallback_steps = 0  # steps decoded without drafts because of the deployment
+        self.num_timeouts = 0
+        self.num_errors = 0
+
+    def propose(self, requests: list[ProposalRequest]) -> list[Proposal]:
+        """Drafts for the batch, or none at all (fallback) when the deployment is slow or gone."""
+        empty = [Proposal([]) for _ in requests]
+        asked = [r for r in requests if r.num_tokens > 0]
+        if not asked:
+            return empty
+        if time.monotonic() < self._retry_at:
+            self.num_fallback_steps += 1
+            return empty
+        finished = list(self._finished)
+        self._finished.clear()
+        prefix = self.session + "/"
+        call = DraftCall(
+            [ProposalRequest(prefix + r.seq_id, r.token_ids, r.num_tokens, r.params) for r in asked],
+            [prefix + s for s in finished],
+        )
+        self.num_calls += 1
+        try:
+            got = self.handle.remote(call).result(timeout_s=self.timeout_s)
+        except TimeoutError:
+            self.num_timeouts += 1
+            return self._fail(empty, finished, "timed out")
+        except Exception as e:  # deployment deleted, replica died, serialization...: never fail the step
+            self.num_errors += 1
+            return self._fail(empty, finished, f"{type(e).__name__}: {e}")
+        self._pause_s = self.backoff_s
+        by_id = dict(zip((r.seq_id for r in asked), got))
+        return [by_id.get(r.seq_id, p) for r, p in zip(requests, empty)]
+
+    def on_finished(self, seq_id: str) -> None:
+        """Queued; sent with the next call (no Serve call of its own)."""
+        self._finished.append(seq_id)
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "calls": self.num_calls,
+            "fallback_steps": self.num_fallback_steps,
+            "timeouts": self.num_timeouts,
+            "errors": self.num_errors,
+        }
+
+    def _fail(self, empty: list[Proposal], finished: list[str], why: str) -> list[Proposal]:
+        # The call may not have arrived: send its finished ids again next time (freeing twice is harmless).
+        self._finished.extendleft(reversed(finished))
+        self.num_fallback_steps += 1
+        self._retry_at = time.monotonic() + self._pause_s
+        log.warning("draft deployment %s; decoding without drafts for %.1f s", why, self._pause_s)
+        self._pause_s = min(self._pause_s * 2, self.max_backoff_s)
+        return empty
