@@ -6,14 +6,15 @@ import argparse
 import sys
 import time
 
-from moeserve.engine.factory import SPECULATION, EngineConfig, build_engine
+from moeserve.engine.factory import EngineConfig, build_engine
 from moeserve.sampling_params import SamplingParams
 from moeserve.tokenizer import render_chat
 
 
 def _generate(args: argparse.Namespace) -> int:
     cfg = EngineConfig(
-        model=args.model or "", draft_model=args.draft_model or "", speculation=args.draft,
+        model=args.model or "", draft_model=args.draft_model or "",
+        speculation="draft" if args.draft == "model" else args.draft,
         num_spec_tokens=args.num_spec_tokens, max_model_len=args.max_model_len, max_num_seqs=1,
     )
     try:
@@ -75,7 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--draft", choices=SPECULATION, default="ngram", help="speculative proposer (default ngram)")
+    g.add_argument("--draft", choices=("model", "ngram", "none"), default="ngram",
+                   help="speculative proposer: the demo draft model, prompt lookup (default), or none")
     g.add_argument("--num-spec-tokens", type=int, default=4)
     g.add_argument("--model", help="target checkpoint folder (default: checkpoints/demo-moe)")
     g.add_argument("--draft-model", help="draft checkpoint folder (default: checkpoints/demo-draft)")

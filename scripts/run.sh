@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set everything up, then run moeserve. Arguments go to the `moeserve` command; with none,
-# the demo model answers one bakery question:
+# it starts the server on the demo models (HTTP :8000, gRPC :9000), streams one
+# JSON-schema-constrained demo answer, and keeps serving until Ctrl-C:
 #   scripts/run.sh
 #   scripts/run.sh generate "Is the mawa cake eggless?" --max-tokens 64 --temperature 0.7 --seed 1
 set -euo pipefail
@@ -8,6 +9,6 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 bash scripts/setup.sh
 if [ "$#" -eq 0 ]; then
-    set -- generate "Do you have mawa cake today?"
+    set -- serve --demo
 fi
 exec .venv/bin/moeserve "$@"
