@@ -60,10 +60,8 @@ class Attention(nn.Module):
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         else:
             cache.write(self.layer_idx, batch, k, v)
-            tk = int((batch.start + t).max())
-            keys, values = cache.read(self.layer_idx, batch, tk)  # [B, Hkv, Tk, Dh]
+            keys, values = cache.read(self.layer_idx, batch)  # [B, Hkv, Tk, Dh]
             # Query i of a row sits at absolute position start + i and sees keys 0..start + i.
-            mask = torch.arange(tk)[None, None, :] <= batch.positions(t)[:, :, None]  # [B, T, Tk]
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[:, None], enable_gqa=True)
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=batch.attn_mask, enable_gqa=True)
         out = out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim)  # [B, T, H*Dh]
         return self.o_proj(out)

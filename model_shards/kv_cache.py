@@ -23,16 +23,39 @@ class StepBatch:
     slots:   [B] cache slot of each row
     start:   [B] tokens already cached for each row (position of the row's first query token)
     q_lens:  [B] valid query tokens in each row (<= Tq; the rest is padding)
+
+    The per-step index tensors (positions, padding, attention mask) are built once by
+    `prepare(Tq)` and shared by every layer.
     """
 
     slots: torch.Tensor
     start: torch.Tensor
     q_lens: torch.Tensor
+    tq: int = 0
+    pos: torch.Tensor | None = None  # [B, Tq] absolute position of each query token
+    valid_mask: torch.Tensor | None = None  # [B, Tq] False at padding (None: no padding)
+    tk: int = 0  # keys attention reads per row (the longest row after this step)
+    attn_mask: torch.Tensor | None = None  # [B, 1, Tq, Tk] query i sees keys 0 .. pos[i]
+    rows: slice | torch.Tensor | None = None  # cache rows: a slice when slots are contiguous
 
     @classmethod
     def build(cls, slots: list[int], start: list[int], q_lens: list[int]) -> StepBatch:
         as_long = lambda v: torch.tensor(v, dtype=torch.long)  # noqa: E731
         return cls(as_long(slots), as_long(start), as_long(q_lens))
+
+    def prepare(self, tq: int) -> StepBatch:
+        if self.tq == tq and self.pos is not None:
+            return self
+        self.tq = tq
+        self.pos = self.positions(tq)
+        valid = self.valid(tq)
+        self.valid_mask = None if bool(valid.all()) else valid
+        self.tk = int((self.start + tq).max())
+        self.attn_mask = (torch.arange(self.tk)[None, None, :] <= self.pos[:, :, None])[:, None]
+        self.rows = self.contiguous_slots()
+        if self.rows is None:
+            self.rows = self.slots
+        return self
 
     def positions(self, tq: int) -> torch.Tensor:
         return self.start[:, None] + torch.arange(tq)  # [B, Tq]
@@ -73,23 +96,24 @@ class KVCache:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
     def write(self, layer: int, batch: StepBatch, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store this step's keys/values; k, v: [B, Hkv, Tq, Dh]."""
-        tq = k.shape[2]
-        pos = batch.positions(tq)  # [B, Tq]
-        pos = torch.where(batch.valid(tq), pos, self.max_len)  # padding -> scratch column
-        if int(pos.max()) > self.max_len:
+        """Store this step's keys/values; k, v: [B, Hkv, Tq, Dh] (batch prepared for Tq)."""
+        if batch.tk > self.max_len:
             raise ValueError(f"sequence longer than the KV cache ({self.max_len} tokens)")
-        rows = batch.slots[:, None]  # [B, 1]
+        if len(batch.slots) == 1:  # one row: a plain slice copy, no index tensors
+            slot, s0 = int(batch.slots[0]), int(batch.start[0])
+            n = int(batch.q_lens[0])
+            self.k[layer][slot, :, s0 : s0 + n] = k[0, :, :n]
+            self.v[layer][slot, :, s0 : s0 + n] = v[0, :, :n]
+            return
+        pos = batch.pos if batch.valid_mask is None else torch.where(batch.valid_mask, batch.pos, self.max_len)
+        rows = batch.slots[:, None]  # [B, 1]; padding goes to the scratch column
         # Advanced indices on dims 0 and 2 put the broadcast [B, Tq] first: values are [B, Tq, Hkv, Dh].
         self.k[layer][rows, :, pos] = k.transpose(1, 2)
         self.v[layer][rows, :, pos] = v.transpose(1, 2)
 
-    def read(self, layer: int, batch: StepBatch, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of the batch's rows up to `length` positions: [B, Hkv, length, Dh]."""
-        rng = batch.contiguous_slots()
-        if rng is not None:
-            return self.k[layer][rng, :, :length], self.v[layer][rng, :, :length]
-        return self.k[layer][batch.slots, :, :length], self.v[layer][batch.slots, :, :length]
+    def read(self, layer: int, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of the batch's rows up to `batch.tk` positions: [B, Hkv, Tk, Dh]."""
+        return self.k[layer][batch.rows, :, : batch.tk], self.v[layer][batch.rows, :, : batch.tk]
 
     def copy_slot(self, src: int, dst: int, length: int) -> None:
         """Move a sequence between slots (used to keep the running batch in contiguous slots)."""

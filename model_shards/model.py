@@ -140,8 +140,8 @@ class CausalLM(nn.Module):
             positions = torch.arange(t).expand(b, t)
             valid = None
         else:
-            positions = batch.positions(t)  # [B, T]
-            valid = batch.valid(t) if bool((batch.q_lens < t).any()) else None
+            batch.prepare(t)
+            positions, valid = batch.pos, batch.valid_mask  # [B, T] each
         rope = self.model.rotary(positions, x.dtype)
         for layer in self.model.layers:
             x = layer(x, rope, cache, batch, valid)
