@@ -38,6 +38,8 @@ class EngineSection(_Section):
     max_num_seqs: int = Field(16, ge=1)  # running batch = KV cache slots
     max_model_len: int = Field(1024, ge=2)
     max_num_batched_tokens: int = Field(2048, ge=1)
+    # KV-cache tokens for all running sequences (0: every slot may fill); past it the newest are preempted.
+    kv_budget_tokens: int = Field(0, ge=0)
     # Backpressure: past max_num_seqs running + this many waiting, new requests get 503 / RESOURCE_EXHAUSTED.
     max_queued_requests: int = Field(64, ge=0)
     torch_threads: int | None = Field(None, ge=1)
@@ -197,6 +199,7 @@ class AppConfig(_Section):
             max_num_seqs=e.max_num_seqs,
             max_model_len=e.max_model_len,
             max_num_batched_tokens=e.max_num_batched_tokens,
+            kv_budget_tokens=e.kv_budget_tokens,
             dtype=self.model.dtype,
         )
         sh = self.shards

@@ -35,6 +35,7 @@ class EngineConfig:
     max_num_seqs: int = 32
     max_model_len: int = 1024
     max_num_batched_tokens: int = 4096
+    kv_budget_tokens: int = 0  # 0: every slot may fill to max_model_len
     dtype: str = "float32"
 
     def __post_init__(self) -> None:
@@ -47,14 +48,16 @@ class EngineConfig:
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype: must be float32, bfloat16 or float16, got {self.dtype!r}")
         SpecConfig(num_tokens=self.num_spec_tokens)  # validates the range
-        SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len)
+        self.scheduler()  # validates the scheduler limits
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return getattr(torch, self.dtype)
 
     def scheduler(self) -> SchedulerConfig:
-        return SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len)
+        return SchedulerConfig(
+            self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len, kv_budget_tokens=self.kv_budget_tokens
+        )
 
 
 def build_proposer(cfg: EngineConfig):

@@ -4,12 +4,18 @@ A step is either a prefill (new sequences, their whole prompts, padded into one 
 decode (every running sequence feeds its pending token plus any draft tokens). Waiting
 requests join between steps whenever a KV slot and the token budget allow; prefill goes
 first so new requests start quickly.
+
+KV budget: the running sequences may hold at most `kv_budget_tokens` tokens of KV cache
+(every token so far plus `lookahead` for the next step's draft). A request is admitted only
+when its tokens fit; when growing sequences would overflow the budget, the newest running
+ones are preempted: their KV cache is freed and they go back to the front of the queue,
+keeping their output, which the next prefill recomputes (vLLM's recompute preemption).
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from moeserve.sequence import Sequence, SequenceStatus
 
@@ -19,17 +25,31 @@ class SchedulerConfig:
     max_num_seqs: int = 32  # running batch size (= KV cache slots)
     max_num_batched_tokens: int = 2048  # prompt tokens in one prefill step (one prompt always fits)
     max_model_len: int = 1024
+    kv_budget_tokens: int = 0  # KV-cache tokens for all running sequences; 0: max_num_seqs * max_model_len
+    lookahead: int = 0  # tokens a sequence may add in one step beyond the next one (draft tokens)
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be positive, got {getattr(self, name)}")
+        if self.lookahead < 0:
+            raise ValueError(f"lookahead: must be >= 0, got {self.lookahead}")
+        if self.kv_budget_tokens and self.kv_budget_tokens < self.max_model_len + self.lookahead:
+            raise ValueError(
+                f"kv_budget_tokens: {self.kv_budget_tokens} cannot hold one sequence of max_model_len "
+                f"{self.max_model_len} (+ lookahead {self.lookahead})"
+            )
+
+    @property
+    def kv_budget(self) -> int:
+        return self.kv_budget_tokens or self.max_num_seqs * (self.max_model_len + self.lookahead)
 
 
 @dataclass
 class ScheduledBatch:
     is_prefill: bool
     seqs: list[Sequence]
+    preempted: list[Sequence] = field(default_factory=list)  # lost their KV cache this step
 
 
 class Scheduler:
@@ -37,6 +57,11 @@ class Scheduler:
         self.cfg = cfg
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    @property
+    def kv_tokens_used(self) -> int:
+        return sum(s.num_tokens for s in self.running)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -47,10 +72,15 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch | None:
         admitted: list[Sequence] = []
         tokens = 0
+        kv_free = self.cfg.kv_budget - self.kv_tokens_used - len(self.running) * (1 + self.cfg.lookahead)
         while self.waiting and len(self.running) + len(admitted) < self.cfg.max_num_seqs:
             seq = self.waiting[0]
             if admitted and tokens + len(seq.pending_ids) > self.cfg.max_num_batched_tokens:
                 break
+            need = seq.num_tokens + 1 + self.cfg.lookahead
+            if need > kv_free and (admitted or self.running):
+                break
+            kv_free -= need
             tokens += len(seq.pending_ids)
             admitted.append(self.waiting.popleft())
         if admitted:
@@ -59,8 +89,22 @@ class Scheduler:
             self.running.extend(admitted)
             return ScheduledBatch(is_prefill=True, seqs=admitted)
         if self.running:
-            return ScheduledBatch(is_prefill=False, seqs=list(self.running))
+            preempted = self._preempt_to_fit()
+            return ScheduledBatch(is_prefill=False, seqs=list(self.running), preempted=preempted)
         return None
+
+    def _preempt_to_fit(self) -> list[Sequence]:
+        """Preempt the newest running sequences until the next step's KV growth fits the budget."""
+        preempted = []
+        grow = 1 + self.cfg.lookahead
+        while len(self.running) > 1 and self.kv_tokens_used + grow * len(self.running) > self.cfg.kv_budget:
+            seq = self.running.pop()
+            seq.status = SequenceStatus.WAITING
+            seq.num_cached = 0  # recompute: the next prefill feeds prompt + output so far
+            self.waiting.appendleft(seq)
+            preempted.append(seq)
+        self.num_preemptions += len(preempted)
+        return preempted
 
     def finish(self, seq: Sequence, reason: str) -> None:
         seq.status = SequenceStatus.FINISHED

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from model_shards import load_checkpoint
-from moeserve.engine import LLMEngine, ModelRunner, SpecConfig
+from moeserve.engine import LLMEngine, ModelRunner, SchedulerConfig, SpecConfig
 from moeserve.sampling_params import SamplingParams
 from moeserve.spec.ngram import NgramProposer
 from tests.model_shards.hf_tiny import save_tiny
@@ -96,3 +96,23 @@ def test_bad_prompts_raise(tiny):
         engine.add_request([3] * 200, GREEDY)
     with pytest.raises(ValueError, match="token ids"):
         engine.add_request([1000], GREEDY)
+
+
+def test_kv_budget_preempts_and_recomputes_without_changing_output(tiny):
+    """A KV budget too small for every sequence at once preempts the newest (recompute);
+    greedy outputs are exactly those of an unconstrained run."""
+    folder, _ = tiny
+    ps = prompts(6, seed=11)
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    free = make_engine(folder).generate(ps, params)
+    runner = ModelRunner(load_checkpoint(folder), max_num_seqs=8, max_model_len=128)
+    tight = LLMEngine(runner, scheduler=SchedulerConfig(max_num_seqs=8, max_model_len=128, kv_budget_tokens=150))
+    out = tight.generate(ps, params)
+    assert [o.token_ids for o in out] == [o.token_ids for o in free]
+    assert tight.scheduler.num_preemptions > 0
+    assert runner.num_free_slots == 8 and tight.scheduler.kv_tokens_used == 0
+
+
+def test_kv_budget_must_hold_one_sequence():
+    with pytest.raises(ValueError, match="kv_budget_tokens"):
+        SchedulerConfig(max_model_len=128, kv_budget_tokens=64)
