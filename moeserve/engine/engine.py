@@ -13,7 +13,7 @@ import itertools
 import time
 from collections.abc import Iterator
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -66,11 +66,12 @@ class LLMEngine:
         cfg = scheduler or SchedulerConfig(max_num_seqs=runner.max_num_seqs, max_model_len=runner.max_model_len)
         if cfg.max_num_seqs > runner.max_num_seqs or cfg.max_model_len > runner.max_model_len:
             raise ValueError("scheduler limits exceed the model runner's KV cache")
-        self.scheduler = Scheduler(cfg)
         self.proposer = proposer
         self.spec = spec or SpecConfig(num_tokens=4 if proposer else 0)
+        # the KV budget reserves room for each sequence's draft tokens
+        self.scheduler = Scheduler(replace(cfg, lookahead=max(cfg.lookahead, self.spec.num_tokens if proposer else 0)))
         if adaptive is None and self.spec.adaptive and proposer is not None:
-            adaptive = AdaptiveK(AdaptiveKConfig(k_max=self.spec.num_tokens), PRIOR_COSTS)
+            adaptive = AdaptiveK(AdaptiveKConfig(k_max=self.spec.num_tokens, probe_budget=0.05), PRIOR_COSTS)
         self.adaptive = adaptive
         self.step_costs = StepCostMeter()
         self.sampler = Sampler()
@@ -138,6 +139,8 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if batch is None:
             return []
+        for seq in batch.preempted:
+            self._release(seq)
         if batch.is_prefill:
             for seq in batch.seqs:
                 self.runner.add(seq.seq_id)
@@ -266,12 +269,16 @@ class LLMEngine:
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq, reason)
+        self._release(seq)
+        self._seqs.pop(seq.seq_id, None)
+
+    def _release(self, seq: Sequence) -> None:
+        """Free what a sequence holds outside the scheduler: its KV slot and proposer state."""
         self.runner.remove(seq.seq_id)
         if self.proposer is not None:
             self.proposer.on_finished(seq.seq_id)
         if self.adaptive is not None:
             self.adaptive.on_finished(seq.seq_id)
-        self._seqs.pop(seq.seq_id, None)
 
     # ---- conveniences ------------------------------------------------------------------------
     def stream(self, prompt: str | Seq[int], params: SamplingParams | None = None) -> Iterator[RequestOutput]:

@@ -7,11 +7,16 @@ with. What the engine imports:
 - `RejectionSampler`, `SpecOutput` — exact verification (greedy and sampled).
 - `Proposer`, `ProposalRequest`, `Proposal`, `make_proposer`, `pad_proposals` — drafting.
 - `NgramProposer` — prompt lookup, the model-free proposer.
+- the draft model (`moeserve.spec.draft_model.DraftModelProposer`, registered as "draft",
+  imported on demand because it loads the model stack; its lean one-token decode step is
+  in draft_decoder.py).
+- `StepCostMeter` — measured step times, refit into the CostModel adaptive k uses.
 - `AdaptiveK`, `AdaptiveKConfig`, `CostModel` — per-sequence choice of k.
 - `SpecMetrics` — acceptance rate, tokens per pass, and the formula next to it.
 """
 
 from moeserve.spec.adaptive import AdaptiveK, AdaptiveKConfig, CostModel, expected_tokens_per_pass
+from moeserve.spec.cost_meter import StepCostMeter
 from moeserve.spec.metrics import SpecMetrics
 from moeserve.spec.ngram import NgramProposer
 from moeserve.spec.proposer import (
@@ -36,6 +41,7 @@ __all__ = [
     "RejectionSampler",
     "SpecMetrics",
     "SpecOutput",
+    "StepCostMeter",
     "expected_tokens_per_pass",
     "make_proposer",
     "pad_proposals",

@@ -8,6 +8,7 @@ k + 1 positions instead of 1. AdaptiveK picks the k that maximises tokens per se
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -33,15 +34,18 @@ class CostModel:
 
     A target pass over t tokens of one sequence costs target_base_s + target_per_token_s * t
     (target_base_s is this sequence's share of the fixed per-step cost: weights read,
-    launches, a Ray-free loop). Drafting costs draft_per_token_s per draft token.
+    launches, a Ray-free loop). Drafting costs draft_per_token_s per draft token, plus
+    draft_base_s whenever the sequence drafts at all (the draft's catch-up forward, or the
+    call to a remote draft deployment).
     """
 
     target_base_s: float
     target_per_token_s: float
     draft_per_token_s: float
+    draft_base_s: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("target_base_s", "target_per_token_s", "draft_per_token_s"):
+        for name in ("target_base_s", "target_per_token_s", "draft_per_token_s", "draft_base_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.target_base_s + self.target_per_token_s <= 0:
@@ -49,7 +53,8 @@ class CostModel:
 
     def step_cost(self, k: int) -> float:
         """Seconds for one speculative step with k draft tokens (k = 0: plain decoding)."""
-        return self.target_base_s + self.target_per_token_s * (k + 1) + self.draft_per_token_s * k
+        draft = self.draft_base_s + self.draft_per_token_s * k if k > 0 else 0.0
+        return self.target_base_s + self.target_per_token_s * (k + 1) + draft
 
 
 @dataclass(frozen=True)
@@ -63,6 +68,9 @@ class AdaptiveKConfig:
         sequence starts from the pool's running alpha (all sequences, EMA with pool_decay).
     probe_every: after this many steps at k = 0, draft one token anyway, so a sequence
         whose text turned formulaic can win k back.
+    probe_budget: when set, probes are also spaced so that they cost at most this fraction
+        of the plain steps between them (a draft behind a 15 ms network hop probes every
+        ~75 plain 4 ms steps at 0.05, not every probe_every).
     """
 
     k_max: int = 8
@@ -71,6 +79,7 @@ class AdaptiveKConfig:
     prior_weight: float = 2.0
     probe_every: int = 16
     pool_decay: float = 0.99
+    probe_budget: float | None = None
 
     def __post_init__(self) -> None:
         if self.k_max < 0:
@@ -84,6 +93,8 @@ class AdaptiveKConfig:
             raise ValueError(f"prior_weight must be > 0, got {self.prior_weight}")
         if self.probe_every < 1:
             raise ValueError(f"probe_every must be >= 1, got {self.probe_every}")
+        if self.probe_budget is not None and not 0.0 < self.probe_budget <= 1.0:
+            raise ValueError(f"probe_budget must lie in (0, 1] or be None, got {self.probe_budget}")
 
 
 class _Acceptance:
@@ -145,12 +156,20 @@ class AdaptiveK:
         k = self.best_k(state.alpha)
         if k == 0 and self.config.k_max > 0:
             state.steps_at_zero += 1
-            if state.steps_at_zero >= self.config.probe_every:
+            if state.steps_at_zero >= self.probe_interval():
                 state.steps_at_zero = 0
                 return 1
         else:
             state.steps_at_zero = 0
         return k
+
+    def probe_interval(self) -> int:
+        """Plain steps between probes: probe_every, or more when a probe is dear (probe_budget)."""
+        every = self.config.probe_every
+        if self.config.probe_budget is None:
+            return every
+        extra = self.costs.step_cost(1) - self.costs.step_cost(0)  # what one probe adds to a step
+        return max(every, math.ceil(extra / (self.config.probe_budget * self.costs.step_cost(0))))
 
     def observe(self, seq_id: str, num_proposed: int, num_accepted: int) -> None:
         """Records one verification: num_proposed drafted (what the proposer actually

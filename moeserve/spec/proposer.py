@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from moeserve.sampling_params import SamplingParams
+
 
 @dataclass(frozen=True)
 class ProposalRequest:
@@ -27,11 +29,15 @@ class ProposalRequest:
     token_ids: the sequence so far, prompt + generated (accepted) tokens. Between calls
         for one seq_id it only grows; rejected drafts never appear in it.
     num_tokens: k for this sequence this step; 0 asks for nothing.
+    params: the request's sampling parameters. A draft model that samples uses them for
+        its own q (temperature, top-k, top-p as the target applies them to p), which is
+        what keeps acceptance high; None (or greedy params) asks for deterministic drafts.
     """
 
     seq_id: str
     token_ids: Sequence[int]
     num_tokens: int
+    params: SamplingParams | None = None
 
     def __post_init__(self) -> None:
         if self.num_tokens < 0:
@@ -77,6 +83,7 @@ class Proposer(ABC):
 # Names map to "module:Class" so that choosing "ngram" never imports a draft model's stack.
 _PROPOSERS: dict[str, str | type[Proposer]] = {
     "ngram": "moeserve.spec.ngram:NgramProposer",
+    "draft": "moeserve.spec.draft_model:DraftModelProposer",
 }
 
 

@@ -1,0 +1,183 @@
+"""What bench/speculative.py reports: speculation metrics, step-time breakdowns, tables, plots."""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from bench.report import markdown_table  # noqa: E402
+from bench.timing import Run  # noqa: E402
+from moeserve.spec.adaptive import expected_tokens_per_pass  # noqa: E402
+
+SPEC_KEYS = ("alpha", "acceptance_rate", "mean_k", "tokens_per_pass", "predicted_tokens_per_pass", "draft_time_share")
+
+
+def spec_medians(runs: dict[str, list[Run]]) -> dict[str, dict[str, float]]:
+    """Per speculative case, the median over runs of each speculation metric."""
+    out = {}
+    for name, rs in runs.items():
+        specs = [r.extra["spec"] for r in rs if "spec" in r.extra and r.extra["spec"]["num_steps"]]
+        if specs:
+            out[name] = {key: statistics.median(s[key] for s in specs) for key in SPEC_KEYS}
+    return out
+
+
+def step_costs(runs: dict[str, list[Run]], baseline: str) -> dict[str, dict[str, float]]:
+    """Where a decode step's time goes, per case (medians over runs, milliseconds):
+    draft and target (verify) time per step from the engine's own timers, the rest of the
+    step (sampling, rejection, bookkeeping), and the plain step it replaces."""
+    base = [r.extra["decode_s"] / r.extra["decode_steps"] for r in runs[baseline]]
+    out = {}
+    for name, rs in runs.items():
+        if "decode_s" not in rs[0].extra:  # transformers: no step timers
+            continue
+        steps = [r.extra["decode_steps"] for r in rs]
+        step = [r.extra["decode_s"] / n for r, n in zip(rs, steps)]
+        row = {
+            "step_ms": 1e3 * statistics.median(step),
+            "plain_step_ms": 1e3 * statistics.median(base),
+            "step_cost_vs_plain": statistics.median(s / p for s, p in zip(step, base)),
+            "tokens_per_step": statistics.median(r.extra["decode_tokens"] / n for r, n in zip(rs, steps)),
+            "decode_speedup": statistics.median(
+                (r.extra["decode_tokens"] / r.extra["decode_s"]) / (p.extra["decode_tokens"] / p.extra["decode_s"])
+                for r, p in zip(rs, runs[baseline])
+            ),
+        }
+        specs = [r.extra.get("spec") for r in rs]
+        if all(specs) and all(s["num_steps"] for s in specs):
+            # Per speculative step; steps where nothing was proposed ran plain and are not in these.
+            row["draft_ms"] = 1e3 * statistics.median(s["draft_time_s"] / s["num_steps"] for s in specs)
+            row["target_ms"] = 1e3 * statistics.median(s["target_time_s"] / s["num_steps"] for s in specs)
+            row["speculative_steps"] = statistics.median(s["num_steps"] / n for s, n in zip(specs, steps))
+            if row["speculative_steps"] == 1.0:
+                row["other_ms"] = row["step_ms"] - row["draft_ms"] - row["target_ms"]
+        out[name] = row
+    return out
+
+
+def console(results: dict[str, Any], args: argparse.Namespace) -> str:
+    lines = []
+    for label, res in results["compare"].items():
+        tokens = res["summary"]["no speculation"]["tokens"]
+        lines.append(f"== batch 1, {label} prompts ({args.prompts} prompts, {tokens} tokens)")
+        for name, row in res["summary"].items():
+            spec = res["spec"].get(name)
+            extra = f"  alpha {spec['alpha']:.2f}, tokens/pass {spec['tokens_per_pass']:.2f}" if spec else ""
+            ratio = f"{row['median_ratio']:.2f}x" if "median_ratio" in row else "1.00x"
+            lines.append(f"  {name:34s} {row['median_tokens_per_s']:7.1f} tokens/s  {ratio:>6s}{extra}")
+        lines.append(f"  transformers assisted / transformers: {res['transformers assisted / transformers']:.2f}x")
+        counts = {name: row["tokens"] for name, row in res["summary"].items()}
+        if len(set(counts.values())) > 1:
+            lines.append(f"  WARNING: cases wrote different numbers of tokens: {counts}")
+    lines.append("== k sweep (formulaic, batch 1)")
+    for name, row in results["sweep"]["summary"].items():
+        spec = results["sweep"]["spec"].get(name)
+        if spec:
+            lines.append(f"  {name:12s} {row['median_ratio']:.2f}x  alpha {spec['alpha']:.2f}  tokens/pass "
+                         f"{spec['tokens_per_pass']:.2f} (formula {spec['predicted_tokens_per_pass']:.2f})")
+    lines.append(f"== batch {args.batch} (formulaic)")
+    for name, row in results["batched"]["summary"].items():
+        lines.append(f"  {name:34s} {row['median_tokens_per_s']:7.1f} tokens/s  {row.get('median_ratio', 1.0):.2f}x")
+    return "\n".join(lines)
+
+
+def _compare_table(res: dict[str, Any]) -> str:
+    rows = []
+    for name, row in res["summary"].items():
+        spec = res["spec"].get(name, {})
+        rows.append([name, row["median_tokens_per_s"], row.get("median_ratio", 1.0),
+                     spec.get("alpha", "-"), spec.get("tokens_per_pass", "-"),
+                     spec.get("predicted_tokens_per_pass", "-")])
+    return markdown_table(["case", "tokens/s (median)", "vs no speculation", "alpha", "tokens/pass", "formula"], rows)
+
+
+def _steps_table(res: dict[str, Any]) -> str:
+    rows = []
+    for name, row in res["steps"].items():
+        spec = res["spec"].get(name, {})
+        rows.append([name, spec.get("alpha", "-"), row.get("speculative_steps", "-"), row["tokens_per_step"],
+                     row["step_ms"], row.get("draft_ms", "-"), row.get("target_ms", "-"), row.get("other_ms", "-"),
+                     row["step_cost_vs_plain"], row["decode_speedup"]])
+    header = ["case", "alpha", "share of steps speculative", "tokens/step", "step ms", "draft ms / spec step",
+              "target ms / spec step", "other ms", "step cost / plain step", "decode speedup"]
+    return markdown_table(header, rows)
+
+
+def render(results: dict[str, Any], args: argparse.Namespace, env: dict, name: str) -> tuple[str, dict]:
+    """The Markdown report and its figures."""
+    k = args.k
+    md = [
+        "# Speculative decoding on the demo pair",
+        "",
+        "Demo MoE target + demo dense draft, greedy, so every case writes the same tokens: "
+        + (f"each reply up to its end of turn (at most {args.new_tokens} tokens; the end token is not counted)"
+           if args.stop_at_eos else f"{args.new_tokens} tokens per prompt, EOS ignored")
+        + f". {args.rounds} interleaved rounds, medians; 'vs no speculation' is "
+        f"the median of per-round ratios. Batch 1 runs {args.prompts} prompts one after another. torch threads: "
+        f"{args.threads}; load average at start {env['load_average_at_start'][0]:.1f} on {env['cpu_count']} "
+        "cores (a shared machine: absolute numbers move, ratios measured side by side move less).",
+        "",
+    ]
+    for label, res in results["compare"].items():
+        md += [f"## Batch 1, {label} prompts", "", _compare_table(res), "",
+               f"transformers `generate(assistant_model=draft)` / `generate`: "
+               f"**{res['transformers assisted / transformers']:.2f}x**; our engine without speculation / "
+               f"transformers: {res['ours no speculation / transformers']:.2f}x.", "", _steps_table(res), ""]
+    md += ["## k sweep (formulaic, batch 1)", "", _compare_table(results["sweep"]), "",
+           f"![speedup and alpha against k]({name}-sweep.png) ![tokens per pass against the formula]({name}-tpp.png)",
+           "", "### Where a decode step's time goes", "",
+           "Engine timers per decode step (medians): drafting, the target's verification pass, and the rest; "
+           "'step cost / plain step' is the step's time over a plain decode step's, so the decode speedup is "
+           "tokens/step divided by it.", "", _steps_table(results["sweep"]), "",
+           f"## Batch {args.batch} (formulaic)", "", _compare_table(results["batched"]), "",
+           _steps_table(results["batched"]), ""]
+    losers = [f"- {label}: {name} ({row['median_ratio']:.2f}x)"
+              for label, res in [*[(f"batch 1, {k}", v) for k, v in results["compare"].items()],
+                                 (f"batch {args.batch}, formulaic", results["batched"])]
+              for name, row in res["summary"].items()
+              if row.get("median_ratio", 1.0) < 1.0 and not name.startswith("transformers")]
+    md += ["## Where speculation does not pay here (slower than no speculation)", "", *(losers or ["- nowhere"]), ""]
+    figures = {"sweep": _sweep_figure(results["sweep"], args), "tpp": _tpp_figure(results["sweep"], args)}
+    md.append(f"Goal: >= 2.5x over no speculation on formulaic prompts (draft in-process, k={k}): measured "
+              f"**{results['compare']['formulaic']['summary'][f'draft in-process k={k}']['median_ratio']:.2f}x**.")
+    return "\n".join(md), figures
+
+
+def _sweep_figure(res: dict[str, Any], args: argparse.Namespace):
+    fig, ax = plt.subplots(figsize=(6.5, 3.5))
+    for kind, color in (("draft", "C0"), ("lookup", "C2")):
+        ks = [k for k in args.sweep if f"{kind} k={k}" in res["summary"]]
+        ax.plot(ks, [res["summary"][f"{kind} k={k}"]["median_ratio"] for k in ks], "o-", color=color,
+                label=f"{kind}: speedup")
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xlabel("k (draft tokens per step)")
+    ax.set_ylabel("tokens/s vs no speculation")
+    twin = ax.twinx()
+    for kind, color in (("draft", "C0"), ("lookup", "C2")):
+        ks = [k for k in args.sweep if f"{kind} k={k}" in res["spec"]]
+        twin.plot(ks, [res["spec"][f"{kind} k={k}"]["alpha"] for k in ks], "s--", color=color, alpha=0.6,
+                  label=f"{kind}: alpha")
+    twin.set_ylabel("alpha")
+    twin.set_ylim(0, 1)
+    fig.legend(loc="upper left", fontsize=8, bbox_to_anchor=(0.12, 0.88))
+    return fig
+
+
+def _tpp_figure(res: dict[str, Any], args: argparse.Namespace):
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    for kind, color in (("draft", "C0"), ("lookup", "C2")):
+        ks = [k for k in args.sweep if f"{kind} k={k}" in res["spec"]]
+        spec = [res["spec"][f"{kind} k={k}"] for k in ks]
+        ax.plot(ks, [s["tokens_per_pass"] for s in spec], "o", color=color, label=f"{kind}: measured")
+        ax.plot(ks, [expected_tokens_per_pass(s["alpha"], s["mean_k"]) for s in spec], "-", color=color,
+                alpha=0.6, label=f"{kind}: (1 - a^(k+1)) / (1 - a)")
+    ax.set_xlabel("k")
+    ax.set_ylabel("tokens per target pass")
+    ax.legend(fontsize=8)
+    return fig

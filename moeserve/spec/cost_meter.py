@@ -1,0 +1,86 @@
+"""Measured step times -> the CostModel that adaptive k optimises.
+
+The engine times each decode step: drafting (the proposer call) and the target pass.
+Per sequence of a B-row batch whose widest row drafts K tokens:
+
+- the target pass feeds K + 1 positions in every row (rows are padded to the widest), so
+  target_s / B ~ target_base_s + target_per_token_s * (K + 1);
+- drafting runs K sequential draft forwards (the first also catches up), so
+  draft_s / B ~ draft_base_s + draft_per_token_s * K.
+
+`fit` solves both lines by least squares over a window of recent steps. When the window
+holds one width only (fixed k, no plain steps), a slope cannot be measured; the prior's
+slope is kept and only the intercept is fitted.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from moeserve.spec.adaptive import CostModel
+
+# Relative costs before anything is measured: a draft token ~1/10 of a target pass.
+PRIOR_COSTS = CostModel(target_base_s=1e-2, target_per_token_s=1e-4, draft_per_token_s=1e-3, draft_base_s=1e-3)
+
+
+@dataclass(frozen=True)
+class StepTiming:
+    """One decode step: B rows, the widest row's draft tokens K (0: plain), seconds spent."""
+
+    num_rows: int
+    width: int
+    draft_s: float
+    target_s: float
+
+    def __post_init__(self) -> None:
+        if self.num_rows < 1 or self.width < 0:
+            raise ValueError(f"need num_rows >= 1 and width >= 0, got {self.num_rows}, {self.width}")
+        if self.draft_s < 0 or self.target_s < 0:
+            raise ValueError("times must be >= 0")
+
+
+class StepCostMeter:
+    """A window of recent step timings and the cost model they imply."""
+
+    def __init__(self, window: int = 256) -> None:
+        if window < 2:
+            raise ValueError(f"window must be >= 2, got {window}")
+        self._steps: deque[StepTiming] = deque(maxlen=window)
+        self.num_recorded = 0
+
+    def record(self, num_rows: int, width: int, draft_s: float, target_s: float) -> None:
+        """Adds one decode step (width 0 for a step without drafts)."""
+        self._steps.append(StepTiming(num_rows, width, draft_s, target_s))
+        self.num_recorded += 1
+
+    def fit(self, prior: CostModel = PRIOR_COSTS) -> CostModel:
+        """Per-sequence costs from the window; the prior where the window says nothing."""
+        steps = list(self._steps)
+        target = _fit_line(
+            [s.width + 1 for s in steps], [s.target_s / s.num_rows for s in steps],
+            (prior.target_base_s, prior.target_per_token_s),
+        )
+        drafted = [s for s in steps if s.width > 0]
+        draft = _fit_line(
+            [s.width for s in drafted], [s.draft_s / s.num_rows for s in drafted],
+            (prior.draft_base_s, prior.draft_per_token_s),
+        )
+        base, per_token = target
+        if base + per_token <= 0:  # a target pass must cost something
+            base = prior.target_base_s
+        return CostModel(base, per_token, draft_per_token_s=draft[1], draft_base_s=draft[0])
+
+
+def _fit_line(xs: list[int], ys: list[float], prior: tuple[float, float]) -> tuple[float, float]:
+    """(intercept, slope) of y ~ a + b x by least squares, both clamped at >= 0."""
+    if not xs:
+        return prior
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    if sxx < 1e-9:  # one width only: keep the prior's slope
+        slope = prior[1]
+    else:
+        slope = max(0.0, sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx)
+    return max(0.0, my - slope * mx), slope

@@ -1,0 +1,96 @@
+"""A lean one-token decode step for dense drafts: the draft's own math in a third of the calls.
+
+Shapes: B rows, D hidden, H / Hkv query / key-value heads, Dh head dim, Tk key positions,
+I MLP width, V vocab.
+
+At demo size a draft forward is ~100 small torch calls plus module and StepBatch plumbing:
+its cost is Python overhead, not arithmetic, and the draft runs k of them per engine step.
+This step reads the same weights and the same KV cache as `CausalLM.forward` (so prefill
+stays on the model's own path) but fuses q/k/v and gate/up into one matmul each, rotates
+queries and keys together with cos/sin looked up in a table, uses torch's fused RMSNorm,
+and builds no padding and, when all rows are as long, no mask. Dense Llama/Qwen2-style
+models only (no experts, no q/k norm, no qkv clipping); `supports` says whether it applies.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from model_shards import CausalLM, KVCache
+
+
+class DenseDecodeStep:
+    """`step(tokens, slots, positions)` -> logits [B, V], writing each row's key/value at its position."""
+
+    @staticmethod
+    def supports(model: CausalLM) -> bool:
+        cfg = model.config
+        return not any(cfg.sparse_layers) and cfg.qk_norm == "none" and cfg.clip_qkv is None
+
+    def __init__(self, model: CausalLM, cache: KVCache) -> None:
+        if not self.supports(model):
+            raise ValueError("DenseDecodeStep needs a dense model without q/k norm or qkv clipping")
+        cfg = model.config
+        self.cache = cache
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_dim, self.kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.embed = model.model.embed_tokens.weight  # [V, D]
+        self.layers = []
+        for layer in model.model.layers:
+            a, m = layer.self_attn, layer.mlp
+            bias = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]) if cfg.attention_bias else None
+            self.layers.append((
+                layer.input_layernorm.weight, layer.input_layernorm.eps,
+                torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).detach(),  # [(H + 2 Hkv) Dh, D]
+                None if bias is None else bias.detach(),
+                a.o_proj.weight,  # [D, H Dh]
+                layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps,
+                torch.cat([m.gate_proj.weight, m.up_proj.weight]).detach(),  # [2 I, D]
+                m.down_proj.weight,  # [D, I]
+            ))
+        self.norm = (model.model.norm.weight, model.model.norm.eps)
+        self.lm_head = model.lm_head.weight  # [V, D]
+        positions = torch.arange(cache.max_len + 1, dtype=torch.float32)
+        freqs = positions[:, None] * model.model.rotary.inv_freq  # [Tmax, Dh/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [Tmax, Dh]
+        dtype = self.embed.dtype
+        self.cos, self.sin = emb.cos().to(dtype), emb.sin().to(dtype)
+
+    @torch.inference_mode()
+    def step(
+        self, tokens: torch.Tensor, slots: torch.Tensor | slice, positions: torch.Tensor, tk: int, ragged: bool = True
+    ) -> torch.Tensor:
+        """tokens, positions: [B]; slots: [B] or a slice of contiguous slots; tk = max(positions) + 1.
+
+        Row b attends to its keys 0..positions[b]. ragged=False promises that every row sits
+        at position tk - 1, so no mask is built (and nothing is read back from the tensors)."""
+        b = tokens.shape[0]
+        h_, hkv, dh = self.num_heads, self.num_kv_heads, self.head_dim
+        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # [B, 1, Dh]
+        mask = None
+        if b > 1 and ragged:
+            mask = (torch.arange(tk)[None, :] <= positions[:, None])[:, None, None]  # [B, 1, 1, Tk]
+        write_rows = torch.arange(slots.start, slots.stop) if isinstance(slots, slice) else slots  # [B]
+        x = F.embedding(tokens, self.embed)  # [B, D]
+        for i, (w_in, eps_in, w_qkv, b_qkv, w_o, w_post, eps_post, w_gu, w_down) in enumerate(self.layers):
+            qkv = F.linear(F.rms_norm(x, w_in.shape, w_in, eps_in), w_qkv, b_qkv)  # [B, (H + 2 Hkv) Dh]
+            qk = _rotary(qkv[:, : self.q_dim + self.kv_dim].view(b, h_ + hkv, dh), cos, sin)  # [B, H + Hkv, Dh]
+            v = qkv[:, self.q_dim + self.kv_dim :].view(b, hkv, dh)  # [B, Hkv, Dh]
+            keys, values = self.cache.k[i], self.cache.v[i]  # [S, Hkv, Tmax + 1, Dh]
+            keys[write_rows, :, positions] = qk[:, h_:]
+            values[write_rows, :, positions] = v
+            out = F.scaled_dot_product_attention(
+                qk[:, :h_, None], keys[slots, :, :tk], values[slots, :, :tk], attn_mask=mask, enable_gqa=True
+            )  # [B, H, 1, Dh]
+            x = x + F.linear(out.view(b, self.q_dim), w_o)  # [B, D]
+            gate, up = F.linear(F.rms_norm(x, w_post.shape, w_post, eps_post), w_gu).chunk(2, dim=-1)  # [B, I] x 2
+            x = x + F.linear(F.silu(gate) * up, w_down)  # [B, D]
+        w_norm, eps_norm = self.norm
+        return F.linear(F.rms_norm(x, w_norm.shape, w_norm, eps_norm), self.lm_head).float()  # [B, V]
+
+
+def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half rotary on [B, H, Dh] (queries and keys together) with cos/sin [B, 1, Dh]."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin

@@ -1,0 +1,300 @@
+"""The draft model as a proposer: a small dense LM in this process, batched across sequences.
+
+Shapes: B rows drafting this step (sorted by k, longest first), K draft tokens (the widest
+row), V vocab, S rows that sample their drafts.
+
+One `propose` call per engine step, for the whole batch:
+
+1. sync: the draft keeps its own KV cache per sequence and remembers which tokens it
+   holds. The request's token ids are compared with them; the common prefix stays and the
+   rest is forgotten. That is the rollback after a rejection (the cache held drafts the
+   target refused) and the rebuild after a miss (a new sequence, an evicted one, or a
+   history this replica never saw): rolling back is just feeding from a smaller position.
+2. catch-up: every row's uncached tail is fed, batched: its last token in one one-token
+   forward for all rows, whose logits give draft token 1; before it, the token before that
+   for rows whose tail is two tokens (the last draft and the bonus token, after a step that
+   accepted everything), and the model's own prefill forward for longer tails (new
+   sequences, rebuilds), so that one prompt never pads the whole batch to its length.
+3. K - 1 batched one-token forwards; a row is no longer fed once it has its k tokens
+   (rows are sorted by k, so the rows still drafting are a prefix of the batch).
+
+One-token forwards of a dense draft go through `DenseDecodeStep` (draft_decoder.py), which
+cuts the per-forward Python overhead that dominates at this model size; other drafts (an
+MoE model drafting for itself in tests) use the model's own forward.
+
+Drafts are the draft's argmax (deterministic: `Proposal.probs` is None) unless the
+proposer samples and the request does: then each draft token is drawn from the draft's
+probabilities processed with the request's own temperature, top-k and top-p, and those
+probabilities travel with the proposal as q for the rejection sampler. A seeded request
+draws its draft uniforms from a hash of (seed, position), so its output does not depend on
+the batch, on the replica, or on whether the draft cache was rebuilt.
+"""
+
+from __future__ import annotations
+
+import os
+from bisect import bisect_left
+from dataclasses import dataclass, field
+from itertools import accumulate
+
+import torch
+
+from model_shards import CausalLM, StepBatch
+from moeserve.engine.model_runner import ModelRunner, Row
+from moeserve.sampler import Sampler
+from moeserve.sampling_params import SamplingParams
+from moeserve.spec.draft_decoder import DenseDecodeStep
+from moeserve.spec.proposer import Proposal, ProposalRequest, Proposer
+
+
+@dataclass
+class _DraftSeq:
+    """What the draft holds for one sequence: the tokens whose keys/values are in its cache."""
+
+    cached: list[int] = field(default_factory=list)
+    seen: int = 0  # length of the last request's token ids: a prefix the engine never rewrites
+    last_used: int = 0
+
+
+@dataclass
+class _Row:
+    """One sequence drafting this step."""
+
+    index: int  # position in the request list
+    seq_id: str
+    tokens: list[int]  # the request's token ids
+    k: int
+    start: int  # tokens of `tokens` already in the draft cache (after rollback)
+    params: SamplingParams | None  # None: propose the argmax
+
+
+@dataclass(frozen=True)
+class _Batch:
+    """The drafting rows' slots and lengths as tensors, built once per step."""
+
+    slots: torch.Tensor  # [B]
+    lengths: torch.Tensor  # [B] tokens cached once caught up
+    max_len: list[int]  # max_len[n - 1] = longest of the first n rows
+    ragged: list[bool]  # ragged[n - 1]: the first n rows differ in length
+    first_slot: int | None  # the slots are first_slot, first_slot + 1, ... (else None)
+
+    @classmethod
+    def of(cls, rows: list[_Row], slots: list[int]) -> _Batch:
+        lengths = [len(r.tokens) for r in rows]
+        contiguous = slots == list(range(slots[0], slots[0] + len(slots)))
+        shortest = list(accumulate(lengths, min))
+        longest = list(accumulate(lengths, max))
+        return cls(torch.tensor(slots), torch.tensor(lengths), longest, [a != b for a, b in zip(shortest, longest)],
+                   slots[0] if contiguous else None)
+
+    def prefix(self, n: int) -> torch.Tensor | slice:
+        """The first n rows' slots: a slice (a view of the cache) when contiguous."""
+        return self.slots[:n] if self.first_slot is None else slice(self.first_slot, self.first_slot + n)
+
+
+class DraftModelProposer(Proposer):
+    """A dense draft model proposing k tokens per sequence, with its own slot KV cache.
+
+    model: the draft (a CausalLM, or a checkpoint folder to load), sharing the target's
+        tokenizer.
+    max_num_seqs: KV slots; when full, the least recently used sequence not in this step's
+        batch is evicted (it is rebuilt if it comes back), so a leaked id costs nothing.
+    max_model_len: tokens per slot; rows that would pass it draft fewer tokens.
+    greedy: True proposes the draft's argmax for every request. False samples drafts for
+        sampled requests with their own SamplingParams and returns q (greedy requests still
+        get the argmax).
+    """
+
+    def __init__(
+        self,
+        model: CausalLM | str | os.PathLike,
+        max_num_seqs: int = 32,
+        max_model_len: int = 1024,
+        greedy: bool = True,
+    ) -> None:
+        if not isinstance(model, CausalLM):
+            from model_shards import load_checkpoint
+
+            model = load_checkpoint(model)
+        self.runner = ModelRunner(model, max_num_seqs, max_model_len)
+        # Dense drafts decode through the lean step; others (e.g. an MoE draft) use the model's forward.
+        self.lean = DenseDecodeStep(model, self.runner.cache) if DenseDecodeStep.supports(model) else None
+        self.greedy = greedy
+        self.sampler = Sampler()
+        self._seqs: dict[str, _DraftSeq] = {}
+        self._clock = 0
+        self.num_new_seqs = 0  # sequences prefilled from scratch (new, evicted, or unseen here)
+        self.num_rebuilt_tokens = 0  # confirmed tokens re-fed because the cache had lost them
+        self.num_evictions = 0
+
+    @property
+    def num_tracked(self) -> int:
+        """Sequences holding a draft KV slot (for leak checks)."""
+        return len(self._seqs)
+
+    def on_finished(self, seq_id: str) -> None:
+        """Frees the sequence's KV slot; unknown ids are ignored."""
+        if self._seqs.pop(seq_id, None) is not None:
+            self.runner.remove(seq_id)
+
+    @torch.inference_mode()
+    def propose(self, requests: list[ProposalRequest]) -> list[Proposal]:
+        """Up to request.num_tokens draft tokens per request, in order (possibly none)."""
+        self._clock += 1
+        rows = self._sync(requests)
+        proposals = [Proposal([]) for _ in requests]
+        if not rows:
+            return proposals
+        slot = self.runner.slots.slot
+        rows.sort(key=lambda r: (-r.k, slot(r.seq_id)))  # drafting rows stay a prefix; slots mostly in order
+        batch = _Batch.of(rows, [slot(r.seq_id) for r in rows])
+        tokens, probs = self._draft(rows, batch, self._catch_up(rows, batch))  # [B, K], [S, K, V] or None
+        sampled = 0
+        for r, row in zip(rows, tokens.tolist()):
+            q = None
+            if r.params is not None:
+                q = probs[sampled, : r.k].clone()  # [k, V] a copy, so pickling it sends k rows only
+                sampled += 1
+            proposals[r.index] = Proposal(row[: r.k], q)
+            state = self._seqs[r.seq_id]
+            state.cached = r.tokens + row[: r.k - 1]  # the last draft was sampled, never fed
+            self.runner.slots.written(r.seq_id, len(state.cached))
+        return proposals
+
+    # ---- the three phases -----------------------------------------------------------------
+    def _sync(self, requests: list[ProposalRequest]) -> list[_Row]:
+        """Rows that draft this step, each with its cache rolled back to the common prefix."""
+        busy = {r.seq_id for r in requests}
+        limit = self.runner.max_model_len
+        rows = []
+        for i, req in enumerate(requests):
+            tokens = list(req.token_ids)
+            # Draft j is fed at position len + j - 2; the last draft is never fed.
+            k = min(req.num_tokens, limit + 1 - len(tokens))
+            if k <= 0 or not tokens:
+                continue
+            state = self._seqs.get(req.seq_id)
+            if state is None:
+                if not self._make_room(busy):
+                    continue
+                self.runner.add(req.seq_id)
+                state = self._seqs[req.seq_id] = _DraftSeq()
+                self.num_new_seqs += 1
+            start = _common_prefix(state.cached, tokens, state.seen)
+            if start < state.seen:
+                self.num_rebuilt_tokens += state.seen - start
+            start = min(start, len(tokens) - 1)  # always feed one token: its logits give draft 1
+            state.seen, state.last_used = len(tokens), self._clock
+            params = None if self.greedy or req.params is None or req.params.greedy else req.params
+            rows.append(_Row(i, req.seq_id, tokens, k, start, params))
+        return rows
+
+    def _catch_up(self, rows: list[_Row], batch: _Batch) -> torch.Tensor:
+        """Feeds each row's uncached tail; logits [B, V] after each row's last token.
+
+        Tails are usually 1 token (a recovered token) or 2 (the last draft and the bonus
+        token): those go through one-token steps. Longer tails (new sequences, rebuilds) are
+        prefilled with the model's own forward first, up to their last token."""
+        prefill = [Row(r.seq_id, r.tokens[r.start : -1], r.start) for r in rows if len(r.tokens) - r.start > 2]
+        if prefill:
+            self.runner.forward(prefill, logits="last")
+        two = [b for b, r in enumerate(rows) if len(r.tokens) - r.start == 2]
+        if two:
+            idx = torch.tensor(two)
+            starts = [rows[b].start for b in two]
+            tokens = torch.tensor([rows[b].tokens[-2] for b in two])  # [n]
+            self._step(tokens, batch.slots[idx], batch.slots[idx], torch.tensor(starts), max(starts) + 1)
+        last = torch.tensor([r.tokens[-1] for r in rows])  # [B]
+        return self._step(
+            last, batch.prefix(len(rows)), batch.slots, batch.lengths - 1, batch.max_len[-1], batch.ragged[-1]
+        )
+
+    def _draft(
+        self, rows: list[_Row], batch: _Batch, logits: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Draft tokens [B, K] and, for sampling rows, their q [S, K, V]."""
+        width = rows[0].k
+        neg_k = [-r.k for r in rows]  # ascending
+        active = [bisect_left(neg_k, -j) for j in range(width)]  # rows with k > j: they need draft j
+        sampled = [b for b, r in enumerate(rows) if r.params is not None]
+        out = torch.empty(len(rows), width, dtype=torch.long)  # [B, K]
+        probs = torch.empty(len(sampled), width, logits.shape[-1]) if sampled else None  # [S, K, V]
+        for j in range(width):
+            n = active[j]
+            if j:  # feed draft j-1 (0-based) at position len + j - 1
+                positions = batch.lengths[:n] + (j - 1)  # [n]
+                tk = batch.max_len[n - 1] + j
+                logits = self._step(out[:n, j - 1], batch.prefix(n), batch.slots[:n], positions, tk, batch.ragged[n - 1])
+            out[:n, j] = logits.argmax(dim=-1)  # [n]
+            if sampled:
+                s = bisect_left(sampled, n)  # sampling rows among the first n
+                if s:
+                    self._sample(rows, sampled[:s], logits, j, out, probs)
+        return out, probs
+
+    def _step(
+        self,
+        tokens: torch.Tensor,
+        slots: torch.Tensor | slice,
+        slot_ids: torch.Tensor,
+        positions: torch.Tensor,
+        tk: int,
+        ragged: bool = True,
+    ) -> torch.Tensor:
+        """One token per row at its position: logits [n, V]. slots: [n] ids or a contiguous slice;
+        tk: the longest row's length after this token; ragged: rows differ in length."""
+        if self.lean is not None:
+            return self.lean.step(tokens, slots, positions, tk, ragged)
+        batch = StepBatch(slot_ids, positions, torch.ones_like(positions))
+        return self.runner.model(tokens[:, None], self.runner.cache, batch, logits="last")  # [n, V]
+
+    def _sample(
+        self, rows: list[_Row], idx: list[int], logits: torch.Tensor, j: int, out: torch.Tensor, probs: torch.Tensor
+    ) -> None:
+        """Draws draft j for the sampling rows `idx` from their processed q; stores q."""
+        q = self.sampler.probs(logits[idx], [rows[b].params for b in idx])  # [s, V]
+        u = torch.rand(len(idx), dtype=torch.float64)  # [s]
+        for i, b in enumerate(idx):
+            if rows[b].params.seed is not None:
+                u[i] = _seeded_uniform(rows[b].params.seed, len(rows[b].tokens) + j)
+        cdf = q.double().cumsum(dim=-1)  # [s, V]
+        pick = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(-1)  # [s]
+        # u * total can round up to total; the last token with mass is meant.
+        out[idx, j] = torch.minimum(pick, cdf.argmax(dim=-1))
+        probs[: len(idx), j] = q
+
+    def _make_room(self, busy: set[str]) -> bool:
+        """Frees a slot by evicting the least recently used sequence outside this batch."""
+        if self.runner.num_free_slots:
+            return True
+        idle = [(s.last_used, sid) for sid, s in self._seqs.items() if sid not in busy]
+        if not idle:
+            return False
+        self.on_finished(min(idle)[1])
+        self.num_evictions += 1
+        return True
+
+
+def _common_prefix(cached: list[int], tokens: list[int], hint: int) -> int:
+    """Length of the common prefix. `hint` (the last request's length) is checked in one
+    C-level comparison; only the few tokens after it are compared one by one."""
+    limit = min(len(cached), len(tokens))
+    n = min(hint, limit)
+    if cached[:n] != tokens[:n]:
+        n = 0  # a rewritten history: compare from the start
+    while n < limit and cached[n] == tokens[n]:
+        n += 1
+    return n
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def _seeded_uniform(seed: int, position: int) -> float:
+    """A uniform in [0, 1) from splitmix64 of (seed, position): the same draft for the same
+    request and position wherever and whenever it is drafted."""
+    z = (seed * 0x9E3779B97F4A7C15 + position * 0xD1B54A32D192ED03 + 1) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return ((z ^ (z >> 31)) >> 11) * 2.0**-53
+

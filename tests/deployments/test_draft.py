@@ -1,0 +1,166 @@
+"""The draft deployment: same greedy tokens as the target alone through Serve, sticky or not,
+and the engine carries on without drafts when the deployment is slow or gone."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+ray = pytest.importorskip("ray")
+from ray import serve  # noqa: E402
+
+from deployments.draft import DraftCall, DraftServer, DraftServerConfig, RemoteDraftProposer, bind_draft  # noqa: E402
+from model_shards import load_checkpoint  # noqa: E402
+from moeserve.sampling_params import SamplingParams  # noqa: E402
+from moeserve.spec import ProposalRequest  # noqa: E402
+from moeserve.spec.draft_model import DraftModelProposer  # noqa: E402
+from tests.model_shards.hf_tiny import save_tiny  # noqa: E402
+from tests.spec.tiny_pair import make_engine, noisy_copy, random_prompts, run  # noqa: E402
+
+PROMPTS = [p * 2 for p in random_prompts(6, 96, seed=7, lengths=(3, 16))]
+PARAMS = [SamplingParams(max_tokens=8 + 2 * i, temperature=0.0) for i in range(len(PROMPTS))]
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    """A target and a draft that agrees with it often (a noisy copy, saved as a checkpoint)."""
+    target_dir = tmp_path_factory.mktemp("target")
+    save_tiny("mixtral", target_dir)
+    target = load_checkpoint(target_dir)
+    draft_dir = tmp_path_factory.mktemp("draft")
+    hf = save_tiny("mixtral", draft_dir)  # same weights, then perturbed like tiny_pair.noisy_copy
+    noisy = noisy_copy(target, 0.02)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            ours = dict(noisy.named_parameters()).get(name)
+            if ours is not None and ours.shape == p.shape:
+                p.copy_(ours)
+    hf.save_pretrained(draft_dir)
+    plain = run(make_engine(target), PROMPTS, PARAMS)
+    return target, str(draft_dir), plain
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    yield
+    serve.shutdown()
+    ray.shutdown()
+
+
+def config(path: str) -> DraftServerConfig:
+    return DraftServerConfig(model_path=path, max_num_seqs=8, max_model_len=96, torch_threads=1)
+
+
+# ---- without Ray -------------------------------------------------------------------------------
+def test_draft_server_is_the_in_process_proposer(ckpts):
+    _, draft_dir, _ = ckpts
+    server = DraftServer(config(draft_dir))
+    local = DraftModelProposer(load_checkpoint(draft_dir), 8, 96)
+    reqs = [ProposalRequest(f"s{i}", p, 4) for i, p in enumerate(PROMPTS)]
+    assert [p.token_ids for p in server.propose(DraftCall(reqs))] == [p.token_ids for p in local.propose(reqs)]
+    server.propose(DraftCall([], finished=["s0", "s1"]))
+    assert server.stats()["tracked_seqs"] == len(PROMPTS) - 2
+
+
+class _Response:
+    def __init__(self, outcome):
+        self.outcome = outcome
+
+    def result(self, timeout_s=None):
+        if isinstance(self.outcome, Exception):
+            raise self.outcome
+        return self.outcome
+
+
+class _FakeHandle:
+    """Answers each call with the next outcome: a list of proposals or an exception."""
+
+    def __init__(self, outcomes):
+        self.outcomes, self.calls = list(outcomes), []
+
+    def options(self, **_):
+        return self
+
+    def remote(self, call):
+        self.calls.append(call)
+        return _Response(self.outcomes.pop(0))
+
+
+def test_remote_proposer_falls_back_backs_off_and_recovers():
+    from moeserve.spec import Proposal
+
+    handle = _FakeHandle([TimeoutError(), RuntimeError("deployment gone"), [Proposal([7, 8])]])
+    proposer = RemoteDraftProposer(handle, timeout_s=0.1, backoff_s=0.05, max_backoff_s=1.0)
+    req = [ProposalRequest("a", [1, 2, 3], 2), ProposalRequest("b", [4], 0)]
+    assert [p.token_ids for p in proposer.propose(req)] == [[], []]  # timed out
+    assert [p.token_ids for p in proposer.propose(req)] == [[], []]  # backing off: no call
+    assert len(handle.calls) == 1
+    proposer.on_finished("gone")
+    time.sleep(0.06)
+    assert [p.token_ids for p in proposer.propose(req)] == [[], []]  # error, pause doubles to 0.1 s
+    time.sleep(0.11)
+    assert [p.token_ids for p in proposer.propose(req)] == [[7, 8], []]
+    assert len(handle.calls) == 3
+    assert [r.num_tokens for r in handle.calls[-1].requests] == [2]  # rows asking for nothing are not sent
+    assert handle.calls[-1].finished == [f"{proposer.session}/gone"]  # resent after the failed call
+    assert proposer.stats() == {"calls": 3, "fallback_steps": 3, "timeouts": 1, "errors": 1}
+
+
+# ---- through Serve -----------------------------------------------------------------------------
+def test_served_draft_gives_the_target_greedy_tokens(ray_cluster, ckpts):
+    target, draft_dir, plain = ckpts
+    handle = serve.run(bind_draft(config(draft_dir)), name="draft-one", route_prefix=None)
+    proposer = RemoteDraftProposer(handle, timeout_s=30.0)
+    engine = make_engine(target, proposer, k=4)
+    assert run(engine, PROMPTS, PARAMS) == plain
+    assert proposer.num_fallback_steps == 0 and proposer.num_calls == engine.spec_metrics.num_steps
+    assert engine.spec_metrics.alpha > 0.2
+    serve.delete("draft-one")
+
+
+def test_two_replicas_sticky_or_not(ray_cluster, ckpts):
+    target, draft_dir, plain = ckpts
+    handle = serve.run(bind_draft(config(draft_dir), num_replicas=2), name="draft-two", route_prefix=None)
+    sticky = RemoteDraftProposer(handle, timeout_s=30.0)
+    assert run(make_engine(target, sticky, k=4), PROMPTS, PARAMS) == plain
+    stats = handle.options(method_name="stats", session_id=sticky.session).remote().result(timeout_s=30)
+    assert stats["calls"] == sticky.num_calls and stats["rebuilt_tokens"] == 0  # every call on one replica
+    loose = RemoteDraftProposer(handle, timeout_s=30.0, sticky=False)  # replicas alternate: rebuilds
+    assert run(make_engine(target, loose, k=4), PROMPTS, PARAMS) == plain
+    serve.delete("draft-two")
+
+
+def test_slow_draft_times_out_and_the_request_completes(ray_cluster, ckpts):
+    target, draft_dir, plain = ckpts
+    handle = serve.run(bind_draft(config(draft_dir)), name="draft-slow", route_prefix=None)
+    proposer = RemoteDraftProposer(handle, timeout_s=1e-4, backoff_s=0.0, max_backoff_s=0.0)
+    engine = make_engine(target, proposer, k=4)
+    assert run(engine, PROMPTS, PARAMS) == plain
+    assert proposer.num_timeouts > 0 and proposer.num_fallback_steps >= proposer.num_timeouts
+    serve.delete("draft-slow")
+
+
+def test_deleted_draft_deployment_falls_back(ray_cluster, ckpts):
+    target, draft_dir, plain = ckpts
+    handle = serve.run(bind_draft(config(draft_dir)), name="draft-gone", route_prefix=None)
+    proposer = RemoteDraftProposer(handle, timeout_s=2.0, backoff_s=0.2)
+    engine = make_engine(target, proposer, k=4)
+    ids = [engine.add_request(p, sp) for p, sp in zip(PROMPTS, PARAMS)]
+    out = {rid: [] for rid in ids}
+    for _ in range(4):  # a few steps with the draft
+        for o in engine.step():
+            out[o.request_id] += o.new_token_ids
+    assert proposer.num_calls > 0 and proposer.num_fallback_steps == 0
+    serve.delete("draft-gone")
+    t0 = time.monotonic()
+    while engine.has_unfinished():
+        for o in engine.step():
+            out[o.request_id] += o.new_token_ids
+    assert [out[rid] for rid in ids] == plain
+    assert proposer.num_fallback_steps > 0
+    assert time.monotonic() - t0 < 60

@@ -1,0 +1,64 @@
+"""Measured step times -> the cost model adaptive k optimises."""
+
+from __future__ import annotations
+
+import pytest
+
+from moeserve.spec import AdaptiveK, AdaptiveKConfig, CostModel, StepCostMeter
+from moeserve.spec.cost_meter import PRIOR_COSTS
+
+
+def _record(meter: StepCostMeter, truth: CostModel, rows: int, width: int) -> None:
+    per_seq_target = truth.target_base_s + truth.target_per_token_s * (width + 1)
+    per_seq_draft = truth.draft_base_s + truth.draft_per_token_s * width if width else 0.0
+    meter.record(rows, width, per_seq_draft * rows, per_seq_target * rows)
+
+
+def test_fit_recovers_linear_costs():
+    truth = CostModel(target_base_s=4e-3, target_per_token_s=3e-4, draft_per_token_s=4e-4, draft_base_s=1e-3)
+    meter = StepCostMeter()
+    for i in range(40):
+        _record(meter, truth, rows=1 + i % 3, width=i % 6)
+    fit = meter.fit()
+    for name in ("target_base_s", "target_per_token_s", "draft_per_token_s", "draft_base_s"):
+        assert getattr(fit, name) == pytest.approx(getattr(truth, name), rel=1e-6, abs=1e-9)
+
+
+def test_one_width_only_keeps_the_prior_slopes():
+    meter = StepCostMeter()
+    for _ in range(10):
+        meter.record(2, 4, draft_s=2 * 5e-3, target_s=2 * 6e-3)
+    fit = meter.fit(PRIOR_COSTS)
+    assert fit.target_per_token_s == PRIOR_COSTS.target_per_token_s
+    assert fit.target_base_s + 5 * fit.target_per_token_s == pytest.approx(6e-3)
+    assert fit.draft_base_s + 4 * fit.draft_per_token_s == pytest.approx(5e-3)
+    assert StepCostMeter().fit(PRIOR_COSTS) == PRIOR_COSTS  # nothing measured: the prior
+
+
+def test_a_remote_draft_hop_makes_adaptive_k_stop_drafting():
+    """A 15 ms call per step to a draft deployment outweighs 3.4 tokens per pass at a 4 ms step."""
+    meter = StepCostMeter()
+    slow = CostModel(target_base_s=4e-3, target_per_token_s=2e-4, draft_per_token_s=5e-4, draft_base_s=15e-3)
+    for i in range(32):
+        _record(meter, slow, rows=1, width=i % 5)
+    adaptive = AdaptiveK(AdaptiveKConfig(k_max=8, probe_every=16, probe_budget=0.05), meter.fit())
+    assert adaptive.best_k(0.8) == 0
+    # a probe adds 15.7 ms to a 4.2 ms step: at a 5% budget, one probe per 75 plain steps
+    assert adaptive.probe_interval() == 75
+    ks = [adaptive.choose_k("s") for _ in range(150)]
+    assert ks.count(1) == 2 and set(ks) == {0, 1}
+    fast = StepCostMeter()
+    for i in range(32):
+        _record(fast, CostModel(4e-3, 2e-4, 4e-4, 2e-4), rows=1, width=i % 5)
+    assert AdaptiveK(AdaptiveKConfig(k_max=8), fast.fit()).best_k(0.8) >= 3
+
+
+def test_validation():
+    with pytest.raises(ValueError):
+        StepCostMeter(window=1)
+    with pytest.raises(ValueError):
+        StepCostMeter().record(0, 1, 0.0, 0.1)
+    with pytest.raises(ValueError):
+        StepCostMeter().record(1, 1, -1.0, 0.1)
+    with pytest.raises(ValueError):
+        CostModel(1e-3, 0.0, 0.0, draft_base_s=-1.0)
