@@ -16,11 +16,13 @@ import time
 import matplotlib
 
 matplotlib.use("Agg")
+import statistics  # noqa: E402
+
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from bench.common import REPORTS, median, write_report  # noqa: E402
+from bench.report import environment, write  # noqa: E402
 from model_shards.local_group import LocalShardGroup  # noqa: E402
 from model_shards.profiling import TIMER  # noqa: E402
 from moeserve.engine import LLMEngine  # noqa: E402
@@ -73,9 +75,9 @@ def main() -> None:
     summary = {}
     for world, runs in results.items():
         summary[world] = {
-            "step_ms": median([r["step_ms"] for r in runs]),
-            "tokens_per_s": median([r["tokens_per_s"] for r in runs]),
-            "phases_ms": {k: median([r["phases_ms"][k] for r in runs]) for k in PHASES + ["other"]},
+            "step_ms": statistics.median([r["step_ms"] for r in runs]),
+            "tokens_per_s": statistics.median([r["tokens_per_s"] for r in runs]),
+            "phases_ms": {k: statistics.median([r["phases_ms"][k] for r in runs]) for k in PHASES + ["other"]},
         }
         a2a = summary[world]["phases_ms"]["dispatch"] + summary[world]["phases_ms"]["combine"]
         summary[world]["dispatch_combine_share"] = a2a / summary[world]["step_ms"]
@@ -90,8 +92,6 @@ def main() -> None:
     ax.set_xlabel(f"ms per decode step (batch {args.batch})")
     ax.legend(fontsize=7, ncol=3)
     fig.tight_layout()
-    REPORTS.mkdir(parents=True, exist_ok=True)
-    fig.savefig(REPORTS / "expert_parallel.png", dpi=120)
 
     lines = [
         "# Expert parallelism: decode step split and throughput\n",
@@ -109,12 +109,14 @@ def main() -> None:
         f"- decode throughput: W=1 {summary[1]['tokens_per_s']:.0f} tokens/s, W=2 {summary[2]['tokens_per_s']:.0f} "
         f"tokens/s, **ratio W=2/W=1 = {ratio:.2f}x**",
         "",
-        "![phases](expert_parallel.png)",
+        "![phases](expert_parallel-phases.png)",
     ]
-    md = write_report("expert_parallel", {"args": vars(args), "summary": summary, "ratio_w2_w1": ratio,
-                                          "runs": results}, "\n".join(lines) + "\n")
+    args.checkpoint = args.checkpoint.split("/")[-1]
+    data = {"environment": environment(1), "args": vars(args), "summary": summary, "ratio_w2_w1": ratio,
+            "runs": results}
+    paths = write("expert_parallel", data, "\n".join(lines), {"phases": fig})
     print("\n".join(lines))
-    print(f"report: {md}")
+    print(f"report: {paths[1]}")
 
 
 if __name__ == "__main__":
