@@ -13,10 +13,11 @@ The other parts plug in here:
 - shard group: not a deployment. With `shards.num_shards > 1` each engine replica forms its
   own group (rank 0 in the replica, the other ranks as Ray actors in a placement group;
   deployments/engine_server.py `load_engine`), so autoscaling the engine scales whole groups;
-- draft model: in the engine's process by default (`speculative.draft: model`); the separate
-  draft deployment (deployments/draft.py `bind_draft`) is the hook `_bind_draft`, whose bound
-  app would be passed to the engine's bind() so Serve hands the engine a handle to it;
-- router-service actor: the hook `_bind_router_service` (deployments/router_actor.py).
+- draft model (`speculative.draft: model`): in the engine's process by default, or its own
+  deployment with `speculative.placement: deployment` (deployments/draft.py), bound here
+  and handed to the engine, which calls it once per step;
+- router-service actor (deployments/router_actor.py): created by the first engine replica
+  that reports expert load; read by the gateway's /admin/experts.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import Any
 from ray import serve
 from ray.serve import Application
 
-from deployments.config import AppConfig
+from deployments.config import AppConfig, resolve_path
 from deployments.engine_server import EngineServer
 from deployments.gateway import Gateway
 
@@ -40,20 +41,28 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
 
 
 def build(cfg: AppConfig) -> Application:
-    """Bind engine and gateway (and, as they land, shard group, draft and router service)."""
-    for hook in (_bind_draft, _bind_router_service):
-        hook(cfg)  # not wired yet: both return None
+    """Bind gateway -> engine (-> draft deployment). The shard group lives inside each engine
+    replica; the router-service actor is created by the first engine replica that reports."""
+    draft = _bind_draft(cfg)
     engine = serve.deployment(EngineServer, name="engine", **cfg.deployments.engine.serve_options()).bind(
-        cfg.engine_server_config()
+        cfg.engine_server_config(), draft=draft
     )
     ingress = serve.ingress()(Gateway)  # the app comes from Gateway.__serve_build_asgi_app__ per replica
     gateway = serve.deployment(ingress, name="gateway", **cfg.deployments.gateway.serve_options())
     return gateway.bind(engine, cfg.gateway_config())
 
 
-def _bind_draft(cfg: AppConfig) -> Any:
-    return None  # the engine builds an in-process proposer from cfg.speculative
+def _bind_draft(cfg: AppConfig) -> Application | None:
+    """The draft model as its own deployment (`speculative.placement: deployment`); None when
+    the engine drafts in its own process (the default: one Serve hop per step costs ~10 ms here,
+    more than a decode step) or does not use the draft model."""
+    s = cfg.speculative
+    if s.draft != "model" or s.placement != "deployment":
+        return None
+    from deployments.draft import DraftServerConfig, bind_draft
 
-
-def _bind_router_service(cfg: AppConfig) -> Any:
-    return None
+    e = cfg.engine
+    return bind_draft(
+        DraftServerConfig(resolve_path(s.draft_path), max_num_seqs=e.max_num_seqs, max_model_len=e.max_model_len),
+        num_replicas=s.draft_replicas,
+    )

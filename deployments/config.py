@@ -51,6 +51,9 @@ class SpeculativeSection(_Section):
     draft: Literal["none", "ngram", "model"] = "ngram"  # model: the dense draft checkpoint
     draft_path: str | None = "checkpoints/demo-draft"
     num_tokens: int = Field(4, ge=1, le=16)
+    # model draft: in the engine's process, or its own Serve deployment (one call per engine step)
+    placement: Literal["in_process", "deployment"] = "in_process"
+    draft_replicas: int = Field(1, ge=1)
 
 
 class ShardsSection(_Section):

@@ -38,14 +38,14 @@ class EngineServerConfig:
             raise ValueError(f"num_shards must be >= 1, got {self.num_shards}")
 
 
-def load_engine(cfg: EngineServerConfig) -> tuple[LLMEngine, Any]:
+def load_engine(cfg: EngineServerConfig, proposer: Any = None) -> tuple[LLMEngine, Any]:
     """The engine `cfg` names, and its shard group (None when the model runs in this process).
 
     With a shard group, rank 0's ShardedRunner replaces the single-process ModelRunner; the
     group is Ray actors, so this path needs a running Ray (deployments/shard_group.py).
     """
     if cfg.num_shards == 1:
-        return build_engine(cfg.engine), None
+        return build_engine(cfg.engine, proposer=proposer), None
     from deployments.shard_group import ShardGroup, ShardGroupConfig
 
     per_rank = -(-cfg.engine.max_num_seqs // cfg.num_shards)  # sequences are spread over the ranks
@@ -53,4 +53,4 @@ def load_engine(cfg: EngineServerConfig) -> tuple[LLMEngine, Any]:
         cfg.engine.model, world_size=cfg.num_shards, max_num_seqs=per_rank, max_model_len=cfg.engine.max_model_len,
         strategy=cfg.shard_strategy, gpus_per_shard=cfg.gpus_per_shard,
     ))  # fmt: skip
-    return build_engine(cfg.engine, runner=group.start()), group
+    return build_engine(cfg.engine, runner=group.start(), proposer=proposer), group

@@ -74,8 +74,13 @@ class EngineServer:
     IDLE_WAIT_S = 0.05  # how often an idle loop wakes to check deadlines
 
     def __init__(
-        self, config: EngineServerConfig, engine: LLMEngine | None = None, compiler: Any | None = None
+        self,
+        config: EngineServerConfig,
+        engine: LLMEngine | None = None,
+        compiler: Any | None = None,
+        draft: Any | None = None,
     ) -> None:
+        """`draft`: a handle to the draft deployment; the engine then drafts through it."""
         self.config = config
         if config.torch_threads:
             import torch
@@ -83,7 +88,12 @@ class EngineServer:
             torch.set_num_threads(config.torch_threads)
         self.shard_group: Any = None
         if engine is None:
-            engine, self.shard_group = load_engine(config)
+            proposer = None
+            if draft is not None:
+                from deployments.draft import RemoteDraftProposer
+
+                proposer = RemoteDraftProposer(draft)
+            engine, self.shard_group = load_engine(config, proposer)
         self.engine = engine
         self.compiler = compiler if compiler is not None else _default_compiler(self.engine)
         model = engine.runner.model

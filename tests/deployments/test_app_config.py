@@ -74,3 +74,16 @@ def test_grpc_stubs_match_the_proto(tmp_path):
         assert (tmp_path / name).read_text() == (PROJECT_ROOT / "deployments" / "proto" / name).read_text(), (
             f"{name} is stale: run python deployments/proto/build_stubs.py"
         )
+
+
+def test_draft_deployment_is_bound_only_when_asked_for():
+    from deployments.app import _bind_draft, build
+
+    assert _bind_draft(AppConfig.from_dict({"speculative": {"draft": "model"}})) is None  # in-process by default
+    cfg = AppConfig.from_dict({"speculative": {"draft": "model", "placement": "deployment", "draft_replicas": 2}})
+    draft = _bind_draft(cfg)
+    assert draft is not None and draft._bound_deployment.name == "draft"
+    assert draft._bound_deployment.num_replicas == 2
+    app = build(cfg)  # gateway -> engine -> draft
+    engine = app._bound_deployment.init_args[0]
+    assert engine._bound_deployment.init_kwargs["draft"]._bound_deployment.name == "draft"
