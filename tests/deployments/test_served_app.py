@@ -197,9 +197,9 @@ def test_expert_load_reaches_metrics_and_the_router_service(app):
     assert 'moeserve_expert_balance{layer="0"}' in metrics
     assert 'moeserve_expert_routed_fraction{expert="0",layer="0"}' in metrics
     deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:  # the engine reports every second
+    while time.monotonic() < deadline:  # the engine reports every second, counters only grow
         r = httpx.get(f"{app['http']}/admin/experts", params={"world_size": 2}, timeout=10)
-        if r.status_code == 200:
+        if r.status_code == 200 and r.json()["layers"][0]["tokens"] > 0:
             break
         time.sleep(0.5)
     assert r.status_code == 200, r.text
