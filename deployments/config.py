@@ -78,6 +78,8 @@ class AutoscalingSection(_Section):
     target_ongoing_requests: float = Field(..., gt=0)
     upscale_delay_s: float = 10.0
     downscale_delay_s: float = 60.0
+    # the window Serve averages ongoing requests over before deciding (Serve's default: 30 s)
+    look_back_period_s: float | None = Field(None, gt=0)
 
     @model_validator(mode="after")
     def _bounds(self) -> AutoscalingSection:
