@@ -77,3 +77,31 @@ def test_capacity_policies_equal_reference_with_same_decisions(ckpt, overflow):
     load = ref_stats.expert_load.sum(dim=1)  # [L]
     assert torch.equal(load + ref_stats.dropped, ref_stats.routes)
     assert int(ref_stats.dropped.sum() if overflow == "drop" else ref_stats.rerouted.sum()) > 0
+
+
+def test_all_to_all_dispatch_equals_local_dispatch():
+    """The all-to-all path (plan, split-size exchange, token and result exchange) gives
+    LocalDispatch's outputs; a one-rank gloo group runs the real collectives in this process."""
+    import torch.distributed as dist
+
+    from model_shards.all_to_all import AllToAllDispatch, init_shard_group
+    from model_shards.dispatch import LocalDispatch
+    from model_shards.experts import LocalExperts
+    from model_shards.local_group import free_port
+    from router_service.placement import contiguous_placement
+
+    g = torch.Generator().manual_seed(0)
+    experts = LocalExperts(range(4), hidden=16, intermediate=8)
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.copy_(torch.randn(p.shape, generator=g))
+    x = torch.randn(40, 16, generator=g)
+    ids = torch.randint(0, 4, (40, 2), generator=g)
+    ids[3, 1] = -1  # a dropped route
+    weights = torch.rand(40, 2, generator=g)
+    init_shard_group(0, 1, f"127.0.0.1:{free_port()}")
+    try:
+        out = AllToAllDispatch(contiguous_placement(4, 1), rank=0)(x, ids, weights, experts)
+    finally:
+        dist.destroy_process_group()
+    torch.testing.assert_close(out, LocalDispatch()(x, ids, weights, experts), atol=1e-5, rtol=0)
