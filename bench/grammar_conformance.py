@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
-from bench.common import write_report  # noqa: E402
+from bench.report import write  # noqa: E402
 from moeserve.grammar import GrammarCompiler, GrammarSpec, allocate_bitmask, apply_bitmask, apply_bitmask_torch  # noqa: E402
 from tests.grammar.conformance import check_case, conformance_dir, load_cases, summarize  # noqa: E402
 from tests.grammar.tiny_tokenizer import build_tiny_tokenizer  # noqa: E402
@@ -65,7 +65,7 @@ def main() -> None:
     ]  # fmt: skip
     print(json.dumps({k: v for k, v in summary.items() if k != "refusal_examples"}, indent=1))
     if not args.no_report:
-        path = write_report("grammar_conformance", {"summary": summary, "schemas": rows}, markdown(summary, folder, args))
+        path = write("grammar_conformance", {"summary": summary, "schemas": rows}, markdown(summary, folder, args))[1]
         print(f"wrote {path} and its .json")
     compiler.close()
     if summary["invalid_outputs"] or summary["errors"] or summary["unsound_instances"]:

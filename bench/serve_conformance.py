@@ -27,7 +27,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.common import write_report
+from bench.report import write
 from moeserve.grammar import GrammarSpec, check_output
 from tests.grammar.conformance import conformance_dir, load_cases
 
@@ -155,7 +155,7 @@ def main() -> int:
         server, gw, name = in_process(args)
         result = asyncio.run(run("http://gateway", name, httpx.ASGITransport(app=gw.http_app), args))
         server.shutdown()
-    path = write_report("serve_conformance", result, markdown(result))
+    path = write("serve_conformance", result, markdown(result))[1]
     print(markdown(result))
     print(f"report: {path}")
     bad = result["counts"].get("invalid", 0) + result["counts"].get("failure", 0)

@@ -21,7 +21,7 @@ import time
 
 import httpx
 
-from bench.common import write_report
+from bench.report import write
 
 SCHEMA = {
     "type": "object",
@@ -126,7 +126,7 @@ def main() -> int:
         result = asyncio.run(measure("http://gateway", name, httpx.ASGITransport(app=gw.http_app), args))
         server.shutdown()
     print(markdown(result, args))
-    print(f"report: {write_report('serve_latency', result | {'settings': vars(args)}, markdown(result, args))}")
+    print(f"report: {write('serve_latency', result | {'settings': vars(args)}, markdown(result, args))[1]}")
     return 0
 
 

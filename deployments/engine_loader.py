@@ -16,6 +16,9 @@ class EngineServerConfig:
 
     max_queued_requests: requests waiting for a batch slot beyond `engine.max_num_seqs`
         running ones; past it new requests end at once with RESOURCE_EXHAUSTED (backpressure).
+    stream_interval_s: every chunk is a message through Serve (engine -> gateway -> proxy);
+        under load, per-step chunks cost more than the step, so later tokens are batched into
+        chunks at most this often (the first token is never delayed: TTFT is unchanged).
     report_expert_load_s: how often (seconds) the replica pushes its cumulative expert-load
         counters to the router-service actor; 0 turns it off (no Ray needed).
     num_shards: 1 runs the whole model in this process; W > 1 runs an expert-parallel shard
@@ -30,6 +33,7 @@ class EngineServerConfig:
     gpus_per_shard: float = 0.0
     torch_threads: int | None = None
     report_expert_load_s: float = 0.0  # > 0: push expert-load counters to the router-service actor this often
+    stream_interval_s: float = 0.0  # > 0: a stream's chunks (after the first token) at most this often
 
     def __post_init__(self) -> None:
         if self.max_queued_requests < 0:
