@@ -47,9 +47,9 @@ WORKDIR /app
 #    repeating torch's pin keeps pip from replacing the build installed above.
 COPY pyproject.toml README.md ./
 RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']))" \
-        > /tmp/requirements.txt \
-    && pip install -r /tmp/requirements.txt "ray[serve]==${RAY_VERSION}" "torch==${TORCH_VERSION}" \
-    && rm /tmp/requirements.txt
+        > requirements.docker.txt \
+    && pip install -r requirements.docker.txt "ray[serve]==${RAY_VERSION}" "torch==${TORCH_VERSION}" \
+    && rm requirements.docker.txt
 
 # 3. xgrammar without its declared dependencies: they pull triton (~1 GB), which the CPU
 #    path never uses (a GPU image that wants xgrammar's triton kernels can add it here).
