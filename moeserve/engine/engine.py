@@ -151,12 +151,15 @@ class LLMEngine:
 
     def _prefill(self, batch: ScheduledBatch) -> list[list[int]]:
         rows = [Row(s.seq_id, s.pending_ids, s.num_cached) for s in batch.seqs]
-        logits = self.runner.forward(rows, logits="last")  # [B, V]
-        for s in batch.seqs:
+        return self._sample_next(batch.seqs, self.runner.forward(rows, logits="last"))
+
+    def _sample_next(self, seqs: list[Sequence], logits: torch.Tensor) -> list[list[int]]:
+        """One new token per sequence from logits [B, V] at its last fed token (grammar-masked)."""
+        for s in seqs:
             s.num_cached = s.num_tokens
-        if self.structured.fill_last(batch.seqs):
+        if self.structured.fill_last(seqs):
             self.structured.apply(logits)
-        tokens = self.sampler.sample(logits, [s.params for s in batch.seqs], [s.generator for s in batch.seqs])
+        tokens = self.sampler.sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
         return [[t] for t in tokens.tolist()]
 
     def _decode(self, batch: ScheduledBatch) -> list[list[int]]:
@@ -172,12 +175,7 @@ class LLMEngine:
         if not any(proposals):
             logits = self.runner.forward(rows, logits="last")  # [B, V]
             self._measure(len(seqs), 0, t1 - t0, time.perf_counter() - t1)
-            for s in seqs:
-                s.num_cached = s.num_tokens
-            if self.structured.fill_last(seqs):
-                self.structured.apply(logits)
-            tokens = self.sampler.sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
-            return [[t] for t in tokens.tolist()]
+            return self._sample_next(seqs, logits)
         logits = self.runner.forward(rows, logits="all")  # [B, Tq, V]
         logits = _verify_window(logits, fed, max(map(len, proposals)))  # [B, K+1, V]
         self.structured.apply(logits)
