@@ -48,16 +48,20 @@ class RouterService:
 
 RouterServiceActor = ray.remote(num_cpus=0)(RouterService)
 ROUTER_ACTOR_NAME = "moeserve-router-service"
+ROUTER_NAMESPACE = "moeserve"  # explicit: engine and gateway replicas must find the same actor
 
 
 def router_actor(num_layers: int, num_experts: int):
-    """The cluster's one router-service actor (created by the first engine replica that reports)."""
-    return RouterServiceActor.options(name=ROUTER_ACTOR_NAME, get_if_exists=True).remote(num_layers, num_experts)
+    """The cluster's one router-service actor (created by the first engine replica that reports).
+    The caller must keep the handle: an actor dies with the last reference to it."""
+    return RouterServiceActor.options(
+        name=ROUTER_ACTOR_NAME, namespace=ROUTER_NAMESPACE, get_if_exists=True
+    ).remote(num_layers, num_experts)
 
 
 def find_router_actor():
     """The router-service actor, or None while no engine has reported yet."""
     try:
-        return ray.get_actor(ROUTER_ACTOR_NAME)
+        return ray.get_actor(ROUTER_ACTOR_NAME, namespace=ROUTER_NAMESPACE)
     except ValueError:
         return None
