@@ -72,7 +72,7 @@ RUN pip install --no-deps -e . \
 COPY checkpoints/ checkpoints/
 
 # Non-root, with a fixed numeric uid so that `runAsNonRoot` can verify it. /app stays
-# root-owned and read-only; Ray writes under /tmp/ray (KubeRay mounts volumes there and on
+# root-owned and read-only; Ray writes its session files under the system temp folder (KubeRay mounts volumes there and on
 # /dev/shm) and caches go to the home directory.
 RUN groupadd --gid 1000 ray && useradd --uid 1000 --gid 1000 --create-home --shell /bin/bash ray
 USER 1000:1000
