@@ -15,14 +15,6 @@ from tests.model_shards.hf_tiny import save_tiny
 from tests.spec.tiny_pair import random_prompts
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module", params=["llama", "qwen2", "mixtral"])
 def draft(request, tmp_path_factory):
     """Dense drafts decode through the lean step (qwen2: with q/k/v biases); an MoE draft

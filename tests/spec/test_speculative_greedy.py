@@ -8,7 +8,6 @@ leave), different max_tokens, EOS allowed to end a request early.
 from __future__ import annotations
 
 import pytest
-import torch
 
 from model_shards import load_checkpoint
 from moeserve.sampling_params import SamplingParams
@@ -19,15 +18,6 @@ from tests.model_shards.hf_tiny import save_tiny
 from tests.spec.tiny_pair import make_engine, noisy_copy, random_prompts, run
 
 NUM_SEQS = 4
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """Tiny models on a shared 2-core machine: a second OpenMP thread only adds contention."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _setup(tmp_path_factory, family: str, noise: float):

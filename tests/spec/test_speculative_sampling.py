@@ -28,14 +28,6 @@ VOCAB, NEW_TOKENS, NUM_SAMPLES, BATCH = 4, 4, 20_000, 2_500
 PROMPT = [0, 2, 1, 3]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     target_dir, draft_dir = tmp_path_factory.mktemp("target"), tmp_path_factory.mktemp("draft")
