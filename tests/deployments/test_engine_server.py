@@ -166,7 +166,10 @@ def test_backpressure_and_deadline(folder, tokenizer):
         refused = asyncio.run(main())
         assert refused.error.code is ErrorCode.RESOURCE_EXHAUSTED
         wait_idle(srv)
-        chunks = asyncio.run(collect(srv, request("slow", "x", tokenizer, LONG, timeout_s=0.2)))
+        started = time.perf_counter()
+        assert asyncio.run(collect(srv, request("full", "x", tokenizer, LONG)))[-1].finish_reason == "length"
+        full = time.perf_counter() - started  # a deadline well inside this cannot be met, however fast the machine
+        chunks = asyncio.run(collect(srv, request("slow", "x", tokenizer, LONG, timeout_s=full / 5)))
         assert chunks[-1].error.code is ErrorCode.DEADLINE_EXCEEDED
     finally:
         srv.shutdown()

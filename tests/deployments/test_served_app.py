@@ -5,8 +5,6 @@ for the module (4 logical CPUs, 1 gateway + 1 engine replica), shut down at the 
 from __future__ import annotations
 
 import json
-import os
-import socket
 import time
 
 import grpc
@@ -19,6 +17,7 @@ from deployments.proto import generate_pb2 as pb
 from deployments.proto import generate_pb2_grpc as pb_grpc
 from moeserve.grammar import GrammarSpec, check_output
 from tests.deployments.tiny_checkpoint import MODEL_NAME, save_tiny_checkpoint
+from tests.serve_app import serve_app
 
 SCHEMA = {
     "type": "object",
@@ -32,53 +31,26 @@ SCHEMA = {
 }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def app(tmp_path_factory):
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    import ray
-    from ray import serve
-
     from deployments.app import APP_NAME, build_app
 
     folder = save_tiny_checkpoint(tmp_path_factory.mktemp("tiny-moe"))
-    http_port, grpc_port = _free_port(), _free_port()
     one = {"num_replicas": 1, "num_cpus": 0.5}
-    config = {
-        "model": {"path": str(folder), "name": MODEL_NAME},
-        "engine": {"max_num_seqs": 8, "max_model_len": 256, "max_queued_requests": 16, "expert_load_report_s": 1},
-        "speculative": {"draft": "ngram", "num_tokens": 3},
-        "gateway": {"grpc_port": grpc_port, "grpc_host": "127.0.0.1"},
-        "deployments": {"gateway": {**one, "max_ongoing_requests": 64},
-                        "engine": {**one, "max_ongoing_requests": 24}},
-    }
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": http_port})
-        serve.run(build_app(config), name=APP_NAME, route_prefix="/")
-        base = f"http://127.0.0.1:{http_port}"
-        _wait_healthy(base)
-        yield {"http": base, "grpc": f"127.0.0.1:{grpc_port}"}
-    finally:
-        serve.shutdown()
-        ray.shutdown()
 
+    def build(grpc_port: int) -> tuple:
+        config = {
+            "model": {"path": str(folder), "name": MODEL_NAME},
+            "engine": {"max_num_seqs": 8, "max_model_len": 256, "max_queued_requests": 16, "expert_load_report_s": 1},
+            "speculative": {"draft": "ngram", "num_tokens": 3},
+            "gateway": {"grpc_port": grpc_port, "grpc_host": "127.0.0.1"},
+            "deployments": {"gateway": {**one, "max_ongoing_requests": 64},
+                            "engine": {**one, "max_ongoing_requests": 24}},
+        }
+        return build_app(config), APP_NAME, "/"
 
-def _wait_healthy(base: str, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{base}/health", timeout=5).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError("the app did not become healthy")
+    with serve_app(build) as urls:
+        yield urls
 
 
 def client(app) -> openai.OpenAI:
@@ -170,9 +142,14 @@ def test_grpc_generate_streams_and_validates(app):
 def test_grpc_deadline_and_cancellation_free_the_engine(app):
     with grpc.insecure_channel(app["grpc"]) as channel:
         stub = pb_grpc.GenerateServiceStub(channel)
-        long = pb.GenerateRequest(model=MODEL_NAME, prompt="x", max_tokens=240, temperature=0, ignore_eos=True)
+        # sampled on a random model, so prompt lookup rarely pays: about one token per step
+        long = pb.GenerateRequest(model=MODEL_NAME, prompt="x", max_tokens=240, temperature=1.0, seed=3,
+                                  ignore_eos=True)
+        started = time.perf_counter()
+        assert list(stub.Generate(long, timeout=60))[-1].finish_reason == "length"
+        full = time.perf_counter() - started  # a deadline well inside this cannot be met, however fast the machine
         with pytest.raises(grpc.RpcError) as e:
-            list(stub.Generate(long, timeout=0.3))
+            list(stub.Generate(long, timeout=full / 5))
         assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         call = stub.Generate(long, timeout=30)
         next(call)
