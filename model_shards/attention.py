@@ -56,10 +56,11 @@ class Attention(nn.Module):
         q = apply_rotary(q.transpose(1, 2), *rope)  # [B, H, T, Dh]
         k = apply_rotary(k.transpose(1, 2), *rope)  # [B, Hkv, T, Dh]
 
-        if cache is None:
+        if cache is not None:
+            cache.write(self.layer_idx, batch, k, v)
+        if cache is None or batch.fresh:  # nothing cached before this step: causal over its own keys
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         else:
-            cache.write(self.layer_idx, batch, k, v)
             keys, values = cache.read(self.layer_idx, batch)  # [B, Hkv, Tk, Dh]
             # Query i of a row sits at absolute position start + i and sees keys 0..start + i.
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=batch.attn_mask, enable_gqa=True)

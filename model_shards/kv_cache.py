@@ -35,7 +35,8 @@ class StepBatch:
     pos: torch.Tensor | None = None  # [B, Tq] absolute position of each query token
     valid_mask: torch.Tensor | None = None  # [B, Tq] False at padding (None: no padding)
     tk: int = 0  # keys attention reads per row (the longest row after this step)
-    attn_mask: torch.Tensor | None = None  # [B, 1, Tq, Tk] query i sees keys 0 .. pos[i]
+    attn_mask: torch.Tensor | None = None  # [B, 1, Tq, Tk] query i sees keys 0 .. pos[i]; None when fresh
+    fresh: bool = False  # every row starts at position 0: plain causal attention over this step's keys
     rows: slice | torch.Tensor | None = None  # cache rows: a slice when slots are contiguous
 
     @classmethod
@@ -51,7 +52,9 @@ class StepBatch:
         valid = self.valid(tq)
         self.valid_mask = None if bool(valid.all()) else valid
         self.tk = int((self.start + tq).max())
-        self.attn_mask = (torch.arange(self.tk)[None, None, :] <= self.pos[:, :, None])[:, None]
+        # Padding is on the right, so with no cached prefix a causal mask is exact for every real token.
+        self.fresh = not bool(self.start.any())
+        self.attn_mask = None if self.fresh else (torch.arange(self.tk)[None, None, :] <= self.pos[:, :, None])[:, None]
         self.rows = self.contiguous_slots()
         if self.rows is None:
             self.rows = self.slots

@@ -7,6 +7,7 @@ import torch
 
 from model_shards import load_checkpoint
 from moeserve.engine import LLMEngine, ModelRunner, SchedulerConfig, SpecConfig
+from moeserve.engine.model_runner import length_groups
 from moeserve.sampling_params import SamplingParams
 from moeserve.spec.ngram import NgramProposer
 from tests.model_shards.hf_tiny import save_tiny
@@ -53,6 +54,26 @@ def test_batch_composition_does_not_change_output(tiny):
     alone = [make_engine(folder, max_num_seqs=1).generate([p], GREEDY)[0].token_ids for p in ps]
     together = make_engine(folder, max_num_seqs=3).generate(ps, GREEDY)
     assert [o.token_ids for o in together] == alone
+
+
+def test_ragged_prompts_prefill_in_length_groups_with_unchanged_output(tiny, monkeypatch):
+    """Two 120-token prompts and four short ones: the prefill runs as two passes (long, then
+    short), and every sequence still matches transformers."""
+    folder, hf = tiny
+    ps = [(p * 40)[:120] for p in prompts(2, seed=3)] + [p[:5] for p in prompts(4, seed=4)]
+    engine = make_engine(folder)
+    runner_forward, passes = engine.runner.forward, []
+
+    def counting_forward(rows, logits="last"):
+        passes.append(len(rows))
+        return runner_forward(rows, logits)
+
+    monkeypatch.setattr(engine.runner, "forward", counting_forward)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    outs = engine.generate(ps, params)
+    assert passes[:2] == [2, 4]
+    for p, o in zip(ps, outs):
+        assert o.token_ids == hf_greedy(hf, p, 4)
 
 
 @pytest.mark.parametrize("k", [1, 3, 8])
@@ -116,3 +137,37 @@ def test_kv_budget_preempts_and_recomputes_without_changing_output(tiny):
 def test_kv_budget_must_hold_one_sequence():
     with pytest.raises(ValueError, match="kv_budget_tokens"):
         SchedulerConfig(max_model_len=128, kv_budget_tokens=64)
+
+
+def _partitions(items: list[int]):
+    if not items:
+        yield []
+        return
+    first, rest = items[0], items[1:]
+    for part in _partitions(rest):
+        yield [[first], *part]
+        for i in range(len(part)):
+            yield [*part[:i], [first, *part[i]], *part[i + 1 :]]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_length_groups_is_the_cheapest_partition(seed):
+    """Oracle: every way to split up to 7 rows into passes, costed as padded positions plus
+    the per-pass overhead; the dynamic program must find the minimum and cover each row once."""
+    g = torch.Generator().manual_seed(seed)
+    n = int(torch.randint(1, 8, (1,), generator=g))
+    lengths = torch.randint(1, 400, (n,), generator=g).tolist()
+    overhead = int(torch.randint(0, 300, (1,), generator=g))
+
+    def cost(groups):
+        return sum(overhead + len(grp) * max(lengths[i] for i in grp) for grp in groups)
+
+    groups = length_groups(lengths, overhead)
+    assert sorted(i for grp in groups for i in grp) == list(range(n))
+    assert cost(groups) == min(cost(p) for p in _partitions(list(range(n))))
+
+
+def test_length_groups_keeps_similar_lengths_together():
+    assert length_groups([1] * 16) == [list(range(16))]
+    assert length_groups([]) == []
+    assert length_groups([382, 31, 380], overhead_tokens=0) == [[0], [2], [1]]
