@@ -56,6 +56,9 @@ class SpeculativeSection(_Section):
     # model draft: in the engine's process, or its own Serve deployment (one call per engine step)
     placement: Literal["in_process", "deployment"] = "in_process"
     draft_replicas: int = Field(1, ge=1)
+    # No speculation while this many sequences run (0: never): a full batch keeps the model busy
+    # and verifying k + 1 positions per row then costs almost k + 1 plain steps.
+    disable_by_batch_size: int = Field(0, ge=0)
 
 
 class ShardsSection(_Section):
@@ -203,6 +206,7 @@ class AppConfig(_Section):
             draft_model=resolve_path(s.draft_path) if s.draft_path else "",
             speculation={"model": "draft"}.get(s.draft, s.draft),
             num_spec_tokens=s.num_tokens,
+            spec_disable_by_batch_size=s.disable_by_batch_size,
             max_num_seqs=e.max_num_seqs,
             max_model_len=e.max_model_len,
             max_num_batched_tokens=e.max_num_batched_tokens,

@@ -217,6 +217,7 @@ class EngineServer:
             "requests": self._counters["requests"],
             "finished": {k[9:]: v for k, v in self._counters.items() if k.startswith("finished:")},
             "spec": self.engine.spec_metrics.to_dict() if self.engine.proposer is not None else {},
+            "spec_disabled_steps": self.engine.num_spec_disabled_steps,
         }
 
     def shutdown(self, timeout: float = 5.0) -> None:

@@ -37,17 +37,23 @@ class SpecConfig:
 
     adaptive: choose k per sequence (AdaptiveK) from its acceptance rate and the step
         costs the engine measures; the cost model is refit every `refit_every` decode steps.
+    disable_by_batch_size: decode without speculation while this many sequences or more are
+        running (0: never). A big batch already keeps the model busy, and verifying k + 1
+        positions per row then costs nearly k + 1 times a plain step.
     """
 
     num_tokens: int = 4
     adaptive: bool = False
     refit_every: int = 16
+    disable_by_batch_size: int = 0
 
     def __post_init__(self) -> None:
         if not 0 <= self.num_tokens <= 16:
             raise ValueError(f"num_tokens: must be in [0, 16], got {self.num_tokens}")
         if self.refit_every < 1:
             raise ValueError(f"refit_every: must be >= 1, got {self.refit_every}")
+        if self.disable_by_batch_size < 0:
+            raise ValueError(f"disable_by_batch_size: must be >= 0, got {self.disable_by_batch_size}")
 
 
 class LLMEngine:
@@ -77,6 +83,7 @@ class LLMEngine:
         self.sampler = Sampler()
         self.rejection = RejectionSampler()
         self.spec_metrics = SpecMetrics()
+        self.num_spec_disabled_steps = 0  # decode steps without speculation: the batch was too big
         self.structured = StructuredOutput(runner.vocab_size, structured)
         eos = getattr(tokenizer, "eos_token_id", None)
         self.eos_ids = set(runner.model.config.eos_token_id) | ({eos} if eos is not None else set())
@@ -200,6 +207,9 @@ class LLMEngine:
 
     def _propose(self, seqs: list[Sequence]) -> list[list[int]]:
         if self.proposer is None or self.spec.num_tokens == 0:
+            return [[] for _ in seqs]
+        if 0 < self.spec.disable_by_batch_size <= len(seqs):
+            self.num_spec_disabled_steps += 1
             return [[] for _ in seqs]
         requests = []
         for s in seqs:

@@ -32,6 +32,7 @@ class EngineConfig:
     speculation: str = "ngram"  # none | ngram | draft
     num_spec_tokens: int = 4
     adaptive_k: bool = False
+    spec_disable_by_batch_size: int = 0  # no speculation while this many sequences run (0: never)
     max_num_seqs: int = 32
     max_model_len: int = 1024
     max_num_batched_tokens: int = 4096
@@ -47,7 +48,7 @@ class EngineConfig:
             raise ValueError(f"speculation: must be one of {SPECULATION}, got {self.speculation!r}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype: must be float32, bfloat16 or float16, got {self.dtype!r}")
-        SpecConfig(num_tokens=self.num_spec_tokens)  # validates the range
+        SpecConfig(num_tokens=self.num_spec_tokens, disable_by_batch_size=self.spec_disable_by_batch_size)
         self.scheduler()  # validates the scheduler limits
 
     @property
@@ -84,5 +85,6 @@ def build_engine(cfg: EngineConfig, runner=None, proposer=None) -> LLMEngine:
     if runner is None:
         runner = ModelRunner(load_checkpoint(cfg.model, cfg.torch_dtype), cfg.max_num_seqs, cfg.max_model_len)
     proposer = proposer if proposer is not None else build_proposer(cfg)
-    spec = SpecConfig(num_tokens=cfg.num_spec_tokens if proposer is not None else 0, adaptive=cfg.adaptive_k)
+    spec = SpecConfig(num_tokens=cfg.num_spec_tokens if proposer is not None else 0, adaptive=cfg.adaptive_k,
+                      disable_by_batch_size=cfg.spec_disable_by_batch_size)
     return LLMEngine(runner, tokenizer, scheduler=cfg.scheduler(), proposer=proposer, spec=spec)

@@ -26,6 +26,8 @@ def test_shipped_serve_config_is_valid_and_deliberate():
     # the engine replica admits exactly what its own admission control queues
     assert cfg.deployments.engine.max_ongoing_requests == cfg.engine.max_num_seqs + cfg.engine.max_queued_requests
     assert AppConfig.from_dict({"config": "deployments/serve_config.yaml"}) == cfg
+    # speculation pauses before the batch fills (it stops paying at ~16 rows)
+    assert 0 < engine.engine.spec_disable_by_batch_size <= cfg.engine.max_num_seqs
 
 
 def test_overrides_and_errors():

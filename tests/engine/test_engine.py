@@ -87,6 +87,30 @@ def test_ngram_speculation_is_exact_under_greedy(tiny, k):
     assert engine.spec_metrics.num_draft_tokens > 0
 
 
+def test_speculation_pauses_while_the_batch_is_big(tiny):
+    """disable_by_batch_size=4: six prompts decode plainly until fewer than four remain, then draft."""
+    folder, _ = tiny
+    ps = [p * 3 for p in prompts(6, seed=2)]
+    lengths = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (4, 4, 4, 24, 24, 24)]
+    runner = ModelRunner(load_checkpoint(folder), max_num_seqs=8, max_model_len=128)
+    engine = LLMEngine(runner, proposer=NgramProposer(), spec=SpecConfig(num_tokens=3, disable_by_batch_size=4))
+    for p, params in zip(ps, lengths):
+        engine.add_request(p, params)
+    widths = []
+    while engine.has_unfinished():
+        running = len(engine.scheduler.running)
+        before = engine.spec_metrics.num_seq_passes
+        engine.step()
+        widths.append((running, engine.spec_metrics.num_seq_passes - before))
+    assert engine.num_spec_disabled_steps > 0 and engine.spec_metrics.num_draft_tokens > 0
+    assert all(passes == 0 for running, passes in widths if running >= 4)
+    assert any(passes > 0 for running, passes in widths if running < 4)
+    plain = make_engine(folder).generate(ps, GREEDY)
+    assert [o.token_ids for o in engine.generate(ps, GREEDY)] == [o.token_ids for o in plain]
+    with pytest.raises(ValueError, match="disable_by_batch_size"):
+        SpecConfig(disable_by_batch_size=-1)
+
+
 def test_seeded_sampling_is_reproducible_and_batch_independent(tiny):
     folder, _ = tiny
     params = SamplingParams(max_tokens=10, temperature=1.0, top_p=0.9, seed=7, ignore_eos=True)
