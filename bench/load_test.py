@@ -839,11 +839,22 @@ def limits(data: dict[str, Any]) -> list[str]:
     ramp = [r for r in rows if r["stage"][1:].isdigit()]
     if ramp:
         best = max(r["tokens_per_s"] for r in ramp)
-        flat = [r for r in ramp if r["tokens_per_s"] >= 0.75 * best]
-        out.append(
-            f"- **Throughput levels off** at {min(r['tokens_per_s'] for r in flat):.0f}-{best:.0f} tokens/s from "
-            f"{flat[0]['users']} users on (the box is saturated); past one replica's batch (max_num_seqs 16), "
-            "more users mostly add queueing, which shows as TTFT rather than tokens/s.")
+        plateau = []  # the last stages within 10% of the best
+        for r in reversed(ramp):
+            if r["tokens_per_s"] < 0.9 * best:
+                break
+            plateau.insert(0, r)
+        steps = ", ".join(f"{r['tokens_per_s']:.0f} at {r['users']} (engine replicas {r['replicas_max']['engine']})"
+                          for r in ramp)
+        if len(plateau) >= 2:
+            out.append(
+                f"- **Throughput levels off** at {min(r['tokens_per_s'] for r in plateau):.0f}-{best:.0f} tokens/s "
+                f"from {plateau[0]['users']} users on (the box is saturated): {steps} users. Past one replica's "
+                "batch, more users mostly add queueing, which shows as TTFT rather than tokens/s.")
+        else:
+            out.append(
+                f"- **Throughput by stage** (tokens/s at users): {steps}. It is still rising at the last stage, "
+                "where the second engine replica has taken part of the load.")
     ev = data["scaling_events"]
     if ev:
         out += ["", "## How it scaled", ""]
