@@ -46,7 +46,10 @@ class EngineSection(_Section):
     # How often each replica pushes its expert-load counters to the router-service actor (0: never).
     expert_load_report_s: float = Field(10.0, ge=0)
     # Chunks of a stream after its first token at most this often: every chunk is two Serve hops.
+    # The interval grows linearly with the live requests, to stream_interval_max_s (never below
+    # stream_interval_s) at max_num_seqs.
     stream_interval_s: float = Field(0.025, ge=0, le=1)
+    stream_interval_max_s: float = Field(0.1, ge=0, le=1)
 
 
 class SpeculativeSection(_Section):
@@ -216,7 +219,8 @@ class AppConfig(_Section):
         sh = self.shards
         return EngineServerConfig(engine, e.max_queued_requests, sh.num_shards, sh.strategy, sh.gpus_per_shard,
                                   e.torch_threads, report_expert_load_s=e.expert_load_report_s,
-                                  stream_interval_s=e.stream_interval_s)
+                                  stream_interval_s=e.stream_interval_s,
+                                  stream_interval_max_s=max(e.stream_interval_s, e.stream_interval_max_s))
 
     def gateway_config(self) -> GatewayConfig:
         g = self.gateway

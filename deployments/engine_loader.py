@@ -16,9 +16,11 @@ class EngineServerConfig:
 
     max_queued_requests: requests waiting for a batch slot beyond `engine.max_num_seqs`
         running ones; past it new requests end at once with RESOURCE_EXHAUSTED (backpressure).
-    stream_interval_s: every chunk is a message through Serve (engine -> gateway -> proxy);
-        under load, per-step chunks cost more than the step, so later tokens are batched into
-        chunks at most this often (the first token is never delayed: TTFT is unchanged).
+    stream_interval_s, stream_interval_max_s: every chunk is a message through Serve
+        (engine -> gateway -> proxy); under load, per-step chunks cost more than the step, so
+        later tokens are batched into chunks at most this often: stream_interval_s with one
+        live request, growing linearly to stream_interval_max_s (default: the same) when
+        `engine.max_num_seqs` are live. The first token is never delayed: TTFT is unchanged.
     report_expert_load_s: how often (seconds) the replica pushes its cumulative expert-load
         counters to the router-service actor; 0 turns it off (no Ray needed).
     num_shards: 1 runs the whole model in this process; W > 1 runs an expert-parallel shard
@@ -34,12 +36,23 @@ class EngineServerConfig:
     torch_threads: int | None = None
     report_expert_load_s: float = 0.0  # > 0: push expert-load counters to the router-service actor this often
     stream_interval_s: float = 0.0  # > 0: a stream's chunks (after the first token) at most this often
+    stream_interval_max_s: float | None = None  # the interval with a full batch (None: stream_interval_s)
 
     def __post_init__(self) -> None:
+        top = self.stream_interval_max_s
+        if self.stream_interval_s < 0 or (top is not None and top < self.stream_interval_s):
+            raise ValueError(f"need 0 <= stream_interval_s <= stream_interval_max_s, got "
+                             f"{self.stream_interval_s}, {top}")
         if self.max_queued_requests < 0:
             raise ValueError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
         if self.num_shards < 1:
             raise ValueError(f"num_shards must be >= 1, got {self.num_shards}")
+
+    def stream_interval(self, live: int) -> float:
+        """Seconds between a stream's chunks while `live` requests are in the replica."""
+        top = self.stream_interval_s if self.stream_interval_max_s is None else self.stream_interval_max_s
+        load = min(1.0, max(0, live - 1) / max(1, self.engine.max_num_seqs - 1))
+        return self.stream_interval_s + (top - self.stream_interval_s) * load
 
 
 def load_engine(cfg: EngineServerConfig, proposer: Any = None) -> tuple[LLMEngine, Any]:

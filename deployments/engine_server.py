@@ -135,11 +135,12 @@ class EngineServer:
             return
         finished = False
         try:
-            interval = self.config.stream_interval_s
             while not finished:
                 chunk = await stream.chunks.get()
-                if interval and not chunk.finished and chunk.usage.completion_tokens > 1:
-                    await asyncio.sleep(interval)  # after the first token: fewer, larger messages
+                if not chunk.finished and chunk.usage.completion_tokens > 1:
+                    interval = self.config.stream_interval(len(self._live))
+                    if interval:
+                        await asyncio.sleep(interval)  # after the first token: fewer, larger messages
                 while not chunk.finished and not stream.chunks.empty():  # coalesce a backlog
                     chunk = chunk.merge(stream.chunks.get_nowait())
                 finished = chunk.finished

@@ -10,6 +10,7 @@ import pytest
 from deployments.engine_server import EngineServer, EngineServerConfig
 from model_shards import load_checkpoint
 from moeserve.engine import LLMEngine, ModelRunner
+from moeserve.engine.factory import EngineConfig
 from moeserve.grammar import GrammarSpec, check_output
 from moeserve.protocol import ErrorCode, GenerateChunk, GenerateRequest
 from moeserve.sampling_params import SamplingParams
@@ -30,9 +31,9 @@ def tokenizer(folder):
     return load_tokenizer(folder)
 
 
-def make_server(folder, tokenizer, max_num_seqs=4, queued=8) -> EngineServer:
+def make_server(folder, tokenizer, max_num_seqs=4, queued=8, **config) -> EngineServer:
     engine = LLMEngine(ModelRunner(load_checkpoint(folder), max_num_seqs, 512), tokenizer)
-    return EngineServer(EngineServerConfig(max_queued_requests=queued), engine=engine)
+    return EngineServer(EngineServerConfig(max_queued_requests=queued, **config), engine=engine)
 
 
 @pytest.fixture
@@ -173,3 +174,30 @@ def test_backpressure_and_deadline(folder, tokenizer):
         assert chunks[-1].error.code is ErrorCode.DEADLINE_EXCEEDED
     finally:
         srv.shutdown()
+
+
+def test_stream_interval_grows_with_the_live_requests():
+    cfg = EngineServerConfig(EngineConfig(max_num_seqs=5), stream_interval_s=0.02, stream_interval_max_s=0.1)
+    assert [round(cfg.stream_interval(n), 4) for n in (0, 1, 3, 5, 50)] == [0.02, 0.02, 0.06, 0.1, 0.1]
+    assert EngineServerConfig(stream_interval_s=0.03).stream_interval(40) == 0.03  # no max: fixed
+    with pytest.raises(ValueError, match="stream_interval"):
+        EngineServerConfig(stream_interval_s=0.05, stream_interval_max_s=0.01)
+
+
+def test_chunks_coalesce_after_the_first_token(folder, tokenizer):
+    """With an interval, later tokens arrive in fewer, larger chunks; the first is alone (TTFT
+    is not delayed) and the text is the same as when every step is its own chunk."""
+    params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    runs = {}
+    for interval in (0.0, 0.05):
+        srv = make_server(folder, tokenizer, stream_interval_s=interval)
+        try:
+            runs[interval] = asyncio.run(collect(srv, request("c", "Order: ", tokenizer, params)))
+        finally:
+            srv.shutdown()
+    plain, coalesced = runs[0.0], runs[0.05]
+    assert len(coalesced) < 30  # ~2-5 ms steps: 60 tokens take well under 30 intervals of 50 ms
+    assert len(coalesced[0].token_ids) == 1
+    assert [t for c in coalesced for t in c.token_ids] == [t for c in plain for t in c.token_ids]
+    assert "".join(c.text for c in coalesced) == "".join(c.text for c in plain)
+    assert coalesced[-1].usage.completion_tokens == 60 and coalesced[-1].finish_reason == "length"
