@@ -72,10 +72,11 @@ class Bench:
         cfg = DraftServerConfig(model_path=self.args.draft, max_num_seqs=16, max_model_len=1024, torch_threads=1)
         self.draft_handle = serve.run(bind_draft(cfg), name="bench-draft", route_prefix=None)
 
-    def remote_drafter(self):
+    def remote_drafter(self, direct: bool = True):
+        """direct: call the replica's draft worker actor each step (the default); else one Serve call."""
         from deployments.draft import RemoteDraftProposer
 
-        return RemoteDraftProposer(self.draft_handle, timeout_s=5.0)
+        return RemoteDraftProposer(self.draft_handle, timeout_s=5.0, direct=direct)
 
     def stop(self) -> None:
         if self.draft_handle is not None:
@@ -97,6 +98,7 @@ def compare(b: Bench, prompts: list[list[int]], label: str) -> dict:
     }
     if b.draft_handle is not None:
         cases[f"draft deployment k={k}"] = b.ours(prompts, 1, b.remote_drafter(), k)
+        cases[f"draft deployment via Serve calls k={k}"] = b.ours(prompts, 1, b.remote_drafter(direct=False), k)
         cases["draft deployment adaptive k<=8"] = b.ours(prompts, 1, b.remote_drafter(), 8, adaptive=True)
     cases["transformers"] = b.hf(prompts)
     cases[f"transformers + assistant k={k}"] = b.hf(prompts, assistant=b.hf_draft)

@@ -1,22 +1,32 @@
 """The draft model as its own Serve deployment, and the engine-side proposer that calls it.
 
-    engine step --one Serve call per step, whole batch--> DraftServer --> DraftModelProposer
+    engine step --one Ray actor call per step, whole batch--> DraftWorker (owned by a
+                                                              DraftServer replica)
 
-The user's design has "a separate draft-model deployment" propose tokens. A Serve call
-costs more than a decode step here (~14 ms against ~1 ms per draft token), so the call
+The user's design has "a separate draft-model deployment" propose tokens. Each replica of
+the deployment owns one `DraftWorker` actor on its own node, which holds the model; the
+engine asks the deployment once (a Serve call) for its replica's worker, then calls the
+worker directly every step. A plain actor call costs ~1.5 ms here against ~4.5 ms for a
+Serve call (router, replica queue), and a decode step is ~3 ms, so the difference decides
+whether drafting pays at all (bench/reports/speculative.md has both). The per-step call
 carries every sequence of the step at once (`DraftCall`) and returns all proposals; the
-engine never calls per sequence or per draft token.
+engine never calls per sequence or per draft token. `direct=False` keeps one Serve call
+per step instead.
 
 State and routing: the draft keeps a KV cache per sequence, so each engine sticks to one
-draft replica (Serve's consistent-hash router keyed by the engine's session id). Sticking
-is an optimisation, not a correctness condition: a replica that sees a sequence it does
-not hold, or holds a stale copy of, rolls back to the common prefix or rebuilds by
-prefilling (DraftModelProposer compares token ids every step). Sequence ids are prefixed
-with the engine's session id, so two engines never share a draft cache entry.
+draft replica (Serve's consistent-hash router keyed by the engine's session id, and then
+that replica's worker). Sticking is an optimisation, not a correctness condition: a worker
+that sees a sequence it does not hold, or holds a stale copy of, rolls back to the common
+prefix or rebuilds by prefilling (DraftModelProposer compares token ids every step).
+Sequence ids are prefixed with the engine's session id, so two engines never share a draft
+cache entry.
 
-Failure: when the call times out or the deployment is gone, `RemoteDraftProposer`
-returns no drafts for that step (the engine decodes without speculation, exact all the
-same) and backs off before trying again, doubling the pause up to a limit.
+Lifetime and failure: the worker shares its replica's fate (an actor dies with its owner),
+and the replica's health check pings it, so Serve replaces a replica whose worker died.
+When a call times out, fails, or the deployment is gone, `RemoteDraftProposer` returns no
+drafts for that step (the engine decodes without speculation, exact all the same), forgets
+a worker that failed, and backs off before trying again (asking the deployment for a
+worker anew), doubling the pause up to a limit.
 """
 
 from __future__ import annotations
@@ -73,9 +83,9 @@ class DraftCall:
     finished: list[str] = field(default_factory=list)
 
 
-class DraftServer:
-    """A draft replica: DraftModelProposer behind a lock (Serve may run calls concurrently,
-    e.g. a late call overlapping the engine's retry)."""
+class DraftWorker:
+    """The draft model: DraftModelProposer behind a lock (calls may overlap, e.g. a late call
+    and the engine's retry). A plain class: in a DraftServer replica it runs as a Ray actor."""
 
     def __init__(self, config: DraftServerConfig) -> None:
         import torch
@@ -103,7 +113,7 @@ class DraftServer:
             return out
 
     def stats(self) -> dict[str, Any]:
-        """This replica's counters (a Serve call reaches one replica: the session's, when sticky)."""
+        """This worker's counters."""
         p = self.proposer
         return {
             "replica": self._id,
@@ -115,8 +125,41 @@ class DraftServer:
             "evictions": p.num_evictions,
         }
 
-    def check_health(self) -> None:
-        """Serve's health-check hook: the model is loaded once the constructor returned."""
+    def ping(self) -> bool:
+        return True
+
+
+class DraftServer:
+    """A draft replica: starts one DraftWorker actor on this replica's node and answers with it.
+
+    The worker reserves no CPU of its own: the replica's reservation (`ray_actor_options`)
+    covers it, since the replica itself only waits. It is not detached, so it dies with the
+    replica.
+    """
+
+    def __init__(self, config: DraftServerConfig) -> None:
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        self._worker = ray.remote(DraftWorker).options(num_cpus=0, scheduling_strategy=here).remote(config)
+        ray.get(self._worker.ping.remote())  # the model is loaded before the replica reports ready
+
+    def worker(self) -> Any:
+        """The ActorHandle of this replica's worker: engines call it directly every step."""
+        return self._worker
+
+    async def propose(self, call: DraftCall) -> list[Proposal]:
+        """Proposals through Serve (one Serve call per step; RemoteDraftProposer(direct=False))."""
+        return await self._worker.propose.remote(call)
+
+    async def stats(self) -> dict[str, Any]:
+        """This replica's worker's counters (a Serve call reaches the session's replica when sticky)."""
+        return await self._worker.stats.remote()
+
+    async def check_health(self) -> None:
+        """Serve's health-check hook: a replica whose worker died is unhealthy and gets replaced."""
+        await self._worker.ping.remote()
 
 
 def bind_draft(
@@ -140,13 +183,15 @@ def bind_draft(
 
 
 class RemoteDraftProposer(Proposer):
-    """Engine-side proposer: one Serve call to the draft deployment per engine step.
+    """Engine-side proposer: one call to the draft deployment per engine step.
 
     handle: a DeploymentHandle to DraftServer.
-    timeout_s: how long a step waits for drafts before decoding without them.
+    timeout_s: how long a step waits for drafts (or for the deployment to name its worker)
+        before decoding without them.
     backoff_s, max_backoff_s: after a failure no call is made for backoff_s, doubling with
         each further failure up to max_backoff_s; a success resets it.
-    sticky: route every call of this engine to one replica (its session id).
+    sticky: route every Serve call of this engine to one replica (its session id).
+    direct: call the replica's DraftWorker actor directly (default), not through Serve.
     """
 
     def __init__(
@@ -156,13 +201,15 @@ class RemoteDraftProposer(Proposer):
         backoff_s: float = 1.0,
         max_backoff_s: float = 30.0,
         sticky: bool = True,
+        direct: bool = True,
     ) -> None:
         if timeout_s <= 0 or backoff_s < 0 or max_backoff_s < backoff_s:
             raise ValueError("need timeout_s > 0 and 0 <= backoff_s <= max_backoff_s")
         self.session = uuid.uuid4().hex[:12]
-        self.handle = handle.options(method_name="propose", session_id=self.session) if sticky else handle.options(
-            method_name="propose"
-        )
+        routing = {"session_id": self.session} if sticky else {}
+        self.handle = handle.options(method_name="propose", **routing)
+        self.worker_handle = handle.options(method_name="worker", **routing) if direct else None
+        self._worker: Any = None  # the replica's DraftWorker once asked for (direct)
         self.timeout_s, self.backoff_s, self.max_backoff_s = timeout_s, backoff_s, max_backoff_s
         self._pause_s = backoff_s
         self._retry_at = 0.0
@@ -190,7 +237,7 @@ class RemoteDraftProposer(Proposer):
         )
         self.num_calls += 1
         try:
-            got = self.handle.remote(call).result(timeout_s=self.timeout_s)
+            got = self._call(call)
         except TimeoutError:
             self.num_timeouts += 1
             return self._fail(empty, finished, "timed out")
@@ -200,6 +247,21 @@ class RemoteDraftProposer(Proposer):
         self._pause_s = self.backoff_s
         by_id = dict(zip((r.seq_id for r in asked), got))
         return [by_id.get(r.seq_id, p) for r, p in zip(requests, empty)]
+
+    def _call(self, call: DraftCall) -> list[Proposal]:
+        if self.worker_handle is None:
+            return self.handle.remote(call).result(timeout_s=self.timeout_s)
+        import ray
+
+        if self._worker is None:
+            self._worker = self.worker_handle.remote().result(timeout_s=self.timeout_s)
+        try:
+            return ray.get(self._worker.propose.remote(call), timeout=self.timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise TimeoutError(f"no drafts within {self.timeout_s} s") from None
+        except Exception:  # the worker (or its replica) is gone: ask the deployment again next time
+            self._worker = None
+            raise
 
     def on_finished(self, seq_id: str) -> None:
         """Queued; sent with the next call (no Serve call of its own)."""

@@ -12,7 +12,7 @@ import torch
 ray = pytest.importorskip("ray")
 from ray import serve  # noqa: E402
 
-from deployments.draft import DraftCall, DraftServer, DraftServerConfig, RemoteDraftProposer, bind_draft  # noqa: E402
+from deployments.draft import DraftCall, DraftServerConfig, DraftWorker, RemoteDraftProposer, bind_draft  # noqa: E402
 from model_shards import load_checkpoint  # noqa: E402
 from moeserve.sampling_params import SamplingParams  # noqa: E402
 from moeserve.spec import ProposalRequest  # noqa: E402
@@ -57,9 +57,9 @@ def config(path: str) -> DraftServerConfig:
 
 
 # ---- without Ray -------------------------------------------------------------------------------
-def test_draft_server_is_the_in_process_proposer(ckpts):
+def test_draft_worker_is_the_in_process_proposer(ckpts):
     _, draft_dir, _ = ckpts
-    server = DraftServer(config(draft_dir))
+    server = DraftWorker(config(draft_dir))
     local = DraftModelProposer(load_checkpoint(draft_dir), 8, 96)
     reqs = [ProposalRequest(f"s{i}", p, 4) for i, p in enumerate(PROMPTS)]
     assert [p.token_ids for p in server.propose(DraftCall(reqs))] == [p.token_ids for p in local.propose(reqs)]
@@ -95,7 +95,7 @@ def test_remote_proposer_falls_back_backs_off_and_recovers():
     from moeserve.spec import Proposal
 
     handle = _FakeHandle([TimeoutError(), RuntimeError("deployment gone"), [Proposal([7, 8])]])
-    proposer = RemoteDraftProposer(handle, timeout_s=0.1, backoff_s=0.05, max_backoff_s=1.0)
+    proposer = RemoteDraftProposer(handle, timeout_s=0.1, backoff_s=0.05, max_backoff_s=1.0, direct=False)
     req = [ProposalRequest("a", [1, 2, 3], 2), ProposalRequest("b", [4], 0)]
     assert [p.token_ids for p in proposer.propose(req)] == [[], []]  # timed out
     assert [p.token_ids for p in proposer.propose(req)] == [[], []]  # backing off: no call
@@ -112,14 +112,17 @@ def test_remote_proposer_falls_back_backs_off_and_recovers():
 
 
 # ---- through Serve -----------------------------------------------------------------------------
-def test_served_draft_gives_the_target_greedy_tokens(ray_cluster, ckpts):
+@pytest.mark.parametrize("direct", [True, False], ids=["worker-actor", "serve-call"])
+def test_served_draft_gives_the_target_greedy_tokens(ray_cluster, ckpts, direct):
     target, draft_dir, plain = ckpts
     handle = serve.run(bind_draft(config(draft_dir)), name="draft-one", route_prefix=None)
-    proposer = RemoteDraftProposer(handle, timeout_s=30.0)
+    proposer = RemoteDraftProposer(handle, timeout_s=30.0, direct=direct)
     engine = make_engine(target, proposer, k=4)
     assert run(engine, PROMPTS, PARAMS) == plain
     assert proposer.num_fallback_steps == 0 and proposer.num_calls == engine.spec_metrics.num_steps
     assert engine.spec_metrics.alpha > 0.2
+    stats = handle.options(method_name="stats", session_id=proposer.session).remote().result(timeout_s=30)
+    assert stats["calls"] == proposer.num_calls  # every call reached the one replica's worker
     serve.delete("draft-one")
 
 
@@ -164,3 +167,24 @@ def test_deleted_draft_deployment_falls_back(ray_cluster, ckpts):
     assert [out[rid] for rid in ids] == plain
     assert proposer.num_fallback_steps > 0
     assert time.monotonic() - t0 < 60
+
+
+def test_killed_draft_worker_falls_back_and_the_replica_is_unhealthy(ray_cluster, ckpts):
+    target, draft_dir, plain = ckpts
+    handle = serve.run(bind_draft(config(draft_dir)), name="draft-worker-gone", route_prefix=None)
+    proposer = RemoteDraftProposer(handle, timeout_s=2.0, backoff_s=0.2)
+    engine = make_engine(target, proposer, k=4)
+    ids = [engine.add_request(p, sp) for p, sp in zip(PROMPTS, PARAMS)]
+    out = {rid: [] for rid in ids}
+    for o in engine.step() + engine.step():
+        out[o.request_id] += o.new_token_ids
+    worker = handle.options(method_name="worker", session_id=proposer.session).remote().result(timeout_s=30)
+    ray.kill(worker)
+    while engine.has_unfinished():
+        for o in engine.step():
+            out[o.request_id] += o.new_token_ids
+    assert [out[rid] for rid in ids] == plain
+    assert proposer.num_errors > 0 and proposer.num_fallback_steps > 0
+    with pytest.raises(ray.exceptions.RayActorError):  # what Serve's health check sees
+        handle.options(method_name="check_health").remote().result(timeout_s=30)
+    serve.delete("draft-worker-gone")
