@@ -180,7 +180,7 @@ class EngineServer:
         cfg, source = self.engine.runner.model.config, f"engine-{id(self):x}"
         import ray
 
-        router, last = None, None  # held here: the actor lives as long as some replica holds a handle
+        router, last = None, None
         while not self._stopping and self._dead is None:
             time.sleep(self.config.report_expert_load_s)
             try:
@@ -188,8 +188,10 @@ class EngineServer:
                     ray.get(last, timeout=self.config.report_expert_load_s)  # raises if the actor died
                 router = router or router_actor(cfg.num_layers, cfg.num_experts)
                 last = router.report.remote(source, self.expert_load())
-            except Exception:  # statistics must never disturb serving; find the actor again next time
-                router, last = None, None
+            except Exception as e:  # statistics must never disturb serving
+                if isinstance(e, ray.exceptions.RayActorError):
+                    router = None  # gone (killed): find or create it again next time
+                last = None
                 logger.warning("could not report expert load", exc_info=True)
 
     async def stats(self) -> dict[str, Any]:

@@ -156,13 +156,19 @@ class Gateway:
     async def experts(self, world_size: int = 2) -> Response:
         """Admin: expert load merged over every engine replica (from the router-service actor)
         and the placement it proposes for a shard group of `world_size` ranks."""
+        import ray
+
         from deployments.router_actor import find_router_actor
 
         actor = await asyncio.to_thread(find_router_actor)
         if actor is None:
             return JSONResponse({"error": "no expert-load statistics reported yet"}, status_code=503)
-        summary = await actor.summary.remote()
-        placement = await actor.placement.remote(max(1, min(world_size, 64)))
+        try:
+            summary = await actor.summary.remote()
+            placement = await actor.placement.remote(max(1, min(world_size, 64)))
+        except ray.exceptions.RayActorError as e:  # killed: the next engine report creates it again
+            return JSONResponse({"error": f"router service unavailable: {type(e).__name__}"}, status_code=503,
+                                headers={"Retry-After": "5"})
         return JSONResponse(summary | {"placement": {"world_size": placement.world_size,
                                                      "rank_experts": placement.rank_experts}})
 

@@ -23,7 +23,13 @@ class RouterService:
         self._latest: dict[tuple[str, int], dict] = {}
 
     def report(self, source: str, rank_stats: list[dict]) -> None:
+        """The latest cumulative counters of `source`'s ranks. Counters of another shape mean a
+        different model is being served now: what was kept for the old one is dropped."""
         for rank, stats in enumerate(rank_stats):
+            shape = (int(stats["num_layers"]), int(stats["num_experts"]))
+            if shape != (self.num_layers, self.num_experts):
+                self.num_layers, self.num_experts = shape
+                self._latest.clear()
             self._latest[(source, rank)] = stats
 
     def merged(self) -> ExpertLoadStats:
@@ -52,10 +58,14 @@ ROUTER_NAMESPACE = "moeserve"  # explicit: engine and gateway replicas must find
 
 
 def router_actor(num_layers: int, num_experts: int):
-    """The cluster's one router-service actor (created by the first engine replica that reports).
-    The caller must keep the handle: an actor dies with the last reference to it."""
+    """The cluster's one router-service actor, created by the first engine replica that reports.
+
+    Detached: engine replicas come and go with autoscaling, and an actor owned by one of them
+    would die with it (or with its owner's last reference). It lives until the Ray cluster
+    ends or someone calls `ray.kill` on it; a redeploy with another model resets its counters.
+    """
     return RouterServiceActor.options(
-        name=ROUTER_ACTOR_NAME, namespace=ROUTER_NAMESPACE, get_if_exists=True
+        name=ROUTER_ACTOR_NAME, namespace=ROUTER_NAMESPACE, get_if_exists=True, lifetime="detached"
     ).remote(num_layers, num_experts)
 
 
