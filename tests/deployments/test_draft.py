@@ -148,42 +148,46 @@ def test_slow_draft_times_out_and_the_request_completes(ray_cluster, ckpts):
     serve.delete("draft-slow")
 
 
+def run_failing_midway(engine, steps: int, fail) -> list[list[int]]:
+    """Decode PROMPTS for `steps` steps, call `fail()`, then run to the end; tokens per prompt."""
+    ids = [engine.add_request(p, sp) for p, sp in zip(PROMPTS, PARAMS)]
+    out = {rid: [] for rid in ids}
+    done = 0
+    while engine.has_unfinished():
+        if done == steps:
+            fail()
+        for o in engine.step():
+            out[o.request_id] += o.new_token_ids
+        done += 1
+    assert done > steps, "finished before the failure"
+    return [out[rid] for rid in ids]
+
+
 def test_deleted_draft_deployment_falls_back(ray_cluster, ckpts):
     target, draft_dir, plain = ckpts
     handle = serve.run(bind_draft(config(draft_dir)), name="draft-gone", route_prefix=None)
     proposer = RemoteDraftProposer(handle, timeout_s=2.0, backoff_s=0.2)
-    engine = make_engine(target, proposer, k=4)
-    ids = [engine.add_request(p, sp) for p, sp in zip(PROMPTS, PARAMS)]
-    out = {rid: [] for rid in ids}
-    for _ in range(4):  # a few steps with the draft
-        for o in engine.step():
-            out[o.request_id] += o.new_token_ids
-    assert proposer.num_calls > 0 and proposer.num_fallback_steps == 0
-    serve.delete("draft-gone")
-    t0 = time.monotonic()
-    while engine.has_unfinished():
-        for o in engine.step():
-            out[o.request_id] += o.new_token_ids
-    assert [out[rid] for rid in ids] == plain
+    t0 = {}
+
+    def delete():
+        assert proposer.num_calls > 0 and proposer.num_fallback_steps == 0  # it drafted until now
+        serve.delete("draft-gone")
+        t0["deleted"] = time.monotonic()
+
+    assert run_failing_midway(make_engine(target, proposer, k=4), 4, delete) == plain
     assert proposer.num_fallback_steps > 0
-    assert time.monotonic() - t0 < 60
+    assert time.monotonic() - t0["deleted"] < 60
 
 
 def test_killed_draft_worker_falls_back_and_the_replica_is_unhealthy(ray_cluster, ckpts):
     target, draft_dir, plain = ckpts
     handle = serve.run(bind_draft(config(draft_dir)), name="draft-worker-gone", route_prefix=None)
     proposer = RemoteDraftProposer(handle, timeout_s=2.0, backoff_s=0.2)
-    engine = make_engine(target, proposer, k=4)
-    ids = [engine.add_request(p, sp) for p, sp in zip(PROMPTS, PARAMS)]
-    out = {rid: [] for rid in ids}
-    for o in engine.step() + engine.step():
-        out[o.request_id] += o.new_token_ids
-    worker = handle.options(method_name="worker", session_id=proposer.session).remote().result(timeout_s=30)
-    ray.kill(worker)
-    while engine.has_unfinished():
-        for o in engine.step():
-            out[o.request_id] += o.new_token_ids
-    assert [out[rid] for rid in ids] == plain
+
+    def kill_worker():
+        ray.kill(handle.options(method_name="worker", session_id=proposer.session).remote().result(timeout_s=30))
+
+    assert run_failing_midway(make_engine(target, proposer, k=4), 2, kill_worker) == plain
     assert proposer.num_errors > 0 and proposer.num_fallback_steps > 0
     with pytest.raises(ray.exceptions.RayActorError):  # what Serve's health check sees
         handle.options(method_name="check_health").remote().result(timeout_s=30)
