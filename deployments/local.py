@@ -14,6 +14,8 @@ import time
 
 from deployments.config import AppConfig
 
+SERVE_SHUTDOWN_S = 10.0  # how long Ctrl-C waits for Serve to drain before Ray is stopped
+
 DEMO_SCHEMA = {
     "type": "object",
     "properties": {
@@ -56,8 +58,13 @@ def serve_locally(cfg: AppConfig, *, host: str, http_port: int, num_cpus: int, d
         pass
     finally:
         print("stopping...", file=sys.stderr, flush=True)
-        serve.shutdown()
-        ray.shutdown()
+        # Let replicas drain, but not for long: when the signal reached the whole process group
+        # (a terminal's Ctrl-C does not, `timeout` and some supervisors do), Ray's own daemons
+        # are gone too and serve.shutdown() would wait out its 30-s controller timeout.
+        drain = threading.Thread(target=serve.shutdown, name="serve-shutdown", daemon=True)
+        drain.start()
+        drain.join(SERVE_SHUTDOWN_S)
+        ray.shutdown()  # stops the local cluster ray.init started, whatever is left of it
     return 0
 
 
