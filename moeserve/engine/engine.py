@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from moeserve.engine.model_runner import ModelRunner, Row, length_groups
+from moeserve.engine.model_runner import ModelRunner, Row, forward_last
 from moeserve.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from moeserve.engine.structured import StructuredConfig, StructuredOutput
 from moeserve.grammar import CompiledGrammar
@@ -157,16 +157,8 @@ class LLMEngine:
         return [self._postprocess(seq, toks) for seq, toks in zip(batch.seqs, new_tokens)]
 
     def _prefill(self, batch: ScheduledBatch) -> list[list[int]]:
-        """Prompts of very different lengths run as several passes, each padded only to its own
-        longest prompt (see length_groups)."""
         rows = [Row(s.seq_id, s.pending_ids, s.num_cached) for s in batch.seqs]
-        groups = length_groups([len(r.tokens) for r in rows])
-        if len(groups) == 1:
-            return self._sample_next(batch.seqs, self.runner.forward(rows, logits="last"))
-        logits = torch.empty(len(rows), self.runner.vocab_size)  # [B, V]
-        for group in groups:
-            logits[group] = self.runner.forward([rows[i] for i in group], logits="last")
-        return self._sample_next(batch.seqs, logits)
+        return self._sample_next(batch.seqs, forward_last(self.runner, rows))
 
     def _sample_next(self, seqs: list[Sequence], logits: torch.Tensor) -> list[list[int]]:
         """One new token per sequence from logits [B, V] at its last fed token (grammar-masked)."""

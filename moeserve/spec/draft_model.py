@@ -40,7 +40,7 @@ from itertools import accumulate
 import torch
 
 from model_shards import CausalLM, StepBatch
-from moeserve.engine.model_runner import ModelRunner, Row
+from moeserve.engine.model_runner import ModelRunner, Row, forward_last
 from moeserve.sampler import Sampler
 from moeserve.sampling_params import SamplingParams
 from moeserve.spec.draft_decoder import DenseDecodeStep
@@ -197,7 +197,7 @@ class DraftModelProposer(Proposer):
         prefilled with the model's own forward first, up to their last token."""
         prefill = [Row(r.seq_id, r.tokens[r.start : -1], r.start) for r in rows if len(r.tokens) - r.start > 2]
         if prefill:
-            self.runner.forward(prefill, logits="last")
+            forward_last(self.runner, prefill)
         two = [b for b, r in enumerate(rows) if len(r.tokens) - r.start == 2]
         if two:
             idx = torch.tensor(two)
