@@ -1,4 +1,5 @@
-"""One local Ray Serve app for a test module: free loopback ports, wait for /health, shut down after.
+"""A local Ray for a test module, and one Serve app on it: free loopback ports, wait for
+/health, shut everything down after.
 
 A port found free can be taken by another process before Serve binds it (the proxy, or the
 gateway's gRPC server, then fails to start); the whole start is retried on fresh ports.
@@ -29,15 +30,28 @@ def wait_healthy(base: str, timeout: float = 60) -> None:
 
 
 @contextlib.contextmanager
-def serve_app(build: Callable[[int], tuple], *, proxy_location: str | None = None,
-              attempts: int = 3) -> Iterator[dict[str, str]]:
-    """`build(grpc_port)` returns (app, name, route_prefix). Yields {"http": base URL, "grpc": host:port}."""
+def local_ray() -> Iterator[None]:
+    """Ray on this machine for one test module (4 logical CPUs, no token auth); Serve, if
+    something started it, and Ray are shut down after."""
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import ray
     from ray import serve
 
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
+        yield
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+@contextlib.contextmanager
+def serve_app(build: Callable[[int], tuple], *, proxy_location: str | None = None,
+              attempts: int = 3) -> Iterator[dict[str, str]]:
+    """`build(grpc_port)` returns (app, name, route_prefix). Yields {"http": base URL, "grpc": host:port}."""
+    from ray import serve
+
+    with local_ray():
         for attempt in range(attempts):
             http_port, grpc_port = free_port(), free_port()
             try:
@@ -53,6 +67,3 @@ def serve_app(build: Callable[[int], tuple], *, proxy_location: str | None = Non
                 if attempt == attempts - 1:
                     raise
         yield {"http": base, "grpc": f"127.0.0.1:{grpc_port}"}
-    finally:
-        serve.shutdown()
-        ray.shutdown()

@@ -3,7 +3,6 @@ and the engine carries on without drafts when the deployment is slow or gone."""
 
 from __future__ import annotations
 
-import os
 import time
 
 import pytest
@@ -18,6 +17,7 @@ from moeserve.sampling_params import SamplingParams  # noqa: E402
 from moeserve.spec import ProposalRequest  # noqa: E402
 from moeserve.spec.draft_model import DraftModelProposer  # noqa: E402
 from tests.model_shards.hf_tiny import save_tiny  # noqa: E402
+from tests.serve_app import local_ray  # noqa: E402
 from tests.spec.tiny_pair import make_engine, noisy_copy, random_prompts, run  # noqa: E402
 
 PROMPTS = [p * 2 for p in random_prompts(6, 96, seed=7, lengths=(3, 16))]
@@ -45,11 +45,8 @@ def ckpts(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield
-    serve.shutdown()
-    ray.shutdown()
+    with local_ray():
+        yield
 
 
 def config(path: str) -> DraftServerConfig:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import time
 
 import pytest
@@ -16,6 +15,7 @@ from model_shards import load_checkpoint  # noqa: E402
 from moeserve.engine import LLMEngine, ModelRunner  # noqa: E402
 from moeserve.sampling_params import SamplingParams  # noqa: E402
 from tests.model_shards.hf_tiny import save_tiny  # noqa: E402
+from tests.serve_app import local_ray  # noqa: E402
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16], [17, 18]]
@@ -23,10 +23,8 @@ PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16], [17, 18]]
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
+    with local_ray():
+        yield
 
 
 @pytest.fixture(scope="module")
