@@ -26,9 +26,11 @@ def length_groups(lengths: list[int], overhead_tokens: int = FORWARD_OVERHEAD_TO
     """Split rows of these lengths into forward passes, minimising the padded token positions
     computed plus `overhead_tokens` per pass. A pass pads its rows to its longest one, so the
     best groups are runs of the rows sorted by length (dynamic programming over the runs).
-    Returns lists of row indices, longest rows first."""
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    n = len(order)
+    Returns lists of row indices; when there are several passes, the longest rows come first."""
+    n = len(lengths)
+    if n and max(lengths) * n - sum(lengths) <= overhead_tokens:
+        return [list(range(n))]  # a second pass costs more than all the padding it could save
+    order = sorted(range(n), key=lambda i: -lengths[i])
     best = [0] + [float("inf")] * n  # best[j]: cheapest cost of the first j sorted rows
     cut = [0] * (n + 1)
     for j in range(1, n + 1):
