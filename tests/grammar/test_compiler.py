@@ -80,11 +80,19 @@ def test_concurrent_requests_for_one_spec_compile_once(tokenizer):
 
 
 def test_time_limit(tokenizer):
-    compiler = GrammarCompiler(tokenizer, MODEL_VOCAB, config=GrammarConfig(compile_timeout_s=1e-4))
+    compiler = GrammarCompiler(tokenizer, MODEL_VOCAB, config=GrammarConfig(compile_timeout_s=0.05))
     spec = GrammarSpec.json_schema({"type": "object", "properties": {f"p{i}": {"type": "string", "maxLength": 64} for i in range(12)}})
+    release, compile_now = threading.Event(), compiler._compile_now
+
+    def slow_compile(s):  # a compile that outlasts the limit however fast the machine is
+        release.wait(30)
+        return compile_now(s)
+
+    compiler._compile_now = slow_compile
     with pytest.raises(GrammarTimeoutError, match="took longer than") as info:
         compiler.compile(spec)
     assert info.value.feature == "timeout"
+    release.set()
     deadline = time.time() + 30  # the job finishes in the background and is cached for the retry
     while compiler.cache_info()["in_flight"] and time.time() < deadline:
         time.sleep(0.01)
