@@ -23,9 +23,12 @@ class EngineServerConfig:
         `engine.max_num_seqs` are live. The first token is never delayed: TTFT is unchanged.
     report_expert_load_s: how often (seconds) the replica pushes its cumulative expert-load
         counters to the router-service actor; 0 turns it off (no Ray needed).
-    num_shards: 1 runs the whole model in this process; W > 1 runs an expert-parallel shard
-        group (rank 0 in this process, W - 1 shard actors placed with `shard_strategy`, each
-        with `gpus_per_shard` GPUs).
+    num_shards: 1 runs the whole model in the core; W > 1 runs an expert-parallel shard
+        group (rank 0 in the replica's process, W - 1 shard actors placed with `shard_strategy`,
+        each with `gpus_per_shard` GPUs).
+    core_process: run the engine core (the step loop) in a process of its own, so it never
+        shares a GIL with Serve's event loop. A shard group's rank 0 and a draft deployment's
+        client need the replica's Ray connection, so with those the core runs on a thread.
     """
 
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -37,6 +40,7 @@ class EngineServerConfig:
     report_expert_load_s: float = 0.0  # > 0: push expert-load counters to the router-service actor this often
     stream_interval_s: float = 0.0  # > 0: a stream's chunks (after the first token) at most this often
     stream_interval_max_s: float | None = None  # the interval with a full batch (None: stream_interval_s)
+    core_process: bool = True
 
     def __post_init__(self) -> None:
         top = self.stream_interval_max_s

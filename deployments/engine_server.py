@@ -1,26 +1,28 @@
-"""The engine replica: one LLMEngine, its step loop on one background thread, async streams out.
+"""The engine replica: supervises its engine core and turns the core's token batches into one
+async stream per request.
 
-Threads and ownership:
+    gateway --one streaming Serve call per request--> EngineServer.generate
+        --GenerateRequest / Abort--> engine core (its own process)  --chunks, one list per step-->
 
-- the engine thread owns the LLMEngine and the table of live streams. It alone calls
-  `add_request`, `step` and `abort`, so the engine needs no locks. Between steps it drains
-  an inbox of commands (add / abort): that is where continuous batching admits requests.
-- the event loop (Serve's replica loop, or a test's) runs `generate`: it compiles the
-  grammar (off-loop, from the cache), posts an `add` command and awaits chunks on an
-  asyncio.Queue that the engine thread fills with `loop.call_soon_threadsafe`, one call
-  per step for all of that loop's streams.
+The replica does no model work and no text: it admits requests (backpressure), forwards them
+to the core, and hands each step's chunks to the waiting streams, coalescing a stream's later
+chunks under load (every chunk is two Serve hops). Deadlines are enforced here.
 
-No stream can hang: a chunk arrives for every step that touches its request; a failing
-step ends every live stream with an INTERNAL error chunk; a dead engine thread ends them
-with UNAVAILABLE and refuses new ones; a client that goes away (Serve cancels the
-generator) posts an `abort`, which frees the request's KV slot before the next step.
+Where the core runs: in a process of its own (`EngineServerConfig.core_process`, the served
+default), so the step loop never shares a GIL with Serve's event loop; or on a thread of this
+process (moeserve/engine/core_client.py `InprocCore`) when the engine is handed in (tests)
+or needs this replica's Ray handles (an expert-parallel shard group, a draft deployment).
+
+No stream can hang: every chunk the core sends for a request reaches its stream; a dead core
+ends every live stream with UNAVAILABLE (the gateway resumes them; a core process is
+restarted, and requests sent meanwhile wait for it); a client that goes away (Serve cancels
+the generator) aborts its request, which frees its KV slot before the next step.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import queue
 import threading
 import time
 from collections import Counter
@@ -30,9 +32,9 @@ from typing import Any
 
 from deployments.engine_loader import EngineServerConfig, load_engine
 from moeserve.engine import LLMEngine
-from moeserve.grammar.errors import GrammarError
-from moeserve.protocol import ErrorCode, GenerateChunk, GenerateRequest, Usage, error_chunk
-from moeserve.sequence import RequestOutput
+from moeserve.engine.core import EngineCore
+from moeserve.engine.core_client import InprocCore, ProcessCore
+from moeserve.protocol import Abort, ErrorCode, GenerateChunk, GenerateRequest, Usage, error_chunk
 from router_service.stats import ExpertLoadStats
 
 logger = logging.getLogger(__name__)
@@ -42,36 +44,21 @@ __all__ = ["EngineServer", "EngineServerConfig"]
 
 @dataclass
 class _Stream:
-    """The engine thread's view of one live request."""
+    """One live request: where its chunks go."""
 
     request_id: str
     loop: asyncio.AbstractEventLoop
     chunks: asyncio.Queue
-    deadline: float | None  # time.monotonic() value, or None
     usage: Usage = field(default_factory=Usage)
 
 
-@dataclass(frozen=True)
-class _Add:
-    stream: _Stream
-    request: GenerateRequest
-    grammar: Any  # compiled grammar or None
-
-
-@dataclass(frozen=True)
-class _Abort:
-    request_id: str
-
-
 class EngineServer:
-    """Serves one LLMEngine to many concurrent async streams.
+    """Serves one engine core to many concurrent async streams.
 
-    Construct with a ready `engine` (tests) or let it build one from `config` (Serve).
-    `compiler` compiles grammar specs (default: a GrammarCompiler over the engine's
-    tokenizer); it must be safe to call from worker threads.
+    Construct with a ready `engine` (tests: its core runs on a thread) or let the replica start
+    the core from `config` (Serve). `compiler` compiles grammar specs for a handed-in engine.
+    `draft`: a handle to the draft deployment; the engine then drafts through it.
     """
-
-    IDLE_WAIT_S = 0.05  # how often an idle loop wakes to check deadlines
 
     def __init__(
         self,
@@ -80,65 +67,69 @@ class EngineServer:
         compiler: Any | None = None,
         draft: Any | None = None,
     ) -> None:
-        """`draft`: a handle to the draft deployment; the engine then drafts through it."""
         self.config = config
         if config.torch_threads:
             import torch
 
             torch.set_num_threads(config.torch_threads)
         self.shard_group: Any = None
+        self.engine = engine  # None when the core runs in its own process
+        self._lock = threading.Lock()  # guards _streams and _counters (event loops and the core's thread)
+        self._streams: dict[str, _Stream] = {}  # admitted, and the core has not ended them yet
+        self._counters: Counter[str] = Counter()
+        self._stopping = False
+        if engine is None and config.core_process and config.num_shards == 1 and draft is None:
+            self.core = ProcessCore((config.engine, config.torch_threads), self._on_chunks, self._on_dead)
+            self.max_num_seqs = config.engine.max_num_seqs
+        else:
+            self.core = self._thread_core(engine, compiler, draft)
+            self.max_num_seqs = self.engine.scheduler.cfg.max_num_seqs
+        if config.report_expert_load_s > 0:
+            threading.Thread(target=self._report_expert_load, name="expert-load", daemon=True).start()
+
+    def _thread_core(self, engine: LLMEngine | None, compiler: Any, draft: Any) -> InprocCore:
         if engine is None:
             proposer = None
             if draft is not None:
                 from deployments.draft import RemoteDraftProposer
 
                 proposer = RemoteDraftProposer(draft)
-            engine, self.shard_group = load_engine(config, proposer)
-        self.engine = engine
-        self.compiler = compiler if compiler is not None else _default_compiler(self.engine)
-        model = engine.runner.model
-        self._load_stats = model.enable_stats() if self.shard_group is None and model.config.is_moe else None
-        self._inbox: queue.SimpleQueue[_Add | _Abort] = queue.SimpleQueue()
-        self._wake = threading.Event()
-        self._streams: dict[str, _Stream] = {}  # engine thread only
-        self._lock = threading.Lock()  # guards _live and _dead
-        self._live: set[str] = set()  # admitted and not yet finished (any thread may read)
-        self._dead: str | None = None
-        self._stopping = False
-        self._counters: Counter[str] = Counter()
-        self._step_seconds = 0.0
-        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
-        self._thread.start()
-        if config.report_expert_load_s > 0:
-            threading.Thread(target=self._report_expert_load, name="expert-load", daemon=True).start()
+            engine, self.shard_group = load_engine(self.config, proposer)
+            self.engine = engine
+        if compiler is None and engine.tokenizer is not None:
+            from moeserve.grammar import GrammarCompiler
+
+            compiler = GrammarCompiler(engine.tokenizer, engine.runner.vocab_size)
+        group = self.shard_group
+        core = EngineCore(engine, compiler, recover=group.restart if group else None,
+                          expert_load=group.collect_stats if group else None)
+        return InprocCore(core, self._on_chunks, self._on_dead)
 
     # ---- the async API ---------------------------------------------------------------------
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
-        """Stream `request`'s output; the last chunk has finish_reason set (and error, if any).
+        """Stream `request`'s new token ids; the last chunk has finish_reason set (and error, if any).
 
         Closing the generator early (client gone, Serve cancellation) aborts the request.
         """
         rid = request.request_id
-        compiled = None
-        if request.grammar is not None:
-            try:
-                compiled = await asyncio.to_thread(self.compiler.compile, request.grammar)
-            except GrammarError as e:
-                yield error_chunk(rid, ErrorCode.INVALID_ARGUMENT, str(e))
-                return
-        loop = asyncio.get_running_loop()
-        deadline = None if request.timeout_s is None else time.monotonic() + request.timeout_s
-        stream = _Stream(rid, loop, asyncio.Queue(), deadline)
-        refusal = self._admit(stream, request, compiled)
+        stream = _Stream(rid, asyncio.get_running_loop(), asyncio.Queue())
+        refusal = self._admit(stream, request)
         if refusal is not None:
             yield refusal
             return
+        deadline = None if request.timeout_s is None else time.monotonic() + request.timeout_s
         finished = False
         try:
             while not finished:
-                chunk = await stream.chunks.get()
+                try:
+                    left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                    chunk = await asyncio.wait_for(stream.chunks.get(), left)
+                except asyncio.TimeoutError:
+                    yield error_chunk(rid, ErrorCode.DEADLINE_EXCEEDED, "request timed out in the engine",
+                                      stream.usage)
+                    return  # the finally aborts it in the core
                 if not chunk.finished and chunk.usage.completion_tokens > 1:
-                    interval = self.config.stream_interval(len(self._live))
+                    interval = self.config.stream_interval(len(self._streams))
                     if interval:
                         await asyncio.sleep(interval)  # after the first token: fewer, larger messages
                 while not chunk.finished and not stream.chunks.empty():  # coalesce a backlog
@@ -151,14 +142,14 @@ class EngineServer:
 
     def abort(self, request_id: str) -> None:
         """Stop a request of this replica; its stream ends with finish_reason "abort"."""
-        self._inbox.put(_Abort(request_id))
-        self._wake.set()
+        self.core.send(Abort(request_id))
 
     async def health(self) -> dict[str, Any]:
-        """Liveness: raises RuntimeError when the engine thread is gone (Serve then restarts us)."""
-        if self._dead is not None or not self._thread.is_alive():
-            raise RuntimeError(f"engine loop stopped: {self._dead or 'thread exited'}")
-        status: dict[str, Any] = {"status": "ok", "live_requests": len(self._live)}
+        """Liveness: raises RuntimeError when the core is gone for good (Serve then restarts us)."""
+        if not self.core.alive:
+            raise RuntimeError(f"engine loop stopped: {self.core.dead or 'closed'}")
+        status: dict[str, Any] = {"status": "ok", "live_requests": len(self._streams),
+                                  "core_restarts": getattr(self.core, "restarts", 0)}
         if self.shard_group is not None:  # a dead shard shows here before the next step trips on it
             status["shards"] = await asyncio.to_thread(self.shard_group.health)
         return status
@@ -169,25 +160,24 @@ class EngineServer:
 
     def expert_load(self) -> list[dict[str, Any]]:
         """This replica's cumulative expert-load counters, one dict per rank (ExpertLoadStats.to_dict)."""
-        if self.shard_group is not None:
-            return self.shard_group.collect_stats()
-        return [self._load_stats.to_dict()] if self._load_stats is not None else []
+        return self.core.stats()["expert_load"]
 
     def _report_expert_load(self) -> None:
         """Push counters to the router-service actor every few seconds (never per step)."""
-        from deployments.router_actor import router_actor
-
-        cfg, source = self.engine.runner.model.config, f"engine-{id(self):x}"
         import ray
 
+        from deployments.router_actor import router_actor
+        from model_shards.config import ModelConfig
+
+        cfg = ModelConfig.from_file(self.config.engine.model)
         router, last = None, None
-        while not self._stopping and self._dead is None:
+        while not self._stopping and self.core.dead is None:
             time.sleep(self.config.report_expert_load_s)
             try:
                 if last is not None:
                     ray.get(last, timeout=self.config.report_expert_load_s)  # raises if the actor died
                 router = router or router_actor(cfg.num_layers, cfg.num_experts)
-                last = router.report.remote(source, self.expert_load())
+                last = router.report.remote(f"engine-{id(self):x}", self.expert_load())
             except Exception as e:  # statistics must never disturb serving
                 if isinstance(e, ray.exceptions.RayActorError):
                     router = None  # gone (killed): find or create it again next time
@@ -196,190 +186,94 @@ class EngineServer:
 
     async def stats(self) -> dict[str, Any]:
         """Counters and gauges for /metrics: requests, tokens, steps, batch, speculation, expert load."""
-        sched = self.engine.scheduler
-        load = await asyncio.to_thread(self.expert_load)
+        with self._lock:
+            counters = dict(self._counters)
+        out: dict[str, Any] = {
+            "live_requests": len(self._streams),
+            "requests": counters.get("requests", 0),
+            "generated_tokens": counters.get("generated_tokens", 0),
+            "finished": {k[9:]: v for k, v in counters.items() if k.startswith("finished:")},
+            "core_restarts": getattr(self.core, "restarts", 0),
+        }
+        try:
+            core = await asyncio.to_thread(self.core.stats)
+        except Exception as e:  # a dead or restarting core: the replica's own counters still answer
+            return out | {"core_error": f"{type(e).__name__}: {e}", "experts": None}
+        load = core.pop("expert_load")
         experts = None
         if load:
             merged = ExpertLoadStats.from_dict(load[0])
             for other in load[1:]:
                 merged.merge(ExpertLoadStats.from_dict(other))
             experts = merged.summary()
-        return {
-            "experts": experts,
-            "live_requests": len(self._live),
-            "running": len(sched.running),
-            "kv_tokens_used": sched.kv_tokens_used,
-            "kv_budget_tokens": sched.cfg.kv_budget,
-            "preemptions": sched.num_preemptions,
-            "waiting": len(sched.waiting),
-            "max_num_seqs": sched.cfg.max_num_seqs,
-            "steps": self._counters["steps"],
-            "step_seconds_total": self._step_seconds,
-            "step_errors": self._counters["step_errors"],
-            "generated_tokens": self._counters["generated_tokens"],
-            "requests": self._counters["requests"],
-            "finished": {k[9:]: v for k, v in self._counters.items() if k.startswith("finished:")},
-            "spec": self.engine.spec_metrics.to_dict() if self.engine.proposer is not None else {},
-            "spec_disabled_steps": self.engine.num_spec_disabled_steps,
-        }
+        return core | out | {"experts": experts}
 
     def shutdown(self, timeout: float = 5.0) -> None:
-        """Stop the loop; live streams end with UNAVAILABLE."""
+        """Stop the core; live streams end with UNAVAILABLE."""
         self._stopping = True
-        self._wake.set()
-        self._thread.join(timeout)
+        self.core.close(timeout)
+        self._on_dead("engine replica shutting down")
 
     def __del__(self) -> None:
         self._stopping = True
 
     # ---- admission (event-loop side) ---------------------------------------------------------
-    def _admit(self, stream: _Stream, request: GenerateRequest, compiled: Any) -> GenerateChunk | None:
+    def _admit(self, stream: _Stream, request: GenerateRequest) -> GenerateChunk | None:
         rid = request.request_id
-        limit = self.engine.scheduler.cfg.max_num_seqs + self.config.max_queued_requests
+        limit = self.max_num_seqs + self.config.max_queued_requests
         with self._lock:
-            if self._dead is not None or self._stopping:
-                return error_chunk(rid, ErrorCode.UNAVAILABLE, f"engine unavailable: {self._dead or 'shutting down'}")
-            if rid in self._live:
+            if not self.core.alive or self._stopping:
+                return error_chunk(rid, ErrorCode.UNAVAILABLE,
+                                   f"engine unavailable: {self.core.dead or 'shutting down'}")
+            if rid in self._streams:
                 return error_chunk(rid, ErrorCode.INVALID_ARGUMENT, f"request id {rid!r} is already in use")
-            if len(self._live) >= limit:
-                return error_chunk(
-                    rid, ErrorCode.RESOURCE_EXHAUSTED, f"engine queue is full ({limit} requests); retry later"
-                )
-            self._live.add(rid)
-            self._inbox.put(_Add(stream, request, compiled))
-        self._wake.set()
+            if len(self._streams) >= limit:
+                return error_chunk(rid, ErrorCode.RESOURCE_EXHAUSTED,
+                                   f"engine queue is full ({limit} requests); retry later")
+            self._streams[rid] = stream
+            self._counters["requests"] += 1
+        self.core.send(request)
         return None
 
-    # ---- the engine thread -------------------------------------------------------------------
-    def _run(self) -> None:
-        reason = "stopped"
-        try:
-            while not self._stopping:
-                self._drain_inbox()
-                self._expire_deadlines()
-                if not self.engine.has_unfinished():
-                    self._wake.wait(self.IDLE_WAIT_S)
-                    self._wake.clear()
-                    continue
-                self._step()
-        except BaseException as e:  # the loop itself broke: nothing may keep waiting on it
-            logger.exception("engine loop died")
-            reason = f"engine loop died: {type(e).__name__}: {e}"
-        finally:
-            self._die(reason)
-
-    def _step(self) -> None:
-        t0 = time.perf_counter()
-        try:
-            outputs = self.engine.step()
-        except Exception as e:
-            logger.exception("engine step failed; ending every live request")
-            self._counters["step_errors"] += 1
-            self._fail_all(ErrorCode.INTERNAL, f"engine step failed: {type(e).__name__}: {e}")
-            if self.shard_group is not None:  # a shard died (or a collective timed out): form a new group
-                self.engine.runner = self.shard_group.restart()  # raising here ends the loop: UNAVAILABLE
-            return
-        self._step_seconds += time.perf_counter() - t0
-        self._counters["steps"] += 1
-        self._deliver([self._chunk(out) for out in outputs if out.request_id in self._streams])
-
-    def _drain_inbox(self) -> None:
-        while True:
-            try:
-                cmd = self._inbox.get_nowait()
-            except queue.Empty:
-                return
-            if isinstance(cmd, _Abort):
-                self._abort(cmd.request_id)
-            else:
-                self._add(cmd)
-
-    def _add(self, cmd: _Add) -> None:
-        req, stream = cmd.request, cmd.stream
-        self._counters["requests"] += 1
-        try:
-            self.engine.add_request(
-                list(req.prompt_ids), req.params, req.request_id, grammar=cmd.grammar, resume_ids=req.resume_ids
-            )
-        except ValueError as e:
-            self._end(stream, error_chunk(req.request_id, ErrorCode.INVALID_ARGUMENT, str(e)))
-            return
-        self._streams[req.request_id] = stream
-
-    def _abort(self, request_id: str) -> None:
-        stream = self._streams.get(request_id)
-        if stream is None:
-            return
-        self.engine.abort(request_id)
-        self._end(stream, GenerateChunk(request_id, finish_reason="abort", usage=stream.usage))
-
-    def _expire_deadlines(self) -> None:
-        now = time.monotonic()
-        for stream in [s for s in self._streams.values() if s.deadline is not None and s.deadline <= now]:
-            self.engine.abort(stream.request_id)
-            msg = "request timed out in the engine"
-            self._end(stream, error_chunk(stream.request_id, ErrorCode.DEADLINE_EXCEEDED, msg, stream.usage))
-
-    def _chunk(self, out: RequestOutput) -> tuple[_Stream, GenerateChunk]:
-        stream = self._streams[out.request_id]
-        stream.usage = Usage(out.num_prompt_tokens, out.num_output_tokens)
-        self._counters["generated_tokens"] += len(out.new_token_ids)
-        reason = out.finish_reason if out.finished else None
-        if out.finished:
-            self._forget(stream, reason or "stop")
-        return stream, GenerateChunk(out.request_id, tuple(out.new_token_ids), out.new_text, reason, stream.usage)
-
-    def _end(self, stream: _Stream, chunk: GenerateChunk) -> None:
-        self._forget(stream, chunk.finish_reason or "error")
-        self._deliver([(stream, chunk)])
-
-    def _forget(self, stream: _Stream, reason: str) -> None:
-        self._streams.pop(stream.request_id, None)
-        self._counters[f"finished:{reason}"] += 1
-        with self._lock:
-            self._live.discard(stream.request_id)
-
-    def _fail_all(self, code: ErrorCode, message: str) -> None:
-        for stream in list(self._streams.values()):
-            try:
-                self.engine.abort(stream.request_id)
-            except Exception:  # the engine is already broken; the stream still must end
-                logger.exception("abort after a failed step")
-            self._end(stream, error_chunk(stream.request_id, code, message, stream.usage))
-
-    def _die(self, reason: str) -> None:
-        with self._lock:
-            self._dead = reason
-        self._fail_all(ErrorCode.UNAVAILABLE, reason)
-        while True:  # commands posted before _dead was set
-            try:
-                cmd = self._inbox.get_nowait()
-            except queue.Empty:
-                break
-            if isinstance(cmd, _Add):
-                self._end(cmd.stream, error_chunk(cmd.request.request_id, ErrorCode.UNAVAILABLE, reason))
-
-    @staticmethod
-    def _deliver(items: list[tuple[_Stream, GenerateChunk]]) -> None:
-        """Hand chunks to their event loops: one thread-safe call per loop per step."""
+    # ---- what the core sends (its thread) ----------------------------------------------------
+    def _on_chunks(self, chunks: list[GenerateChunk]) -> None:
+        """One step's chunks: to their streams, one thread-safe call per event loop."""
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, GenerateChunk]]] = {}
-        for stream, chunk in items:
-            by_loop.setdefault(stream.loop, []).append((stream.chunks, chunk))
-        for loop, batch in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_put_all, batch)
-            except RuntimeError:  # the loop is closed: its streams have no reader left
-                logger.warning("dropping %d chunks for a closed event loop", len(batch))
+        with self._lock:
+            for chunk in chunks:
+                stream = self._streams.get(chunk.request_id)
+                if stream is None:
+                    continue
+                stream.usage = chunk.usage
+                self._counters["generated_tokens"] += len(chunk.token_ids)
+                if chunk.finished:
+                    del self._streams[chunk.request_id]
+                    self._counters[f"finished:{chunk.finish_reason}"] += 1
+                by_loop.setdefault(stream.loop, []).append((stream.chunks, chunk))
+        _deliver(by_loop)
+
+    def _on_dead(self, reason: str) -> None:
+        """The core is gone (a process core restarts): every live stream ends with UNAVAILABLE."""
+        with self._lock:
+            streams, self._streams = list(self._streams.values()), {}
+            self._counters["finished:error"] += len(streams)
+        if streams:
+            logger.error("engine core stopped with %d live requests: %s", len(streams), reason)
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, GenerateChunk]]] = {}
+        for s in streams:
+            by_loop.setdefault(s.loop, []).append(
+                (s.chunks, error_chunk(s.request_id, ErrorCode.UNAVAILABLE, reason, s.usage)))
+        _deliver(by_loop)
+
+
+def _deliver(by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, GenerateChunk]]]) -> None:
+    for loop, batch in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_put_all, batch)
+        except RuntimeError:  # the loop is closed: its streams have no reader left
+            logger.warning("dropping %d chunks for a closed event loop", len(batch))
 
 
 def _put_all(batch: list[tuple[asyncio.Queue, GenerateChunk]]) -> None:
     for chunks, chunk in batch:
         chunks.put_nowait(chunk)
-
-
-def _default_compiler(engine: LLMEngine) -> Any:
-    from moeserve.grammar import GrammarCompiler
-
-    if engine.tokenizer is None:
-        return None
-    return GrammarCompiler(engine.tokenizer, engine.runner.vocab_size)

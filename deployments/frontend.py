@@ -1,15 +1,16 @@
-"""What the HTTP and gRPC front ends share: tokenize, validate, compile the grammar, guard the stream.
+"""The serving layer HTTP and gRPC share: validate and tokenize on the way in; detokenize, stop
+strings, usage and resume on the way back.
 
-A request's path through the gateway:
+    body -> (gateway.py | grpc_server.py) -> Frontend.prepare: prompt ids, SamplingParams,
+    GrammarSpec -> Frontend.stream: ONE streaming engine call, token ids back -> text here
 
-    body -> (openai_api.py | grpc_server.py) -> Frontend.prepare: prompt ids, SamplingParams,
-    GrammarSpec compiled here (400 if bad) -> Frontend.stream: ONE streaming engine call;
-    every token passes this request's own grammar matcher before it is yielded.
-
-The guard is a second, independent check of the engine's masking: the engine masks logits
-with its matcher, the gateway replays the emitted tokens through its own. A refusal
-means a bug (or a mismatched tokenizer), so the stream ends with an INTERNAL error and
-`grammar_guard_refusals_total` rises; the tests assert it never does.
+The engine is token-in, token-out. Text is made once, here, by one incremental detokenizer per
+request that also watches the stop strings: when one completes, the stream ends with "stop"
+and closing the engine stream aborts the request there. Grammars are compiled only in the
+engine core, where the masks are used; an invalid one comes back as the stream's first chunk
+(INVALID_ARGUMENT, 400 before any token). The core checks every token it emits against its
+grammar matcher (the guard); a refusal ends the stream with INTERNAL and counts in
+`grammar_guard_refusals_total`, which the tests assert stays 0.
 """
 
 from __future__ import annotations
@@ -23,9 +24,9 @@ from typing import Any, Protocol
 
 from deployments.metrics import GatewayMetrics
 from deployments.openai_api import APIError
-from moeserve.grammar import GrammarError, GrammarMatcher
+from moeserve.detokenizer import IncrementalDetokenizer
 from moeserve.grammar.spec import GrammarSpec
-from moeserve.protocol import ErrorCode, GenerateChunk, GenerateRequest, Usage, error_chunk
+from moeserve.protocol import ErrorCode, GenerateChunk, GenerateRequest, error_chunk
 from moeserve.sampling_params import SamplingParams
 from moeserve.tokenizer import render_chat
 
@@ -56,21 +57,17 @@ class FrontendConfig:
 
 @dataclass
 class Prepared:
-    """A validated request, ready to stream, with the gateway's own matcher for the guard."""
+    """A validated request, ready to stream."""
 
     request: GenerateRequest
-    guard: Any | None  # grammar matcher, or None for free text
     route: str
 
 
 class Frontend:
-    def __init__(
-        self, cfg: FrontendConfig, tokenizer: Any, engine: EngineClient, compiler: Any, metrics: GatewayMetrics
-    ) -> None:
+    def __init__(self, cfg: FrontendConfig, tokenizer: Any, engine: EngineClient, metrics: GatewayMetrics) -> None:
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.engine = engine
-        self.compiler = compiler
         self.metrics = metrics
         self.eos_token_id = tokenizer.eos_token_id
 
@@ -104,8 +101,8 @@ class Frontend:
         route: str,
         request_id: str | None = None,
     ) -> Prepared:
-        """Check the context length, build SamplingParams (max_tokens defaults to what fits) and
-        compile the grammar. Raises APIError (or ValueError naming the field) for bad input."""
+        """Check the context length and build SamplingParams (max_tokens defaults to what fits).
+        Raises APIError (or ValueError naming the field) for bad input."""
         limit, n = self.cfg.max_model_len, len(prompt_ids)
         if n >= limit:
             raise APIError(400, f"prompt has {n} tokens but the model's context is {limit} tokens "
@@ -116,35 +113,19 @@ class Frontend:
                                 f"for {max_tokens} more ({n + max_tokens} in all)", param="max_tokens",
                            code="context_length_exceeded")
         params = make_params(limit - n if max_tokens is None else max_tokens)
-        guard = None
-        if grammar is not None:
-            guard = await self._compile(grammar)
         rid = request_id or f"req-{uuid.uuid4().hex}"
-        req = GenerateRequest(rid, tuple(prompt_ids), params, grammar, self.cfg.request_timeout_s)
-        return Prepared(req, guard, route)
-
-    async def _compile(self, spec: GrammarSpec) -> Any:
-        t0 = time.perf_counter()
-        try:
-            compiled = await asyncio.to_thread(self.compiler.compile, spec)
-        except GrammarError as e:
-            self.metrics.grammar_refused.labels(kind=spec.kind, feature=e.feature or "").inc()
-            msg = str(e) if str(e).startswith("invalid") else f"invalid {spec.kind} grammar: {e}"
-            raise APIError(400, msg, param=_grammar_param(spec), code="invalid_grammar") from None
-        self.metrics.grammar_compile_seconds.observe(time.perf_counter() - t0)
-        return GrammarMatcher(compiled)
+        return Prepared(GenerateRequest(rid, tuple(prompt_ids), params, grammar, self.cfg.request_timeout_s), route)
 
     # ---- streaming -----------------------------------------------------------------------------
     async def stream(self, prep: Prepared) -> AsyncIterator[GenerateChunk]:
-        """The engine's chunks, each token checked by the guard; ends with a finished chunk."""
+        """The engine's chunks with their text; ends with a finished chunk (maybe an error)."""
         m, route, req = self.metrics, prep.route, prep.request
+        detok = IncrementalDetokenizer(self.tokenizer, req.prompt_ids, req.params.stop)
         t0 = last = time.perf_counter()
         first = True
-        usage = Usage(len(req.prompt_ids), 0)
         m.in_flight.inc()
         try:
             async for chunk in self._resumable_stream(req):
-                usage = chunk.usage
                 if chunk.token_ids:
                     now = time.perf_counter()
                     if first:
@@ -154,34 +135,44 @@ class Frontend:
                         m.inter_token_seconds.observe((now - last) / len(chunk.token_ids))
                     last = now
                     m.generated_tokens.inc(len(chunk.token_ids))
-                refusal = self._guard(prep, chunk)
-                if refusal is not None:
-                    m.grammar_guard_refusals.inc()
-                    yield error_chunk(req.request_id, ErrorCode.INTERNAL, refusal, usage)
+                text = detok.push(chunk.token_ids)
+                if detok.stopped:  # leaving the engine stream aborts the request there
+                    yield replace(chunk, text=text, finish_reason="stop", error=None)
                     return
-                yield chunk
+                if chunk.error is not None:
+                    chunk = self._error(req, chunk)
+                elif chunk.finished:
+                    text += detok.finish()
+                yield replace(chunk, text=text)
                 if chunk.finished:
                     return
-            yield error_chunk(req.request_id, ErrorCode.UNAVAILABLE, "engine stream ended without a finish", usage)
+            yield error_chunk(req.request_id, ErrorCode.UNAVAILABLE, "engine stream ended without a finish")
         finally:
             m.in_flight.dec()
             m.prompt_tokens.inc(len(req.prompt_ids))
             m.e2e_seconds.labels(route=route).observe(time.perf_counter() - t0)
+
+    def _error(self, req: GenerateRequest, chunk: GenerateChunk) -> GenerateChunk:
+        """Name the request field behind a grammar error, and count refusals."""
+        err = chunk.error
+        if err.param != "grammar" or req.grammar is None:
+            return chunk
+        if err.code is ErrorCode.INVALID_ARGUMENT:
+            self.metrics.grammar_refused.labels(kind=req.grammar.kind).inc()
+        else:
+            self.metrics.grammar_guard_refusals.inc()
+        return replace(chunk, error=replace(err, param=_grammar_param(req.grammar)))
 
     async def _resumable_stream(self, req: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         """The engine's chunks; when an attempt fails in a way a fresh attempt can fix (a dead
         replica, a broken shard group), resubmit with the tokens already streamed as
         `resume_ids`, so the client sees one stream and nothing accepted is lost."""
         delivered: list[int] = []
-        delivered_chars = 0
-        resumed: _ResumedText | None = None
         for attempt in range(self.cfg.max_retries + 1):
             current = req
             if attempt:
                 current = replace(req, request_id=f"{req.request_id}-resume{attempt}", resume_ids=tuple(delivered))
             async for chunk in self._engine_stream(current):
-                if resumed is not None:
-                    chunk = resumed.retext(chunk)
                 retry = (
                     chunk.error is not None
                     and chunk.error.code in RESUMABLE
@@ -189,7 +180,6 @@ class Frontend:
                     and len(delivered) + len(chunk.token_ids) < req.params.max_tokens
                 )
                 delivered += chunk.token_ids
-                delivered_chars += len(chunk.text)
                 if retry:
                     if chunk.token_ids:  # tokens coalesced with the error still reach the client
                         yield replace(chunk, request_id=req.request_id, finish_reason=None, error=None)
@@ -200,7 +190,6 @@ class Frontend:
             else:
                 return
             self.metrics.retries.inc()
-            resumed = resumed or _ResumedText(self.tokenizer, req, delivered, delivered_chars)
 
     async def _engine_stream(self, req: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         """The engine's chunks; a failed call or a stalled engine ends the stream with an error."""
@@ -225,45 +214,6 @@ class Frontend:
         finally:
             await chunks.aclose()
 
-    def _guard(self, prep: Prepared, chunk: GenerateChunk) -> str | None:
-        matcher = prep.guard
-        if matcher is None or chunk.error is not None:
-            return None
-        for t in chunk.token_ids:
-            if not matcher.accept_token(t):
-                return f"grammar guard refused token {t} ({self.tokenizer.decode([t])!r}); the stream was stopped"
-        params = prep.request.params
-        ended_by_grammar = chunk.finish_reason == "stop" and not params.stop and not params.stop_token_ids
-        if ended_by_grammar and not matcher.is_completed():
-            return "grammar guard: the output stopped before the grammar was complete"
-        return None
-
-
 def _grammar_param(spec: GrammarSpec) -> str:
     return {"json_object": "response_format", "json_schema": "response_format", "regex": "guided_regex",
             "ebnf": "guided_grammar", "choice": "guided_choice"}[spec.kind]
-
-
-class _ResumedText:
-    """The text of a resumed stream, decoded by the gateway itself.
-
-    The client holds a prefix of the true text (the failed attempt's detokenizer may have held
-    back an incomplete character or a possible stop-string start). This decodes the whole
-    output and sends whatever the client does not have yet, so the text stays exactly
-    `decode(all tokens)` across attempts.
-    """
-
-    def __init__(self, tokenizer: Any, req: GenerateRequest, delivered: list[int], delivered_chars: int) -> None:
-        from moeserve.detokenizer import IncrementalDetokenizer
-
-        self.detok = IncrementalDetokenizer(tokenizer, list(req.prompt_ids), req.params.stop)
-        self.text = self.detok.push(delivered)  # everything decoded so far
-        self.sent = delivered_chars  # characters the client has
-
-    def retext(self, chunk: GenerateChunk) -> GenerateChunk:
-        self.text += self.detok.push(list(chunk.token_ids))
-        if chunk.finished and chunk.error is None:
-            self.text += self.detok.finish()
-        out = self.text[self.sent :]
-        self.sent = max(self.sent, len(self.text))
-        return replace(chunk, text=out)

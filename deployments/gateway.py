@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -60,9 +59,9 @@ class GatewayConfig:
 
 
 class Gateway:
-    """Validates, tokenizes, compiles grammars, streams from the engine, and guards each token."""
+    """Validates and tokenizes requests, streams token ids from the engine and text to the client."""
 
-    def __init__(self, engine: Any, config: GatewayConfig, tokenizer: Any = None, compiler: Any = None) -> None:
+    def __init__(self, engine: Any, config: GatewayConfig, tokenizer: Any = None) -> None:
         from deployments.engine_client import as_engine_client
 
         self.config = config
@@ -70,13 +69,9 @@ class Gateway:
             from moeserve.tokenizer import load_tokenizer
 
             tokenizer = load_tokenizer(config.tokenizer_path or config.model_path)
-        if compiler is None:
-            from moeserve.grammar import GrammarCompiler
-
-            compiler = GrammarCompiler(tokenizer, _vocab_size(config.model_path, tokenizer))
         self.metrics = GatewayMetrics()
         fcfg = FrontendConfig(config.model_name, config.max_model_len, config.request_timeout_s)
-        self.frontend = Frontend(fcfg, tokenizer, as_engine_client(engine), compiler, self.metrics)
+        self.frontend = Frontend(fcfg, tokenizer, as_engine_client(engine), self.metrics)
         self.grpc_server: Any = None
         self.http_app = self._build_app()
 
@@ -179,7 +174,7 @@ class Gateway:
         try:
             first = await anext(chunks)  # wait for the first token, so early errors keep their status code
             if first.error is not None:
-                raise APIError.from_code(first.error.code, first.error.message)
+                raise APIError.from_stream(first.error)
             if stream:  # the SSE generator owns (and closes) the stream from here
                 handed_off = True
                 return StreamingResponse(self._sse(first, chunks, builder, include_usage),
@@ -193,7 +188,7 @@ class Gateway:
             if not handed_off:
                 await chunks.aclose()  # also on cancellation: a client that went away aborts its request
         if last.error is not None:
-            raise APIError.from_code(last.error.code, last.error.message)
+            raise APIError.from_stream(last.error)
         return JSONResponse(builder.full("".join(text), last.finish_reason, last.usage))
 
     async def _sse(
@@ -205,7 +200,7 @@ class Gateway:
             chunk = first
             while True:
                 if chunk.error is not None:
-                    yield sse(APIError.from_code(chunk.error.code, chunk.error.message).body())
+                    yield sse(APIError.from_stream(chunk.error).body())
                     break
                 if chunk.text or chunk.finished:
                     yield builder.chunk(chunk.text, chunk.finish_reason)
@@ -217,12 +212,3 @@ class Gateway:
             yield SSE_DONE
         finally:
             await chunks.aclose()  # a client that went away aborts its request
-
-
-def _vocab_size(model_path: str, tokenizer: Any) -> int:
-    """The model's vocabulary (logit rows), which may exceed the tokenizer's (padded embeddings)."""
-    try:
-        with open(f"{model_path}/config.json") as f:
-            return int(json.load(f)["vocab_size"])
-    except (OSError, KeyError, ValueError):
-        return len(tokenizer)

@@ -14,7 +14,6 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 # Seconds; CPU decode steps are ~10-50 ms, requests up to minutes.
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
-_COMPILE_BUCKETS = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5)
 
 
 class GatewayMetrics:
@@ -34,12 +33,10 @@ class GatewayMetrics:
         self.retries = Counter("moeserve_request_retries", "Streams resumed on a fresh engine attempt after a "
                                "replica or shard failure", registry=r)
         self.in_flight = Gauge("moeserve_requests_in_flight", "Requests streaming now", registry=r)
-        self.grammar_guard_refusals = Counter("moeserve_grammar_guard_refusals", "Streamed tokens the gateway's "
-                                              "grammar guard refused (must stay 0)", registry=r)
-        self.grammar_compile_seconds = Histogram("moeserve_grammar_compile_seconds", "Grammar compile time "
-                                                 "(cache hits included)", buckets=_COMPILE_BUCKETS, registry=r)
-        self.grammar_refused = Counter("moeserve_grammar_refused", "Grammars refused with a 400, by kind and "
-                                       "feature", ["kind", "feature"], registry=r)
+        self.grammar_guard_refusals = Counter("moeserve_grammar_guard_refusals", "Streams the engine's grammar "
+                                              "guard stopped on a token its grammar refuses (must stay 0)", registry=r)
+        self.grammar_refused = Counter("moeserve_grammar_refused", "Grammars refused with a 400, by kind",
+                                       ["kind"], registry=r)
         self.expert_fraction = Gauge("moeserve_expert_routed_fraction", "f_i: share of routes sent to each expert "
                                      "(cumulative, one engine replica)", ["layer", "expert"], registry=r)
         self.expert_prob = Gauge("moeserve_expert_router_probability", "P_i: mean router probability per expert",

@@ -17,7 +17,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from moeserve.grammar.spec import GrammarSpec
-from moeserve.protocol import ErrorCode, Usage
+from moeserve.protocol import ErrorCode, StreamError, Usage
 from moeserve.sampling_params import SamplingParams
 
 # --- errors -----------------------------------------------------------------------------------
@@ -40,8 +40,10 @@ class APIError(Exception):
         self.status, self.message, self.param, self.code = status, message, param, code
 
     @classmethod
-    def from_code(cls, code: ErrorCode, message: str) -> APIError:
-        return cls(_STATUS[code], message, code=code.value)
+    def from_stream(cls, error: StreamError) -> APIError:
+        """The HTTP error for an error that ended an engine stream."""
+        code = "invalid_grammar" if error.param and error.code is ErrorCode.INVALID_ARGUMENT else error.code.value
+        return cls(_STATUS[error.code], error.message, param=error.param, code=code)
 
     def body(self) -> dict[str, Any]:
         kind = _TYPE.get(self.status, "server_error" if self.status >= 500 else "invalid_request_error")

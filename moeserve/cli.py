@@ -6,41 +6,38 @@ import argparse
 import sys
 import time
 
-from moeserve.engine.factory import EngineConfig, build_engine
+from moeserve.llm import LLM
 from moeserve.sampling_params import SamplingParams
 from moeserve.tokenizer import render_chat
 
 
 def _generate(args: argparse.Namespace) -> int:
-    cfg = EngineConfig(
-        model=args.model or "", draft_model=args.draft_model or "",
-        speculation="draft" if args.draft == "model" else args.draft,
-        num_spec_tokens=args.num_spec_tokens, max_model_len=args.max_model_len, max_num_seqs=1,
-    )
+    draft = args.draft if args.draft != "model" or not args.draft_model else args.draft_model
     try:
         params = SamplingParams(
             max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
         )
-        engine = build_engine(cfg)
+        llm = LLM(args.model, draft, num_spec_tokens=args.num_spec_tokens, max_model_len=args.max_model_len,
+                  max_num_seqs=1)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    prompt = args.prompt if args.raw else render_chat(engine.tokenizer, [{"role": "user", "content": args.prompt}])
+    prompt = args.prompt if args.raw else render_chat(llm.tokenizer, [{"role": "user", "content": args.prompt}])
     t0 = time.perf_counter()
     n = 0
     try:
-        for out in engine.stream(prompt, params):
-            sys.stdout.write(out.new_text)
+        for text, out in llm.stream(prompt, params):
+            sys.stdout.write(text)
             sys.stdout.flush()
-            n = out.num_output_tokens
+            n = len(out.token_ids)
     except ValueError as e:
         print(f"\nerror: {e}", file=sys.stderr)
         return 2
     dt = time.perf_counter() - t0
     print()
     if args.verbose:
-        stats = engine.spec_metrics
-        print(f"[{n} tokens in {dt:.2f} s, {n / dt:.1f} tokens/s; speculation={cfg.speculation}, "
+        stats = llm.engine.spec_metrics
+        print(f"[{n} tokens in {dt:.2f} s, {n / dt:.1f} tokens/s; speculation={llm.config.speculation}, "
               f"tokens per target pass {stats.tokens_per_pass:.2f}]", file=sys.stderr)
     return 0
 

@@ -1,18 +1,19 @@
-"""What crosses the process boundary between the gateway and the engine replica.
+"""What crosses a process boundary on the way to the engine core and back.
 
-One request is one streaming call: the gateway sends a `GenerateRequest` and receives
-`GenerateChunk`s until one has `finished` set. Everything here is a small frozen,
-picklable dataclass; no tensors, no tokenizer, no compiled grammar.
+One request is one stream: the serving side sends a `GenerateRequest` (prompt token ids,
+SamplingParams, GrammarSpec) and receives `GenerateChunk`s of new token ids until one has
+`finished` set. The engine core is token-in, token-out: text, stop strings and usage for
+the client are the serving side's (deployments/frontend.py). Everything here is a small
+frozen, picklable dataclass; no tensors, no tokenizer, no compiled grammar (the core
+compiles the spec itself, once, from its cache).
 
-Which side compiles the grammar: both, from the same `GrammarSpec`. The gateway compiles
-first, so an invalid schema, regex or EBNF is a 400 before the request costs the engine
-anything, and so it has a matcher of its own to guard the stream. The engine compiles
-again from its own cache (~0.1 ms on a hit) rather than receiving the compiled grammar:
-a compiled grammar carries per-state token masks (megabytes for a 32k vocabulary), while
-the spec is a few hundred bytes, and the engine's cache hits on every repeated schema.
+Between the engine replica and its core (moeserve/engine/core.py) travel also `Abort`,
+`StatsRequest`/`StatsReply`, `Shutdown` and, as the core's last word, `CoreStopped`; the
+core sends its chunks as one list per step.
 
 Errors travel in-band: a chunk with `error` set is the last chunk of its stream. Its
-`code` uses gRPC's vocabulary so both front ends can map it (HTTP status in the gateway).
+`code` is the one error vocabulary of the project, mapped once to HTTP statuses
+(deployments/openai_api.py) and once to gRPC codes (deployments/grpc_server.py).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ class ErrorCode(str, enum.Enum):
 class StreamError:
     code: ErrorCode
     message: str
+    param: str | None = None  # the request field at fault ("grammar": whichever field carried it)
 
 
 @dataclass(frozen=True)
@@ -108,6 +110,51 @@ class GenerateChunk:
         )
 
 
-def error_chunk(request_id: str, code: ErrorCode, message: str, usage: Usage | None = None) -> GenerateChunk:
-    """The final chunk of a stream that ended in an error."""
-    return GenerateChunk(request_id, finish_reason="error", usage=usage or Usage(), error=StreamError(code, message))
+def error_chunk(
+    request_id: str,
+    code: ErrorCode,
+    message: str,
+    usage: Usage | None = None,
+    token_ids: tuple[int, ...] = (),
+    param: str | None = None,
+) -> GenerateChunk:
+    """The final chunk of a stream that ended in an error (after `token_ids`, if any)."""
+    return GenerateChunk(request_id, token_ids, finish_reason="error", usage=usage or Usage(),
+                         error=StreamError(code, message, param))
+
+
+# ---- between an engine replica and its core -------------------------------------------------------
+@dataclass(frozen=True)
+class Abort:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class StatsRequest:
+    token: int
+
+
+@dataclass(frozen=True)
+class StatsReply:
+    token: int
+    stats: dict
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    pass
+
+
+@dataclass(frozen=True)
+class CoreReady:
+    """The core process has loaded its model and reads requests."""
+
+    pid: int
+    max_num_seqs: int
+
+
+@dataclass(frozen=True)
+class CoreStopped:
+    """The core's last message: its loop ended (every live request already got an error chunk)."""
+
+    reason: str

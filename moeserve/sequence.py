@@ -30,7 +30,6 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
     generator: torch.Generator | None = None
-    detokenizer: object | None = None  # IncrementalDetokenizer, when the engine has a tokenizer
     grammar: object | None = None  # per-request grammar matcher, when the request is constrained
     num_spec: int = 0  # draft tokens to ask for this step (adaptive)
 
@@ -54,12 +53,13 @@ class Sequence:
 
 @dataclass
 class RequestOutput:
-    """What one step produced for one request: the new tokens and text, and whether it ended."""
+    """What one step produced for one request: its new token ids, and whether it ended.
+    The engine is token-in, token-out: text and stop strings are the serving side's."""
 
     request_id: str
     new_token_ids: list[int]
-    new_text: str
     finished: bool
     finish_reason: str | None
     num_prompt_tokens: int
     num_output_tokens: int
+    error: str | None = None  # why it ended with finish_reason "error"

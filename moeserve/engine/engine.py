@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Iterator
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field, replace
 
@@ -84,6 +83,7 @@ class LLMEngine:
         self.rejection = RejectionSampler()
         self.spec_metrics = SpecMetrics()
         self.num_spec_disabled_steps = 0  # decode steps without speculation: the batch was too big
+        self.num_guard_refusals = 0  # tokens the grammar refused after masking (always 0 unless a bug)
         self.structured = StructuredOutput(runner.vocab_size, structured)
         eos = getattr(tokenizer, "eos_token_id", None)
         self.eos_ids = set(runner.model.config.eos_token_id) | ({eos} if eos is not None else set())
@@ -124,11 +124,6 @@ class LLMEngine:
                 raise ValueError("the resumed output does not match the grammar")
         if params.seed is not None:
             seq.generator = make_generator(params.seed)
-        if self.tokenizer is not None:
-            from moeserve.detokenizer import IncrementalDetokenizer
-
-            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop)
-            seq.detokenizer.push(resume_ids)  # the client has this text; text held back stays held back
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
         return request_id
@@ -252,27 +247,24 @@ class LLMEngine:
 
     def _postprocess(self, seq: Sequence, tokens: list[int]) -> RequestOutput:
         added, reason = self._append(seq, tokens)
+        error = None
         if seq.grammar is not None and reason is None:
             adv = self.structured.advance(seq, added)
-            if adv.accepted < len(added):  # only after a bug upstream: never emit what the grammar refuses
+            if adv.accepted < len(added):  # the guard: never emit what the grammar refuses (a bug upstream)
+                refused = added[adv.accepted]
                 del seq.output_ids[len(seq.output_ids) - len(added) + adv.accepted :]
                 added = added[: adv.accepted]
-            if adv.finished:
+                self.num_guard_refusals += 1
+                reason, error = "error", f"grammar guard refused token {refused}; the stream was stopped"
+            elif adv.finished:
                 reason = "stop"
             elif adv.forced:  # jump-forward: fed with the next step's pending token
                 forced, reason = self._append(seq, adv.forced)
                 added += forced
-        text = ""
-        if seq.detokenizer is not None:
-            text = seq.detokenizer.push(added)
-            if seq.detokenizer.stopped:
-                reason = "stop"
-            elif reason:
-                text += seq.detokenizer.finish()
         if reason:
             self._finish(seq, reason)
         return RequestOutput(
-            seq.seq_id, added, text, seq.is_finished, seq.finish_reason, len(seq.prompt_ids), len(seq.output_ids)
+            seq.seq_id, added, seq.is_finished, seq.finish_reason, len(seq.prompt_ids), len(seq.output_ids), error
         )
 
     def _finish(self, seq: Sequence, reason: str) -> None:
@@ -289,18 +281,8 @@ class LLMEngine:
             self.adaptive.on_finished(seq.seq_id)
 
     # ---- conveniences ------------------------------------------------------------------------
-    def stream(self, prompt: str | Seq[int], params: SamplingParams | None = None) -> Iterator[RequestOutput]:
-        """Generate one request, yielding its outputs step by step (other requests keep running)."""
-        rid = self.add_request(prompt, params)
-        while True:
-            for out in self.step():
-                if out.request_id == rid:
-                    yield out
-                    if out.finished:
-                        return
-
     def generate(self, prompts: Seq[str | Seq[int]], params: SamplingParams | None = None) -> list[Completion]:
-        """Run a batch of prompts to completion; results in prompt order."""
+        """Run a batch of prompts to completion (token ids only; `moeserve.LLM` adds text)."""
         ids = [self.add_request(p, params) for p in prompts]
         done: dict[str, Completion] = {rid: Completion(rid) for rid in ids}
         while any(not c.finished for c in done.values()):
@@ -308,7 +290,6 @@ class LLMEngine:
                 c = done.get(out.request_id)
                 if c is not None:
                     c.token_ids += out.new_token_ids
-                    c.text += out.new_text
                     c.finished, c.finish_reason = out.finished, out.finish_reason
         return [done[rid] for rid in ids]
 
@@ -329,6 +310,5 @@ def _verify_window(logits: torch.Tensor, fed: list[int], k: int) -> torch.Tensor
 class Completion:
     request_id: str
     token_ids: list[int] = field(default_factory=list)
-    text: str = ""
     finished: bool = False
     finish_reason: str | None = None

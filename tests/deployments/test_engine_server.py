@@ -66,7 +66,7 @@ def test_stream_matches_the_engine_and_reports_usage(server, folder, tokenizer):
     assert chunks[-1].finish_reason == "length" and all(c.finish_reason is None for c in chunks[:-1])
     tokens = [t for c in chunks for t in c.token_ids]
     direct = LLMEngine(ModelRunner(load_checkpoint(folder), 1, 512), tokenizer).generate(["The bakery sells"], GREEDY)
-    assert tokens == direct[0].token_ids and "".join(c.text for c in chunks) == direct[0].text
+    assert tokens == direct[0].token_ids and not any(c.text for c in chunks)  # token-only: text is the gateway's
     assert chunks[-1].usage.completion_tokens == 12
     assert chunks[-1].usage.prompt_tokens == len(tokenizer.encode("The bakery sells"))
 
@@ -111,7 +111,8 @@ def test_constrained_request_through_the_server(server, tokenizer):
     params = SamplingParams(max_tokens=64, temperature=1.0, seed=3)
     chunks = asyncio.run(collect(server, request("json", "Order: ", tokenizer, params, grammar=spec)))
     assert chunks[-1].finish_reason == "stop"
-    assert check_output(spec, "".join(c.text for c in chunks)) is None
+    tokens = [t for c in chunks for t in c.token_ids]
+    assert check_output(spec, tokenizer.decode(tokens, skip_special_tokens=True)) is None
 
 
 def test_a_failing_step_ends_every_stream_with_an_error(server, tokenizer, monkeypatch):
@@ -199,5 +200,4 @@ def test_chunks_coalesce_after_the_first_token(folder, tokenizer):
     assert len(coalesced) < 30  # ~2-5 ms steps: 60 tokens take well under 30 intervals of 50 ms
     assert len(coalesced[0].token_ids) == 1
     assert [t for c in coalesced for t in c.token_ids] == [t for c in plain for t in c.token_ids]
-    assert "".join(c.text for c in coalesced) == "".join(c.text for c in plain)
     assert coalesced[-1].usage.completion_tokens == 60 and coalesced[-1].finish_reason == "length"

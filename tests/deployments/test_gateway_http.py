@@ -10,13 +10,13 @@ import httpx
 import jsonschema
 import openai
 import pytest
+import torch
 
 from deployments.engine_server import EngineServer, EngineServerConfig
 from deployments.gateway import Gateway, GatewayConfig
 from model_shards import load_checkpoint
 from moeserve.engine import LLMEngine, ModelRunner, SpecConfig
 from moeserve.grammar import GrammarSpec, check_output
-from moeserve.protocol import GenerateChunk, Usage
 from moeserve.spec.ngram import NgramProposer
 from moeserve.tokenizer import load_tokenizer
 from tests.deployments.tiny_checkpoint import MODEL_NAME, save_tiny_checkpoint
@@ -218,33 +218,24 @@ def test_metrics_and_health(gateway):
     assert health.status_code == 200 and health.json()["status"] == "ok"
 
 
-class LyingEngine:
-    """An engine that emits a token its grammar forbids: the guard must stop the stream."""
-
-    def __init__(self, token: int) -> None:
-        self.token = token
-
-    async def generate(self, request):
-        yield GenerateChunk(request.request_id, (self.token,), "!", None, Usage(1, 1))
-        yield GenerateChunk(request.request_id, (), "", "stop", Usage(1, 1))
-
-    async def health(self):
-        raise RuntimeError("engine replica is gone")
-
-    async def stats(self):
-        return {}
-
-
-def test_guard_stops_a_stream_with_a_refused_token_and_counts_it(gateway):
-    fe = gateway.frontend
-    bang = fe.tokenizer.encode("!")[0]
-    liar = Gateway(LyingEngine(bang), gateway.config, tokenizer=fe.tokenizer, compiler=fe.compiler)
-    body = {"model": MODEL_NAME, "prompt": "x", "guided_regex": "[a-z]+"}
-    r = asyncio.run(_post(liar, "/v1/completions", body))
-    assert r.status_code == 500 and "guard refused" in r.json()["error"]["message"]
-    r = asyncio.run(_post(liar, "/v1/completions", {**body, "stream": True}))
-    assert r.status_code == 500  # the refusal is the first chunk, so the status still says so
-    assert liar.metrics.grammar_guard_refusals._value.get() == 2
+def test_the_engine_guard_stops_a_refused_token_and_the_gateway_counts_it(gateway, monkeypatch):
+    """A sampler that ignores the grammar mask (a bug): the core's matcher refuses the token,
+    the stream ends with a 500 naming the guard, and the refusal is counted."""
+    tokenizer = gateway.frontend.tokenizer
+    engine = LLMEngine(ModelRunner(load_checkpoint(gateway.config.model_path), 2, MAX_LEN), tokenizer)
+    bang = tokenizer.encode("!")[0]
+    monkeypatch.setattr(engine.sampler, "sample", lambda logits, *_: torch.full((logits.shape[0],), bang))
+    server = EngineServer(EngineServerConfig(), engine=engine)
+    liar = Gateway(server, gateway.config, tokenizer=tokenizer)
+    try:
+        body = {"model": MODEL_NAME, "prompt": "x", "guided_regex": "[a-z]+"}
+        r = asyncio.run(_post(liar, "/v1/completions", body))
+        assert r.status_code == 500 and "guard refused" in r.json()["error"]["message"]
+        r = asyncio.run(_post(liar, "/v1/completions", {**body, "stream": True}))
+        assert r.status_code == 500  # the refusal is the first chunk, so the status still says so
+        assert liar.metrics.grammar_guard_refusals._value.get() == 2
+    finally:
+        server.shutdown()
     assert asyncio.run(_get(liar, "/health")).status_code == 503
 
 
@@ -260,12 +251,18 @@ async def _get(gw: Gateway, path: str) -> httpx.Response:
         return await h.get(path)
 
 
-class StalledEngine(LyingEngine):
+class StalledEngine:
     """An engine replica that accepted the call and then never answered."""
 
     async def generate(self, request):
         await asyncio.sleep(3600)
         yield  # pragma: no cover
+
+    async def health(self):
+        return {}
+
+    async def stats(self):
+        return {}
 
 
 def test_a_stalled_engine_times_out_instead_of_hanging(gateway, monkeypatch):
@@ -276,7 +273,7 @@ def test_a_stalled_engine_times_out_instead_of_hanging(gateway, monkeypatch):
     monkeypatch.setattr(deployments.frontend, "STALL_GRACE_S", 0.1)
     fe = gateway.frontend
     cfg = dataclasses.replace(gateway.config, request_timeout_s=0.2)
-    stalled = Gateway(StalledEngine(0), cfg, tokenizer=fe.tokenizer, compiler=fe.compiler)
+    stalled = Gateway(StalledEngine(), cfg, tokenizer=fe.tokenizer)
     r = asyncio.run(asyncio.wait_for(_post(stalled, "/v1/completions", {"model": MODEL_NAME, "prompt": "x"}), 10))
     assert r.status_code == 504 and "no answer" in r.json()["error"]["message"]
 

@@ -12,7 +12,7 @@ from deployments.frontend import Frontend, FrontendConfig
 from deployments.metrics import GatewayMetrics
 from model_shards import load_checkpoint
 from moeserve.engine import LLMEngine, ModelRunner
-from moeserve.grammar import GrammarCompiler, GrammarSpec, check_output
+from moeserve.grammar import GrammarSpec, check_output
 from moeserve.sampling_params import SamplingParams
 from moeserve.tokenizer import load_tokenizer
 from tests.deployments.tiny_checkpoint import save_tiny_checkpoint
@@ -46,9 +46,8 @@ def run(folder, fail_at: int | None, grammar: GrammarSpec | None = None, retries
     runner = ModelRunner(load_checkpoint(folder), 4, 256)
     server = EngineServer(EngineServerConfig(), engine=LLMEngine(
         FlakyRunner(runner, fail_at) if fail_at else runner, tokenizer))
-    compiler = GrammarCompiler(tokenizer, runner.vocab_size)
     metrics = GatewayMetrics()
-    frontend = Frontend(FrontendConfig("tiny", 256, max_retries=retries), tokenizer, server, compiler, metrics)
+    frontend = Frontend(FrontendConfig("tiny", 256, max_retries=retries), tokenizer, server, metrics)
 
     async def go():
         prep = await frontend.prepare(tokenizer.encode("order status please"), lambda n: GREEDY, 24, grammar, "t")

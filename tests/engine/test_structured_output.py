@@ -58,18 +58,19 @@ def make_engine(folder, tokenizer, proposer=None, k=0, jump_forward=True) -> LLM
 def run(engine: LLMEngine, jobs: list[tuple[str, SamplingParams, object]]) -> list[tuple[list[int], str, str]]:
     """(tokens, text, finish_reason) per job, all jobs batched together."""
     ids = [engine.add_request(p, params, grammar=g) for p, params, g in jobs]
-    got = {rid: ([], [], None) for rid in ids}
+    got = {rid: ([], None) for rid in ids}
     while engine.has_unfinished():
         for out in engine.step():
-            toks, text, _ = got[out.request_id]
-            got[out.request_id] = (toks + out.new_token_ids, text + [out.new_text], out.finish_reason)
-    return [(got[r][0], "".join(got[r][1]), got[r][2]) for r in ids]
+            toks, _ = got[out.request_id]
+            got[out.request_id] = (toks + out.new_token_ids, out.finish_reason)
+    decode = engine.tokenizer.decode  # the engine is token-only; the serving side makes the text
+    return [(got[r][0], decode(got[r][0], skip_special_tokens=True), got[r][1]) for r in ids]
 
 
 def assert_accepted(spec: GrammarSpec, compiler, tokens: list[int], text: str, reason: str) -> None:
     assert reason == "stop", f"{spec.kind}: finished with {reason!r}: {text!r}"
     assert check_output(spec, text) is None, f"{spec.kind}: {check_output(spec, text)}: {text!r}"
-    guard = GrammarMatcher(compiler.compile(spec))  # what the gateway's guard replays
+    guard = GrammarMatcher(compiler.compile(spec))  # an independent matcher replays the tokens
     assert guard.accept_tokens(tokens) == len(tokens) and guard.is_completed()
 
 

@@ -1,0 +1,239 @@
+"""The engine core: the step loop, token ids in and token ids out over one channel.
+
+The core owns an LLMEngine and nothing else of the request: no text, no stop strings, no
+HTTP. Its loop fits on a screen:
+
+    drain the inbox (add / abort / stats) -> admit requests whose grammar has compiled
+    -> engine.step() -> send one message with every request's new tokens
+
+It runs the same in a thread (`InprocCore`, tests and the expert-parallel group) or in a
+process of its own (`ProcessCore`, the served default: no GIL shared with Serve), both in
+moeserve/engine/core_client.py. Messages are the small frozen dataclasses of
+moeserve/protocol.py; a channel is anything with `send(msg)` and `recv(timeout)`.
+
+Grammars are compiled here and only here, where the masks are used, on the compiler's own
+threads: a request waits (outside the scheduler) until its grammar is ready, so a slow
+compile never stalls the running batch. An invalid grammar ends its request with
+INVALID_ARGUMENT before it costs a step.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Protocol
+
+from moeserve.engine.engine import LLMEngine
+from moeserve.grammar.errors import GrammarError
+from moeserve.protocol import (
+    Abort,
+    CoreStopped,
+    ErrorCode,
+    GenerateChunk,
+    GenerateRequest,
+    StatsReply,
+    StatsRequest,
+    Usage,
+    error_chunk,
+)
+from moeserve.sequence import RequestOutput
+
+logger = logging.getLogger(__name__)
+
+IDLE_WAIT_S = 0.05  # an idle core blocks on its inbox this long at a time
+
+
+class Channel(Protocol):
+    def send(self, msg: Any) -> None: ...
+
+    def recv(self, timeout: float | None) -> Any | None:
+        """The next message, or None when none came within `timeout` (0: do not wait)."""
+        ...
+
+
+class EngineCore:
+    """Runs `engine` for the requests that arrive on a channel (`run`).
+
+    `compiler` compiles GrammarSpecs (None: grammars are refused); `recover` is called after a
+    failed step and returns a fresh model runner (an expert-parallel group re-formed);
+    `expert_load` returns per-rank expert-load counters when they live elsewhere (shard ranks).
+    """
+
+    def __init__(
+        self,
+        engine: LLMEngine,
+        compiler: Any = None,
+        recover: Callable[[], Any] | None = None,
+        expert_load: Callable[[], list[dict[str, Any]]] | None = None,
+    ) -> None:
+        self.engine = engine
+        self.compiler = compiler
+        self.recover = recover
+        self.counters: Counter[str] = Counter()
+        self.step_seconds = 0.0
+        self.stopping = False
+        self._compiles = ThreadPoolExecutor(2, thread_name_prefix="core-grammar")
+        self._compiling: dict[str, tuple[GenerateRequest, Future]] = {}
+        self._expert_load = expert_load
+        model = engine.runner.model
+        self._load_stats = model.enable_stats() if expert_load is None and model.config.is_moe else None
+
+    # ---- the loop ------------------------------------------------------------------------------
+    def run(self, channel: Channel) -> None:
+        """Serve `channel` until a Shutdown message, a closed channel or a broken loop."""
+        reason = "stopped"
+        try:
+            while not self.stopping:
+                idle = not self.engine.has_unfinished() and not self._compiling
+                if not self._drain(channel, IDLE_WAIT_S if idle else 0.0):
+                    break
+                out = self._admit_compiled()
+                if self.engine.has_unfinished():
+                    out += self._step()
+                if out:
+                    channel.send(out)
+        except BaseException as e:  # the loop itself broke: nothing may keep waiting on it
+            logger.exception("engine core loop died")
+            reason = f"engine core died: {type(e).__name__}: {e}"
+        finally:
+            self._compiles.shutdown(wait=False, cancel_futures=True)
+            self._stop_all(channel, reason)
+
+    def _drain(self, channel: Channel, wait: float) -> bool:
+        """Handle every message waiting (blocking up to `wait` for the first); False: shut down."""
+        msg = channel.recv(wait)
+        while msg is not None:
+            if isinstance(msg, GenerateRequest):
+                self._add(channel, msg)
+            elif isinstance(msg, Abort):
+                self._abort(channel, msg.request_id)
+            elif isinstance(msg, StatsRequest):
+                channel.send(StatsReply(msg.token, self.stats()))
+            else:  # Shutdown
+                return False
+            msg = channel.recv(0)
+        return True
+
+    def _step(self) -> list[GenerateChunk]:
+        t0 = time.perf_counter()
+        try:
+            outputs = self.engine.step()
+        except Exception as e:
+            logger.exception("engine step failed; ending every live request")
+            self.counters["step_errors"] += 1
+            failed = self._fail_all(ErrorCode.INTERNAL, f"engine step failed: {type(e).__name__}: {e}")
+            if self.recover is not None:  # a shard died (or a collective timed out): form a new group
+                self.engine.runner = self.recover()  # raising here ends the loop: UNAVAILABLE
+            return failed
+        self.step_seconds += time.perf_counter() - t0
+        self.counters["steps"] += 1
+        return [_chunk(out) for out in outputs]
+
+    # ---- requests ------------------------------------------------------------------------------
+    def _add(self, channel: Channel, req: GenerateRequest) -> None:
+        if req.grammar is None:
+            refusal = self._start(req, None)
+            if refusal is not None:
+                channel.send([refusal])
+            return
+        if self.compiler is None:
+            channel.send([error_chunk(req.request_id, ErrorCode.INVALID_ARGUMENT, "this engine has no grammar support")])
+            return
+        self._compiling[req.request_id] = (req, self._compiles.submit(self.compiler.compile, req.grammar))
+
+    def _start(self, req: GenerateRequest, grammar: Any) -> GenerateChunk | None:
+        """Hand the request to the engine; an error chunk if it refuses it."""
+        try:
+            self.engine.add_request(list(req.prompt_ids), req.params, req.request_id, grammar=grammar,
+                                    resume_ids=req.resume_ids)
+        except ValueError as e:
+            return error_chunk(req.request_id, ErrorCode.INVALID_ARGUMENT, str(e))
+        self.counters["requests"] += 1
+        return None
+
+    def _admit_compiled(self) -> list[GenerateChunk]:
+        out = []
+        for rid, (req, job) in list(self._compiling.items()):
+            if not job.done():
+                continue
+            del self._compiling[rid]
+            try:
+                refusal = self._start(req, job.result())
+            except GrammarError as e:
+                refusal = error_chunk(rid, ErrorCode.INVALID_ARGUMENT, _grammar_message(req, e), param="grammar")
+            if refusal is not None:
+                out.append(refusal)
+        return out
+
+    def _abort(self, channel: Channel, request_id: str) -> None:
+        """Abort a request the core holds; its stream ends with finish_reason "abort"."""
+        pending = self._compiling.pop(request_id, None)
+        seq = self.engine._seqs.get(request_id)
+        if pending is None and seq is None:
+            return  # already finished: its last chunk is on its way
+        usage = Usage(len(seq.prompt_ids), len(seq.output_ids)) if seq is not None else Usage()
+        self.engine.abort(request_id)
+        channel.send([GenerateChunk(request_id, finish_reason="abort", usage=usage)])
+
+    def _fail_all(self, code: ErrorCode, message: str) -> list[GenerateChunk]:
+        out = []
+        for rid, seq in list(self.engine._seqs.items()):
+            try:
+                self.engine.abort(rid)
+            except Exception:  # the engine is already broken; the stream still must end
+                logger.exception("abort after a failed step")
+            out.append(error_chunk(rid, code, message, Usage(len(seq.prompt_ids), len(seq.output_ids))))
+        out += [error_chunk(rid, code, message) for rid in self._compiling]
+        self._compiling.clear()
+        return out
+
+    def _stop_all(self, channel: Channel, reason: str) -> None:
+        try:
+            channel.send(self._fail_all(ErrorCode.UNAVAILABLE, reason))
+            channel.send(CoreStopped(reason))
+        except Exception:  # the channel is gone too: the client notices that by itself
+            logger.debug("could not report the core's stop", exc_info=True)
+
+    # ---- statistics ----------------------------------------------------------------------------
+    def expert_load(self) -> list[dict[str, Any]]:
+        """Cumulative expert-load counters, one dict per rank (ExpertLoadStats.to_dict)."""
+        if self._expert_load is not None:
+            return self._expert_load()
+        return [self._load_stats.to_dict()] if self._load_stats is not None else []
+
+    def stats(self) -> dict[str, Any]:
+        """Gauges and counters of the engine: batch, KV, steps, speculation, grammar, expert load."""
+        eng = self.engine
+        sched = eng.scheduler
+        return {
+            "running": len(sched.running),
+            "waiting": len(sched.waiting) + len(self._compiling),
+            "kv_tokens_used": sched.kv_tokens_used,
+            "kv_budget_tokens": sched.cfg.kv_budget,
+            "preemptions": sched.num_preemptions,
+            "max_num_seqs": sched.cfg.max_num_seqs,
+            "steps": self.counters["steps"],
+            "step_seconds_total": self.step_seconds,
+            "step_errors": self.counters["step_errors"],
+            "spec": eng.spec_metrics.to_dict() if eng.proposer is not None else {},
+            "spec_disabled_steps": eng.num_spec_disabled_steps,
+            "grammar_guard_refusals": eng.num_guard_refusals,
+            "grammar_cache": self.compiler.cache_info() if self.compiler is not None else {},
+            "expert_load": self.expert_load(),
+        }
+
+
+def _chunk(out: RequestOutput) -> GenerateChunk:
+    usage = Usage(out.num_prompt_tokens, out.num_output_tokens)
+    if out.error is not None:
+        return error_chunk(out.request_id, ErrorCode.INTERNAL, out.error, usage, tuple(out.new_token_ids), "grammar")
+    reason = out.finish_reason if out.finished else None
+    return GenerateChunk(out.request_id, tuple(out.new_token_ids), finish_reason=reason, usage=usage)
+
+
+def _grammar_message(req: GenerateRequest, e: GrammarError) -> str:
+    msg = str(e)
+    return msg if msg.startswith("invalid") else f"invalid {req.grammar.kind} grammar: {msg}"
