@@ -1,228 +1,32 @@
-"""The served application's one config (YAML edge, pydantic), split into each component's part.
-
-The same dict is (a) `moeserve serve --config FILE`'s file, (b) the `args:` of the
-application in deployments/serve_config.yaml for Ray's own `serve run` / `serve deploy`,
-and (c) what KubeRay's serveConfigV2 embeds. A file may hold either this dict or a whole
-Serve config (then the first application's `args` is used).
-
-Relative paths are relative to the project root (the folder holding deployments/), so the
-config means the same thing whatever directory Ray starts its workers in.
-"""
+"""The served application's config: moeserve's one config tree (moeserve/config.py) plus the
+deployments' parts of it. The same dict is `moeserve serve --config FILE`'s file, the `args:` of
+the application in deployments/serve_config.yaml, and what KubeRay's serveConfigV2 embeds."""
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any, Literal
-
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, model_validator
-
 from deployments.engine_loader import EngineServerConfig
 from deployments.gateway import GatewayConfig
+from moeserve import config as tree
+from moeserve.config import DATA_ROOT, PROJECT_ROOT, deep_merge, resolve_path
 from moeserve.engine.factory import EngineConfig
 
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
+__all__ = ["DATA_ROOT", "PROJECT_ROOT", "AppConfig", "deep_merge", "resolve_path"]
 
 
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class ModelSection(_Section):
-    path: str = "checkpoints/demo-moe"
-    name: str = "demo-moe"  # the `model` clients send; the tokenizer is the checkpoint folder's
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-
-
-class EngineSection(_Section):
-    max_num_seqs: int = Field(16, ge=1)  # running batch = KV cache slots
-    max_model_len: int = Field(1024, ge=2)
-    max_num_batched_tokens: int = Field(2048, ge=1)
-    # KV-cache tokens for all running sequences (0: every slot may fill); past it the newest are preempted.
-    kv_budget_tokens: int = Field(0, ge=0)
-    # Backpressure: past max_num_seqs running + this many waiting, new requests get 503 / RESOURCE_EXHAUSTED.
-    max_queued_requests: int = Field(64, ge=0)
-    torch_threads: int | None = Field(None, ge=1)
-    # How often each replica pushes its expert-load counters to the router-service actor (0: never).
-    expert_load_report_s: float = Field(10.0, ge=0)
-    # Chunks of a stream after its first token at most this often: every chunk is two Serve hops.
-    # The interval grows linearly with the live requests, to stream_interval_max_s (never below
-    # stream_interval_s) at max_num_seqs.
-    stream_interval_s: float = Field(0.025, ge=0, le=1)
-    stream_interval_max_s: float = Field(0.1, ge=0, le=1)
-
-
-class SpeculativeSection(_Section):
-    draft: Literal["none", "ngram", "model"] = "ngram"  # model: the dense draft checkpoint
-    draft_path: str | None = "checkpoints/demo-draft"
-    num_tokens: int = Field(4, ge=1, le=16)
-    # model draft: in the engine's process, or its own Serve deployment (one call per engine step)
-    placement: Literal["in_process", "deployment"] = "in_process"
-    draft_replicas: int = Field(1, ge=1)
-    # No speculation while this many sequences run (0: never): a full batch keeps the model busy
-    # and verifying k + 1 positions per row then costs almost k + 1 plain steps.
-    disable_by_batch_size: int = Field(0, ge=0)
-
-
-class ShardsSection(_Section):
-    num_shards: int = Field(1, ge=1)  # > 1: expert-parallel shard group per engine replica
-    gpus_per_shard: float = Field(0.0, ge=0)  # 1 on a GPU cluster (NCCL), 0 on CPU (gloo)
-    strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"  # placement of the shards
-
-
-class GatewaySection(_Section):
-    grpc_port: int | None = Field(9000, ge=0, le=65535)  # None or 0: no gRPC
-    grpc_host: str = "0.0.0.0"
-    max_body_bytes: int = Field(2 * 1024 * 1024, ge=1024)
-    request_timeout_s: float | None = Field(300.0, gt=0)
-
-
-class AutoscalingSection(_Section):
-    """Serve's autoscaling_config (the fields we set; see Ray Serve's docs for their meaning)."""
-
-    min_replicas: int = Field(1, ge=0)
-    max_replicas: int = Field(1, ge=1)
-    initial_replicas: int | None = None
-    target_ongoing_requests: float = Field(..., gt=0)
-    upscale_delay_s: float = 10.0
-    downscale_delay_s: float = 60.0
-    # the window Serve averages ongoing requests over before deciding (Serve's default: 30 s)
-    look_back_period_s: float | None = Field(None, gt=0)
-
-    @model_validator(mode="after")
-    def _bounds(self) -> AutoscalingSection:
-        if self.min_replicas > self.max_replicas:
-            raise ValueError(f"min_replicas ({self.min_replicas}) > max_replicas ({self.max_replicas})")
-        return self
-
-
-class DeploymentSection(_Section):
-    """Serve options for one deployment: autoscaling (or a fixed num_replicas) and admission."""
-
-    num_replicas: int | None = Field(None, ge=1)
-    autoscaling: AutoscalingSection | None = None
-    max_ongoing_requests: int = Field(..., ge=1)
-    max_queued_requests: int = -1  # Serve's own queue in front of the replicas; -1 = unbounded
-    num_cpus: float = Field(1.0, ge=0)
-    num_gpus: float = Field(0.0, ge=0)
-    resources: dict[str, float] = Field(default_factory=dict)  # e.g. {"node:__internal_head__": 0.001}
-    health_check_period_s: float = 10.0
-    health_check_timeout_s: float = 30.0
-    graceful_shutdown_timeout_s: float = 20.0
-
-    @model_validator(mode="after")
-    def _one_scaling_mode(self) -> DeploymentSection:
-        if self.num_replicas is not None and self.autoscaling is not None:
-            raise ValueError("set num_replicas or autoscaling, not both")
-        return self
-
-    def serve_options(self) -> dict[str, Any]:
-        """Keyword arguments for serve.deployment(...)."""
-        opts: dict[str, Any] = {
-            "max_ongoing_requests": self.max_ongoing_requests,
-            "max_queued_requests": self.max_queued_requests,
-            "ray_actor_options": {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus, "resources": self.resources},
-            "health_check_period_s": self.health_check_period_s,
-            "health_check_timeout_s": self.health_check_timeout_s,
-            "graceful_shutdown_timeout_s": self.graceful_shutdown_timeout_s,
-        }
-        if self.autoscaling is not None:
-            opts["autoscaling_config"] = self.autoscaling.model_dump(exclude_none=True)
-        else:
-            opts["num_replicas"] = self.num_replicas or 1
-        return opts
-
-
-def _gateway_defaults() -> DeploymentSection:
-    # A gateway request is mostly waiting on its engine stream (a few % of a core per stream),
-    # so one replica holds hundreds; scale out at 64 streams each. 256 > that target leaves
-    # room for the delay before a new replica is up.
-    return DeploymentSection(
-        autoscaling=AutoscalingSection(min_replicas=1, max_replicas=2, target_ongoing_requests=64,
-                                       upscale_delay_s=5, downscale_delay_s=60),
-        max_ongoing_requests=256, num_cpus=0.5,
-    )
-
-
-def _engine_defaults() -> DeploymentSection:
-    # One engine replica is one model copy running one batch. Its own admission control
-    # (max_num_seqs running + max_queued_requests waiting, then RESOURCE_EXHAUSTED) is the
-    # real limit, so Serve's must not be lower: Ray's default of 5 would cap the batch at 5.
-    # Scale out when the batch is ~3/4 full. max_replicas 1: on a 2-core box a second copy
-    # only splits the same cores; raise it on a cluster.
-    return DeploymentSection(
-        autoscaling=AutoscalingSection(min_replicas=1, max_replicas=1, target_ongoing_requests=12,
-                                       upscale_delay_s=10, downscale_delay_s=120),
-        max_ongoing_requests=80, num_cpus=1.0, graceful_shutdown_timeout_s=30,
-    )
-
-
-class DeploymentsSection(_Section):
-    gateway: DeploymentSection = Field(default_factory=_gateway_defaults)
-    engine: DeploymentSection = Field(default_factory=_engine_defaults)
-
-
-class AppConfig(_Section):
-    """Everything `build_app` needs. Each component gets its own frozen part (`*_config()`)."""
-
-    model: ModelSection = Field(default_factory=ModelSection)
-    engine: EngineSection = Field(default_factory=EngineSection)
-    speculative: SpeculativeSection = Field(default_factory=SpeculativeSection)
-    shards: ShardsSection = Field(default_factory=ShardsSection)
-    gateway: GatewaySection = Field(default_factory=GatewaySection)
-    deployments: DeploymentsSection = Field(default_factory=DeploymentsSection)
-
-    @model_validator(mode="after")
-    def _serve_admits_a_full_batch(self) -> AppConfig:
-        limit = self.deployments.engine.max_ongoing_requests
-        if limit < self.engine.max_num_seqs:
-            raise ValueError(f"deployments.engine.max_ongoing_requests ({limit}) is below engine.max_num_seqs "
-                             f"({self.engine.max_num_seqs}): Serve would never let the batch fill")
-        return self
-
-    @classmethod
-    def load(cls, path: str | Path, overrides: dict[str, Any] | None = None) -> AppConfig:
-        """Read a YAML file (this config, or a Serve config whose first app's args are it)."""
-        with open(path) as f:
-            data = yaml.safe_load(f) or {}
-        if "applications" in data:
-            apps = data["applications"] or [{}]
-            data = apps[0].get("args") or {}
-        return cls.from_dict(deep_merge(data, overrides or {}))
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> AppConfig:
-        """From build_app's args: the config itself, or {"config": FILE, ...overrides}."""
-        data = dict(data)
-        path = data.pop("config", None)
-        if path is not None:
-            return cls.load(resolve_path(str(path)), data)
-        return cls.model_validate(data)
-
-    def with_overrides(self, overrides: dict[str, Any]) -> AppConfig:
-        return AppConfig.model_validate(deep_merge(self.model_dump(), overrides))
+class AppConfig(tree.AppConfig):
+    """The config tree, able to hand each deployment its part."""
 
     def engine_server_config(self) -> EngineServerConfig:
-        e, s = self.engine, self.speculative
-        engine = EngineConfig(
-            model=resolve_path(self.model.path),
-            draft_model=resolve_path(s.draft_path) if s.draft_path else "",
-            speculation={"model": "draft"}.get(s.draft, s.draft),
-            num_spec_tokens=s.num_tokens,
-            spec_disable_by_batch_size=s.disable_by_batch_size,
-            max_num_seqs=e.max_num_seqs,
-            max_model_len=e.max_model_len,
-            max_num_batched_tokens=e.max_num_batched_tokens,
-            kv_budget_tokens=e.kv_budget_tokens,
-            dtype=self.model.dtype,
-        )
-        sh = self.shards
-        return EngineServerConfig(engine, e.max_queued_requests, sh.num_shards, sh.strategy, sh.gpus_per_shard,
-                                  e.torch_threads, report_expert_load_s=e.expert_load_report_s,
+        """The engine replica's part: the engine's own, plus queueing, streaming and shards."""
+        e, sh = self.engine, self.shards
+        return EngineServerConfig(EngineConfig.from_app(self), e.max_queued_requests, sh.num_shards, sh.strategy,
+                                  sh.gpus_per_shard, e.torch_threads, report_expert_load_s=e.expert_load_report_s,
                                   stream_interval_s=e.stream_interval_s,
-                                  stream_interval_max_s=max(e.stream_interval_s, e.stream_interval_max_s))
+                                  stream_interval_max_s=max(e.stream_interval_s, e.stream_interval_max_s),
+                                  core_process=e.core_process)
 
     def gateway_config(self) -> GatewayConfig:
+        """The gateway's part."""
         g = self.gateway
         return GatewayConfig(
             model_name=self.model.name,
@@ -233,18 +37,3 @@ class AppConfig(_Section):
             max_body_bytes=g.max_body_bytes,
             request_timeout_s=g.request_timeout_s,
         )
-
-
-def resolve_path(path: str) -> str:
-    p = Path(path).expanduser()
-    return str(p if p.is_absolute() else PROJECT_ROOT / p)
-
-
-def deep_merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for key, value in overrides.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = deep_merge(out[key], value)
-        else:
-            out[key] = value
-    return out

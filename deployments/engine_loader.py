@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from moeserve.config import EngineSection, ShardsSection, default_of
 from moeserve.engine import LLMEngine
 from moeserve.engine.factory import EngineConfig, build_engine
 
@@ -32,15 +33,17 @@ class EngineServerConfig:
     """
 
     engine: EngineConfig = field(default_factory=EngineConfig)
-    max_queued_requests: int = 64
-    num_shards: int = 1
-    shard_strategy: str = "PACK"
-    gpus_per_shard: float = 0.0
-    torch_threads: int | None = None
-    report_expert_load_s: float = 0.0  # > 0: push expert-load counters to the router-service actor this often
-    stream_interval_s: float = 0.0  # > 0: a stream's chunks (after the first token) at most this often
+    max_queued_requests: int = default_of(EngineSection, "max_queued_requests")
+    num_shards: int = default_of(ShardsSection, "num_shards")
+    shard_strategy: str = default_of(ShardsSection, "strategy")
+    gpus_per_shard: float = default_of(ShardsSection, "gpus_per_shard")
+    torch_threads: int | None = default_of(EngineSection, "torch_threads")
+    # Off unless the app config turns it on (engine.expert_load_report_s): reporting needs Ray.
+    report_expert_load_s: float = 0.0
+    # 0: every step's tokens are a chunk; the app config's engine.stream_interval_s coalesces them.
+    stream_interval_s: float = 0.0
     stream_interval_max_s: float | None = None  # the interval with a full batch (None: stream_interval_s)
-    core_process: bool = True
+    core_process: bool = default_of(EngineSection, "core_process")
 
     def __post_init__(self) -> None:
         top = self.stream_interval_max_s

@@ -16,6 +16,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from moeserve.config import AppConfig
 from moeserve.detokenizer import IncrementalDetokenizer
 from moeserve.engine.factory import EngineConfig, build_engine
 from moeserve.sampling_params import SamplingParams
@@ -34,17 +35,26 @@ class CompletionOutput:
 
 
 class LLM:
-    """An engine in this process. `model`: target checkpoint folder (default: the demo MoE);
-    `draft`: "none", "ngram", "model" (the demo draft) or a draft checkpoint folder (default:
-    the configured proposer); `options`: any other EngineConfig field (max_num_seqs, ...)."""
+    """An engine in this process, built from the one config tree (moeserve/config.py) and its
+    defaults. `model`: target checkpoint folder (default: the demo MoE); `draft`: "none",
+    "ngram", "model" (the demo draft) or a draft checkpoint folder (default: prompt lookup);
+    `options`: any model, engine or speculative option by name (max_num_seqs=8, num_tokens=3, ...)."""
 
-    def __init__(self, model: str | None = None, draft: str | None = None, **options: Any) -> None:
-        if draft is not None:
-            named = draft in ("none", "ngram", "model", "draft")
-            options["speculation"] = ("draft" if draft == "model" else draft) if named else "draft"
-            if not named:
-                options["draft_model"] = draft
-        self.config = EngineConfig(model=model or "", **options)
+    def __init__(
+        self, model: str | None = None, draft: str | None = None, *, config: AppConfig | None = None, **options: Any
+    ) -> None:
+        """`config`: a whole config tree to start from (e.g. `AppConfig.load(FILE)`); the other
+        arguments override it."""
+        if config is None:
+            self.app_config = AppConfig.from_options(model, draft, **options)
+        else:
+            flat = AppConfig.from_options(model, draft, **options).model_dump(exclude_unset=True)
+            self.app_config = config.with_overrides(flat)
+        self.config = EngineConfig.from_app(self.app_config)
+        if self.app_config.engine.torch_threads:
+            import torch
+
+            torch.set_num_threads(self.app_config.engine.torch_threads)
         self.engine = build_engine(self.config)
         self.tokenizer = self.engine.tokenizer
 

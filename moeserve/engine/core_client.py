@@ -171,14 +171,13 @@ class ProcessCore(CoreClient):
     def send(self, msg: Any) -> None:
         data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
         with self._lock:
-            if not self._ready.is_set():
-                self._backlog.append(data)
-                return
-            conn = self._conn
-        try:
-            conn.send_bytes(data)
-        except OSError:  # died just now: the reader thread restarts it; the stream gets its error
-            logger.warning("engine core gone while sending", exc_info=True)
+            if self._ready.is_set():
+                try:
+                    self._conn.send_bytes(data)
+                    return
+                except OSError:  # died just now: the reader thread restarts it and replays the backlog
+                    self._ready.clear()
+            self._backlog.append(data)
 
     def kill(self) -> None:
         """SIGKILL the core process (fault injection)."""
@@ -227,13 +226,15 @@ class ProcessCore(CoreClient):
                     self._receive(msg)
         except (EOFError, OSError):
             pass
+        started = self._ready.is_set()
+        with self._lock:
+            self._ready.clear()  # from now on, messages wait in the backlog for the next core
         code = proc.wait()
         conn.close()
         if self._closing:
             return
         reason = f"{reason} (exit code {code})"
         logger.error("%s; restarting it", reason)
-        started = self._ready.is_set()
         self.on_dead(reason)  # every live stream ends with UNAVAILABLE: the gateway resumes them
         if not started:  # it never came up: a second try would fail the same way
             self.dead = reason

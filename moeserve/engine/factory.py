@@ -2,54 +2,71 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
+from moeserve.config import AppConfig, EngineSection, ModelSection, SpeculativeSection, default_of, resolve_path
 from moeserve.engine.engine import LLMEngine, SpecConfig
 from moeserve.engine.model_runner import ModelRunner
 from moeserve.engine.scheduler import SchedulerConfig
 
-SPECULATION = ("none", "ngram", "draft")
-
-
-def checkpoints_dir() -> Path:
-    """`$MOESERVE_CHECKPOINTS`, else the repository's `checkpoints/` folder."""
-    env = os.environ.get("MOESERVE_CHECKPOINTS")
-    return Path(env) if env else Path(__file__).resolve().parents[2] / "checkpoints"
+SPECULATION = ("none", "ngram", "model")
 
 
 def demo_checkpoint(name: str) -> str:
-    return str(checkpoints_dir() / name)
+    """A shipped demo checkpoint folder (`checkpoints/NAME`, in the checkout or the installed package)."""
+    return resolve_path(f"checkpoints/{name}")
 
 
 @dataclass(frozen=True)
 class EngineConfig:
+    """What the engine core builds itself from: the engine's part of the config tree
+    (`from_app`). Defaults are the tree's; model paths default to the demo pair."""
+
     model: str = ""  # checkpoint folder of the target; default: the demo MoE
     draft_model: str = ""  # checkpoint folder of the draft; default: the demo draft
-    speculation: str = "ngram"  # none | ngram | draft
-    num_spec_tokens: int = 4
-    adaptive_k: bool = False
-    spec_disable_by_batch_size: int = 0  # no speculation while this many sequences run (0: never)
-    max_num_seqs: int = 32
-    max_model_len: int = 1024
-    max_num_batched_tokens: int = 4096
-    kv_budget_tokens: int = 0  # 0: every slot may fill to max_model_len
-    dtype: str = "float32"
+    speculation: str = default_of(SpeculativeSection, "draft")  # none | ngram | model
+    num_spec_tokens: int = default_of(SpeculativeSection, "num_tokens")
+    adaptive_k: bool = default_of(SpeculativeSection, "adaptive")
+    spec_disable_by_batch_size: int = default_of(SpeculativeSection, "disable_by_batch_size")
+    max_num_seqs: int = default_of(EngineSection, "max_num_seqs")
+    max_model_len: int = default_of(EngineSection, "max_model_len")
+    max_num_batched_tokens: int = default_of(EngineSection, "max_num_batched_tokens")
+    kv_budget_tokens: int = default_of(EngineSection, "kv_budget_tokens")
+    dtype: str = default_of(ModelSection, "dtype")
 
     def __post_init__(self) -> None:
         if not self.model:
-            object.__setattr__(self, "model", demo_checkpoint("demo-moe"))
+            object.__setattr__(self, "model", resolve_path(default_of(ModelSection, "path")))
         if not self.draft_model:
-            object.__setattr__(self, "draft_model", demo_checkpoint("demo-draft"))
+            object.__setattr__(self, "draft_model", resolve_path(default_of(SpeculativeSection, "draft_path")))
+        if self.speculation == "draft":  # the older name of "model"
+            object.__setattr__(self, "speculation", "model")
         if self.speculation not in SPECULATION:
             raise ValueError(f"speculation: must be one of {SPECULATION}, got {self.speculation!r}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype: must be float32, bfloat16 or float16, got {self.dtype!r}")
         SpecConfig(num_tokens=self.num_spec_tokens, disable_by_batch_size=self.spec_disable_by_batch_size)
         self.scheduler()  # validates the scheduler limits
+
+    @classmethod
+    def from_app(cls, cfg: AppConfig) -> EngineConfig:
+        """The engine's part of the whole config tree, paths resolved."""
+        e, s = cfg.engine, cfg.speculative
+        return cls(
+            model=resolve_path(cfg.model.path),
+            draft_model=resolve_path(s.draft_path) if s.draft_path else "",
+            speculation=s.draft,
+            num_spec_tokens=s.num_tokens,
+            adaptive_k=s.adaptive,
+            spec_disable_by_batch_size=s.disable_by_batch_size,
+            max_num_seqs=e.max_num_seqs,
+            max_model_len=e.max_model_len,
+            max_num_batched_tokens=e.max_num_batched_tokens,
+            kv_budget_tokens=e.kv_budget_tokens,
+            dtype=cfg.model.dtype,
+        )
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -32,7 +32,7 @@ def test_shipped_serve_config_is_valid_and_deliberate():
 
 def test_overrides_and_errors():
     cfg = AppConfig.from_dict({"config": str(SERVE_CONFIG), "speculative": {"draft": "model"}, "gateway": {"grpc_port": 0}})
-    assert cfg.engine_server_config().engine.speculation == "draft"
+    assert cfg.engine_server_config().engine.speculation == "model"
     assert cfg.gateway_config().grpc_port is None
     with pytest.raises(ValidationError, match="extra"):
         AppConfig.from_dict({"engine": {"max_num_seq": 4}})  # typo: unknown keys are refused

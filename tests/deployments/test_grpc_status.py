@@ -13,7 +13,6 @@ from deployments.grpc_server import start_grpc_server
 from deployments.metrics import GatewayMetrics
 from deployments.proto import generate_pb2 as pb
 from deployments.proto import generate_pb2_grpc as pb_grpc
-from moeserve.grammar import GrammarCompiler
 from moeserve.protocol import ErrorCode, GenerateChunk, Usage, error_chunk
 from tests.grammar.tiny_tokenizer import build_tiny_tokenizer
 
@@ -41,7 +40,7 @@ def frontend():
     engine = ScriptedEngine()
     engine.tokenizer = tokenizer
     cfg = FrontendConfig("tiny", max_model_len=64)
-    return Frontend(cfg, tokenizer, engine, GrammarCompiler(tokenizer), GatewayMetrics())
+    return Frontend(cfg, tokenizer, engine, GatewayMetrics())
 
 
 @pytest.mark.parametrize("code,status", [

@@ -1,0 +1,234 @@
+"""What serving costs: the served stack (HTTP -> proxy -> gateway -> engine replica -> core process)
+against the same engine in this process (`moeserve.LLM`), side by side in one run.
+
+    python -m bench.serving_overhead [--streams 32] [--max-tokens 64] [--runs 3]
+
+Three measurements, each the median of `--runs` alternating runs:
+
+1. throughput: `--streams` concurrent greedy streams through HTTP (EOS ignored, so every
+   request writes exactly --max-tokens) vs `LLM.generate` of the same prompts;
+2. CPU per streamed token outside the engine core: CPU seconds of the proxy, gateway and
+   engine-replica processes (read from /proc) over the served run, per token;
+3. one stream alone: time to first token and inter-token latency, HTTP vs in-process.
+
+It also checks that the served greedy text equals LLM.generate's. Both sides use the one
+config (deployments/serve_config.yaml's engine settings, with max_num_seqs = --streams).
+Writes bench/reports/serving_overhead.{json,md,-throughput.png}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import time
+
+import httpx
+import psutil
+import torch
+
+from bench.report import environment, markdown_table, write
+
+SERVING_PROCESSES = {"proxy": "ProxyActor", "gateway": "moeserve:gateway", "engine replica": "moeserve:engine"}
+
+
+def serving_pids() -> dict[str, list[int]]:
+    """Ray worker processes by role, found by their process titles."""
+    found: dict[str, list[int]] = {role: [] for role in SERVING_PROCESSES}
+    for p in psutil.process_iter(["cmdline"]):
+        title = " ".join(p.info["cmdline"] or [])
+        for role, needle in SERVING_PROCESSES.items():
+            if title.startswith("ray::") and needle in title:
+                found[role].append(p.pid)
+    return found
+
+
+def cpu_seconds(pids: dict[str, list[int]]) -> dict[str, float]:
+    out = {}
+    for role, ids in pids.items():
+        total = 0.0
+        for pid in ids:
+            try:
+                t = psutil.Process(pid).cpu_times()
+                total += t.user + t.system
+            except psutil.NoSuchProcess:
+                pass
+        out[role] = total
+    return out
+
+
+async def stream_one(client: httpx.AsyncClient, model: str, prompt: list[int], max_tokens: int) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    ttft, text, tokens = None, [], 0
+    async with client.stream("POST", "/v1/completions", json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if event["choices"] and event["choices"][0]["text"]:
+                ttft = ttft or time.perf_counter() - t0
+                text.append(event["choices"][0]["text"])
+            if event.get("usage"):
+                tokens = event["usage"]["completion_tokens"]
+    return {"ttft": ttft, "e2e": time.perf_counter() - t0, "tokens": tokens, "text": "".join(text)}
+
+
+async def served(base: str, model: str, prompts: list[list[int]], max_tokens: int) -> dict:
+    pids = serving_pids()
+    async with httpx.AsyncClient(base_url=base, timeout=600, limits=httpx.Limits(max_connections=256)) as client:
+        cpu0, t0 = cpu_seconds(pids), time.perf_counter()
+        outs = await asyncio.gather(*(stream_one(client, model, p, max_tokens) for p in prompts))
+        wall = time.perf_counter() - t0
+        cpu1 = cpu_seconds(pids)
+    tokens = sum(o["tokens"] for o in outs)
+    cpu = {role: cpu1[role] - cpu0[role] for role in cpu0}
+    return {"tokens_per_s": tokens / wall, "tokens": tokens, "wall_s": wall, "texts": [o["text"] for o in outs],
+            "cpu_us_per_token": {role: 1e6 * s / tokens for role, s in cpu.items()},
+            "cpu_us_per_token_outside_core": 1e6 * sum(cpu.values()) / tokens}
+
+
+def offline(llm, prompts: list[list[int]], params) -> dict:
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    tokens = sum(len(o.token_ids) for o in outs)
+    return {"tokens_per_s": tokens / wall, "tokens": tokens, "wall_s": wall, "texts": [o.text for o in outs]}
+
+
+def latency_offline(llm, prompt: list[int], params) -> dict:
+    t0 = time.perf_counter()
+    ttft, n = None, 0
+    for _, out in llm.stream(prompt, params):
+        ttft = ttft or time.perf_counter() - t0
+        n = len(out.token_ids)
+    e2e = time.perf_counter() - t0
+    return {"ttft": ttft, "e2e": e2e, "tokens": n}
+
+
+def itl_ms(run: dict) -> float:
+    return 1000 * (run["e2e"] - run["ttft"]) / max(1, run["tokens"] - 1)
+
+
+def start_server(cfg, http_port: int) -> str:
+    import ray
+    from ray import serve
+
+    from deployments.app import APP_NAME, build
+    from tests.serve_app import wait_healthy
+
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": http_port})
+    serve.run(build(cfg), name=APP_NAME, route_prefix="/")
+    base = f"http://127.0.0.1:{http_port}"
+    wait_healthy(base, timeout=300)
+    return base
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--streams", type=int, default=32)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--http-port", type=int, default=8123)
+    args = p.parse_args()
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+    from bench.prompts import formulaic
+    from deployments.config import AppConfig
+    from moeserve.llm import LLM
+    from moeserve.sampling_params import SamplingParams
+
+    cfg = AppConfig.load("deployments/serve_config.yaml", {
+        "engine": {"max_num_seqs": args.streams}, "gateway": {"grpc_port": 0},
+        "deployments": {"engine": {"max_ongoing_requests": 4 * args.streams}},
+    })
+    llm = LLM(config=cfg)
+    prompts = formulaic(llm.tokenizer, args.streams)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    base = start_server(cfg, args.http_port)
+    name = cfg.model.name
+
+    offline(llm, prompts[:4], params)  # warm both sides up
+    asyncio.run(served(base, name, prompts[:4], args.max_tokens))
+    runs: dict[str, list[dict]] = {"served": [], "offline": [], "served_1": [], "offline_1": []}
+    for _ in range(args.runs):
+        runs["served"].append(asyncio.run(served(base, name, prompts, args.max_tokens)))
+        runs["offline"].append(offline(llm, prompts, params))
+        runs["served_1"].append(asyncio.run(served_single(base, name, prompts[0], args.max_tokens)))
+        runs["offline_1"].append(latency_offline(llm, prompts[0], params))
+
+    med = statistics.median
+    result = {
+        "settings": vars(args), "environment": environment(torch.get_num_threads()),
+        "served_tokens_per_s": med(r["tokens_per_s"] for r in runs["served"]),
+        "offline_tokens_per_s": med(r["tokens_per_s"] for r in runs["offline"]),
+        "cpu_us_per_token_outside_core": med(r["cpu_us_per_token_outside_core"] for r in runs["served"]),
+        "cpu_us_per_token": {role: med(r["cpu_us_per_token"][role] for r in runs["served"])
+                             for role in SERVING_PROCESSES},
+        "ttft_ms": {"served": 1000 * med(r["ttft"] for r in runs["served_1"]),
+                    "offline": 1000 * med(r["ttft"] for r in runs["offline_1"])},
+        "itl_ms": {"served": med(itl_ms(r) for r in runs["served_1"]),
+                   "offline": med(itl_ms(r) for r in runs["offline_1"])},
+        "same_text": runs["served"][0]["texts"] == runs["offline"][0]["texts"],
+        "runs": {k: [{kk: vv for kk, vv in r.items() if kk != "texts"} for r in v] for k, v in runs.items()},
+    }
+    result["served_over_offline"] = result["served_tokens_per_s"] / result["offline_tokens_per_s"]
+    result["itl_served_over_offline"] = result["itl_ms"]["served"] / result["itl_ms"]["offline"]
+    md = markdown(result, args)
+    print(md)
+    print("report:", write("serving_overhead", result, md, {"throughput": figure(result, args)})[1])
+    from ray import serve
+
+    serve.shutdown()
+    return 0
+
+
+async def served_single(base: str, model: str, prompt: list[int], max_tokens: int) -> dict:
+    async with httpx.AsyncClient(base_url=base, timeout=600) as client:
+        return await stream_one(client, model, prompt, max_tokens)
+
+
+def markdown(r: dict, args) -> str:
+    rows = [
+        [f"{args.streams} streams, tokens/s", r["served_tokens_per_s"], r["offline_tokens_per_s"],
+         r["served_over_offline"], ">= 0.8x"],
+        ["1 stream, TTFT (ms)", r["ttft_ms"]["served"], r["ttft_ms"]["offline"],
+         r["ttft_ms"]["served"] / r["ttft_ms"]["offline"], ""],
+        ["1 stream, inter-token latency (ms)", r["itl_ms"]["served"], r["itl_ms"]["offline"],
+         r["itl_served_over_offline"], "<= 1.2x"],
+    ]
+    cpu = [[role, us] for role, us in r["cpu_us_per_token"].items()]
+    cpu.append(["all of them", r["cpu_us_per_token_outside_core"]])
+    return "\n".join([
+        "# Serving overhead: the served stack vs the same engine in one process", "",
+        f"Greedy, {args.max_tokens} tokens per request (EOS ignored), held-out demo prompts; median of "
+        f"{args.runs} alternating runs. Served: HTTP -> Serve proxy -> gateway -> engine replica -> engine "
+        "core process. In-process: `moeserve.LLM.generate` on the same engine settings.", "",
+        markdown_table(["", "served", "in-process", "ratio", "goal"], rows), "",
+        f"Served greedy text identical to `LLM.generate`: {r['same_text']}.", "",
+        "## CPU per streamed token outside the engine core (goal: <= 150 us)", "",
+        markdown_table(["process", "CPU us / token"], cpu),
+    ])
+
+
+def figure(r: dict, args):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 3))
+    ax.bar(["in-process\nLLM.generate", "served\n(HTTP)"], [r["offline_tokens_per_s"], r["served_tokens_per_s"]],
+           color=["#888", "#2a7"])
+    ax.set_ylabel("tokens/s")
+    ax.set_title(f"{args.streams} greedy streams: served = {r['served_over_offline']:.2f}x in-process")
+    return fig
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

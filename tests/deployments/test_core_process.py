@@ -1,0 +1,95 @@
+"""The engine core in a process of its own: the same tokens as the thread core, and a core killed
+mid-stream costs the client nothing (the replica restarts it, the gateway resumes every stream)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+
+from deployments.engine_server import EngineServer, EngineServerConfig
+from deployments.frontend import Frontend, FrontendConfig
+from deployments.metrics import GatewayMetrics
+from moeserve.engine.factory import EngineConfig
+from moeserve.grammar import GrammarSpec, check_output
+from moeserve.llm import LLM
+from moeserve.protocol import ErrorCode, GenerateRequest
+from moeserve.sampling_params import SamplingParams
+from moeserve.tokenizer import load_tokenizer
+from tests.deployments.tiny_checkpoint import save_tiny_checkpoint
+
+GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+PROMPTS = ["order status please", "The bakery sells", "Hello my", "Tomorrow we"]
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return str(save_tiny_checkpoint(tmp_path_factory.mktemp("tiny-moe")))
+
+
+@pytest.fixture(scope="module")
+def server(folder):
+    engine = EngineConfig(model=folder, speculation="none", max_num_seqs=4, max_model_len=256)
+    srv = EngineServer(EngineServerConfig(engine, torch_threads=1))
+    yield srv
+    srv.shutdown()
+
+
+@pytest.fixture(scope="module")
+def expected(folder):
+    """Fault-free greedy tokens, from the offline API in this process."""
+    llm = LLM(folder, draft="none", max_num_seqs=4, max_model_len=256)
+    return [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+
+
+def frontend(server: EngineServer, folder: str) -> Frontend:
+    return Frontend(FrontendConfig("tiny", 256), load_tokenizer(folder), server, GatewayMetrics())
+
+
+async def stream_all(fe: Frontend, grammar=None, on_first=None) -> list[list]:
+    async def one(prompt: str):
+        prep = await fe.prepare(fe.tokenizer.encode(prompt), lambda n: GREEDY, 40, grammar, "t")
+        chunks = []
+        async for chunk in fe.stream(prep):
+            chunks.append(chunk)
+            if on_first is not None and len(chunks) == 3:
+                on_first()
+        return chunks
+
+    return await asyncio.wait_for(asyncio.gather(*(one(p) for p in PROMPTS)), 120)
+
+
+def test_the_core_runs_in_its_own_process_and_matches_the_offline_engine(server, folder, expected):
+    assert server.engine is None and server.core.pid not in (None, os.getpid())
+    outs = asyncio.run(stream_all(frontend(server, folder)))
+    assert [[t for c in chunks for t in c.token_ids] for chunks in outs] == expected
+    assert all(chunks[-1].finish_reason == "length" for chunks in outs)
+    stats = asyncio.run(server.stats())
+    assert stats["steps"] > 0 and stats["live_requests"] == 0 and stats["running"] == 0
+
+
+def test_a_grammar_is_compiled_in_the_core_and_a_bad_one_is_invalid_argument(server, folder):
+    fe = frontend(server, folder)
+    spec = GrammarSpec.regex("[a-z]{3,12}( [a-z]{2,8}){2,5}")
+    outs = asyncio.run(stream_all(fe, spec))
+    for chunks in outs:
+        assert chunks[-1].finish_reason == "stop" and check_output(spec, "".join(c.text for c in chunks)) is None
+
+    async def bad():
+        req = GenerateRequest("bad", tuple(fe.tokenizer.encode("x")), GREEDY, GrammarSpec.regex("(["))
+        return [c async for c in server.generate(req)]
+
+    (chunk,) = asyncio.run(bad())
+    assert chunk.error.code is ErrorCode.INVALID_ARGUMENT and chunk.error.param == "grammar"
+
+
+def test_killing_the_core_mid_stream_loses_nothing(server, folder, expected):
+    fe = frontend(server, folder)
+    pid_before, restarts = server.core.pid, server.core.restarts
+    outs = asyncio.run(stream_all(fe, on_first=lambda: server.core.kill() if server.core.pid == pid_before else None))
+    assert server.core.restarts == restarts + 1 and server.core.pid != pid_before
+    assert [[t for c in chunks for t in c.token_ids] for chunks in outs] == expected
+    assert all(chunks[-1].error is None for chunks in outs)
+    assert fe.metrics.retries._value.get() >= 1
+    assert asyncio.run(server.health())["status"] == "ok"
