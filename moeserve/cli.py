@@ -6,6 +6,7 @@ import argparse
 import sys
 import time
 
+from moeserve.config import AppConfig
 from moeserve.llm import LLM
 from moeserve.sampling_params import SamplingParams
 from moeserve.tokenizer import render_chat
@@ -42,12 +43,9 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _serve(args: argparse.Namespace) -> int:
-    """Deploy gateway + engine on an embedded local Ray; Ray is imported only here."""
-    from deployments.config import AppConfig  # lazy: `moeserve generate` never loads Ray
-    from deployments.local import serve_locally
-
-    overrides: dict = {}
+def serve_config(args: argparse.Namespace, config_class: type[AppConfig] = AppConfig) -> AppConfig:
+    """The config tree `moeserve serve` runs: the --config file (or the defaults), then the flags."""
+    overrides: dict = {"engine": {}}
     if args.shards is not None:
         overrides["shards"] = {"num_shards": args.shards}
     if args.draft is not None:
@@ -56,8 +54,21 @@ def _serve(args: argparse.Namespace) -> int:
         overrides["gateway"] = {"grpc_port": args.grpc_port}
     if args.model is not None:
         overrides["model"] = {"path": args.model}
+    for name in ("max_num_seqs", "max_model_len"):
+        if getattr(args, name) is not None:
+            overrides["engine"][name] = getattr(args, name)
+    if args.config:
+        return config_class.load(args.config, overrides)
+    return config_class.from_dict(overrides)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    """Deploy gateway + engine on an embedded local Ray; Ray is imported only here."""
+    from deployments.config import AppConfig as ServedConfig  # lazy: `moeserve generate` never loads Ray
+    from deployments.local import serve_locally
+
     try:
-        cfg = AppConfig.load(args.config, overrides) if args.config else AppConfig.from_dict(overrides)
+        cfg = serve_config(args, ServedConfig)
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -88,6 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--shards", type=int, help="expert-parallel shards per engine replica")
     s.add_argument("--draft", choices=("model", "ngram", "none", "draft"), help="speculative proposer")
     s.add_argument("--model", help="target checkpoint folder (default: checkpoints/demo-moe)")
+    s.add_argument("--max-num-seqs", type=int, help="running batch of one engine replica (engine.max_num_seqs)")
+    s.add_argument("--max-model-len", type=int, help="context length, prompt and output (engine.max_model_len)")
     s.add_argument("--http-port", type=int, default=8000)
     s.add_argument("--grpc-port", type=int, help="gRPC port (default 9000; 0 turns gRPC off)")
     s.add_argument("--host", default="127.0.0.1", help="HTTP bind address (0.0.0.0 for all interfaces)")

@@ -88,8 +88,12 @@ def test_a_plain_pip_install_serves_the_demo(tmp_path):
     # the dependencies come from this environment (no downloads); moeserve itself is installed fresh
     deps = [p for p in sys.path if p.endswith("site-packages")]
     (site / "deps.pth").write_text("\n".join(deps) + "\n")
-    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "--no-deps", "--no-build-isolation", "-q"]
-    subprocess.run([*pip, str(ROOT)], check=True, cwd=tmp_path, timeout=600)
+    # `pip install .` = build the wheel (with this environment's setuptools), install it into the venv
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                    str(tmp_path / "dist"), str(ROOT)], check=True, cwd=tmp_path, timeout=600)
+    wheel = next((tmp_path / "dist").glob("moeserve-*.whl"))
+    subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "--no-deps", "-q", str(wheel)],
+                   check=True, cwd=tmp_path, timeout=600)
     assert (site / "moeserve" / "checkpoints" / "demo-moe" / "model.safetensors").is_file()
     where = subprocess.run([str(venv / "bin" / "python"), "-c", "import moeserve.config as c; print(c.DATA_ROOT)"],
                            cwd=tmp_path, capture_output=True, text=True, check=True).stdout.strip()

@@ -25,7 +25,7 @@ class ScriptedEngine:
         if text in ErrorCode._value2member_map_:
             yield error_chunk(request.request_id, ErrorCode(text), f"scripted {text}")
             return
-        yield GenerateChunk(request.request_id, (5,), "ok", "stop", Usage(len(request.prompt_ids), 1))
+        yield GenerateChunk(request.request_id, (5,), finish_reason="stop", usage=Usage(len(request.prompt_ids), 1))
 
     async def health(self):
         return {"status": "ok"}
@@ -65,5 +65,5 @@ def test_engine_errors_map_to_status_codes(frontend, code, status):
             await server.stop(grace=None)
 
     ok, error = asyncio.run(main())
-    assert ok[-1].finish_reason == "stop" and ok[-1].text == "ok"
+    assert ok[-1].finish_reason == "stop" and ok[-1].text == frontend.tokenizer.decode([5])  # text is made here
     assert error.code() == status and f"scripted {code.value}" in error.details()

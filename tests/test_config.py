@@ -1,0 +1,77 @@
+"""The one config tree: the YAML, the CLI flags and `LLM(...)` with the same settings build the same
+tree, every component's defaults are the tree's, and relative paths resolve beside the file."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from moeserve.cli import build_parser, serve_config
+from moeserve.config import AppConfig, EngineSection, SpeculativeSection, resolve_path
+from moeserve.engine.factory import EngineConfig
+
+SETTINGS_YAML = """
+model:
+  path: checkpoints/demo-moe
+engine:
+  max_num_seqs: 8
+  max_model_len: 512
+speculative:
+  draft: none
+"""
+
+
+def test_yaml_cli_and_llm_options_give_the_same_config(tmp_path):
+    path = tmp_path / "app.yaml"
+    path.write_text(SETTINGS_YAML)
+    from_yaml = AppConfig.load(path)
+    args = build_parser().parse_args(["serve", "--model", "checkpoints/demo-moe", "--draft", "none",
+                                      "--max-num-seqs", "8", "--max-model-len", "512"])
+    from_cli = serve_config(args)
+    from_llm = AppConfig.from_options("checkpoints/demo-moe", "none", max_num_seqs=8, max_model_len=512)
+    assert from_yaml.model_dump() == from_cli.model_dump() == from_llm.model_dump()
+    engines = {EngineConfig.from_app(c) for c in (from_yaml, from_cli, from_llm)}
+    assert len(engines) == 1 and engines.pop().max_num_seqs == 8
+
+
+def test_every_component_default_is_the_trees():
+    tree, engine = AppConfig(), EngineConfig()
+    assert engine == EngineConfig.from_app(tree)  # no default of its own disagrees
+    assert (engine.max_num_seqs, engine.max_num_batched_tokens) == (
+        EngineSection.model_fields["max_num_seqs"].default, EngineSection.model_fields["max_num_batched_tokens"].default)
+    assert engine.spec_disable_by_batch_size == SpeculativeSection.model_fields["disable_by_batch_size"].default
+    from deployments.config import AppConfig as ServedConfig
+    from deployments.engine_loader import EngineServerConfig
+
+    served = ServedConfig().engine_server_config()
+    plain = EngineServerConfig()
+    for f in ("max_queued_requests", "num_shards", "shard_strategy", "torch_threads", "core_process"):
+        assert getattr(served, f) == getattr(plain, f), f
+
+
+def test_the_shipped_yaml_states_the_defaults():
+    """deployments/serve_config.yaml spells out the engine settings; they are the tree's defaults
+    (`LLM()` and `moeserve serve` with no file run the same engine)."""
+    from deployments.config import PROJECT_ROOT
+
+    shipped = AppConfig.load(PROJECT_ROOT / "deployments" / "serve_config.yaml")
+    assert shipped.engine == AppConfig().engine and shipped.speculative == AppConfig().speculative
+    assert EngineConfig.from_app(shipped) == EngineConfig()
+
+
+def test_relative_paths_resolve_beside_the_file_first(tmp_path):
+    (tmp_path / "my-model").mkdir()
+    path = tmp_path / "app.yaml"
+    path.write_text("model:\n  path: my-model\n")
+    assert AppConfig.load(path).model.path == str(tmp_path / "my-model")
+    default = EngineConfig.from_app(AppConfig())
+    assert default.model == resolve_path("checkpoints/demo-moe") and default.model.endswith("checkpoints/demo-moe")
+
+
+def test_unknown_options_are_refused_by_name():
+    with pytest.raises(ValueError, match="max_num_seq: not an engine option"):
+        AppConfig.from_options(max_num_seq=4)
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        AppConfig.from_options(max_num_seqs=0)
+    assert dataclasses.replace(EngineConfig(), speculation="draft").speculation == "model"  # the older name
