@@ -45,6 +45,8 @@ class EngineSection(_Section):
     kv_budget_tokens: int = Field(0, ge=0)
     # Backpressure: past max_num_seqs running + this many waiting, new requests get 503 / RESOURCE_EXHAUSTED.
     max_queued_requests: int = Field(64, ge=0)
+    # torch threads of the engine; unset: torch's default in-process, all cores but one in the
+    # core process (the other is the serving processes')
     torch_threads: int | None = Field(None, ge=1)
     # How often each replica pushes its expert-load counters to the router-service actor (0: never).
     expert_load_report_s: float = Field(10.0, ge=0)
@@ -52,7 +54,7 @@ class EngineSection(_Section):
     # The interval grows linearly with the live requests, to stream_interval_max_s (never below
     # stream_interval_s) at max_num_seqs.
     stream_interval_s: float = Field(0.025, ge=0, le=1)
-    stream_interval_max_s: float = Field(0.1, ge=0, le=1)
+    stream_interval_max_s: float = Field(0.2, ge=0, le=1)
     # The step loop in a process of its own (no GIL shared with Serve); see deployments/engine_server.py.
     core_process: bool = True
 

@@ -252,8 +252,8 @@ def build_core(spec: Any) -> EngineCore:
     from moeserve.grammar import GrammarCompiler
 
     engine_config, torch_threads = spec
-    if torch_threads:
-        torch.set_num_threads(torch_threads)
+    # unset: leave a core to the serving processes (the replica, the gateway, Serve's proxy)
+    torch.set_num_threads(torch_threads or max(1, torch.get_num_threads() - 1))
     engine = build_engine(engine_config)
     return EngineCore(engine, GrammarCompiler(engine.tokenizer, engine.runner.vocab_size))
 
