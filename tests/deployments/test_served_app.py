@@ -50,7 +50,7 @@ def app(tmp_path_factory):
         return build_app(config), APP_NAME, "/"
 
     with serve_app(build) as urls:
-        yield urls
+        yield {**urls, "folder": str(folder)}
 
 
 def client(app) -> openai.OpenAI:
@@ -72,6 +72,22 @@ def test_openai_client_completion_chat_stream_and_json_schema(app):
                                   response_format=rf, max_tokens=60, temperature=1.0, seed=5)
     assert r.choices[0].finish_reason == "stop"
     jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMA)
+
+
+def test_served_greedy_text_equals_the_offline_engine(app):
+    """The served stack (gateway -> replica -> core process) writes exactly what `LLM.generate`
+    writes in this process on the same settings."""
+    from moeserve import LLM, SamplingParams
+
+    prompts = ["The bakery sells", "Order: two loaves", "Hello my"]
+    c = client(app)
+    served = [c.completions.create(model=MODEL_NAME, prompt=p, max_tokens=24, temperature=0,
+                                   extra_body={"ignore_eos": True}).choices[0].text for p in prompts]
+    llm = LLM(app["folder"], "ngram", num_tokens=3, max_num_seqs=8, max_model_len=256)
+    offline = llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+    assert served == [o.text for o in offline] and all(len(o.token_ids) == 24 for o in offline)
+    health = httpx.get(f"{app['http']}/health", timeout=10).json()
+    assert health["engine"]["core_restarts"] == 0
 
 
 @pytest.mark.parametrize("extra,spec", [
