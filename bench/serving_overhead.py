@@ -1,7 +1,7 @@
 """What serving costs: the served stack (HTTP -> proxy -> gateway -> engine replica -> core process)
 against the same engine in this process (`moeserve.LLM`), side by side in one run.
 
-    python -m bench.serving_overhead [--streams 32] [--max-tokens 64] [--runs 3]
+    python -m bench.serving_overhead [--streams 32] [--max-tokens 64] [--runs 3] [--report NAME]
 
 Three measurements, each the median of `--runs` alternating runs:
 
@@ -136,6 +136,7 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--http-port", type=int, default=8123)
+    p.add_argument("--report", default="serving_overhead", help="report name in bench/reports/")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="a config override for both sides, e.g. engine.torch_threads=1 (YAML value)")
     args = p.parse_args()
@@ -195,7 +196,7 @@ def main() -> int:
     result["itl_served_over_offline"] = result["itl_ms"]["served"] / result["itl_ms"]["offline"]
     md = markdown(result, args)
     print(md)
-    print("report:", write("serving_overhead", result, md, {"throughput": figure(result, args)})[1])
+    print("report:", write(args.report, result, md, {"throughput": figure(result, args)})[1])
     from ray import serve
 
     serve.shutdown()

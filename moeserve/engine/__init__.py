@@ -1,7 +1,8 @@
 """The in-process engine: scheduler, model runner, and the step loop."""
 
-from moeserve.engine.engine import Completion, LLMEngine, SpecConfig
+from moeserve.engine.engine import Completion, LLMEngine
 from moeserve.engine.model_runner import ModelRunner, Row
 from moeserve.engine.scheduler import Scheduler, SchedulerConfig
+from moeserve.spec.config import SpecConfig
 
 __all__ = ["Completion", "LLMEngine", "ModelRunner", "Row", "Scheduler", "SchedulerConfig", "SpecConfig"]

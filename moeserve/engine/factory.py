@@ -7,9 +7,10 @@ from dataclasses import dataclass
 import torch
 
 from moeserve.config import AppConfig, EngineSection, ModelSection, SpeculativeSection, default_of, resolve_path
-from moeserve.engine.engine import LLMEngine, SpecConfig
+from moeserve.engine.engine import LLMEngine
 from moeserve.engine.model_runner import ModelRunner
 from moeserve.engine.scheduler import SchedulerConfig
+from moeserve.spec.config import SpecConfig
 
 SPECULATION = ("none", "ngram", "model")
 
