@@ -18,8 +18,8 @@ def _generate(args: argparse.Namespace) -> int:
         params = SamplingParams(
             max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
         )
-        llm = LLM(args.model, draft, num_spec_tokens=args.num_spec_tokens, max_model_len=args.max_model_len,
-                  max_num_seqs=1)
+        llm = LLM(args.model, draft, num_tokens=args.num_spec_tokens, max_model_len=args.max_model_len,
+                  max_num_seqs=1, compile=args.compile)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -91,6 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--draft-model", help="draft checkpoint folder (default: checkpoints/demo-draft)")
     g.add_argument("--max-model-len", type=int, default=1024)
     g.add_argument("--raw", action="store_true", help="send PROMPT as is, without the chat template")
+    g.add_argument("--compile", action="store_true",
+                   help="compile the decode step first (pays off for long outputs; tens of seconds the first time)")
     g.add_argument("-v", "--verbose", action="store_true", help="print throughput and speculation stats")
     g.set_defaults(func=_generate)
 

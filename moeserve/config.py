@@ -57,6 +57,10 @@ class EngineSection(_Section):
     stream_interval_max_s: float = Field(0.2, ge=0, le=1)
     # The step loop in a process of its own (no GIL shared with Serve); see deployments/engine_server.py.
     core_process: bool = True
+    # Decode and verify passes as one torch.compile'd graph (model_shards/compiled_step.py), compiled
+    # when the engine starts (~40 s the first time, ~15 s from inductor's on-disk cache). Off by
+    # default: on the demo MoE it gains 1.4x at batch 1 and 16 but nothing at 2-4 (bench/generation.py).
+    compile: bool = False
 
 
 class SpeculativeSection(_Section):

@@ -75,3 +75,15 @@ def test_unknown_options_are_refused_by_name():
     with pytest.raises(ValueError, match="max_num_seqs"):
         AppConfig.from_options(max_num_seqs=0)
     assert dataclasses.replace(EngineConfig(), speculation="draft").speculation == "model"  # the older name
+
+
+def test_moeserve_generate_runs_on_the_demo_pair():
+    """`moeserve generate` (scripts/run.sh generate ...) builds its engine through LLM(...) and streams a reply."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "moeserve.cli", "generate", "Do you have rye bread?", "--max-tokens",
+                          "6", "--draft", "ngram", "--num-spec-tokens", "3", "-v"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() and "tokens/s; speculation=ngram" in out.stderr

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +37,7 @@ class EngineConfig:
     max_num_batched_tokens: int = default_of(EngineSection, "max_num_batched_tokens")
     kv_budget_tokens: int = default_of(EngineSection, "kv_budget_tokens")
     dtype: str = default_of(ModelSection, "dtype")
+    compile: bool = default_of(EngineSection, "compile")
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -67,6 +69,7 @@ class EngineConfig:
             max_num_batched_tokens=e.max_num_batched_tokens,
             kv_budget_tokens=e.kv_budget_tokens,
             dtype=cfg.model.dtype,
+            compile=e.compile,
         )
 
     @property
@@ -101,8 +104,13 @@ def build_engine(cfg: EngineConfig, runner=None, proposer=None) -> LLMEngine:
 
     tokenizer = load_tokenizer(cfg.model)
     if runner is None:
-        runner = ModelRunner(load_checkpoint(cfg.model, cfg.torch_dtype), cfg.max_num_seqs, cfg.max_model_len)
+        model = load_checkpoint(cfg.model, cfg.torch_dtype)
+        runner = ModelRunner(model, cfg.max_num_seqs, cfg.max_model_len, compile=cfg.compile)
     proposer = proposer if proposer is not None else build_proposer(cfg)
+    if getattr(runner, "compiled", None) is not None:
+        verify = (cfg.num_spec_tokens + 1,) if proposer is not None else ()
+        seconds = runner.compiled.warm_up((1, *verify))
+        logging.getLogger(__name__).info("model step compiled in %.1f s", seconds)
     spec = SpecConfig(num_tokens=cfg.num_spec_tokens if proposer is not None else 0, adaptive=cfg.adaptive_k,
                       disable_by_batch_size=cfg.spec_disable_by_batch_size)
     return LLMEngine(runner, tokenizer, scheduler=cfg.scheduler(), proposer=proposer, spec=spec)

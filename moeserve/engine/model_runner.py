@@ -68,15 +68,23 @@ def forward_last(runner, rows: list[Row]) -> torch.Tensor:
 
 
 class ModelRunner:
-    """Target model + KV cache for up to `max_num_seqs` sequences of up to `max_model_len` tokens."""
+    """Target model + KV cache for up to `max_num_seqs` sequences of up to `max_model_len` tokens.
 
-    def __init__(self, model: CausalLM, max_num_seqs: int, max_model_len: int) -> None:
+    compile: run decode and verify passes as a compiled graph (model_shards/compiled_step.py)
+    whenever the batch allows it; prefill and anything else stays eager."""
+
+    def __init__(self, model: CausalLM, max_num_seqs: int, max_model_len: int, compile: bool = False) -> None:
         self.model = model
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.vocab_size = model.config.vocab_size
         self.cache = model.make_cache(max_num_seqs, max_model_len)
         self.slots = SlotTable(max_num_seqs)
+        self.compiled = None
+        if compile:
+            from model_shards.compiled_step import CompiledStep
+
+            self.compiled = CompiledStep(model, self.cache)
 
     @property
     def num_free_slots(self) -> int:
@@ -99,14 +107,26 @@ class ModelRunner:
         for b, i in enumerate(order):
             ids[b, : len(rows[i].tokens)] = torch.tensor(rows[i].tokens)
         ordered = [rows[i] for i in order]
-        batch = StepBatch.build(
-            [self.slots.slot(r.seq_id) for r in ordered], [r.start for r in ordered], [len(r.tokens) for r in ordered]
-        )
+        lists = batch_lists(self.slots, ordered)
         for r in ordered:
             if r.start + len(r.tokens) > self.max_model_len:
                 raise ValueError(f"sequence {r.seq_id!r} exceeds max_model_len={self.max_model_len}")
             self.slots.written(r.seq_id, r.start + len(r.tokens))
-        out = self.model(ids, self.cache, batch, logits=logits)
+        if self._use_compiled(ordered, tq):
+            out = self.compiled(ids, *lists)  # [B, Tq, V]
+            if logits == "last":
+                out = out[torch.arange(len(ordered)), torch.tensor(lists[2]) - 1]  # [B, V]
+        else:
+            out = self.model(ids, self.cache, StepBatch.build(*lists), logits=logits)
         inverse = torch.empty(len(order), dtype=torch.long)
         inverse[torch.tensor(order)] = torch.arange(len(order))
         return out[inverse]
+
+    def _use_compiled(self, rows: list[Row], tq: int) -> bool:
+        """Decode and verify passes (every row has cached tokens before it) that the graph takes."""
+        return self.compiled is not None and all(r.start > 0 for r in rows) and self.compiled.accepts(len(rows), tq)
+
+
+def batch_lists(slots: SlotTable, rows: list[Row]) -> tuple[list[int], list[int], list[int]]:
+    """(slot, start, query length) of each row."""
+    return [slots.slot(r.seq_id) for r in rows], [r.start for r in rows], [len(r.tokens) for r in rows]

@@ -1,0 +1,161 @@
+"""The decode and verify pass as one captured graph: the same model, no data-dependent Python.
+
+Shapes: B rows (padded to >= 2), T query positions, Tk keys read per row, D hidden,
+E experts, K experts per token, I expert width, V vocab, L layers.
+
+A decode step of a small MoE is nearly all per-op overhead (dozens of tiny kernels per
+layer, each a Python call). `torch.compile` fuses them, but only over code whose control
+flow does not depend on tensor values. This pass is the eager forward rewritten that way:
+
+- KV writes and reads go through index tensors (padding positions write to each slot's
+  scratch column, as the eager cache does); the attention mask comes from positions;
+- every token runs through every local expert as one batched matmul, and the top-k gate
+  weights (zero elsewhere) combine them: exact for capacity "none", and at decode sizes
+  E/K times more arithmetic costs less than the per-expert gather, split and scatter;
+- rows: one graph for a batch of one (torch specialises size-1 dimensions; the single
+  stream is the latency that matters most) and one shape-generic graph for 4..64 rows, each
+  for T = 1 (decode) and T = k + 1 (verify).
+
+Prefill (long, ragged prompts), capacity limits other than "none", and expert-parallel
+shards keep the eager path (`CompiledStep.accepts`). The router's choices come back with
+the logits so the expert-load statistics still count every real token (never padding).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+import torch.fx.experimental._config
+import torch.nn.functional as F
+
+from model_shards.dispatch import LocalDispatch
+from model_shards.kv_cache import KVCache
+from model_shards.layers import apply_rotary
+from model_shards.model import CausalLM
+from router_service.gating import Gates, topk_gate
+
+logger = logging.getLogger(__name__)
+
+MAX_ROWS = 64  # larger batches: eager (the dense expert matmul grows with B * T * E)
+MAX_QUERY = 16  # decode (1) and verify (k + 1 <= 17) positions
+# 2-3 rows: the shape-generic graph costs more than eager here (demo MoE on CPU: 0.8x at 2 rows,
+# 1.0x at 4, 1.2x at 8, 1.4x at 16; a batch of one has a graph of its own, 1.4x)
+MIN_ROWS_GENERIC = 4
+
+
+class CompiledStep:
+    """`model`'s forward over `cache` for decode/verify batches, compiled once per variant.
+
+    `warm_up` writes into the first slots: call it before any sequence holds one. `backend`:
+    torch.compile's ("inductor": C++ kernels on CPU, Triton on GPU; "eager": traced, not compiled)."""
+
+    def __init__(self, model: CausalLM, cache: KVCache, backend: str = "inductor") -> None:
+        self.model, self.cache = model, cache
+        self.num_calls = 0
+        self._graph = torch.compile(self._forward, dynamic=True, backend=backend)
+
+    def accepts(self, num_rows: int, tq: int) -> bool:
+        blocks = self.model.moe_blocks
+        local = all(isinstance(b.dispatch, LocalDispatch) and b.routing.overflow == "none" for b in blocks)
+        rows_ok = num_rows == 1 or MIN_ROWS_GENERIC <= num_rows <= MAX_ROWS
+        return local and rows_ok and tq <= MAX_QUERY
+
+    @torch.inference_mode()
+    def __call__(self, ids: torch.Tensor, slots: list[int], start: list[int], q_lens: list[int]) -> torch.Tensor:
+        """ids [B, T] (padded on the right past q_lens) -> logits [B, T, V]."""
+        b, t = ids.shape
+        self.num_calls += 1
+        ids = ids.clone()  # an inference tensor, like every other input: one set of guards
+        as_long = lambda v: torch.tensor(v, dtype=torch.long)  # noqa: E731
+        tk = max(s + t for s in start)
+        # no "duck sizing": a batch that happens to equal a model dimension must not become a guard
+        with torch.fx.experimental._config.patch(use_duck_shape=False):
+            logits, gates = self._graph(ids, as_long(slots), as_long(start), as_long(q_lens), tk)
+        self._count(gates, q_lens[:b], t)
+        return logits[:b]
+
+    def warm_up(self, query_lens: tuple[int, ...] = (1,)) -> float:
+        """Compile every variant now (a few seconds each from inductor's on-disk cache, tens
+        of seconds the first time); returns the seconds it took."""
+        t0 = time.perf_counter()
+        for t in query_lens:
+            logger.info("compiling the model step for %d query position(s)...", t)
+            # start past 1: torch specialises sizes 0 and 1, and the keys read (Tk) must stay symbolic
+            for b in (1, MIN_ROWS_GENERIC):
+                self(torch.zeros(b, t, dtype=torch.long), list(range(b)), [2] * b, [t] * b)
+        return time.perf_counter() - t0
+
+    # ---- the graph -------------------------------------------------------------------------
+    def _forward(self, ids, slots, start, q_lens, tk: int) -> tuple[torch.Tensor, list[tuple]]:
+        m = self.model.model
+        b, t = ids.shape
+        x = m.embed_tokens(ids)  # [B, T, D]
+        pos = start[:, None] + torch.arange(t)  # [B, T]
+        valid = torch.arange(t)[None, :] < q_lens[:, None]  # [B, T]
+        rope = m.rotary(pos, x.dtype)
+        gates = []
+        for i, layer in enumerate(m.layers):
+            x = x + self._attention(layer.self_attn, layer.input_layernorm(x), rope, i, slots, pos, valid, tk)
+            h = layer.post_attention_layernorm(x).reshape(b * t, -1)  # [B*T, D]
+            if layer.is_sparse:
+                out, g = _dense_moe(layer.mlp, h)
+                gates.append((g.weights, g.expert_ids, g.probs))
+            else:
+                out = layer.mlp(h)
+            x = x + out.view(b, t, -1)
+        return self.model.lm_logits(m.norm(x)), gates  # [B, T, V]
+
+    def _attention(self, attn, x, rope, layer: int, slots, pos, valid, tk: int) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+        if attn.qk_norm == "full":
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        if attn.clip_qkv is not None:
+            q, k, v = (z.clamp(-attn.clip_qkv, attn.clip_qkv) for z in (q, k, v))
+        q = q.view(b, t, attn.num_heads, attn.head_dim)
+        k = k.view(b, t, attn.num_kv_heads, attn.head_dim)
+        v = v.view(b, t, attn.num_kv_heads, attn.head_dim)  # [B, T, Hkv, Dh]
+        if attn.qk_norm == "head":
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q = apply_rotary(q.transpose(1, 2), *rope)  # [B, H, T, Dh]
+        k = apply_rotary(k.transpose(1, 2), *rope)  # [B, Hkv, T, Dh]
+        keys, values = self.cache.k[layer], self.cache.v[layer]  # [S, Hkv, Tmax + 1, Dh]
+        write = torch.where(valid, pos, self.cache.max_len)  # [B, T]; padding -> scratch column
+        # advanced indices on dims 0 and 2 put the broadcast [B, T] first: values are [B, T, Hkv, Dh]
+        keys[slots[:, None], :, write] = k.transpose(1, 2)
+        values[slots[:, None], :, write] = v
+        mask = (torch.arange(tk)[None, None, :] <= pos[:, :, None])[:, None]  # [B, 1, T, Tk]
+        out = F.scaled_dot_product_attention(q, keys[slots, :, :tk], values[slots, :, :tk], attn_mask=mask,
+                                             enable_gqa=True)  # [B, H, T, Dh]
+        return attn.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+    def _count(self, gates: list[tuple], q_lens: list[int], t: int) -> None:
+        """Expert-load statistics over the real tokens of the first len(q_lens) rows."""
+        blocks = self.model.moe_blocks
+        if not blocks or blocks[0].stats is None:
+            return
+        keep = torch.cat([torch.arange(r * t, r * t + n) for r, n in enumerate(q_lens)])  # [N_valid]
+        for block, (weights, expert_ids, probs) in zip(blocks, gates):
+            block.stats.update(block.layer_idx, Gates(weights[keep], expert_ids[keep], probs[keep]))
+
+
+def _dense_moe(block, x: torch.Tensor) -> tuple[torch.Tensor, Gates]:
+    """The MoE block on [N, D] tokens with every local expert as one batched matmul."""
+    g = topk_gate(block.gate(x), block.gate_cfg)  # weights, expert_ids [N, K]; probs [N, E]
+    e = block.experts
+    n, d = x.shape
+    w = torch.zeros(n, e.num_local, dtype=x.dtype).scatter(1, g.expert_ids, g.weights.to(x.dtype))  # [N, E]
+    # one matmul against every expert's stacked weights (a view: no copy), then one batched one
+    if n == 1:  # a single token (the batch-of-one graph): einsum lowers to matrix-vector products
+        gate, up = torch.einsum("nd,efd->nef", x, e.gate_up_proj).chunk(2, dim=-1)  # [N, E, I] x2
+        y = torch.einsum("nei,edi->ned", F.silu(gate) * up, e.down_proj)  # [N, E, D]
+        out = torch.einsum("ne,ned->nd", w, y)  # [N, D]
+    else:  # one matmul against every expert's stacked weights (a view, no copy), then one batched one
+        gate, up = F.linear(x, e.gate_up_proj.view(-1, d)).view(n, e.num_local, -1).chunk(2, dim=-1)  # [N, E, I]
+        y = torch.bmm((F.silu(gate) * up).transpose(0, 1), e.down_proj.transpose(1, 2))  # [E, N, D]
+        out = torch.einsum("ne,end->nd", w, y)  # [N, D]
+    if block.shared_expert is not None:
+        out = out + torch.sigmoid(block.shared_expert_gate(x)) * block.shared_expert(x)
+    return out, g
