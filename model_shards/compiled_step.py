@@ -40,8 +40,8 @@ logger = logging.getLogger(__name__)
 
 MAX_ROWS = 64  # larger batches: eager (the dense expert matmul grows with B * T * E)
 MAX_QUERY = 16  # decode (1) and verify (k + 1 <= 17) positions
-# 2-3 rows: the shape-generic graph costs more than eager here (demo MoE on CPU: 0.8x at 2 rows,
-# 1.0x at 4, 1.2x at 8, 1.4x at 16; a batch of one has a graph of its own, 1.4x)
+# 2-3 rows: the shape-generic graph costs more than eager (demo MoE on CPU, per engine step:
+# 0.8x at 2 rows, 1.0x at 4, 1.2x at 8, 1.4x at 16; a batch of one has a graph of its own, 1.4x)
 MIN_ROWS_GENERIC = 4
 
 

@@ -59,7 +59,7 @@ class EngineSection(_Section):
     core_process: bool = True
     # Decode and verify passes as one torch.compile'd graph (model_shards/compiled_step.py), compiled
     # when the engine starts (~40 s the first time, ~15 s from inductor's on-disk cache). Off by
-    # default: on the demo MoE it gains 1.4x at batch 1 and 16 but nothing at 2-4 (bench/generation.py).
+    # default: on the demo MoE it generates 1.7x faster at batch 1, 1.0-1.4x at 16 (bench/generation.py).
     compile: bool = False
 
 
