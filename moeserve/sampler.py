@@ -19,9 +19,15 @@ take the argmax of the raw logits and never touch a random generator.
 Cost per step, B rows of V logits: one softmax, a torch.topk for top-k and another over
 TOP_P_CANDIDATES for top-p (a full sort only for rows whose nucleus is wider than that),
 one cumulative sum and one uniform number per position for the draw (inverse CDF, far
-cheaper on CPU than V exponential or Gumbel numbers). Each seeded row draws its number
-from its own torch.Generator, so a seeded request gets the same tokens whatever else is
-in the batch.
+cheaper on CPU than V exponential or Gumbel numbers).
+
+Seeded requests draw differently: the token at absolute position i of a request with seed
+s is argmax_x p(x) / E_x, with E ~ Exp(1)^V keyed by (s, i) (the exponential race, which is
+Gumbel-max: an exact sample from p). The noise depends on nothing but the request, so its
+reply is the same whatever else is in the batch, with or without speculation, with any
+proposer and after a resume: a draft that samples with the same keyed noise proposes
+exactly the target's token wherever p and q agree, and verification keeps a draft token iff
+it is the target's own keyed sample (`keyed_sample`).
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ import torch
 
 from moeserve.sampling_params import SamplingParams
 
-__all__ = ["Sampler", "make_generator", "random_sample"]
+__all__ = ["Sampler", "keyed_noise", "keyed_sample", "make_generator", "random_sample"]
 
 NEG_INF = float("-inf")
 # top-p first looks for the nucleus among this many most likely tokens, which avoids a
@@ -43,6 +49,32 @@ def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Gener
     generator = torch.Generator(device=device)
     generator.manual_seed(seed)
     return generator
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def _key(seed: int, position: int) -> int:
+    """splitmix64 of (seed, position): the generator seed of one position's noise."""
+    z = (seed * 0x9E3779B97F4A7C15 + position * 0xD1B54A32D192ED03 + 1) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) & ((1 << 63) - 1)
+
+
+def keyed_noise(keys: list[tuple[int, int]], vocab: int) -> torch.Tensor:
+    """Exp(1) noise [N, V], row i a function of keys[i] = (seed, position) alone."""
+    noise = torch.empty(len(keys), vocab, dtype=torch.float64)
+    gen = torch.Generator()
+    for i, (seed, position) in enumerate(keys):
+        gen.manual_seed(_key(seed, position))
+        noise[i].exponential_(generator=gen)
+    return noise
+
+
+def keyed_sample(probs: torch.Tensor, keys: list[tuple[int, int]]) -> torch.Tensor:
+    """One exact sample per row of probs [N, V] (need not be normalised), keyed: [N] token ids."""
+    return (probs.double() / keyed_noise(keys, probs.shape[-1])).argmax(dim=-1)
 
 
 def random_sample(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
@@ -149,10 +181,13 @@ class Sampler:
         logits: torch.Tensor,
         params: list[SamplingParams],
         generators: list[torch.Generator | None] | None = None,
+        positions: list[int] | None = None,
     ) -> torch.Tensor:
         """Token ids [B] for logits [B, V] (or [B, T] for logits [B, T, V]).
 
-        generators[i] is row i's own generator (from make_generator) or None; it is only
+        Rows whose params carry a seed draw keyed noise (`keyed_sample`) for the absolute
+        position positions[i] (+ t for the t-th of T positions). Otherwise generators[i] is
+        row i's own generator (from make_generator) or None (torch's default); it is only
         consulted for rows that actually sample. All-greedy batches are a plain argmax.
         """
         logits3, squeeze = _as_3d(logits, params)
@@ -160,16 +195,23 @@ class Sampler:
             generators = [None] * len(params)
         if len(generators) != len(params):
             raise ValueError(f"generators has {len(generators)} entries for {len(params)} rows")
-
         sampled = [i for i, p in enumerate(params) if not p.greedy]
-        if len(sampled) == len(params):
-            tokens = random_sample(_processed_probs(logits3, params), generators)  # [B, T]
-            return tokens.squeeze(1) if squeeze else tokens
-        tokens = logits3.argmax(dim=-1)  # [B, T]
-        if sampled:
-            rows = _index(sampled, logits3.device)
-            probs = _processed_probs(logits3[rows], [params[i] for i in sampled])  # [S, T, V]
-            tokens[rows] = random_sample(probs, [generators[i] for i in sampled])  # [S, T]
+        keyed = [i for i in sampled if params[i].seed is not None and positions is not None]
+        drawn = [i for i in sampled if i not in keyed]
+        tokens = logits3.argmax(dim=-1) if len(drawn) < len(params) else None  # [B, T]
+        if drawn:
+            rows = drawn if tokens is not None else slice(None)
+            probs = _processed_probs(logits3[rows], [params[i] for i in drawn])  # [S, T, V]
+            picked = random_sample(probs, [generators[i] for i in drawn])  # [S, T]
+            if tokens is None:
+                tokens = picked
+            else:
+                tokens[_index(drawn, logits3.device)] = picked
+        if keyed:
+            t = logits3.shape[1]
+            probs = _processed_probs(logits3[keyed], [params[i] for i in keyed])  # [S, T, V]
+            keys = [(params[i].seed, positions[i] + j) for i in keyed for j in range(t)]
+            tokens[_index(keyed, logits3.device)] = keyed_sample(probs.reshape(-1, probs.shape[-1]), keys).view(-1, t)
         return tokens.squeeze(1) if squeeze else tokens
 
 

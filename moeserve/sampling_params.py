@@ -47,8 +47,9 @@ class SamplingParams:
         top_k: keep the k most likely tokens; 0 or -1 turns it off.
         top_p: nucleus sampling, keep the smallest set of tokens whose probability
             reaches top_p (0 < top_p <= 1; 1 turns it off).
-        seed: seeds this request's own random generator, so the same request gives the
-            same tokens whatever else is in the batch; None uses the shared generator.
+        seed: keys this request's random draws by (seed, position), so the same request gives
+            the same tokens whatever else is in the batch, with or without speculation and
+            after a resume; None draws from the shared generator.
         stop: strings that end generation; the stop string is not part of the output.
             A single string or a list is accepted and stored as a tuple.
         stop_token_ids: token ids that end generation (besides EOS); the token is not

@@ -5,8 +5,6 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-import torch
-
 from moeserve.sampling_params import SamplingParams
 
 
@@ -29,7 +27,6 @@ class Sequence:
     num_cached: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
-    generator: torch.Generator | None = None
     grammar: object | None = None  # per-request grammar matcher, when the request is constrained
     num_spec: int = 0  # draft tokens to ask for this step (adaptive)
 

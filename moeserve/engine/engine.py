@@ -20,7 +20,7 @@ from moeserve.engine.model_runner import ModelRunner, Row, forward_last
 from moeserve.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from moeserve.engine.structured import StructuredConfig, StructuredOutput
 from moeserve.grammar import CompiledGrammar
-from moeserve.sampler import Sampler, make_generator
+from moeserve.sampler import Sampler
 from moeserve.sampling_params import SamplingParams
 from moeserve.sequence import RequestOutput, Sequence
 from moeserve.spec.adaptive import AdaptiveK, AdaptiveKConfig
@@ -28,7 +28,7 @@ from moeserve.spec.config import SpecConfig
 from moeserve.spec.cost_meter import PRIOR_COSTS, StepCostMeter
 from moeserve.spec.metrics import SpecMetrics
 from moeserve.spec.proposer import ProposalRequest, Proposer, pad_proposals
-from moeserve.spec.rejection_sampler import RejectionSampler
+from moeserve.spec.rejection_sampler import RejectionSampler, SpecOutput
 
 
 class LLMEngine:
@@ -98,8 +98,6 @@ class LLMEngine:
             seq.grammar = self.structured.new_request(grammar)
             if seq.grammar.accept(resume_ids) != len(resume_ids):
                 raise ValueError("the resumed output does not match the grammar")
-        if params.seed is not None:
-            seq.generator = make_generator(params.seed)
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
         return request_id
@@ -137,7 +135,7 @@ class LLMEngine:
             s.num_cached = s.num_tokens
         if self.structured.fill_last(seqs):
             self.structured.apply(logits)
-        tokens = self.sampler.sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        tokens = self.sampler.sample(logits, [s.params for s in seqs], positions=[s.num_tokens for s in seqs])
         return [[t] for t in tokens.tolist()]
 
     def _decode(self, batch: ScheduledBatch) -> list[list[int]]:
@@ -195,10 +193,23 @@ class LLMEngine:
         draft_ids, draft_probs, num_draft = pad_proposals(self._last_proposals, width=k)
         logits = logits[:, : k + 1]  # [B, K+1, V]
         params = [s.params for s in seqs]
-        if all(p.greedy for p in params):
-            return self.rejection.greedy(logits.argmax(-1), draft_ids, num_draft)
-        target_probs = self.sampler.probs(logits, params)  # [B, K+1, V]
-        return self.rejection.sample(target_probs, draft_ids, draft_probs, num_draft, [s.generator for s in seqs])
+        # Greedy and seeded rows keep drafts while they equal the target's own token at each
+        # position: its argmax, or its keyed sample (moeserve/sampler.py), so a seeded reply is
+        # the same with or without speculation. Other sampled rows: exact rejection sampling.
+        drawn = [i for i, p in enumerate(params) if not p.greedy and p.seed is None]
+        own = [p if i not in drawn else _GREEDY for i, p in enumerate(params)]
+        target = self.sampler.sample(logits, own, positions=[s.num_tokens for s in seqs])  # [B, K+1]
+        out = self.rejection.greedy(target, draft_ids, num_draft)
+        if not drawn:
+            return out
+        rows = torch.tensor(drawn)
+        q = draft_probs[rows] if draft_probs is not None else None
+        sampled = self.rejection.sample(self.sampler.probs(logits[rows], [params[i] for i in drawn]),
+                                        draft_ids[rows], q, num_draft[rows])
+        token_ids, accepted = list(out.token_ids), out.num_accepted.clone()
+        for j, i in enumerate(drawn):
+            token_ids[i], accepted[i] = sampled.token_ids[j], sampled.num_accepted[j]
+        return SpecOutput(token_ids, accepted)
 
     # ---- after a step ------------------------------------------------------------------------
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
@@ -268,6 +279,9 @@ class LLMEngine:
                     c.token_ids += out.new_token_ids
                     c.finished, c.finish_reason = out.finished, out.finish_reason
         return [done[rid] for rid in ids]
+
+
+_GREEDY = SamplingParams(temperature=0.0)  # a placeholder for rows verified by rejection sampling
 
 
 def _verify_window(logits: torch.Tensor, fed: list[int], k: int) -> torch.Tensor:

@@ -41,7 +41,7 @@ import torch
 
 from model_shards import CausalLM, StepBatch
 from moeserve.engine.model_runner import ModelRunner, Row, forward_last
-from moeserve.sampler import Sampler
+from moeserve.sampler import Sampler, keyed_sample, random_sample
 from moeserve.sampling_params import SamplingParams
 from moeserve.spec.draft_decoder import DenseDecodeStep
 from moeserve.spec.proposer import Proposal, ProposalRequest, Proposer
@@ -253,14 +253,13 @@ class DraftModelProposer(Proposer):
     ) -> None:
         """Draws draft j for the sampling rows `idx` from their processed q; stores q."""
         q = self.sampler.probs(logits[idx], [rows[b].params for b in idx])  # [s, V]
-        u = torch.rand(len(idx), dtype=torch.float64)  # [s]
-        for i, b in enumerate(idx):
-            if rows[b].params.seed is not None:
-                u[i] = _seeded_uniform(rows[b].params.seed, len(rows[b].tokens) + j)
-        cdf = q.double().cumsum(dim=-1)  # [s, V]
-        pick = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(-1)  # [s]
-        # u * total can round up to total; the last token with mass is meant.
-        out[idx, j] = torch.minimum(pick, cdf.argmax(dim=-1))
+        out[idx, j] = random_sample(q[:, None], [None] * len(idx)).squeeze(1)
+        # A seeded row drafts with the target's keyed noise for that position: wherever q and
+        # the target's p agree on the sample, the draft is exactly the token the target keeps.
+        seeded = [i for i, b in enumerate(idx) if rows[b].params.seed is not None]
+        if seeded:
+            keys = [(rows[idx[i]].params.seed, len(rows[idx[i]].tokens) + j) for i in seeded]
+            out[[idx[i] for i in seeded], j] = keyed_sample(q[seeded], keys)
         probs[: len(idx), j] = q
 
     def _make_room(self, busy: set[str]) -> bool:
@@ -285,16 +284,3 @@ def _common_prefix(cached: list[int], tokens: list[int], hint: int) -> int:
     while n < limit and cached[n] == tokens[n]:
         n += 1
     return n
-
-
-_MASK64 = (1 << 64) - 1
-
-
-def _seeded_uniform(seed: int, position: int) -> float:
-    """A uniform in [0, 1) from splitmix64 of (seed, position): the same draft for the same
-    request and position wherever and whenever it is drafted."""
-    z = (seed * 0x9E3779B97F4A7C15 + position * 0xD1B54A32D192ED03 + 1) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return ((z ^ (z >> 31)) >> 11) * 2.0**-53
-

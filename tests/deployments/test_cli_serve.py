@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import shutil
 import signal
 import subprocess
 import sys
@@ -88,9 +89,13 @@ def test_a_plain_pip_install_serves_the_demo(tmp_path):
     # the dependencies come from this environment (no downloads); moeserve itself is installed fresh
     deps = [p for p in sys.path if p.endswith("site-packages")]
     (site / "deps.pth").write_text("\n".join(deps) + "\n")
-    # `pip install .` = build the wheel (with this environment's setuptools), install it into the venv
+    # `pip install .` = build the wheel (with this environment's setuptools, from a copy: the build
+    # writes into the source folder), then install it into the venv
+    source = tmp_path / "src"
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(".venv", ".git", "build", "*.egg-info", "__pycache__",
+                                                                 "bench"))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
-                    str(tmp_path / "dist"), str(ROOT)], check=True, cwd=tmp_path, timeout=600)
+                    str(tmp_path / "dist"), str(source)], check=True, cwd=tmp_path, timeout=600)
     wheel = next((tmp_path / "dist").glob("moeserve-*.whl"))
     subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "--no-deps", "-q", str(wheel)],
                    check=True, cwd=tmp_path, timeout=600)
