@@ -5,10 +5,13 @@ GrammarMatcher and its closing policy); this helper holds the per-engine parts (
 bitmask buffer, the closing tables) and the three moments a step touches the grammar:
 
 1. before the target runs (decode with drafts): `cut_and_fill` walks each constrained
-   row's draft through its matcher, cuts the proposal at the first token the grammar
-   refuses (it would be rejected anyway: the masked target gives it probability 0) and
-   fills bitmask rows for all k+1 verification positions, rolling the matcher back after;
-   plain steps fill one row per sequence (`fill_last`);
+   row's draft through its matcher and cuts the proposal at the first token the grammar
+   refuses: before it for a deterministic draft (the masked target gives it probability 0,
+   and with a one-hot q the residual is the masked target itself), after it for a sampled
+   one (its rejection must draw from the residual max(0, p - q), or the output would lean
+   toward what the draft likes); then it fills bitmask rows for all verification
+   positions, rolling the matcher back after; plain steps fill one row per sequence
+   (`fill_last`);
 2. before sampling: `apply` masks the logits with those rows and, in the last
    `close_margin` tokens of a request's budget, biases the allowed tokens toward closing
    the output (termination.py), so a weak model still ends with a complete document;
@@ -130,8 +133,9 @@ class StructuredOutput:
         return self._fill(seqs, None)
 
     def cut_and_fill(self, seqs: Seq[Sequence], proposals: list[Proposal]) -> list[Proposal]:
-        """Cut each constrained row's proposal at its first refused draft token, then fill rows
-        b * P + j for j = 0..k, with P = 1 + the widest proposal after cutting."""
+        """Cut each constrained row's proposal at its first refused draft token (keeping it when
+        the draft sampled it), then fill rows b * P + j for j = 0..k, with P = 1 + the widest
+        proposal after cutting."""
         cut = list(proposals)
         for b, seq in enumerate(seqs):
             draft = cut[b].token_ids
@@ -140,7 +144,8 @@ class StructuredOutput:
             ok = self._grammar_prefix(seq.grammar.matcher, draft)
             if ok < len(draft):
                 probs = cut[b].probs
-                cut[b] = Proposal(list(draft[:ok]), None if probs is None else probs[:ok])
+                keep = ok if probs is None else ok + 1  # a sampled refusal is rejected by the rule
+                cut[b] = Proposal(list(draft[:keep]), None if probs is None else probs[:keep])
         self._fill(seqs, cut)
         return cut
 
@@ -172,15 +177,16 @@ class StructuredOutput:
             matcher = state.matcher
             row = b * width
             draft = [] if proposals is None else proposals[b].token_ids
-            if draft:
-                matcher.fill_bitmasks_for_draft(draft, self._bitmask, row)  # all accepted: cut above
+            accepted = 0
+            if draft:  # all accepted but perhaps the last (a sampled refusal; rows after it: all allowed)
+                accepted = matcher.fill_bitmasks_for_draft(draft, self._bitmask, row)
             else:
                 matcher.fill_bitmask(self._bitmask, row)
             left = seq.params.max_tokens - len(seq.output_ids)
             margin = self.cfg.margin(seq.params.max_tokens)
             for j in range(len(draft) + 1):
                 self._rows.append(row + j)
-                if left - j <= margin:
+                if j <= accepted and left - j <= margin:
                     self._close.append((row + j, state.closing_scores_after(draft[:j])))
         return True
 

@@ -87,7 +87,8 @@ class GrammarMatcher:
         accepted = 0
         for i, token_id in enumerate(draft_token_ids):
             self.fill_bitmask(bitmask, row + i)
-            if not self.accept_token(token_id):
+            allowed = (int(bitmask[row + i, token_id // 32]) >> (token_id % 32)) & 1  # xgrammar warns on refusals
+            if not allowed or not self.accept_token(token_id):
                 bitmask[row + i + 1 : row + len(draft_token_ids) + 1].fill_(-1)
                 break
             accepted += 1

@@ -158,3 +158,38 @@ def test_grammar_from_another_vocabulary_is_refused(tiny):
     engine = make_engine(folder, tokenizer)
     with pytest.raises(ValueError, match="compiled for"):
         engine.add_request("x", SamplingParams(), grammar=other.compile(SPECS["regex"]))
+
+
+def test_a_refused_sampled_draft_is_rejected_by_the_rule_not_resampled(tiny):
+    """The issue's worked case: masked target p = [.5, .5] over tokens a, b; a sampled draft with
+    q = [.4, .1, .5] over a, b and a token c the grammar refuses. The first emitted token must
+    follow p (cutting c and drawing from p instead gives [.65, .35]); chi-square over 20,000 steps."""
+    import torch
+    from scipy.stats import chisquare
+
+    from moeserve.engine.structured import StructuredOutput
+    from moeserve.sampler import Sampler
+    from moeserve.sequence import Sequence
+    from moeserve.spec.proposer import pad_proposals
+    from moeserve.spec.rejection_sampler import RejectionSampler
+
+    _, tokenizer, compiler = tiny
+    a, b, c = (tokenizer.convert_tokens_to_ids(t) for t in ("a", "b", "c"))
+    vocab = len(tokenizer)
+    structured, sampler, rejection = StructuredOutput(vocab), Sampler(), RejectionSampler()
+    seq = Sequence("s", [a], SamplingParams(max_tokens=8, temperature=1.0))
+    seq.grammar = structured.new_request(compiler.compile(GrammarSpec.regex("[ab]x")))
+    q = torch.zeros(vocab)
+    q[a], q[b], q[c] = 0.4, 0.1, 0.5
+    target = torch.full((1, 2, vocab), -5.0)
+    target[0, :, a] = target[0, :, b] = 5.0  # after the mask: p = [.5, .5] over a, b
+    gen = torch.Generator().manual_seed(0)
+    counts = {a: 0, b: 0}
+    for x in torch.multinomial(q, 20_000, replacement=True, generator=gen).tolist():
+        (prop,) = structured.cut_and_fill([seq], [Proposal([x], q[None])])
+        logits = target[:, : prop.num_tokens + 1].clone()
+        structured.apply(logits)
+        ids, probs, n = pad_proposals([prop])
+        out = rejection.sample(sampler.probs(logits, [seq.params]), ids, probs, n)
+        counts[out.token_ids[0][0]] += 1
+    assert chisquare([counts[a], counts[b]], [10_000, 10_000]).pvalue > 1e-3, counts
