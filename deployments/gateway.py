@@ -150,20 +150,27 @@ class Gateway:
 
     async def experts(self, world_size: int = 2) -> Response:
         """Admin: expert load merged over every engine replica (from the router-service actor)
-        and the placement it proposes for a shard group of `world_size` ranks."""
+        and the placement it proposes for a shard group of `world_size` ranks; before any
+        engine has reported, empty statistics and the contiguous placement."""
         import ray
 
-        from deployments.router_actor import find_router_actor
+        from deployments.router_actor import RouterService, find_router_actor
 
-        actor = await asyncio.to_thread(find_router_actor)
+        world_size = max(1, min(world_size, 64))
+        actor = await asyncio.to_thread(find_router_actor) if ray.is_initialized() else None
         if actor is None:
-            return JSONResponse({"error": "no expert-load statistics reported yet"}, status_code=503)
-        try:
-            summary = await actor.summary.remote()
-            placement = await actor.placement.remote(max(1, min(world_size, 64)))
-        except ray.exceptions.RayActorError as e:  # killed: the next engine report creates it again
-            return JSONResponse({"error": f"router service unavailable: {type(e).__name__}"}, status_code=503,
-                                headers={"Retry-After": "5"})
+            from model_shards.config import ModelConfig
+
+            cfg = ModelConfig.from_file(self.config.model_path)
+            empty = RouterService(cfg.num_layers, max(cfg.num_experts, 1))
+            summary, placement = empty.summary(), empty.placement(world_size)
+        else:
+            try:
+                summary = await actor.summary.remote()
+                placement = await actor.placement.remote(world_size)
+            except ray.exceptions.RayActorError as e:  # killed: the next engine report creates it again
+                return JSONResponse({"error": f"router service unavailable: {type(e).__name__}"}, status_code=503,
+                                    headers={"Retry-After": "5"})
         return JSONResponse(summary | {"placement": {"world_size": placement.world_size,
                                                      "rank_experts": placement.rank_experts}})
 

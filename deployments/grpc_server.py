@@ -6,6 +6,11 @@ replica's own event loop shares the Frontend with HTTP (same validation, same gr
 guard, same metrics), sets status codes directly, and sees client cancellation as task
 cancellation, which closes the engine stream and aborts the request.
 
+Besides moeserve.v1.GenerateService it serves the standard `grpc.health.v1.Health` (SERVING
+while the engine answers its health check, polled every few seconds; what Kubernetes gRPC
+probes and grpc_health_probe ask) and server reflection (grpcurl). An unset `model` means
+the served one, as proto3 reads an unset field as its default.
+
 Status codes: INVALID_ARGUMENT (bad input, message names the field), NOT_FOUND (model),
 RESOURCE_EXHAUSTED (engine queue full), UNAVAILABLE (engine down), DEADLINE_EXCEEDED
 (the call's deadline, passed on to the engine as the request timeout), INTERNAL.
@@ -13,12 +18,15 @@ RESOURCE_EXHAUSTED (engine queue full), UNAVAILABLE (engine down), DEADLINE_EXCE
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
 
 from deployments.frontend import Frontend, Prepared
 from deployments.openai_api import APIError
@@ -31,6 +39,7 @@ from moeserve.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 ROUTE = "grpc:/moeserve.v1.GenerateService/Generate"
+HEALTH_POLL_S = 2.0  # how often grpc.health.v1 re-reads the engine's health
 
 _BY_ERROR_CODE = {
     ErrorCode.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
@@ -94,7 +103,7 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
 
     async def _prepare(self, req: pb.GenerateRequest, time_remaining: float | None) -> Prepared:
         fe = self.frontend
-        fe.check_model(req.model)
+        fe.check_model(req.model or fe.cfg.model_name)
         which = req.WhichOneof("input")
         if which == "prompt":
             prompt_ids = fe.encode_prompt(req.prompt)
@@ -166,9 +175,33 @@ async def start_grpc_server(
     options = [("grpc.max_receive_message_length", max_message_bytes), ("grpc.so_reuseport", 1)]
     server = grpc.aio.server(options=options)
     pb_grpc.add_GenerateServiceServicer_to_server(GenerateServicer(frontend), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    services = (pb.DESCRIPTOR.services_by_name["GenerateService"].full_name,
+                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
+    reflection.enable_server_reflection(services, server)
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise RuntimeError(f"gRPC server could not bind {host}:{port}")
     await server.start()
+    asyncio.get_running_loop().create_task(_watch_health(frontend, health_servicer, server, services[0]))
     logger.info("gRPC GenerateService listening on %s:%d", host, bound)
     return server, bound
+
+
+async def _watch_health(frontend: Frontend, servicer: Any, server: grpc.aio.Server, service: str) -> None:
+    """grpc.health.v1 status of the server ("") and of GenerateService, following the engine's
+    health check, until the server terminates."""
+    while True:
+        try:
+            await asyncio.wait_for(frontend.engine.health(), HEALTH_POLL_S)
+            status = health_pb2.HealthCheckResponse.SERVING
+        except Exception:
+            status = health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", service):
+            await servicer.set(name, status)
+        try:
+            await asyncio.wait_for(server.wait_for_termination(), HEALTH_POLL_S)
+            return
+        except asyncio.TimeoutError:
+            pass

@@ -294,3 +294,14 @@ def test_stop_strings_and_seed(gateway):
     text, stop, cut, seeded = asyncio.run(main())
     assert cut.choices[0].text == text[: text.index(stop)] and cut.choices[0].finish_reason == "stop"
     assert seeded[0].choices[0].text == seeded[1].choices[0].text
+
+
+def test_admin_experts_answers_before_any_traffic(gateway):
+    """No engine has reported yet (no router-service actor): 200 with empty statistics and the
+    contiguous placement, not a 503."""
+    r = asyncio.run(_get(gateway, "/admin/experts?world_size=2"))
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["sources"] == [] and body["layers"] and all(layer["tokens"] == 0 for layer in body["layers"])
+    ranks = body["placement"]["rank_experts"]
+    assert len(ranks) == 2 and sorted(e for rank in ranks for e in rank) == list(range(4))

@@ -67,3 +67,41 @@ def test_engine_errors_map_to_status_codes(frontend, code, status):
     ok, error = asyncio.run(main())
     assert ok[-1].finish_reason == "stop" and ok[-1].text == frontend.tokenizer.decode([5])  # text is made here
     assert error.code() == status and f"scripted {code.value}" in error.details()
+
+
+class DownEngine(ScriptedEngine):
+    async def health(self):
+        raise RuntimeError("engine replica is gone")
+
+
+def test_standard_health_reflection_and_an_unset_model(frontend):
+    """grpc.health.v1 follows the engine's health; reflection names every service; a request
+    without `model` is for the served model (proto3 reads unset as the default)."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    down = Frontend(frontend.cfg, frontend.tokenizer, DownEngine(), GatewayMetrics())
+    down.engine.tokenizer = frontend.tokenizer
+
+    async def check(fe: Frontend):
+        server, port = await start_grpc_server(fe, "127.0.0.1", 0)
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                health = health_pb2_grpc.HealthStub(channel)
+                statuses = [(await health.Check(health_pb2.HealthCheckRequest(service=name), timeout=10)).status
+                            for name in ("", "moeserve.v1.GenerateService")]
+                refl = reflection_pb2_grpc.ServerReflectionStub(channel)
+                answers = refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+                names = [s.name async for a in answers for s in a.list_services_response.service]
+                unset = [r async for r in pb_grpc.GenerateServiceStub(channel).Generate(
+                    pb.GenerateRequest(prompt="fine"), timeout=10)] if fe is frontend else None
+                return statuses, names, unset
+        finally:
+            await server.stop(grace=None)
+
+    statuses, names, unset = asyncio.run(check(frontend))
+    assert statuses == [health_pb2.HealthCheckResponse.SERVING] * 2
+    assert {"moeserve.v1.GenerateService", "grpc.health.v1.Health"} <= set(names)
+    assert unset[-1].finish_reason == "stop"
+    statuses, _, _ = asyncio.run(check(down))
+    assert statuses == [health_pb2.HealthCheckResponse.NOT_SERVING] * 2
