@@ -36,4 +36,7 @@ class AppConfig(tree.AppConfig):
             grpc_host=g.grpc_host,
             max_body_bytes=g.max_body_bytes,
             request_timeout_s=g.request_timeout_s,
+            api_keys=tuple(g.api_keys),
+            max_streams_per_key=g.max_streams_per_key,
+            public_paths=tuple(g.public_paths),
         )

@@ -22,6 +22,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from deployments.auth import ApiKeys
 from deployments.frontend import Frontend, FrontendConfig, Prepared
 from deployments.http_edge import install_edge
 from deployments.metrics import GatewayMetrics
@@ -52,6 +53,9 @@ class GatewayConfig:
     grpc_host: str = "0.0.0.0"
     max_body_bytes: int = 2 * 1024 * 1024
     request_timeout_s: float | None = 300.0
+    api_keys: tuple[str, ...] = ()  # with $MOESERVE_API_KEY: deployments/auth.py
+    max_streams_per_key: int = 0
+    public_paths: tuple[str, ...] = ("/health", "/metrics")
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1024:
@@ -70,6 +74,7 @@ class Gateway:
 
             tokenizer = load_tokenizer(config.tokenizer_path or config.model_path)
         self.metrics = GatewayMetrics()
+        self.auth = ApiKeys(config.api_keys, config.max_streams_per_key)
         fcfg = FrontendConfig(config.model_name, config.max_model_len, config.request_timeout_s)
         self.frontend = Frontend(fcfg, tokenizer, as_engine_client(engine), self.metrics)
         self.grpc_server: Any = None
@@ -82,7 +87,7 @@ class Gateway:
     # ---- the app ---------------------------------------------------------------------------
     def _build_app(self) -> FastAPI:
         app = FastAPI(title="moeserve", lifespan=self._lifespan)
-        install_edge(app, ROUTES, self.config.max_body_bytes, self.metrics)
+        install_edge(app, ROUTES, self.config.max_body_bytes, self.metrics, self.auth, self.config.public_paths)
         app.post(ROUTE_COMPLETIONS)(self.completions)
         app.post(ROUTE_CHAT)(self.chat_completions)
         app.get("/v1/models")(self.models)
@@ -96,7 +101,8 @@ class Gateway:
         if self.config.grpc_port:
             from deployments.grpc_server import start_grpc_server
 
-            self.grpc_server, _ = await start_grpc_server(self.frontend, self.config.grpc_host, self.config.grpc_port)
+            self.grpc_server, _ = await start_grpc_server(self.frontend, self.config.grpc_host, self.config.grpc_port,
+                                                          auth=self.auth)
         try:
             yield
         finally:

@@ -11,6 +11,10 @@ while the engine answers its health check, polled every few seconds; what Kubern
 probes and grpc_health_probe ask) and server reflection (grpcurl). An unset `model` means
 the served one, as proto3 reads an unset field as its default.
 
+With API keys configured (deployments/auth.py) Generate needs `authorization: Bearer KEY`
+metadata: UNAUTHENTICATED without it, RESOURCE_EXHAUSTED past the key's concurrent calls;
+the health services stay open.
+
 Status codes: INVALID_ARGUMENT (bad input, message names the field), NOT_FOUND (model),
 RESOURCE_EXHAUSTED (engine queue full), UNAVAILABLE (engine down), DEADLINE_EXCEEDED
 (the call's deadline, passed on to the engine as the request timeout), INTERNAL.
@@ -28,6 +32,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from deployments.auth import ApiKeys
 from deployments.frontend import Frontend, Prepared
 from deployments.openai_api import APIError
 from deployments.proto import generate_pb2 as pb
@@ -64,13 +69,23 @@ def status_for(e: APIError) -> grpc.StatusCode:
 
 
 class GenerateServicer(pb_grpc.GenerateServiceServicer):
-    def __init__(self, frontend: Frontend) -> None:
-        self.frontend = frontend
+    def __init__(self, frontend: Frontend, auth: ApiKeys) -> None:
+        self.frontend, self.auth = frontend, auth
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:  # noqa: N802
         """Stream a generation; errors end the call with a status code and a message."""
         status = grpc.StatusCode.OK
+        key = None
         try:
+            if self.auth.enabled:
+                key = self.auth.identify(dict(context.invocation_metadata()).get("authorization"))
+                if key is None:
+                    status = grpc.StatusCode.UNAUTHENTICATED
+                    await context.abort(status, "missing or invalid API key (metadata authorization: Bearer KEY)")
+                if not self.auth.acquire(key):
+                    key, status = None, grpc.StatusCode.RESOURCE_EXHAUSTED
+                    await context.abort(status, f"this API key already holds {self.auth.max_streams_per_key} "
+                                                "requests; retry when one ends")
             try:
                 prep = await self._prepare(request, context.time_remaining())
             except APIError as e:
@@ -91,6 +106,8 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
             status = grpc.StatusCode.INTERNAL
             await context.abort(status, f"internal error: {type(e).__name__}: {e}")
         finally:
+            if key is not None:
+                self.auth.release(key)
             self.frontend.metrics.requests.labels(route=ROUTE, code=status.name).inc()
 
     async def Health(self, request: pb.HealthRequest, context: grpc.aio.ServicerContext) -> pb.HealthResponse:  # noqa: N802
@@ -165,7 +182,7 @@ def _response(chunk: GenerateChunk) -> pb.GenerateResponse:
 
 
 async def start_grpc_server(
-    frontend: Frontend, host: str, port: int, max_message_bytes: int = 4 << 20
+    frontend: Frontend, host: str, port: int, max_message_bytes: int = 4 << 20, auth: ApiKeys | None = None
 ) -> tuple[grpc.aio.Server, int]:
     """Start serving on host:port (0: any free port) on the running event loop; returns the
     grpc.aio.Server and the port it bound.
@@ -174,7 +191,7 @@ async def start_grpc_server(
     """
     options = [("grpc.max_receive_message_length", max_message_bytes), ("grpc.so_reuseport", 1)]
     server = grpc.aio.server(options=options)
-    pb_grpc.add_GenerateServiceServicer_to_server(GenerateServicer(frontend), server)
+    pb_grpc.add_GenerateServiceServicer_to_server(GenerateServicer(frontend, auth or ApiKeys(from_env=False)), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     services = (pb.DESCRIPTOR.services_by_name["GenerateService"].full_name,

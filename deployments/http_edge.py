@@ -18,6 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
+from deployments.auth import ApiKeys
 from deployments.metrics import GatewayMetrics
 from deployments.openai_api import APIError
 from moeserve.protocol import ErrorCode
@@ -25,9 +26,11 @@ from moeserve.protocol import ErrorCode
 logger = logging.getLogger(__name__)
 
 
-def install_edge(app: FastAPI, routes: Iterable[str], max_body_bytes: int, metrics: GatewayMetrics) -> None:
+def install_edge(app: FastAPI, routes: Iterable[str], max_body_bytes: int, metrics: GatewayMetrics,
+                 auth: ApiKeys | None = None, public_paths: Iterable[str] = ()) -> None:
     """Add the edge middleware and the error handlers to `app`."""
-    app.add_middleware(_EdgeMiddleware, routes=frozenset(routes), max_body_bytes=max_body_bytes, metrics=metrics)
+    app.add_middleware(_EdgeMiddleware, routes=frozenset(routes), max_body_bytes=max_body_bytes, metrics=metrics,
+                       auth=auth or ApiKeys(from_env=False), public=frozenset(public_paths))
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(ValueError, _value_error)
@@ -67,11 +70,15 @@ async def _value_error(request: Request, e: ValueError) -> JSONResponse:
 
 # ---- the edge: body size limit and request counts by route and code ----------------------------
 class _EdgeMiddleware:
-    """Pure ASGI (streamed responses pass through): 413 past max_body_bytes; an unexpected
-    exception becomes a logged 500 with a message; every status is counted by route."""
+    """Pure ASGI (streamed responses pass through): 401 without a valid API key (when keys are
+    configured; `public` paths stay open), 429 past a key's concurrent streams, 413 past
+    max_body_bytes; an unexpected exception becomes a logged 500 with a message; every
+    status is counted by route."""
 
-    def __init__(self, app: Any, routes: frozenset[str], max_body_bytes: int, metrics: GatewayMetrics) -> None:
+    def __init__(self, app: Any, routes: frozenset[str], max_body_bytes: int, metrics: GatewayMetrics,
+                 auth: ApiKeys, public: frozenset[str]) -> None:
         self.app, self.routes, self.limit, self.metrics = app, routes, max_body_bytes, metrics
+        self.auth, self.public = auth, public
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -85,7 +92,22 @@ class _EdgeMiddleware:
                 status["code"] = message["status"]
             await send(message)
 
+        key = None
         try:
+            if self.auth.enabled and scope.get("path") not in self.public:
+                headers = dict(scope.get("headers", ()))
+                key = self.auth.identify(headers.get(b"authorization", b"").decode("latin-1"))
+                if key is None:
+                    error = APIError(401, "missing or invalid API key (send Authorization: Bearer KEY)",
+                                     code="invalid_api_key")
+                    await _send_json(counting_send, 401, error.body(), [(b"www-authenticate", b"Bearer")])
+                    return
+                if not self.auth.acquire(key):
+                    key = None
+                    error = APIError(429, f"this API key already holds {self.auth.max_streams_per_key} requests; "
+                                          "retry when one ends", code="rate_limit_exceeded")
+                    await _send_json(counting_send, 429, error.body(), [(b"retry-after", b"1")])
+                    return
             if scope.get("method") == "POST":
                 body = await self._read_body(scope, receive)
                 if body is None:
@@ -100,6 +122,8 @@ class _EdgeMiddleware:
                 error = APIError(500, f"internal error: {type(e).__name__}: {e}", code="internal")
                 await _send_json(counting_send, 500, error.body())
         finally:
+            if key is not None:
+                self.auth.release(key)
             self.metrics.requests.labels(route=route, code=str(status["code"])).inc()
 
     async def _read_body(self, scope: dict, receive: Any) -> bytes | None:
@@ -134,9 +158,10 @@ def _replay(body: bytes, receive: Any) -> Any:
     return replay
 
 
-async def _send_json(send: Any, status: int, payload: dict) -> None:
+async def _send_json(send: Any, status: int, payload: dict, extra_headers: list | None = None) -> None:
     data = json.dumps(payload).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
+    headers += extra_headers or []
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": data})
 

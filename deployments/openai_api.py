@@ -29,7 +29,8 @@ _STATUS = {
     ErrorCode.DEADLINE_EXCEEDED: 504,
     ErrorCode.INTERNAL: 500,
 }
-_TYPE = {400: "invalid_request_error", 404: "not_found_error", 413: "invalid_request_error"}
+_TYPE = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+         413: "invalid_request_error", 429: "rate_limit_error"}
 
 
 class APIError(Exception):

@@ -57,6 +57,8 @@ def serve_config(args: argparse.Namespace, config_class: type[AppConfig] = AppCo
     for name in ("max_num_seqs", "max_model_len"):
         if getattr(args, name) is not None:
             overrides["engine"][name] = getattr(args, name)
+    if args.api_key:
+        overrides.setdefault("gateway", {})["api_keys"] = list(args.api_key)
     if args.config:
         return config_class.load(args.config, overrides)
     return config_class.from_dict(overrides)
@@ -103,6 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--model", help="target checkpoint folder (default: checkpoints/demo-moe)")
     s.add_argument("--max-num-seqs", type=int, help="running batch of one engine replica (engine.max_num_seqs)")
     s.add_argument("--max-model-len", type=int, help="context length, prompt and output (engine.max_model_len)")
+    s.add_argument("--api-key", action="append", metavar="KEY",
+                   help="require this API key (repeatable; $MOESERVE_API_KEY adds comma-separated ones)")
     s.add_argument("--http-port", type=int, default=8000)
     s.add_argument("--grpc-port", type=int, help="gRPC port (default 9000; 0 turns gRPC off)")
     s.add_argument("--host", default="127.0.0.1", help="HTTP bind address (0.0.0.0 for all interfaces)")

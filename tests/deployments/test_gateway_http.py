@@ -224,7 +224,7 @@ def test_the_engine_guard_stops_a_refused_token_and_the_gateway_counts_it(gatewa
     tokenizer = gateway.frontend.tokenizer
     engine = LLMEngine(ModelRunner(load_checkpoint(gateway.config.model_path), 2, MAX_LEN), tokenizer)
     bang = tokenizer.encode("!")[0]
-    monkeypatch.setattr(engine.sampler, "sample", lambda logits, *_: torch.full((logits.shape[0],), bang))
+    monkeypatch.setattr(engine.sampler, "sample", lambda logits, *_, **__: torch.full((logits.shape[0],), bang))
     server = EngineServer(EngineServerConfig(), engine=engine)
     liar = Gateway(server, gateway.config, tokenizer=tokenizer)
     try:
@@ -305,3 +305,59 @@ def test_admin_experts_answers_before_any_traffic(gateway):
     assert body["sources"] == [] and body["layers"] and all(layer["tokens"] == 0 for layer in body["layers"])
     ranks = body["placement"]["rank_experts"]
     assert len(ranks) == 2 and sorted(e for rank in ranks for e in rank) == list(range(4))
+
+
+def test_api_keys_http_and_grpc(gateway, monkeypatch):
+    """With keys: 401 (HTTP) / UNAUTHENTICATED (gRPC) without a valid one, health and metrics
+    open, keys from $MOESERVE_API_KEY too, and a key's concurrent-request limit answered 429."""
+    import dataclasses
+
+    import grpc
+
+    from deployments.grpc_server import start_grpc_server
+    from deployments.proto import generate_pb2 as pb
+    from deployments.proto import generate_pb2_grpc as pb_grpc
+
+    monkeypatch.setenv("MOESERVE_API_KEY", "from-env, other")
+    cfg = dataclasses.replace(gateway.config, api_keys=("k1",), max_streams_per_key=1)
+    gw = Gateway(gateway.frontend.engine, cfg, tokenizer=gateway.frontend.tokenizer)
+    body = {"model": MODEL_NAME, "prompt": "x", "max_tokens": 2}
+
+    async def main():
+        async with http(gw) as h:
+            anonymous = await h.post("/v1/completions", json=body)
+            wrong = await h.post("/v1/completions", json=body, headers={"Authorization": "Bearer nope"})
+            ok = await h.post("/v1/completions", json=body, headers={"Authorization": "Bearer k1"})
+            env = await h.post("/v1/completions", json=body, headers={"Authorization": "Bearer other"})
+            health, metrics = await h.get("/health"), await h.get("/metrics")
+            # (the in-process transport runs a response to its end, so hold k1's slot by hand)
+            assert gw.auth.acquire("k1")  # k1 now holds one request: its limit
+            busy = await h.post("/v1/completions", json=body, headers={"Authorization": "Bearer k1"})
+            other = await h.post("/v1/completions", json=body, headers={"Authorization": "Bearer from-env"})
+            gw.auth.release("k1")
+            again = await h.post("/v1/completions", json=body, headers={"Authorization": "Bearer k1"})
+        return anonymous, wrong, ok, env, health, metrics, busy, other, again
+
+    anonymous, wrong, ok, env, health, metrics, busy, other, again = asyncio.run(main())
+    assert anonymous.status_code == wrong.status_code == 401 and anonymous.headers["www-authenticate"] == "Bearer"
+    assert anonymous.json()["error"]["code"] == "invalid_api_key"
+    assert ok.status_code == env.status_code == other.status_code == 200
+    assert health.status_code == metrics.status_code == 200
+    assert busy.status_code == 429 and busy.headers["retry-after"] == "1" and again.status_code == 200
+    assert not gw.auth._streams  # every finished request gave its slot back
+
+    async def rpc():
+        server, port = await start_grpc_server(gw.frontend, "127.0.0.1", 0, auth=gw.auth)
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                stub = pb_grpc.GenerateServiceStub(channel)
+                with pytest.raises(grpc.aio.AioRpcError) as denied:
+                    [r async for r in stub.Generate(pb.GenerateRequest(prompt="x", max_tokens=2), timeout=30)]
+                good = [r async for r in stub.Generate(pb.GenerateRequest(prompt="x", max_tokens=2), timeout=30,
+                                                        metadata=(("authorization", "Bearer k1"),))]
+                return denied.value.code(), good
+        finally:
+            await server.stop(grace=None)
+
+    code, good = asyncio.run(rpc())
+    assert code == grpc.StatusCode.UNAUTHENTICATED and good[-1].finish_reason
