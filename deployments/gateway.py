@@ -32,6 +32,7 @@ from deployments.openai_api import (
     ChatCompletionRequest,
     CompletionRequest,
     ResponseBuilder,
+    error_responses,
     sse,
 )
 from moeserve.protocol import GenerateChunk
@@ -88,12 +89,16 @@ class Gateway:
     def _build_app(self) -> FastAPI:
         app = FastAPI(title="moeserve", lifespan=self._lifespan)
         install_edge(app, ROUTES, self.config.max_body_bytes, self.metrics, self.auth, self.config.public_paths)
-        app.post(ROUTE_COMPLETIONS)(self.completions)
-        app.post(ROUTE_CHAT)(self.chat_completions)
-        app.get("/v1/models")(self.models)
-        app.get("/health")(self.health)
-        app.get("/metrics")(self.prometheus)
-        app.get("/admin/experts")(self.experts)
+        generate = error_responses(400, 401, 404, 413, 429, 500, 503, 504)
+        stream = {200: {"description": "the completion, or its SSE stream (text/event-stream) with stream=true"}}
+        app.post(ROUTE_COMPLETIONS, responses=stream | generate)(self.completions)
+        app.post(ROUTE_CHAT, responses=stream | generate)(self.chat_completions)
+        app.get("/v1/models", responses=error_responses(401))(self.models)
+        app.get("/health", responses=error_responses(503))(self.health)
+        app.get("/metrics", responses={200: {"content": {"text/plain": {}}, "description": "Prometheus"}})(
+            self.prometheus)
+        app.get("/admin/experts", responses=error_responses(401, 503))(self.experts)
+        app.openapi = lambda: _openapi(app)
         return app
 
     @contextlib.asynccontextmanager
@@ -225,3 +230,16 @@ class Gateway:
             yield SSE_DONE
         finally:
             await chunks.aclose()  # a client that went away aborts its request
+
+
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's schema without its 422 entries: a body that fails validation is a 400 here."""
+    if app.openapi_schema is None:
+        from fastapi.openapi.utils import get_openapi
+
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        for path in schema["paths"].values():
+            for operation in path.values():
+                operation["responses"].pop("422", None)
+        app.openapi_schema = schema
+    return app.openapi_schema

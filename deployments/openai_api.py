@@ -51,6 +51,31 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
 
 
+class ErrorBody(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """Every error the HTTP API returns, whatever its status (OpenAI's shape)."""
+
+    error: ErrorBody
+
+
+_MEANING = {
+    400: "bad input; the message names the field", 401: "missing or invalid API key",
+    404: "unknown model", 413: "request body too large", 429: "this API key's concurrent-request limit",
+    500: "server error", 503: "engine queue full or engine unavailable (Retry-After)", 504: "request timed out",
+}
+
+
+def error_responses(*statuses: int) -> dict[int, dict[str, Any]]:
+    """FastAPI `responses=` documenting these error statuses with the error body's schema."""
+    return {s: {"model": ErrorResponse, "description": _MEANING[s]} for s in statuses}
+
+
 # --- requests ---------------------------------------------------------------------------------
 
 

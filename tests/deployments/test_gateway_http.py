@@ -361,3 +361,15 @@ def test_api_keys_http_and_grpc(gateway, monkeypatch):
 
     code, good = asyncio.run(rpc())
     assert code == grpc.StatusCode.UNAUTHENTICATED and good[-1].finish_reason
+
+
+def test_openapi_documents_every_status_with_the_error_schema(gateway):
+    schema = asyncio.run(_get(gateway, "/openapi.json")).json()
+    error = {"$ref": "#/components/schemas/ErrorResponse"}
+    for route in ("/v1/completions", "/v1/chat/completions"):
+        responses = schema["paths"][route]["post"]["responses"]
+        assert set(responses) == {"200", "400", "401", "404", "413", "429", "500", "503", "504"}
+        assert all(responses[s]["content"]["application/json"]["schema"] == error for s in responses if s != "200")
+    assert "503" in schema["paths"]["/health"]["get"]["responses"]
+    assert "503" in schema["paths"]["/admin/experts"]["get"]["responses"]
+    assert set(schema["components"]["schemas"]["ErrorBody"]["properties"]) == {"message", "type", "param", "code"}
