@@ -17,6 +17,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deployments.auth import ApiKeys
 from deployments.metrics import GatewayMetrics
@@ -34,6 +35,7 @@ def install_edge(app: FastAPI, routes: Iterable[str], max_body_bytes: int, metri
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(ValueError, _value_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
 
 
 # ---- errors --------------------------------------------------------------------------------------
@@ -57,6 +59,11 @@ async def _validation_error(request: Request, e: RequestValidationError) -> JSON
         params.append(loc)
         problems.append(f"{loc}: {err.get('msg', 'invalid')}")
     return _error_response(APIError(400, "invalid request: " + "; ".join(problems), param=params[0] if params else None))
+
+
+async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+    """Starlette's and FastAPI's own errors (an unparseable body, an unknown route) in our shape."""
+    return _error_response(APIError(e.status_code, str(e.detail)))
 
 
 _LEADING_FIELD = re.compile(r"^([a-z_]+(?:\[\d+\])?(?:\.[a-z_]+(?:\[\d+\])?)*) ")

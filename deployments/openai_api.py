@@ -30,7 +30,7 @@ _STATUS = {
     ErrorCode.INTERNAL: 500,
 }
 _TYPE = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-         413: "invalid_request_error", 429: "rate_limit_error"}
+         405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error"}
 
 
 class APIError(Exception):

@@ -37,6 +37,12 @@ def _as_tuple(name: str, value: object) -> tuple:
     return tuple(value)
 
 
+# Each stop string is searched for in every streamed chunk: bound how much work one request can ask for.
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 256
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request samples tokens and when it stops.
@@ -90,14 +96,20 @@ class SamplingParams:
             raise ValueError(f"seed must be null or an integer in [-2**63, 2**64 - 1], got {self.seed!r}")
 
         stop = (self.stop,) if isinstance(self.stop, str) else _as_tuple("stop", self.stop)
+        if len(stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(stop)}")
         for s in stop:
             if not isinstance(s, str):
                 raise ValueError(f"stop must contain only strings, got {type(s).__name__} {s!r}")
             if not s:
                 raise ValueError("stop must not contain an empty string (it would match before any text)")
+            if len(s) > MAX_STOP_CHARS:
+                raise ValueError(f"stop strings may be at most {MAX_STOP_CHARS} characters, got one of {len(s)}")
         object.__setattr__(self, "stop", stop)
 
         stop_token_ids = _as_tuple("stop_token_ids", self.stop_token_ids)
+        if len(stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids, got {len(stop_token_ids)}")
         for t in stop_token_ids:
             if not _is_int(t) or t < 0:
                 raise ValueError(f"stop_token_ids must contain only integers >= 0, got {t!r}")

@@ -164,6 +164,10 @@ class EngineCore:
                 refusal = self._start(req, job.result())
             except GrammarError as e:
                 refusal = error_chunk(rid, ErrorCode.INVALID_ARGUMENT, _grammar_message(req, e), param="grammar")
+            except Exception as e:  # a compiler bug or a pathological grammar: refuse it, keep serving
+                logger.exception("grammar compile failed")
+                msg = f"could not compile the {req.grammar.kind} grammar: {type(e).__name__}: {e}"
+                refusal = error_chunk(rid, ErrorCode.INVALID_ARGUMENT, msg, param="grammar")
             if refusal is not None:
                 out.append(refusal)
         return out

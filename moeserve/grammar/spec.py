@@ -27,6 +27,12 @@ GrammarKind = Literal["json_object", "json_schema", "regex", "ebnf", "choice"]
 GRAMMAR_KINDS: tuple[str, ...] = get_args(GrammarKind)
 
 
+# Past these a grammar is refused before anyone compiles it: a schema nested deeper than any real
+# one would only exercise recursion, and a regex's size bounds its compile time.
+MAX_SCHEMA_DEPTH = 48
+MAX_REGEX_CHARS = 16 * 1024
+
+
 @dataclass(frozen=True)
 class GrammarSpec:
     """One output grammar. `value` is schema JSON text, a regex, EBNF text, or a JSON list of choices.
@@ -54,10 +60,14 @@ class GrammarSpec:
                 raise GrammarError(f"json_schema is not valid JSON: {e}") from None
             if not isinstance(schema, (dict, bool)):
                 raise GrammarError(f"a JSON schema must be an object or a boolean, got {type(schema).__name__}")
+            if _depth(schema) > MAX_SCHEMA_DEPTH:
+                raise GrammarError(f"json_schema is nested more than {MAX_SCHEMA_DEPTH} levels deep", feature="depth")
         elif self.kind == "choice":
             _check_choices(self.value)
         elif self.value == "":
             raise GrammarError(f"empty {self.kind}")
+        elif self.kind == "regex" and len(self.value) > MAX_REGEX_CHARS:
+            raise GrammarError(f"regex is {len(self.value)} characters; the limit is {MAX_REGEX_CHARS}", feature="size")
 
     @cached_property
     def key(self) -> str:
@@ -196,3 +206,14 @@ def _check_choice_list(choices: Sequence[Any]) -> None:
             raise GrammarError(f"guided_choice[{i}] must be a string, got {type(c).__name__}")
         if c == "":
             raise GrammarError(f"guided_choice[{i}] is empty; an empty completion cannot be a choice")
+
+
+def _depth(value: Any) -> int:
+    """Nesting depth of parsed JSON (objects and arrays), without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, (dict, list)):
+            deepest = max(deepest, depth)
+            stack.extend((child, depth + 1) for child in (node.values() if isinstance(node, dict) else node))
+    return deepest

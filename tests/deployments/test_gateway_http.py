@@ -373,3 +373,24 @@ def test_openapi_documents_every_status_with_the_error_schema(gateway):
     assert "503" in schema["paths"]["/health"]["get"]["responses"]
     assert "503" in schema["paths"]["/admin/experts"]["get"]["responses"]
     assert set(schema["components"]["schemas"]["ErrorBody"]["properties"]) == {"message", "type", "param", "code"}
+
+
+def test_limits_are_clear_400s_in_the_error_shape(gateway):
+    """Deep schemas, long regexes, too many or too long stop strings, an unparseable body: 400
+    in OpenAI's error shape, before any engine work (and never a 500 from recursion)."""
+    deep = {}
+    for _ in range(100):
+        deep = {"type": "array", "items": deep}
+    bodies = {
+        "nested": {"response_format": {"type": "json_schema", "json_schema": {"name": "d", "schema": deep}}},
+        "characters": {"guided_regex": "a" * 20_000},
+        "at most 16 strings": {"stop": ["x"] * 17},
+        "at most 1024 characters": {"stop": ["x" * 2000]},
+    }
+    for needle, extra in bodies.items():
+        r = asyncio.run(_post(gateway, "/v1/completions", {"model": MODEL_NAME, "prompt": "x", **extra}))
+        assert r.status_code == 400 and needle in r.json()["error"]["message"], (needle, r.text)
+    very_deep = '{"model":"' + MODEL_NAME + '","prompt":' + "[" * 20_000 + "]" * 20_000 + "}"
+    r = asyncio.run(_post(gateway, "/v1/completions", content=very_deep.encode()))
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    assert asyncio.run(_get(gateway, "/v2/nothing")).json()["error"]["type"] == "not_found_error"
