@@ -379,7 +379,7 @@ def test_limits_are_clear_400s_in_the_error_shape(gateway):
     """Deep schemas, long regexes, too many or too long stop strings, an unparseable body: 400
     in OpenAI's error shape, before any engine work (and never a 500 from recursion)."""
     deep = {}
-    for _ in range(100):
+    for _ in range(200):
         deep = {"type": "array", "items": deep}
     bodies = {
         "nested": {"response_format": {"type": "json_schema", "json_schema": {"name": "d", "schema": deep}}},
