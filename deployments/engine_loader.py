@@ -70,11 +70,12 @@ def load_engine(cfg: EngineServerConfig, proposer: Any = None) -> tuple[LLMEngin
     """
     if cfg.num_shards == 1:
         return build_engine(cfg.engine, proposer=proposer), None
+    from deployments.router_actor import proposed_placement
     from deployments.shard_group import ShardGroup, ShardGroupConfig
 
     per_rank = -(-cfg.engine.max_num_seqs // cfg.num_shards)  # sequences are spread over the ranks
     group = ShardGroup(ShardGroupConfig(
         cfg.engine.model, world_size=cfg.num_shards, max_num_seqs=per_rank, max_model_len=cfg.engine.max_model_len,
-        strategy=cfg.shard_strategy, gpus_per_shard=cfg.gpus_per_shard,
-    ))  # fmt: skip
+        routing=cfg.engine.routing, strategy=cfg.shard_strategy, gpus_per_shard=cfg.gpus_per_shard,
+    ), placement=proposed_placement(cfg.num_shards))  # fmt: skip
     return build_engine(cfg.engine, runner=group.start(), proposer=proposer), group

@@ -101,9 +101,15 @@ class EngineServer:
 
             compiler = GrammarCompiler(engine.tokenizer, engine.runner.vocab_size)
         group = self.shard_group
-        core = EngineCore(engine, compiler, recover=group.restart if group else None,
+        core = EngineCore(engine, compiler, recover=self._reform if group else None,
                           expert_load=group.collect_stats if group else None)
         return InprocCore(core, self._on_chunks, self._on_dead)
+
+    def _reform(self) -> Any:
+        """A broken shard group forms again, with the placement the router service proposes now."""
+        from deployments.router_actor import proposed_placement
+
+        return self.shard_group.restart(proposed_placement(self.config.num_shards))
 
     # ---- the async API ---------------------------------------------------------------------
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:

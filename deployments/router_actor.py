@@ -75,3 +75,13 @@ def find_router_actor():
         return ray.get_actor(ROUTER_ACTOR_NAME, namespace=ROUTER_NAMESPACE)
     except ValueError:
         return None
+
+
+def proposed_placement(world_size: int, timeout_s: float = 5.0) -> Placement | None:
+    """The placement the router service proposes for a group of `world_size` ranks, from the
+    load seen so far; None without a router-service actor (or when it does not answer)."""
+    try:
+        actor = find_router_actor()
+        return None if actor is None else ray.get(actor.placement.remote(world_size), timeout=timeout_s)
+    except Exception:  # statistics must never keep a group from forming
+        return None

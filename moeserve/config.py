@@ -78,6 +78,16 @@ class SpeculativeSection(_Section):
     disable_by_batch_size: int = Field(12, ge=0)
 
 
+class RoutingSection(_Section):
+    """Expert capacity of every MoE layer (router_service/capacity.py): `none` is exact; `drop` and
+    `reroute` (to the next-best expert with room) cap each expert at
+    max(min_capacity, ceil(capacity_factor * tokens * top_k / experts)) routes per forward pass."""
+
+    overflow: Literal["none", "drop", "reroute"] = "none"
+    capacity_factor: float = Field(1.25, gt=0)
+    min_capacity: int = Field(4, ge=0)
+
+
 class ShardsSection(_Section):
     num_shards: int = Field(1, ge=1)  # > 1: expert-parallel shard group per engine replica
     gpus_per_shard: float = Field(0.0, ge=0)  # 1 on a GPU cluster (NCCL), 0 on CPU (gloo)
@@ -188,6 +198,7 @@ class AppConfig(_Section):
     engine: EngineSection = Field(default_factory=EngineSection)
     speculative: SpeculativeSection = Field(default_factory=SpeculativeSection)
     shards: ShardsSection = Field(default_factory=ShardsSection)
+    routing: RoutingSection = Field(default_factory=RoutingSection)
     gateway: GatewaySection = Field(default_factory=GatewaySection)
     deployments: DeploymentsSection = Field(default_factory=DeploymentsSection)
 

@@ -87,3 +87,16 @@ def test_moeserve_generate_runs_on_the_demo_pair():
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() and "tokens/s; speculation=ngram" in out.stderr
+
+
+def test_the_overflow_policy_set_in_the_yaml_reaches_every_moe_layer_and_metrics():
+    from moeserve.engine.core import EngineCore
+    from moeserve.engine.factory import build_engine
+
+    tree = AppConfig.from_dict({"routing": {"overflow": "drop", "capacity_factor": 1.0}, "speculative": {"draft": "none"}})
+    cfg = EngineConfig.from_app(tree)
+    assert (cfg.routing.overflow, cfg.routing.capacity_factor, cfg.routing.min_capacity) == ("drop", 1.0, 4)
+    engine = build_engine(cfg)
+    assert {b.routing for b in engine.runner.model.moe_blocks} == {cfg.routing}
+    gauges = EngineCore(engine).stats()["routing"]
+    assert gauges["overflow_drop"] == 1.0 and gauges["overflow_none"] == 0.0 and gauges["capacity_factor"] == 1.0

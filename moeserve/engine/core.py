@@ -226,6 +226,7 @@ class EngineCore:
             "spec_disabled_steps": eng.num_spec_disabled_steps,
             "grammar_guard_refusals": eng.num_guard_refusals,
             "grammar_cache": self.compiler.cache_info() if self.compiler is not None else {},
+            "routing": _routing_gauges(eng.runner.model),
             "expert_load": self.expert_load(),
         }
 
@@ -241,3 +242,13 @@ def _chunk(out: RequestOutput) -> GenerateChunk:
 def _grammar_message(req: GenerateRequest, e: GrammarError) -> str:
     msg = str(e)
     return msg if msg.startswith("invalid") else f"invalid {req.grammar.kind} grammar: {msg}"
+
+
+def _routing_gauges(model: Any) -> dict[str, float]:
+    """The MoE layers' capacity settings as numbers for /metrics (overflow as a one-hot)."""
+    blocks = getattr(model, "moe_blocks", [])
+    if not blocks:
+        return {}
+    r = blocks[0].routing
+    return {"capacity_factor": r.capacity_factor, "min_capacity": r.min_capacity,
+            **{f"overflow_{o}": float(r.overflow == o) for o in ("none", "drop", "reroute")}}

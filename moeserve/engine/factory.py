@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from model_shards.moe import RoutingConfig
 from moeserve.config import AppConfig, EngineSection, ModelSection, SpeculativeSection, default_of, resolve_path
 from moeserve.engine.engine import LLMEngine
 from moeserve.engine.model_runner import ModelRunner
@@ -38,6 +39,7 @@ class EngineConfig:
     kv_budget_tokens: int = default_of(EngineSection, "kv_budget_tokens")
     dtype: str = default_of(ModelSection, "dtype")
     compile: bool = default_of(EngineSection, "compile")
+    routing: RoutingConfig = field(default_factory=RoutingConfig)  # expert capacity and overflow
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -70,6 +72,7 @@ class EngineConfig:
             kv_budget_tokens=e.kv_budget_tokens,
             dtype=cfg.model.dtype,
             compile=e.compile,
+            routing=RoutingConfig(**cfg.routing.model_dump()),
         )
 
     @property
@@ -105,6 +108,7 @@ def build_engine(cfg: EngineConfig, runner=None, proposer=None) -> LLMEngine:
     tokenizer = load_tokenizer(cfg.model)
     if runner is None:
         model = load_checkpoint(cfg.model, cfg.torch_dtype)
+        model.set_routing(cfg.routing)
         runner = ModelRunner(model, cfg.max_num_seqs, cfg.max_model_len, compile=cfg.compile)
     proposer = proposer if proposer is not None else build_proposer(cfg)
     if getattr(runner, "compiled", None) is not None:

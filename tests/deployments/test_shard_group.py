@@ -9,7 +9,7 @@ import torch
 
 ray = pytest.importorskip("ray")
 
-from deployments.router_actor import RouterService  # noqa: E402
+from deployments.router_actor import RouterService, proposed_placement, router_actor  # noqa: E402
 from deployments.shard_group import ShardGroup, ShardGroupConfig  # noqa: E402
 from model_shards import load_checkpoint  # noqa: E402
 from moeserve.engine import LLMEngine, ModelRunner  # noqa: E402
@@ -58,6 +58,10 @@ def test_group_generates_survives_a_dead_shard_and_reports_load(ray_cluster, ckp
         assert summary["layers"][0]["routes"] == summary["layers"][0]["tokens"] * 2
         placement = router.placement(world_size=2)
         assert sorted(e for r in placement.rank_experts for e in set(r)) == list(range(4))
+        # what a re-forming group asks for: the router-service actor's proposal from the same load
+        actor = router_actor(runner.model.config.num_layers, runner.model.config.num_experts)
+        ray.get(actor.report.remote("replica-0", group.collect_stats()))
+        assert proposed_placement(2).rank_experts == placement.rank_experts
 
         # kill a shard mid-generation: the step fails fast with a clear error, no hang
         engine = LLMEngine(runner)
@@ -72,7 +76,7 @@ def test_group_generates_survives_a_dead_shard_and_reports_load(ray_cluster, ckp
         assert time.monotonic() - t0 < 15
 
         # the group re-forms (with the router's placement) and the next requests succeed
-        runner = group.restart(placement)
+        runner = group.restart(proposed_placement(2))
         assert group.generation == 2
         assert [c.token_ids for c in LLMEngine(runner).generate(PROMPTS, GREEDY)] == expected
     finally:
