@@ -97,7 +97,7 @@ class Gateway:
         app.get("/health", responses=error_responses(503))(self.health)
         app.get("/metrics", responses={200: {"content": {"text/plain": {}}, "description": "Prometheus"}})(
             self.prometheus)
-        app.get("/admin/experts", responses=error_responses(401, 503))(self.experts)
+        app.get("/admin/experts", responses=error_responses(400, 401, 503))(self.experts)
         app.openapi = lambda: _openapi(app)
         return app
 
