@@ -176,6 +176,7 @@ class Frontend:
                 retry = (
                     chunk.error is not None
                     and chunk.error.code in RESUMABLE
+                    and chunk.error.retryable
                     and attempt < self.cfg.max_retries
                     and len(delivered) + len(chunk.token_ids) < req.params.max_tokens
                 )

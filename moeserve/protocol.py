@@ -40,6 +40,7 @@ class StreamError:
     code: ErrorCode
     message: str
     param: str | None = None  # the request field at fault ("grammar": whichever field carried it)
+    retryable: bool = True  # False: a fresh attempt would fail the same way (the core isolated the cause)
 
 
 @dataclass(frozen=True)
@@ -117,10 +118,11 @@ def error_chunk(
     usage: Usage | None = None,
     token_ids: tuple[int, ...] = (),
     param: str | None = None,
+    retryable: bool = True,
 ) -> GenerateChunk:
     """The final chunk of a stream that ended in an error (after `token_ids`, if any)."""
     return GenerateChunk(request_id, token_ids, finish_reason="error", usage=usage or Usage(),
-                         error=StreamError(code, message, param))
+                         error=StreamError(code, message, param, retryable))
 
 
 # ---- between an engine replica and its core -------------------------------------------------------

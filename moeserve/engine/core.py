@@ -26,7 +26,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
 
-from moeserve.engine.engine import LLMEngine
+from moeserve.engine.engine import LLMEngine, StepError
 from moeserve.grammar.errors import GrammarError
 from moeserve.protocol import (
     Abort,
@@ -44,6 +44,7 @@ from moeserve.sequence import RequestOutput
 logger = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.05  # an idle core blocks on its inbox this long at a time
+ISOLATION_STEPS = 2  # steps a suspect runs alone (its prefill and a decode) to be cleared
 
 
 class Channel(Protocol):
@@ -78,6 +79,9 @@ class EngineCore:
         self._compiles = ThreadPoolExecutor(2, thread_name_prefix="core-grammar")
         self._compiling: dict[str, tuple[GenerateRequest, Future]] = {}
         self._expert_load = expert_load
+        self._suspects: list[str] = []  # requests of failed steps, waiting to run alone
+        self._alone_failures: Counter[str] = Counter()
+        self._focus_steps = 0
         model = engine.runner.model
         self._load_stats = model.enable_stats() if expert_load is None and model.config.is_moe else None
 
@@ -121,16 +125,75 @@ class EngineCore:
         t0 = time.perf_counter()
         try:
             outputs = self.engine.step()
-        except Exception as e:
+        except StepError as e:  # nothing emitted: find the request that causes it, the rest carry on
+            return self._isolate(e.request_ids, e.__cause__)
+        except Exception as e:  # failed after emitting tokens: nothing can be replayed here
             logger.exception("engine step failed; ending every live request")
             self.counters["step_errors"] += 1
             failed = self._fail_all(ErrorCode.INTERNAL, f"engine step failed: {type(e).__name__}: {e}")
-            if self.recover is not None:  # a shard died (or a collective timed out): form a new group
-                self.engine.runner = self.recover()  # raising here ends the loop: UNAVAILABLE
+            self._reform()
             return failed
         self.step_seconds += time.perf_counter() - t0
         self.counters["steps"] += 1
+        self._isolation_progress()
         return [_chunk(out) for out in outputs]
+
+    # ---- failure isolation -------------------------------------------------------------------
+    def _isolate(self, request_ids: list[str], cause: BaseException | None) -> list[GenerateChunk]:
+        """A step failed before emitting anything. Its requests go back to the queue (their
+        output kept, recomputed) and are tried one at a time, each for ISOLATION_STEPS steps
+        alone; one that fails alone twice is the cause and ends with INTERNAL. Its neighbours
+        never see the failure, and a request's retries are its own."""
+        logger.warning("engine step failed with %d request(s) in it: %r", len(request_ids), cause)
+        self.counters["step_errors"] += 1
+        sched = self.engine.scheduler
+        self._reform()
+        focus = sched.focus
+        if focus is None or focus.seq_id not in request_ids:
+            self.engine.requeue(request_ids)
+            self._suspects += [rid for rid in request_ids if rid not in self._suspects]
+            self._next_suspect()
+            return []
+        self._alone_failures[focus.seq_id] += 1
+        if self._alone_failures[focus.seq_id] < 2:  # once more, in case the fault was not its own
+            self.engine.requeue([focus.seq_id])
+            self._focus_steps = 0
+            return []
+        self.counters["isolated_failures"] += 1
+        chunk = error_chunk(focus.seq_id, ErrorCode.INTERNAL,
+                            f"engine step failed with this request alone: {type(cause).__name__}: {cause}",
+                            Usage(len(focus.prompt_ids), len(focus.output_ids)), retryable=False)
+        self.engine.abort(focus.seq_id)
+        self._next_suspect()
+        return [chunk]
+
+    def _next_suspect(self) -> None:
+        """Focus the scheduler on the next suspect still alive (none left: back to batching)."""
+        sched, live = self.engine.scheduler, self.engine._seqs
+        self._suspects = [rid for rid in self._suspects if rid in live]
+        for rid in [r for r in self._alone_failures if r not in live]:
+            del self._alone_failures[rid]
+        if sched.focus is not None and sched.focus.seq_id in self._suspects:
+            self._suspects.remove(sched.focus.seq_id)
+        sched.focus = self.engine._seqs[self._suspects.pop(0)] if self._suspects else None
+        self._focus_steps = 0
+
+    def _isolation_progress(self) -> None:
+        sched = self.engine.scheduler
+        if sched.focus is None and not self._suspects:
+            return
+        self._focus_steps += 1
+        if sched.focus is None or self._focus_steps >= ISOLATION_STEPS:  # cleared (or finished)
+            sched.focus = None
+            self._next_suspect()
+
+    def _reform(self) -> None:
+        """After a failed step on an expert-parallel group (a shard died, a collective timed out):
+        form a new group; every running request recomputes its cache there."""
+        if self.recover is None:
+            return
+        self.engine.requeue([s.seq_id for s in self.engine.scheduler.running])
+        self.engine.runner = self.recover()  # raising here ends the loop: UNAVAILABLE
 
     # ---- requests ------------------------------------------------------------------------------
     def _add(self, channel: Channel, req: GenerateRequest) -> None:

@@ -117,13 +117,25 @@ class LLMEngine:
             return []
         for seq in batch.preempted:
             self._release(seq)
-        if batch.is_prefill:
-            for seq in batch.seqs:
-                self.runner.add(seq.seq_id)
-            new_tokens = self._prefill(batch)
-        else:
-            new_tokens = self._decode(batch)
+        try:
+            if batch.is_prefill:
+                for seq in batch.seqs:
+                    self.runner.add(seq.seq_id)
+                new_tokens = self._prefill(batch)
+            else:
+                new_tokens = self._decode(batch)
+        except Exception as e:  # nothing was emitted: the step's requests can run it again (requeue)
+            raise StepError([s.seq_id for s in batch.seqs]) from e
         return [self._postprocess(seq, toks) for seq, toks in zip(batch.seqs, new_tokens)]
+
+    def requeue(self, request_ids: Seq[str]) -> None:
+        """Put running requests back in front of the queue: their KV cache and draft state are
+        freed, their output so far is kept and recomputed by their next prefill (after a failed
+        step, or when the model runner was replaced)."""
+        for rid in reversed(list(request_ids)):
+            seq = self._seqs.get(rid)
+            if seq is not None and self.scheduler.requeue(seq):
+                self._release(seq)
 
     def _prefill(self, batch: ScheduledBatch) -> list[list[int]]:
         rows = [Row(s.seq_id, s.pending_ids, s.num_cached) for s in batch.seqs]
@@ -279,6 +291,14 @@ class LLMEngine:
                     c.token_ids += out.new_token_ids
                     c.finished, c.finish_reason = out.finished, out.finish_reason
         return [done[rid] for rid in ids]
+
+
+class StepError(RuntimeError):
+    """A step failed before it emitted anything; `request_ids` were in it (the cause is chained)."""
+
+    def __init__(self, request_ids: list[str]) -> None:
+        super().__init__(f"engine step failed with {len(request_ids)} request(s) in it")
+        self.request_ids = request_ids
 
 
 _GREEDY = SamplingParams(temperature=0.0)  # a placeholder for rows verified by rejection sampling

@@ -58,6 +58,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        # Isolation after a failed step: only this sequence is scheduled (the others wait, their
+        # KV cache kept) until the engine core clears it.
+        self.focus: Sequence | None = None
 
     @property
     def kv_tokens_used(self) -> int:
@@ -70,6 +73,8 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> ScheduledBatch | None:
+        if self.focus is not None:
+            return self._schedule_focus(self.focus)
         admitted: list[Sequence] = []
         tokens = 0
         kv_free = self.cfg.kv_budget - self.kv_tokens_used - len(self.running) * (1 + self.cfg.lookahead)
@@ -93,6 +98,28 @@ class Scheduler:
             return ScheduledBatch(is_prefill=False, seqs=list(self.running), preempted=preempted)
         return None
 
+    def _schedule_focus(self, seq: Sequence) -> ScheduledBatch | None:
+        if seq in self.running:
+            return ScheduledBatch(is_prefill=False, seqs=[seq])
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            return ScheduledBatch(is_prefill=True, seqs=[seq])
+        self.focus = None  # it finished
+        return self.schedule()
+
+    def requeue(self, seq: Sequence) -> bool:
+        """Running -> front of the queue, to be prefilled again (prompt + output so far). False if
+        it was not running."""
+        if seq not in self.running:
+            return False
+        self.running.remove(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_cached = 0
+        self.waiting.appendleft(seq)
+        return True
+
     def _preempt_to_fit(self) -> list[Sequence]:
         """Preempt the newest running sequences until the next step's KV growth fits the budget."""
         preempted = []
@@ -107,6 +134,8 @@ class Scheduler:
         return preempted
 
     def finish(self, seq: Sequence, reason: str) -> None:
+        if seq is self.focus:
+            self.focus = None
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         if seq in self.running:

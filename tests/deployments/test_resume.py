@@ -1,5 +1,6 @@
-"""Nothing accepted is lost: a stream whose engine step fails resumes on a fresh attempt
-with the tokens already delivered, and the client sees exactly the uninterrupted output."""
+"""Nothing accepted is lost: a stream whose engine replica is lost mid-stream resumes on a fresh
+attempt with the tokens already delivered, and the client sees exactly the uninterrupted output;
+a request that breaks every step it is in fails alone, and its neighbours never notice."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ from deployments.frontend import Frontend, FrontendConfig
 from deployments.metrics import GatewayMetrics
 from model_shards import load_checkpoint
 from moeserve.engine import LLMEngine, ModelRunner
+from moeserve.engine.core import EngineCore
 from moeserve.grammar import GrammarSpec, check_output
+from moeserve.protocol import ErrorCode, GenerateRequest, Shutdown
 from moeserve.sampling_params import SamplingParams
 from moeserve.tokenizer import load_tokenizer
 from tests.deployments.tiny_checkpoint import save_tiny_checkpoint
@@ -25,29 +28,55 @@ def folder(tmp_path_factory):
     return save_tiny_checkpoint(tmp_path_factory.mktemp("tiny-moe"))
 
 
-class FlakyRunner:
-    """A model runner whose `fail_at`-th forward raises, like a shard group losing a rank."""
+class DroppingReplica:
+    """The engine replica as the gateway reaches it, whose first call drops after `fail_at`
+    chunks, as when the replica (or the core under it) dies mid-stream."""
 
-    def __init__(self, runner: ModelRunner, fail_at: int) -> None:
-        self.inner, self.fail_at, self.calls = runner, fail_at, 0
+    def __init__(self, server: EngineServer, fail_at: int) -> None:
+        self.server, self.fail_at, self.calls = server, fail_at, 0
+
+    def __getattr__(self, name):
+        return getattr(self.server, name)
+
+    async def generate(self, request):
+        self.calls += 1
+        chunks = self.server.generate(request)
+        try:
+            n = 0
+            async for chunk in chunks:
+                yield chunk
+                n += 1
+                if self.calls == 1 and n == self.fail_at:
+                    raise ConnectionError("replica connection lost")
+        finally:
+            await chunks.aclose()
+
+
+class PoisonRunner:
+    """A model runner whose every forward with the token POISON in its rows raises: one request
+    breaks any batch it is in."""
+
+    POISON = 7
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.inner = runner
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
     def forward(self, rows, logits="last"):
-        self.calls += 1
-        if self.calls == self.fail_at:
-            raise RuntimeError("Connection closed by peer (shard 1)")
+        if any(self.POISON in r.tokens for r in rows):
+            raise RuntimeError("NaN in the attention scores")
         return self.inner.forward(rows, logits)
 
 
 def run(folder, fail_at: int | None, grammar: GrammarSpec | None = None, retries: int = 2):
     tokenizer = load_tokenizer(folder)
-    runner = ModelRunner(load_checkpoint(folder), 4, 256)
-    server = EngineServer(EngineServerConfig(), engine=LLMEngine(
-        FlakyRunner(runner, fail_at) if fail_at else runner, tokenizer))
+    server = EngineServer(EngineServerConfig(), engine=LLMEngine(ModelRunner(load_checkpoint(folder), 4, 256),
+                                                                 tokenizer))
     metrics = GatewayMetrics()
-    frontend = Frontend(FrontendConfig("tiny", 256, max_retries=retries), tokenizer, server, metrics)
+    replica = DroppingReplica(server, fail_at) if fail_at else server
+    frontend = Frontend(FrontendConfig("tiny", 256, max_retries=retries), tokenizer, replica, metrics)
 
     async def go():
         prep = await frontend.prepare(tokenizer.encode("order status please"), lambda n: GREEDY, 24, grammar, "t")
@@ -65,7 +94,7 @@ def run(folder, fail_at: int | None, grammar: GrammarSpec | None = None, retries
 def test_failed_step_mid_stream_is_resumed_without_loss(folder, grammar):
     expected, text, last, _ = run(folder, None, grammar)
     assert last.error is None and len(expected) > 6
-    tokens, text2, last2, metrics = run(folder, fail_at=5, grammar=grammar)  # prefill + 3 decode steps, then boom
+    tokens, text2, last2, metrics = run(folder, fail_at=5, grammar=grammar)  # 5 chunks, then the replica is gone
     assert tokens == expected and text2 == text
     assert last2.error is None and last2.usage.completion_tokens == len(expected)
     assert metrics.retries._value.get() == 1
@@ -75,5 +104,73 @@ def test_failed_step_mid_stream_is_resumed_without_loss(folder, grammar):
 
 def test_without_retries_the_client_gets_a_clear_error(folder):
     tokens, _, last, _ = run(folder, fail_at=5, retries=0)
-    assert last.error is not None and "engine step failed" in last.error.message
+    assert last.error is not None and "replica connection lost" in last.error.message
     assert 0 < len(tokens) < 24
+
+
+def test_a_poisoned_request_fails_alone_and_its_neighbours_carry_on(folder):
+    """Four requests in one batch, one of which breaks every step it is in: it ends with INTERNAL
+    after running alone; the other three end with exactly their fault-free tokens, no retry used."""
+    tokenizer = load_tokenizer(folder)
+    prompts = [tokenizer.encode(p) for p in ("order status please", "the bakery sells", "hello my friend")]
+    poisoned = [5, PoisonRunner.POISON, 9, 11]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+
+    def serve(runner):
+        server = EngineServer(EngineServerConfig(), engine=LLMEngine(runner, tokenizer))
+        frontend = Frontend(FrontendConfig("tiny", 256), tokenizer, server, GatewayMetrics())
+
+        async def one(ids):
+            prep = await frontend.prepare(ids, lambda n: params, 16, None, "t")
+            return [c async for c in frontend.stream(prep)]
+
+        async def all_of(batch):
+            return await asyncio.wait_for(asyncio.gather(*(one(p) for p in batch)), 120)
+
+        try:
+            return asyncio.run(all_of(prompts + [poisoned])), frontend.metrics, server
+        finally:
+            server.shutdown()
+
+    clean, _, _ = serve(ModelRunner(load_checkpoint(folder), 4, 256))
+    outs, metrics, server = serve(PoisonRunner(ModelRunner(load_checkpoint(folder), 4, 256)))
+    for good, got in zip(clean[:3], outs[:3]):
+        assert got[-1].error is None and [t for c in got for t in c.token_ids] == [t for c in good for t in c.token_ids]
+    assert outs[3][-1].error.code is ErrorCode.INTERNAL and "alone" in outs[3][-1].error.message
+    assert metrics.retries._value.get() == 0  # nobody resumed: the neighbours never saw an error, and the
+    # poisoned request's error says a fresh attempt would fail the same way
+    assert not outs[3][-1].error.retryable
+
+
+class ScriptChannel:
+    """A core's channel fed with a fixed list of messages; it shuts the core down once idle."""
+
+    def __init__(self, messages: list) -> None:
+        self.inbox, self.sent = list(messages), []
+
+    def send(self, msg) -> None:
+        self.sent.append(msg)
+
+    def recv(self, timeout):
+        if self.inbox:
+            return self.inbox.pop(0)
+        return Shutdown() if timeout else None  # the core only waits when it has nothing to do
+
+
+def test_the_core_bisects_a_failed_batch(folder):
+    """All four requests reach the core before its first step, so they prefill as one batch: that
+    step fails, each runs alone, the poisoned one fails alone twice, the others finish exactly."""
+    tokenizer = load_tokenizer(folder)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    prompts = [[5, 6, 8], [5, PoisonRunner.POISON, 9], [10, 11], [12, 13, 14, 15]]
+    clean = LLMEngine(ModelRunner(load_checkpoint(folder), 4, 256), tokenizer).generate(prompts, params)
+    core = EngineCore(LLMEngine(PoisonRunner(ModelRunner(load_checkpoint(folder), 4, 256)), tokenizer))
+    channel = ScriptChannel([GenerateRequest(f"r{i}", tuple(p), params) for i, p in enumerate(prompts)])
+    core.run(channel)
+    chunks = [c for msg in channel.sent if isinstance(msg, list) for c in msg]
+    for i in (0, 2, 3):
+        mine = [c for c in chunks if c.request_id == f"r{i}"]
+        assert [t for c in mine for t in c.token_ids] == clean[i].token_ids and mine[-1].finish_reason == "length"
+    (poisoned,) = [c for c in chunks if c.request_id == "r1"]
+    assert poisoned.error.code is ErrorCode.INTERNAL and not poisoned.error.retryable
+    assert core.counters["step_errors"] == 3 and core.counters["isolated_failures"] == 1  # the batch, then twice alone
