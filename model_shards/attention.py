@@ -35,13 +35,10 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(kv_dim, cfg.rms_norm_eps)
         self.clip_qkv = cfg.clip_qkv
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        cache: KVCache | None = None,
-        batch: StepBatch | None = None,
-    ) -> torch.Tensor:
+    def project(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """This step's queries [B, H, T, Dh], keys and values [B, Hkv, T, Dh] (rotary applied)."""
         b, t, _ = x.shape
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # [B, T, H*Dh], [B, T, Hkv*Dh] x2
         if self.qk_norm == "full":
@@ -53,9 +50,17 @@ class Attention(nn.Module):
         v = v.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, T, Dh]
         if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rotary(q.transpose(1, 2), *rope)  # [B, H, T, Dh]
-        k = apply_rotary(k.transpose(1, 2), *rope)  # [B, Hkv, T, Dh]
+        return apply_rotary(q.transpose(1, 2), *rope), apply_rotary(k.transpose(1, 2), *rope), v
 
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        cache: KVCache | None = None,
+        batch: StepBatch | None = None,
+    ) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = self.project(x, rope)  # [B, H, T, Dh], [B, Hkv, T, Dh] x2
         if cache is not None:
             cache.write(self.layer_idx, batch, k, v)
         if cache is None or batch.fresh:  # nothing cached before this step: causal over its own keys

@@ -32,7 +32,6 @@ import torch.nn.functional as F
 
 from model_shards.dispatch import LocalDispatch
 from model_shards.kv_cache import KVCache
-from model_shards.layers import apply_rotary
 from model_shards.model import CausalLM
 from router_service.gating import Gates, topk_gate
 
@@ -109,23 +108,12 @@ class CompiledStep:
 
     def _attention(self, attn, x, rope, layer: int, slots, pos, valid, tk: int) -> torch.Tensor:
         b, t, _ = x.shape
-        q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
-        if attn.qk_norm == "full":
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        if attn.clip_qkv is not None:
-            q, k, v = (z.clamp(-attn.clip_qkv, attn.clip_qkv) for z in (q, k, v))
-        q = q.view(b, t, attn.num_heads, attn.head_dim)
-        k = k.view(b, t, attn.num_kv_heads, attn.head_dim)
-        v = v.view(b, t, attn.num_kv_heads, attn.head_dim)  # [B, T, Hkv, Dh]
-        if attn.qk_norm == "head":
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        q = apply_rotary(q.transpose(1, 2), *rope)  # [B, H, T, Dh]
-        k = apply_rotary(k.transpose(1, 2), *rope)  # [B, Hkv, T, Dh]
+        q, k, v = attn.project(x, rope)  # [B, H, T, Dh], [B, Hkv, T, Dh] x2
         keys, values = self.cache.k[layer], self.cache.v[layer]  # [S, Hkv, Tmax + 1, Dh]
         write = torch.where(valid, pos, self.cache.max_len)  # [B, T]; padding -> scratch column
         # advanced indices on dims 0 and 2 put the broadcast [B, T] first: values are [B, T, Hkv, Dh]
         keys[slots[:, None], :, write] = k.transpose(1, 2)
-        values[slots[:, None], :, write] = v
+        values[slots[:, None], :, write] = v.transpose(1, 2)
         mask = (torch.arange(tk)[None, None, :] <= pos[:, :, None])[:, None]  # [B, 1, T, Tk]
         out = F.scaled_dot_product_attention(q, keys[slots, :, :tk], values[slots, :, :tk], attn_mask=mask,
                                              enable_gqa=True)  # [B, H, T, Dh]

@@ -11,6 +11,9 @@ process of its own (`ProcessCore`, the served default: no GIL shared with Serve)
 moeserve/engine/core_client.py. Messages are the small frozen dataclasses of
 moeserve/protocol.py; a channel is anything with `send(msg)` and `recv(timeout)`.
 
+A step that fails before emitting anything does not end every stream: its requests are
+requeued and run one at a time until the one that breaks it is found (isolation.py).
+
 Grammars are compiled here and only here, where the masks are used, on the compiler's own
 threads: a request waits (outside the scheduler) until its grammar is ready, so a slow
 compile never stalls the running batch. An invalid grammar ends its request with
@@ -27,6 +30,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
 
 from moeserve.engine.engine import LLMEngine, StepError
+from moeserve.engine.isolation import Isolation
 from moeserve.grammar.errors import GrammarError
 from moeserve.protocol import (
     Abort,
@@ -44,7 +48,6 @@ from moeserve.sequence import RequestOutput
 logger = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.05  # an idle core blocks on its inbox this long at a time
-ISOLATION_STEPS = 2  # steps a suspect runs alone (its prefill and a decode) to be cleared
 
 
 class Channel(Protocol):
@@ -79,9 +82,7 @@ class EngineCore:
         self._compiles = ThreadPoolExecutor(2, thread_name_prefix="core-grammar")
         self._compiling: dict[str, tuple[GenerateRequest, Future]] = {}
         self._expert_load = expert_load
-        self._suspects: list[str] = []  # requests of failed steps, waiting to run alone
-        self._alone_failures: Counter[str] = Counter()
-        self._focus_steps = 0
+        self.isolation = Isolation(engine, self.counters)
         model = engine.runner.model
         self._load_stats = model.enable_stats() if expert_load is None and model.config.is_moe else None
 
@@ -126,7 +127,10 @@ class EngineCore:
         try:
             outputs = self.engine.step()
         except StepError as e:  # nothing emitted: find the request that causes it, the rest carry on
-            return self._isolate(e.request_ids, e.__cause__)
+            logger.warning("engine step failed with %d request(s) in it: %r", len(e.request_ids), e.__cause__)
+            self.counters["step_errors"] += 1
+            self._reform()
+            return self.isolation.failed(e.request_ids, e.__cause__)
         except Exception as e:  # failed after emitting tokens: nothing can be replayed here
             logger.exception("engine step failed; ending every live request")
             self.counters["step_errors"] += 1
@@ -135,57 +139,8 @@ class EngineCore:
             return failed
         self.step_seconds += time.perf_counter() - t0
         self.counters["steps"] += 1
-        self._isolation_progress()
+        self.isolation.stepped()
         return [_chunk(out) for out in outputs]
-
-    # ---- failure isolation -------------------------------------------------------------------
-    def _isolate(self, request_ids: list[str], cause: BaseException | None) -> list[GenerateChunk]:
-        """A step failed before emitting anything. Its requests go back to the queue (their
-        output kept, recomputed) and are tried one at a time, each for ISOLATION_STEPS steps
-        alone; one that fails alone twice is the cause and ends with INTERNAL. Its neighbours
-        never see the failure, and a request's retries are its own."""
-        logger.warning("engine step failed with %d request(s) in it: %r", len(request_ids), cause)
-        self.counters["step_errors"] += 1
-        sched = self.engine.scheduler
-        self._reform()
-        focus = sched.focus
-        if focus is None or focus.seq_id not in request_ids:
-            self.engine.requeue(request_ids)
-            self._suspects += [rid for rid in request_ids if rid not in self._suspects]
-            self._next_suspect()
-            return []
-        self._alone_failures[focus.seq_id] += 1
-        if self._alone_failures[focus.seq_id] < 2:  # once more, in case the fault was not its own
-            self.engine.requeue([focus.seq_id])
-            self._focus_steps = 0
-            return []
-        self.counters["isolated_failures"] += 1
-        chunk = error_chunk(focus.seq_id, ErrorCode.INTERNAL,
-                            f"engine step failed with this request alone: {type(cause).__name__}: {cause}",
-                            Usage(len(focus.prompt_ids), len(focus.output_ids)), retryable=False)
-        self.engine.abort(focus.seq_id)
-        self._next_suspect()
-        return [chunk]
-
-    def _next_suspect(self) -> None:
-        """Focus the scheduler on the next suspect still alive (none left: back to batching)."""
-        sched, live = self.engine.scheduler, self.engine._seqs
-        self._suspects = [rid for rid in self._suspects if rid in live]
-        for rid in [r for r in self._alone_failures if r not in live]:
-            del self._alone_failures[rid]
-        if sched.focus is not None and sched.focus.seq_id in self._suspects:
-            self._suspects.remove(sched.focus.seq_id)
-        sched.focus = self.engine._seqs[self._suspects.pop(0)] if self._suspects else None
-        self._focus_steps = 0
-
-    def _isolation_progress(self) -> None:
-        sched = self.engine.scheduler
-        if sched.focus is None and not self._suspects:
-            return
-        self._focus_steps += 1
-        if sched.focus is None or self._focus_steps >= ISOLATION_STEPS:  # cleared (or finished)
-            sched.focus = None
-            self._next_suspect()
 
     def _reform(self) -> None:
         """After a failed step on an expert-parallel group (a shard died, a collective timed out):

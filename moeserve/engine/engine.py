@@ -29,6 +29,7 @@ from moeserve.spec.cost_meter import PRIOR_COSTS, StepCostMeter
 from moeserve.spec.metrics import SpecMetrics
 from moeserve.spec.proposer import ProposalRequest, Proposer, pad_proposals
 from moeserve.spec.rejection_sampler import RejectionSampler, SpecOutput
+from moeserve.spec.verify import verify, verify_window
 
 
 class LLMEngine:
@@ -165,7 +166,7 @@ class LLMEngine:
             self._measure(len(seqs), 0, t1 - t0, time.perf_counter() - t1)
             return self._sample_next(seqs, logits)
         logits = self.runner.forward(rows, logits="all")  # [B, Tq, V]
-        logits = _verify_window(logits, fed, max(map(len, proposals)))  # [B, K+1, V]
+        logits = verify_window(logits, fed, max(map(len, proposals)))  # [B, K+1, V]
         self.structured.apply(logits)
         t2 = time.perf_counter()
         out = self._verify(seqs, logits, proposals)
@@ -200,28 +201,10 @@ class LLMEngine:
         if self.step_costs.num_recorded % self.spec.refit_every == 0:
             self.adaptive.set_costs(self.step_costs.fit(self.adaptive.costs))
 
-    def _verify(self, seqs: list[Sequence], logits: torch.Tensor, proposals: list[list[int]]):
+    def _verify(self, seqs: list[Sequence], logits: torch.Tensor, proposals: list[list[int]]) -> SpecOutput:
         k = max(len(p) for p in proposals)
         draft_ids, draft_probs, num_draft = pad_proposals(self._last_proposals, width=k)
-        logits = logits[:, : k + 1]  # [B, K+1, V]
-        params = [s.params for s in seqs]
-        # Greedy and seeded rows keep drafts while they equal the target's own token at each
-        # position: its argmax, or its keyed sample (moeserve/sampler.py), so a seeded reply is
-        # the same with or without speculation. Other sampled rows: exact rejection sampling.
-        drawn = [i for i, p in enumerate(params) if not p.greedy and p.seed is None]
-        own = [p if i not in drawn else _GREEDY for i, p in enumerate(params)]
-        target = self.sampler.sample(logits, own, positions=[s.num_tokens for s in seqs])  # [B, K+1]
-        out = self.rejection.greedy(target, draft_ids, num_draft)
-        if not drawn:
-            return out
-        rows = torch.tensor(drawn)
-        q = draft_probs[rows] if draft_probs is not None else None
-        sampled = self.rejection.sample(self.sampler.probs(logits[rows], [params[i] for i in drawn]),
-                                        draft_ids[rows], q, num_draft[rows])
-        token_ids, accepted = list(out.token_ids), out.num_accepted.clone()
-        for j, i in enumerate(drawn):
-            token_ids[i], accepted[i] = sampled.token_ids[j], sampled.num_accepted[j]
-        return SpecOutput(token_ids, accepted)
+        return verify(self.sampler, self.rejection, seqs, logits[:, : k + 1], draft_ids, draft_probs, num_draft)
 
     # ---- after a step ------------------------------------------------------------------------
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
@@ -299,21 +282,6 @@ class StepError(RuntimeError):
     def __init__(self, request_ids: list[str]) -> None:
         super().__init__(f"engine step failed with {len(request_ids)} request(s) in it")
         self.request_ids = request_ids
-
-
-_GREEDY = SamplingParams(temperature=0.0)  # a placeholder for rows verified by rejection sampling
-
-
-def _verify_window(logits: torch.Tensor, fed: list[int], k: int) -> torch.Tensor:
-    """The K+1 verification positions of each row: logits [B, Tq, V] -> [B, K+1, V].
-
-    Row b's drafts follow its fed tokens, so its window starts at its last fed token
-    (fed[b] - 1); usually 0, more after jump-forward appended forced tokens."""
-    if all(n == 1 for n in fed):
-        return logits[:, : k + 1]
-    start = torch.tensor(fed).unsqueeze(1) - 1  # [B, 1]
-    pos = (start + torch.arange(k + 1)).clamp(max=logits.shape[1] - 1)  # [B, K+1]
-    return logits[torch.arange(len(fed)).unsqueeze(1), pos]  # [B, K+1, V]
 
 
 @dataclass
