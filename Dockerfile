@@ -63,7 +63,8 @@ COPY moeserve/ moeserve/
 COPY model_shards/ model_shards/
 COPY router_service/ router_service/
 COPY deployments/ deployments/
-RUN pip install --no-deps -e . \
+# (checkpoints/ is mapped into the package as moeserve.checkpoints: it must exist at install time)
+RUN mkdir -p checkpoints && pip install --no-deps -e . \
     && python -m compileall -q moeserve model_shards router_service deployments \
     && python -c "import torch, transformers, xgrammar, ray, deployments.app"
 
