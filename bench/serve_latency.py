@@ -46,19 +46,27 @@ async def one(client: httpx.AsyncClient, model: str, mode: str, max_tokens: int,
         body["response_format"] = {"type": "json_schema", "json_schema": {"name": "order", "schema": SCHEMA}}
     else:
         body["ignore_eos"] = True
+    run = await stream_completion(client, body)
+    return run["ttft"] or 0.0, run["e2e"], run["tokens"]
+
+
+async def stream_completion(client: httpx.AsyncClient, body: dict) -> dict:
+    """POST a streamed /v1/completions (with usage): its time to first text, end-to-end seconds,
+    completion tokens and text."""
     t0 = time.perf_counter()
-    ttft, tokens = None, 0
+    ttft, text, tokens = None, [], 0
     async with client.stream("POST", "/v1/completions", json=body) as r:
         r.raise_for_status()
         async for line in r.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             event = json.loads(line[6:])
-            if ttft is None and event["choices"] and event["choices"][0]["text"]:
-                ttft = time.perf_counter() - t0
+            if event["choices"] and event["choices"][0]["text"]:
+                ttft = ttft or time.perf_counter() - t0
+                text.append(event["choices"][0]["text"])
             if event.get("usage"):
                 tokens = event["usage"]["completion_tokens"]
-    return ttft or 0.0, time.perf_counter() - t0, tokens
+    return {"ttft": ttft, "e2e": time.perf_counter() - t0, "tokens": tokens, "text": "".join(text)}
 
 
 def pct(values: list[float], q: float) -> float:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import statistics
 import time
@@ -31,6 +30,7 @@ import torch
 import yaml
 
 from bench.report import environment, markdown_table, write
+from bench.serve_latency import stream_completion
 
 SERVING_PROCESSES = {"proxy": "ProxyActor", "gateway": "moeserve:gateway", "engine replica": "moeserve:engine"}
 
@@ -63,20 +63,7 @@ def cpu_seconds(pids: dict[str, list[int]]) -> dict[str, float]:
 async def stream_one(client: httpx.AsyncClient, model: str, prompt: list[int], max_tokens: int) -> dict:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
-    t0 = time.perf_counter()
-    ttft, text, tokens = None, [], 0
-    async with client.stream("POST", "/v1/completions", json=body) as r:
-        r.raise_for_status()
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            if event["choices"] and event["choices"][0]["text"]:
-                ttft = ttft or time.perf_counter() - t0
-                text.append(event["choices"][0]["text"])
-            if event.get("usage"):
-                tokens = event["usage"]["completion_tokens"]
-    return {"ttft": ttft, "e2e": time.perf_counter() - t0, "tokens": tokens, "text": "".join(text)}
+    return await stream_completion(client, body)
 
 
 async def served(base: str, model: str, prompts: list[list[int]], max_tokens: int) -> dict:

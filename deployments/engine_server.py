@@ -155,7 +155,7 @@ class EngineServer:
         if not self.core.alive:
             raise RuntimeError(f"engine loop stopped: {self.core.dead or 'closed'}")
         status: dict[str, Any] = {"status": "ok", "live_requests": len(self._streams),
-                                  "core_restarts": getattr(self.core, "restarts", 0)}
+                                  "core_restarts": self.core.restarts}
         if self.shard_group is not None:  # a dead shard shows here before the next step trips on it
             status["shards"] = await asyncio.to_thread(self.shard_group.health)
         return status
@@ -199,7 +199,7 @@ class EngineServer:
             "requests": counters.get("requests", 0),
             "generated_tokens": counters.get("generated_tokens", 0),
             "finished": {k[9:]: v for k, v in counters.items() if k.startswith("finished:")},
-            "core_restarts": getattr(self.core, "restarts", 0),
+            "core_restarts": self.core.restarts,
         }
         try:
             core = await asyncio.to_thread(self.core.stats)
@@ -243,8 +243,8 @@ class EngineServer:
 
     # ---- what the core sends (its thread) ----------------------------------------------------
     def _on_chunks(self, chunks: list[GenerateChunk]) -> None:
-        """One step's chunks: to their streams, one thread-safe call per event loop."""
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, GenerateChunk]]] = {}
+        """One step's chunks, to their streams."""
+        delivered: list[tuple[_Stream, GenerateChunk]] = []
         with self._lock:
             for chunk in chunks:
                 stream = self._streams.get(chunk.request_id)
@@ -255,8 +255,8 @@ class EngineServer:
                 if chunk.finished:
                     del self._streams[chunk.request_id]
                     self._counters[f"finished:{chunk.finish_reason}"] += 1
-                by_loop.setdefault(stream.loop, []).append((stream.chunks, chunk))
-        _deliver(by_loop)
+                delivered.append((stream, chunk))
+        _deliver(delivered)
 
     def _on_dead(self, reason: str) -> None:
         """The core is gone (a process core restarts): every live stream ends with UNAVAILABLE."""
@@ -265,14 +265,14 @@ class EngineServer:
             self._counters["finished:error"] += len(streams)
         if streams:
             logger.error("engine core stopped with %d live requests: %s", len(streams), reason)
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, GenerateChunk]]] = {}
-        for s in streams:
-            by_loop.setdefault(s.loop, []).append(
-                (s.chunks, error_chunk(s.request_id, ErrorCode.UNAVAILABLE, reason, s.usage)))
-        _deliver(by_loop)
+        _deliver([(s, error_chunk(s.request_id, ErrorCode.UNAVAILABLE, reason, s.usage)) for s in streams])
 
 
-def _deliver(by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, GenerateChunk]]]) -> None:
+def _deliver(items: list[tuple[_Stream, GenerateChunk]]) -> None:
+    """Hand chunks to their streams: one thread-safe call per event loop."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, GenerateChunk]]] = {}
+    for stream, chunk in items:
+        by_loop.setdefault(stream.loop, []).append((stream.chunks, chunk))
     for loop, batch in by_loop.items():
         try:
             loop.call_soon_threadsafe(_put_all, batch)

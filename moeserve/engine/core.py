@@ -193,7 +193,7 @@ class EngineCore:
     def _abort(self, channel: Channel, request_id: str) -> None:
         """Abort a request the core holds; its stream ends with finish_reason "abort"."""
         pending = self._compiling.pop(request_id, None)
-        seq = self.engine._seqs.get(request_id)
+        seq = self.engine.requests.get(request_id)
         if pending is None and seq is None:
             return  # already finished: its last chunk is on its way
         usage = Usage(len(seq.prompt_ids), len(seq.output_ids)) if seq is not None else Usage()
@@ -202,7 +202,7 @@ class EngineCore:
 
     def _fail_all(self, code: ErrorCode, message: str) -> list[GenerateChunk]:
         out = []
-        for rid, seq in list(self.engine._seqs.items()):
+        for rid, seq in list(self.engine.requests.items()):
             try:
                 self.engine.abort(rid)
             except Exception:  # the engine is already broken; the stream still must end

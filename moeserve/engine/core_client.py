@@ -46,6 +46,7 @@ class CoreClient(ABC):
     def __init__(self, on_message: Callable[[Any], None], on_dead: Callable[[str], None]) -> None:
         self.on_message, self.on_dead = on_message, on_dead
         self.dead: str | None = None  # why the core is gone for good
+        self.restarts = 0  # cores started again after one died (a process core)
         self._tokens = itertools.count()
         self._replies: dict[int, tuple[threading.Event, list]] = {}
 
@@ -151,7 +152,6 @@ class ProcessCore(CoreClient):
     def __init__(self, spec: Any, on_message: Callable, on_dead: Callable) -> None:
         super().__init__(on_message, on_dead)
         self.spec = spec
-        self.restarts = 0
         self.pid: int | None = None
         self._lock = threading.Lock()  # guards _conn, _backlog, _ready
         self._ready = threading.Event()

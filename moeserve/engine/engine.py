@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Mapping
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field, replace
+from types import MappingProxyType
 
 import torch
 
@@ -110,6 +112,11 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    @property
+    def requests(self) -> Mapping[str, Sequence]:
+        """The requests the engine holds (waiting or running), by id; read-only."""
+        return MappingProxyType(self._seqs)
 
     # ---- the loop ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -61,7 +61,7 @@ class Isolation:
 
     def _next(self) -> None:
         """Focus the scheduler on the next suspect still alive (none left: back to batching)."""
-        sched, live = self.engine.scheduler, self.engine._seqs
+        sched, live = self.engine.scheduler, self.engine.requests
         self.suspects = [rid for rid in self.suspects if rid in live]
         for rid in [r for r in self._alone_failures if r not in live]:
             del self._alone_failures[rid]
