@@ -64,6 +64,7 @@ def _bind_draft(cfg: AppConfig) -> Application | None:
 
     e = cfg.engine
     return bind_draft(
-        DraftServerConfig(resolve_path(s.draft_path), max_num_seqs=e.max_num_seqs, max_model_len=e.max_model_len),
+        DraftServerConfig(resolve_path(s.draft_path), max_num_seqs=e.max_num_seqs, max_model_len=e.max_model_len,
+                          device=e.device, dtype=cfg.model.dtype),
         num_replicas=s.draft_replicas,
     )

@@ -60,6 +60,8 @@ class DraftServerConfig:
     max_model_len: int = 1024
     greedy: bool = True
     torch_threads: int | None = None
+    device: str = "auto"  # the draft's own GPU when the replica has one (ray_actor_options num_gpus)
+    dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if not self.model_path:
@@ -95,7 +97,12 @@ class DraftWorker:
         if config.torch_threads:
             torch.set_num_threads(config.torch_threads)
         self.config = config
-        self.proposer = DraftModelProposer(config.model_path, config.max_num_seqs, config.max_model_len, config.greedy)
+        from model_shards import load_checkpoint
+        from model_shards.device import resolve_device, resolve_dtype
+
+        device = resolve_device(config.device)
+        model = load_checkpoint(config.model_path, resolve_dtype(config.dtype, device), device=device)
+        self.proposer = DraftModelProposer(model, config.max_num_seqs, config.max_model_len, config.greedy)
         self._lock = threading.Lock()
         self._calls = 0
         self._busy_s = 0.0

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from model_shards.device import resolve_device
 from moeserve.config import EngineSection, ShardsSection, default_of
 from moeserve.engine import LLMEngine
 from moeserve.engine.factory import EngineConfig, build_engine
@@ -74,8 +75,13 @@ def load_engine(cfg: EngineServerConfig, proposer: Any = None) -> tuple[LLMEngin
     from deployments.shard_group import ShardGroup, ShardGroupConfig
 
     per_rank = -(-cfg.engine.max_num_seqs // cfg.num_shards)  # sequences are spread over the ranks
-    group = ShardGroup(ShardGroupConfig(
+    group_cfg = ShardGroupConfig(
         cfg.engine.model, world_size=cfg.num_shards, max_num_seqs=per_rank, max_model_len=cfg.engine.max_model_len,
-        routing=cfg.engine.routing, strategy=cfg.shard_strategy, gpus_per_shard=cfg.gpus_per_shard,
-    ), placement=proposed_placement(cfg.num_shards))  # fmt: skip
+        routing=cfg.engine.routing, dtype=cfg.engine.dtype, strategy=cfg.shard_strategy,
+        gpus_per_shard=cfg.gpus_per_shard,
+    )  # fmt: skip
+    if cfg.engine.device != "auto" and resolve_device(cfg.engine.device) != group_cfg.device:
+        raise ValueError(f"engine.device {cfg.engine.device!r} and shards.gpus_per_shard {cfg.gpus_per_shard} "
+                         f"disagree: a shard group runs every rank on {group_cfg.device}")
+    group = ShardGroup(group_cfg, placement=proposed_placement(cfg.num_shards))
     return build_engine(cfg.engine, runner=group.start(), proposer=proposer), group

@@ -15,11 +15,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import ray
+import torch
 import torch.distributed as dist
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from model_shards.all_to_all import init_shard_group
+from model_shards.device import resolve_device, resolve_dtype
 from model_shards.local_group import free_port, load_shard
 from model_shards.moe import RoutingConfig
 from model_shards.shard_worker import ShardedRunner, ShardWorker
@@ -35,6 +37,7 @@ class ShardGroupConfig:
     max_num_seqs: int = 16  # per rank
     max_model_len: int = 1024
     routing: RoutingConfig = field(default_factory=RoutingConfig)
+    dtype: str = "auto"  # every rank's weights and KV cache (auto: bfloat16 on a GPU, float32 on the CPU)
     strategy: str = "PACK"  # PACK: one machine; SPREAD: across nodes on a cluster
     gpus_per_shard: float = 0.0  # 1 on a GPU cluster (NCCL), 0 on CPU (gloo)
     cpus_per_shard: float = 1.0
@@ -49,6 +52,18 @@ class ShardGroupConfig:
         if not Path(self.checkpoint).is_dir():
             raise ValueError(f"checkpoint: folder not found: {self.checkpoint}")
 
+    @property
+    def device(self) -> torch.device:
+        """Where every rank runs: its own GPU (Ray sets each actor's visible GPU) when shards get GPUs."""
+        return torch.device("cuda" if self.gpus_per_shard else "cpu")
+
+
+def _join_and_load(cfg: ShardGroupConfig, placement: Placement, rank: int, master: str):
+    """Join the group's process group and load this rank's shard on the group's device."""
+    device = resolve_device(cfg.device)
+    init_shard_group(rank, cfg.world_size, master, cfg.timeout_s, device)
+    return load_shard(cfg.checkpoint, placement, rank, cfg.routing, resolve_dtype(cfg.dtype, device), device)
+
 
 @ray.remote
 class ShardActor:
@@ -61,8 +76,7 @@ class ShardActor:
         self.error: str | None = None
 
     def start(self) -> dict:
-        init_shard_group(self.rank, self.cfg.world_size, self.master, self.cfg.timeout_s)
-        model = load_shard(self.cfg.checkpoint, self.placement, self.rank, self.cfg.routing)
+        model = _join_and_load(self.cfg, self.placement, self.rank, self.master)
         self.stats = model.enable_stats()
         worker = ShardWorker(model, self.rank, self.cfg.world_size, self.cfg.max_num_seqs, self.cfg.max_model_len)
         self.thread = threading.Thread(target=self._loop, args=(worker,), daemon=True)
@@ -118,8 +132,7 @@ class ShardGroup:
                 for r in range(1, world)
             ]
         started = [a.start.remote() for a in self.actors]
-        init_shard_group(0, world, master, cfg.timeout_s)  # blocks until every rank has joined
-        model = load_shard(cfg.checkpoint, self.placement, 0, cfg.routing)
+        model = _join_and_load(cfg, self.placement, 0, master)  # blocks until every rank has joined
         self.stats = model.enable_stats()
         self.shard_info = [{"rank": 0, "experts": list(self.placement.rank_experts[0]),
                             "loaded_bytes": model.loaded_bytes}]

@@ -15,6 +15,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from model_shards.device import collective_backend
 from model_shards.dispatch import Dispatch
 from model_shards.experts import LocalExperts
 from model_shards.profiling import phase
@@ -22,10 +23,13 @@ from router_service.dispatch_plan import build_dispatch_plan
 from router_service.placement import Placement
 
 
-def init_shard_group(rank: int, world_size: int, master: str, timeout_s: float = 30.0) -> None:
-    """Join the shard group's process group (`master` is "host:port" of rank 0): gloo on CPU,
-    NCCL when this process has a GPU. A dead peer makes collectives fail within `timeout_s`."""
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+def init_shard_group(
+    rank: int, world_size: int, master: str, timeout_s: float = 30.0, device: torch.device | str = "cpu"
+) -> None:
+    """Join the shard group's process group (`master` is "host:port" of rank 0) with the backend
+    for the tensors the ranks exchange: gloo for CPU tensors, NCCL for CUDA ones (`device`: where
+    this rank's model runs). A dead peer makes collectives fail within `timeout_s`."""
+    backend = collective_backend(torch.device(device))
     dist.init_process_group(
         backend, init_method=f"tcp://{master}", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
     )
@@ -41,9 +45,11 @@ class AllToAllDispatch(Dispatch):
         n, k = expert_ids.shape
         d = x.shape[-1]
         with phase("dispatch"):
-            plan = build_dispatch_plan(expert_ids, self.placement)
-            send = torch.cat([x[plan.token_index], plan.local_expert[:, None].to(x.dtype)], dim=1)  # [R, D+1]
-            send_counts = torch.tensor(plan.send_counts, dtype=torch.long)  # [W]
+            # planned on the CPU (the split sizes are needed there anyway); indices then go to x's device
+            plan = build_dispatch_plan(expert_ids.cpu(), self.placement)
+            token_index, route_index = plan.token_index.to(x.device), plan.route_index.to(x.device)
+            send = torch.cat([x[token_index], plan.local_expert[:, None].to(x.device, x.dtype)], dim=1)  # [R, D+1]
+            send_counts = torch.tensor(plan.send_counts, dtype=torch.long, device=x.device)  # [W]
             recv_counts = torch.empty_like(send_counts)
             dist.all_to_all_single(recv_counts, send_counts, group=self.group)
             recv_splits = recv_counts.tolist()
@@ -58,8 +64,8 @@ class AllToAllDispatch(Dispatch):
             y[order] = experts(recv[order, :d], counts)
 
         with phase("combine"):
-            back = x.new_empty(len(plan.route_index), d)  # [R, D]
+            back = x.new_empty(len(route_index), d)  # [R, D]
             dist.all_to_all_single(back, y, plan.send_counts, recv_splits, group=self.group)
             out = x.new_zeros(n * k, d)  # [N*K, D]
-            out[plan.route_index] = back
+            out[route_index] = back
         return out.view(n, k, d)

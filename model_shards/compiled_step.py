@@ -67,7 +67,7 @@ class CompiledStep:
         b, t = ids.shape
         self.num_calls += 1
         ids = ids.clone()  # an inference tensor, like every other input: one set of guards
-        as_long = lambda v: torch.tensor(v, dtype=torch.long)  # noqa: E731
+        as_long = lambda v: torch.tensor(v, dtype=torch.long, device=ids.device)  # noqa: E731
         tk = max(s + t for s in start)
         # no "duck sizing": a batch that happens to equal a model dimension must not become a guard
         with torch.fx.experimental._config.patch(use_duck_shape=False):
@@ -83,7 +83,7 @@ class CompiledStep:
             logger.info("compiling the model step for %d query position(s)...", t)
             # start past 1: torch specialises sizes 0 and 1, and the keys read (Tk) must stay symbolic
             for b in (1, MIN_ROWS_GENERIC):
-                self(torch.zeros(b, t, dtype=torch.long), list(range(b)), [2] * b, [t] * b)
+                self(torch.zeros(b, t, dtype=torch.long, device=self.model.device), list(range(b)), [2] * b, [t] * b)
         return time.perf_counter() - t0
 
     # ---- the graph -------------------------------------------------------------------------
@@ -91,8 +91,9 @@ class CompiledStep:
         m = self.model.model
         b, t = ids.shape
         x = m.embed_tokens(ids)  # [B, T, D]
-        pos = start[:, None] + torch.arange(t)  # [B, T]
-        valid = torch.arange(t)[None, :] < q_lens[:, None]  # [B, T]
+        steps = torch.arange(t, device=ids.device)
+        pos = start[:, None] + steps  # [B, T]
+        valid = steps[None, :] < q_lens[:, None]  # [B, T]
         rope = m.rotary(pos, x.dtype)
         gates = []
         for i, layer in enumerate(m.layers):
@@ -114,7 +115,7 @@ class CompiledStep:
         # advanced indices on dims 0 and 2 put the broadcast [B, T] first: values are [B, T, Hkv, Dh]
         keys[slots[:, None], :, write] = k.transpose(1, 2)
         values[slots[:, None], :, write] = v.transpose(1, 2)
-        mask = (torch.arange(tk)[None, None, :] <= pos[:, :, None])[:, None]  # [B, 1, T, Tk]
+        mask = (torch.arange(tk, device=x.device)[None, None, :] <= pos[:, :, None])[:, None]  # [B, 1, T, Tk]
         out = F.scaled_dot_product_attention(q, keys[slots, :, :tk], values[slots, :, :tk], attn_mask=mask,
                                              enable_gqa=True)  # [B, H, T, Dh]
         return attn.o_proj(out.transpose(1, 2).reshape(b, t, -1))
@@ -124,7 +125,8 @@ class CompiledStep:
         blocks = self.model.moe_blocks
         if not blocks or blocks[0].stats is None:
             return
-        keep = torch.cat([torch.arange(r * t, r * t + n) for r, n in enumerate(q_lens)])  # [N_valid]
+        keep = [i for r, n in enumerate(q_lens) for i in range(r * t, r * t + n)]
+        keep = torch.tensor(keep, device=gates[0][0].device)  # [N_valid]
         for block, (weights, expert_ids, probs) in zip(blocks, gates):
             block.stats.update(block.layer_idx, Gates(weights[keep], expert_ids[keep], probs[keep]))
 
@@ -134,7 +136,7 @@ def _dense_moe(block, x: torch.Tensor) -> tuple[torch.Tensor, Gates]:
     g = topk_gate(block.gate(x), block.gate_cfg)  # weights, expert_ids [N, K]; probs [N, E]
     e = block.experts
     n, d = x.shape
-    w = torch.zeros(n, e.num_local, dtype=x.dtype).scatter(1, g.expert_ids, g.weights.to(x.dtype))  # [N, E]
+    w = x.new_zeros(n, e.num_local).scatter(1, g.expert_ids, g.weights.to(x.dtype))  # [N, E]
     # one matmul against every expert's stacked weights (a view: no copy), then one batched one
     if n == 1:  # a single token (the batch-of-one graph): einsum lowers to matrix-vector products
         gate, up = torch.einsum("nd,efd->nef", x, e.gate_up_proj).chunk(2, dim=-1)  # [N, E, I] x2

@@ -40,8 +40,10 @@ class StepBatch:
     rows: slice | torch.Tensor | None = None  # cache rows: a slice when slots are contiguous
 
     @classmethod
-    def build(cls, slots: list[int], start: list[int], q_lens: list[int]) -> StepBatch:
-        as_long = lambda v: torch.tensor(v, dtype=torch.long)  # noqa: E731
+    def build(
+        cls, slots: list[int], start: list[int], q_lens: list[int], device: torch.device | str = "cpu"
+    ) -> StepBatch:
+        as_long = lambda v: torch.tensor(v, dtype=torch.long, device=device)  # noqa: E731
         return cls(as_long(slots), as_long(start), as_long(q_lens))
 
     def prepare(self, tq: int) -> StepBatch:
@@ -54,22 +56,24 @@ class StepBatch:
         self.tk = int((self.start + tq).max())
         # Padding is on the right, so with no cached prefix a causal mask is exact for every real token.
         self.fresh = not bool(self.start.any())
-        self.attn_mask = None if self.fresh else (torch.arange(self.tk)[None, None, :] <= self.pos[:, :, None])[:, None]
+        keys = torch.arange(self.tk, device=self.pos.device)
+        self.attn_mask = None if self.fresh else (keys[None, None, :] <= self.pos[:, :, None])[:, None]
         self.rows = self.contiguous_slots()
         if self.rows is None:
             self.rows = self.slots
         return self
 
     def positions(self, tq: int) -> torch.Tensor:
-        return self.start[:, None] + torch.arange(tq)  # [B, Tq]
+        return self.start[:, None] + torch.arange(tq, device=self.start.device)  # [B, Tq]
 
     def valid(self, tq: int) -> torch.Tensor:
-        return torch.arange(tq)[None, :] < self.q_lens[:, None]  # [B, Tq]
+        return torch.arange(tq, device=self.q_lens.device)[None, :] < self.q_lens[:, None]  # [B, Tq]
 
     def contiguous_slots(self) -> slice | None:
         """The slot range when rows are slots s, s+1, ...: attention can then read a view, not a copy."""
-        first = int(self.slots[0])
-        if torch.equal(self.slots, torch.arange(first, first + len(self.slots))):
+        slots = self.slots.tolist()
+        first = slots[0]
+        if slots == list(range(first, first + len(slots))):
             return slice(first, first + len(self.slots))
         return None
 
@@ -85,12 +89,13 @@ class KVCache:
         num_kv_heads: int,
         head_dim: int,
         dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
     ) -> None:
         if num_slots <= 0 or max_len <= 0:
             raise ValueError(f"KVCache needs num_slots > 0 and max_len > 0, got {num_slots}, {max_len}")
         shape = (num_slots, num_kv_heads, max_len + 1, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.num_slots = num_slots
         self.max_len = max_len
 

@@ -107,11 +107,14 @@ def load_checkpoint(
     dtype: torch.dtype = torch.float32,
     *,
     experts: Sequence[int] | None = None,
+    device: str | torch.device = "cpu",
 ) -> CausalLM:
-    """Load the checkpoint folder `path` into a `CausalLM` in `dtype`.
+    """Load the checkpoint folder `path` into a `CausalLM` in `dtype` on `device`.
 
     `experts`: the global expert ids this process holds (default: all). Other experts'
-    tensors are never read; `model.loaded_bytes` reports what was.
+    tensors are never read; `model.loaded_bytes` reports what was. Weights are allocated on
+    `device` in `dtype` first and each tensor is copied in as it is read, so a GPU model never
+    needs a full copy in host memory.
     """
     folder = Path(path)
     if not folder.is_dir():
@@ -124,9 +127,12 @@ def load_checkpoint(
         raise CheckpointError(f"experts {bad} out of range for a model with {cfg.num_experts} experts")
     with torch.device("meta"):
         model = CausalLM(cfg, local)
-    model.to_empty(device="cpu")
+    device = torch.device(device)
+    model.to_empty(device=device)
     model.tie_weights()  # to_empty gives tied parameters separate storage
-    model.model.rotary.__init__(cfg.head_dim, cfg.rope_theta)  # non-persistent buffer lost by to_empty
+    with device:
+        model.model.rotary.__init__(cfg.head_dim, cfg.rope_theta)  # non-persistent buffer lost by to_empty
+    model.to(dtype)
     for name, param in model.named_parameters(remove_duplicate=True):
         m = _EXPERT_PARAM.match(name)
         if m:
@@ -144,7 +150,6 @@ def load_checkpoint(
                 f"for architecture {cfg.family}"
             )
         with torch.no_grad():
-            param.copy_(value)
-    model.to(dtype)
+            param.copy_(value)  # casts to dtype, copies to device
     model.loaded_bytes = tensors.bytes_read
     return model.eval()

@@ -27,10 +27,11 @@ def load_shard(
     rank: int,
     routing: RoutingConfig | None = None,
     dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
 ) -> CausalLM:
     """This rank's model: dense weights + only its experts, wired to the all-to-all when W > 1."""
     experts = placement.rank_experts[rank] if placement is not None else None
-    model = load_checkpoint(checkpoint, dtype, experts=experts)
+    model = load_checkpoint(checkpoint, dtype, experts=experts, device=device)
     if placement is not None and placement.world_size > 1:
         model.set_dispatch(AllToAllDispatch(placement, rank))
     if routing is not None:

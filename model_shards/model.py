@@ -97,10 +97,15 @@ class CausalLM(nn.Module):
             block.stats = stats
         return stats
 
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
     def make_cache(self, num_slots: int, max_len: int) -> KVCache:
+        """A KV cache in the model's dtype, on its device."""
         cfg = self.config
-        dtype = self.lm_head.weight.dtype
-        return KVCache(cfg.num_layers, num_slots, max_len, cfg.num_kv_heads, cfg.head_dim, dtype)
+        w = self.lm_head.weight
+        return KVCache(cfg.num_layers, num_slots, max_len, cfg.num_kv_heads, cfg.head_dim, w.dtype, w.device)
 
     # ---- forward ---------------------------------------------------------------------------
     @torch.inference_mode()
@@ -137,7 +142,7 @@ class CausalLM(nn.Module):
             return self._join_collectives_only(t, last_only)
         x = self.model.embed_tokens(input_ids)  # [B, T, D]
         if batch is None:
-            positions = torch.arange(t).expand(b, t)
+            positions = torch.arange(t, device=input_ids.device).expand(b, t)
             valid = None
         else:
             batch.prepare(t)
@@ -146,14 +151,14 @@ class CausalLM(nn.Module):
         for layer in self.model.layers:
             x = layer(x, rope, cache, batch, valid)
         if last_only:
-            last = (batch.q_lens - 1) if batch is not None else torch.full((b,), t - 1)
-            x = x[torch.arange(b), last][:, None]  # [B, 1, D]
+            last = (batch.q_lens - 1) if batch is not None else torch.full((b,), t - 1, device=x.device)
+            x = x[torch.arange(b, device=x.device), last][:, None]  # [B, 1, D]
         return self.model.norm(x)
 
     def _join_collectives_only(self, t: int, last_only: bool) -> torch.Tensor:
         """A shard with no sequences this step still takes part in every MoE layer's all-to-all."""
-        dtype = self.lm_head.weight.dtype
-        empty = torch.zeros(0, self.config.hidden_size, dtype=dtype)
+        w = self.lm_head.weight
+        empty = w.new_zeros(0, self.config.hidden_size)
         for block in self.moe_blocks:
             block(empty)
-        return torch.zeros(0, 1 if last_only else t, self.config.hidden_size, dtype=dtype)
+        return w.new_zeros(0, 1 if last_only else t, self.config.hidden_size)

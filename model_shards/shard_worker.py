@@ -25,13 +25,19 @@ CMD_STEP, CMD_STOP = 1, 2
 _HEADER = 6
 
 
-def _broadcast(header: list[int] | None, body: torch.Tensor | None) -> tuple[list[int], torch.Tensor]:
-    h = torch.tensor(header, dtype=torch.long) if header is not None else torch.empty(_HEADER, dtype=torch.long)
+def _broadcast(
+    header: list[int] | None, body: torch.Tensor | None, device: torch.device
+) -> tuple[list[int], torch.Tensor]:
+    """Rank 0 sends (header, body), the others receive them; tensors on the group's device."""
+    if header is not None:
+        h = torch.tensor(header, dtype=torch.long, device=device)
+    else:
+        h = torch.empty(_HEADER, dtype=torch.long, device=device)
     dist.broadcast(h, src=0)
     header = h.tolist()
     _, rows, tq, _, moves, _ = header
     size = moves * 4 + rows * (4 + tq)
-    body = body if body is not None else torch.empty(size, dtype=torch.long)
+    body = body.to(device) if body is not None else torch.empty(size, dtype=torch.long, device=device)
     if size:
         dist.broadcast(body, src=0)
     return header, body
@@ -47,6 +53,7 @@ class _Shard:
 
     def __init__(self, model: CausalLM, rank: int, world_size: int, max_num_seqs: int, max_model_len: int) -> None:
         self.model, self.rank, self.world_size = model, rank, world_size
+        self.device = model.device
         self.cache = model.make_cache(max_num_seqs, max_model_len)
 
     def run(self, header: list[int], body: torch.Tensor) -> torch.Tensor:
@@ -76,7 +83,7 @@ class ShardWorker(_Shard):
 
     def serve_forever(self) -> None:
         while True:
-            header, body = _broadcast(None, None)
+            header, body = _broadcast(None, None, self.device)
             if header[0] == CMD_STOP:
                 return
             self.run(header, body)
@@ -132,16 +139,16 @@ class ShardedRunner(_Shard):
         moves = torch.tensor(self._moves, dtype=torch.long).view(-1, 4)
         self._moves = []
         header = [CMD_STEP, len(rows), tq, int(logits == "last"), len(moves), 0]
-        header, body = _broadcast(header, torch.cat([moves.view(-1), packed.view(-1)]))
+        header, body = _broadcast(header, torch.cat([moves.view(-1), packed.view(-1)]), self.device)
         gathered = self.run(header, body)  # [W, Bmax, T', D]
         ranks = packed[:, 0]
         within = torch.cat([torch.arange(int(c)) for c in torch.bincount(ranks, minlength=self.world_size)])
-        h = gathered[ranks, within]  # [B, T', D] in packed order
-        out = self.model.lm_logits(h)
+        h = gathered[ranks.to(self.device), within.to(self.device)]  # [B, T', D] in packed order
+        out = self.model.lm_logits(h).cpu()
         out = out[:, 0] if logits == "last" else out
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(len(order))
         return out[inverse]
 
     def shutdown(self) -> None:
-        _broadcast([CMD_STOP, 0, 0, 0, 0, 0], None)
+        _broadcast([CMD_STOP, 0, 0, 0, 0, 0], None, self.device)

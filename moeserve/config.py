@@ -34,10 +34,15 @@ class _Section(BaseModel):
 class ModelSection(_Section):
     path: str = "checkpoints/demo-moe"
     name: str = "demo-moe"  # the `model` clients send; the tokenizer is the checkpoint folder's
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    # auto: bfloat16 on a GPU, float32 on the CPU (model_shards/device.py)
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
 
 
 class EngineSection(_Section):
+    # Where the model runs (weights, KV cache, every step's tensors, the draft and the collectives).
+    # auto: the GPU when this process sees one, else the CPU. A shard group's ranks run on their
+    # own GPUs when shards.gpus_per_shard > 0.
+    device: Literal["auto", "cpu", "cuda"] = "auto"
     max_num_seqs: int = Field(16, ge=1)  # running batch = KV cache slots
     max_model_len: int = Field(1024, ge=2)
     max_num_batched_tokens: int = Field(2048, ge=1)

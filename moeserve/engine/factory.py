@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from model_shards.device import DEVICES, DTYPES, resolve_device, resolve_dtype
 from model_shards.moe import RoutingConfig
 from moeserve.config import AppConfig, EngineSection, ModelSection, SpeculativeSection, default_of, resolve_path
 from moeserve.engine.engine import LLMEngine
@@ -37,7 +38,8 @@ class EngineConfig:
     max_model_len: int = default_of(EngineSection, "max_model_len")
     max_num_batched_tokens: int = default_of(EngineSection, "max_num_batched_tokens")
     kv_budget_tokens: int = default_of(EngineSection, "kv_budget_tokens")
-    dtype: str = default_of(ModelSection, "dtype")
+    dtype: str = default_of(ModelSection, "dtype")  # auto: bfloat16 on a GPU, float32 on the CPU
+    device: str = default_of(EngineSection, "device")  # auto | cpu | cuda
     compile: bool = default_of(EngineSection, "compile")
     routing: RoutingConfig = field(default_factory=RoutingConfig)  # expert capacity and overflow
 
@@ -50,8 +52,10 @@ class EngineConfig:
             object.__setattr__(self, "speculation", "model")
         if self.speculation not in SPECULATION:
             raise ValueError(f"speculation: must be one of {SPECULATION}, got {self.speculation!r}")
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype: must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype: must be one of {DTYPES}, got {self.dtype!r}")
+        if self.device not in DEVICES:
+            raise ValueError(f"device: must be one of {DEVICES}, got {self.device!r}")
         SpecConfig(num_tokens=self.num_spec_tokens, disable_by_batch_size=self.spec_disable_by_batch_size)
         self.scheduler()  # validates the scheduler limits
 
@@ -71,13 +75,18 @@ class EngineConfig:
             max_num_batched_tokens=e.max_num_batched_tokens,
             kv_budget_tokens=e.kv_budget_tokens,
             dtype=cfg.model.dtype,
+            device=e.device,
             compile=e.compile,
             routing=RoutingConfig(**cfg.routing.model_dump()),
         )
 
     @property
+    def torch_device(self) -> torch.device:
+        return resolve_device(self.device)
+
+    @property
     def torch_dtype(self) -> torch.dtype:
-        return getattr(torch, self.dtype)
+        return resolve_dtype(self.dtype, self.torch_device)
 
     def scheduler(self) -> SchedulerConfig:
         return SchedulerConfig(
@@ -95,7 +104,7 @@ def build_proposer(cfg: EngineConfig):
         return make_proposer("ngram")
     from model_shards import load_checkpoint
 
-    draft = load_checkpoint(cfg.draft_model, cfg.torch_dtype)
+    draft = load_checkpoint(cfg.draft_model, cfg.torch_dtype, device=cfg.torch_device)
     return make_proposer("draft", model=draft, max_num_seqs=cfg.max_num_seqs, max_model_len=cfg.max_model_len)
 
 
@@ -107,7 +116,7 @@ def build_engine(cfg: EngineConfig, runner=None, proposer=None) -> LLMEngine:
 
     tokenizer = load_tokenizer(cfg.model)
     if runner is None:
-        model = load_checkpoint(cfg.model, cfg.torch_dtype)
+        model = load_checkpoint(cfg.model, cfg.torch_dtype, device=cfg.torch_device)
         model.set_routing(cfg.routing)
         runner = ModelRunner(model, cfg.max_num_seqs, cfg.max_model_len, compile=cfg.compile)
     proposer = proposer if proposer is not None else build_proposer(cfg)

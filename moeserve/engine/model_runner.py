@@ -70,6 +70,8 @@ def forward_last(runner, rows: list[Row]) -> torch.Tensor:
 class ModelRunner:
     """Target model + KV cache for up to `max_num_seqs` sequences of up to `max_model_len` tokens.
 
+    The cache and every per-step tensor live on the model's device; logits come back on the
+    CPU (one copy per step), where sampling, grammar masks and verification run.
     compile: run decode and verify passes as a compiled graph (model_shards/compiled_step.py)
     whenever the batch allows it; prefill and anything else stays eager."""
 
@@ -78,6 +80,7 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.vocab_size = model.config.vocab_size
+        self.device = model.device
         self.cache = model.make_cache(max_num_seqs, max_model_len)
         self.slots = SlotTable(max_num_seqs)
         self.compiled = None
@@ -103,9 +106,8 @@ class ModelRunner:
         in the order of `rows`."""
         order = sorted(range(len(rows)), key=lambda i: self.slots.slot(rows[i].seq_id))
         tq = max(len(r.tokens) for r in rows)
-        ids = torch.zeros(len(rows), tq, dtype=torch.long)  # [B, Tq]
-        for b, i in enumerate(order):
-            ids[b, : len(rows[i].tokens)] = torch.tensor(rows[i].tokens)
+        ids = [rows[i].tokens + [0] * (tq - len(rows[i].tokens)) for i in order]
+        ids = torch.tensor(ids, dtype=torch.long, device=self.device)  # [B, Tq]
         ordered = [rows[i] for i in order]
         lists = batch_lists(self.slots, ordered)
         for r in ordered:
@@ -115,12 +117,13 @@ class ModelRunner:
         if self._use_compiled(ordered, tq):
             out = self.compiled(ids, *lists)  # [B, Tq, V]
             if logits == "last":
-                out = out[torch.arange(len(ordered)), torch.tensor(lists[2]) - 1]  # [B, V]
+                last = torch.tensor(lists[2], device=out.device) - 1
+                out = out[torch.arange(len(ordered), device=out.device), last]  # [B, V]
         else:
-            out = self.model(ids, self.cache, StepBatch.build(*lists), logits=logits)
+            out = self.model(ids, self.cache, StepBatch.build(*lists, device=self.device), logits=logits)
         inverse = torch.empty(len(order), dtype=torch.long)
         inverse[torch.tensor(order)] = torch.arange(len(order))
-        return out[inverse]
+        return out.cpu()[inverse]
 
     def _use_compiled(self, rows: list[Row], tq: int) -> bool:
         """Decode and verify passes (every row has cached tokens before it) that the graph takes."""

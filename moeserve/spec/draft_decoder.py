@@ -51,8 +51,9 @@ class DenseDecodeStep:
             ))
         self.norm = (model.model.norm.weight, model.model.norm.eps)
         self.lm_head = model.lm_head.weight  # [V, D]
-        positions = torch.arange(cache.max_len + 1, dtype=torch.float32)
-        freqs = positions[:, None] * model.model.rotary.inv_freq  # [Tmax, Dh/2]
+        inv_freq = model.model.rotary.inv_freq
+        positions = torch.arange(cache.max_len + 1, dtype=torch.float32, device=inv_freq.device)
+        freqs = positions[:, None] * inv_freq  # [Tmax, Dh/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [Tmax, Dh]
         dtype = self.embed.dtype
         self.cos, self.sin = emb.cos().to(dtype), emb.sin().to(dtype)
@@ -70,8 +71,11 @@ class DenseDecodeStep:
         cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # [B, 1, Dh]
         mask = None
         if b > 1 and ragged:
-            mask = (torch.arange(tk)[None, :] <= positions[:, None])[:, None, None]  # [B, 1, 1, Tk]
-        write_rows = torch.arange(slots.start, slots.stop) if isinstance(slots, slice) else slots  # [B]
+            mask = (torch.arange(tk, device=tokens.device)[None, :] <= positions[:, None])[:, None, None]  # [B, 1, 1, Tk]
+        if isinstance(slots, slice):
+            write_rows = torch.arange(slots.start, slots.stop, device=tokens.device)  # [B]
+        else:
+            write_rows = slots
         x = F.embedding(tokens, self.embed)  # [B, D]
         for i, (w_in, eps_in, w_qkv, b_qkv, w_o, w_post, eps_post, w_gu, w_down) in enumerate(self.layers):
             qkv = F.linear(F.rms_norm(x, w_in.shape, w_in, eps_in), w_qkv, b_qkv)  # [B, (H + 2 Hkv) Dh]

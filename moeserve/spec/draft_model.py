@@ -79,13 +79,13 @@ class _Batch:
     first_slot: int | None  # the slots are first_slot, first_slot + 1, ... (else None)
 
     @classmethod
-    def of(cls, rows: list[_Row], slots: list[int]) -> _Batch:
+    def of(cls, rows: list[_Row], slots: list[int], device: torch.device) -> _Batch:
         lengths = [len(r.tokens) for r in rows]
         contiguous = slots == list(range(slots[0], slots[0] + len(slots)))
         shortest = list(accumulate(lengths, min))
         longest = list(accumulate(lengths, max))
-        return cls(torch.tensor(slots), torch.tensor(lengths), longest, [a != b for a, b in zip(shortest, longest)],
-                   slots[0] if contiguous else None)
+        return cls(torch.tensor(slots, device=device), torch.tensor(lengths, device=device), longest,
+                   [a != b for a, b in zip(shortest, longest)], slots[0] if contiguous else None)
 
     def prefix(self, n: int) -> torch.Tensor | slice:
         """The first n rows' slots: a slice (a view of the cache) when contiguous."""
@@ -117,6 +117,7 @@ class DraftModelProposer(Proposer):
 
             model = load_checkpoint(model)
         self.runner = ModelRunner(model, max_num_seqs, max_model_len)
+        self.device = model.device  # the draft's own tensors; sampled drafts are drawn on the CPU
         # Dense drafts decode through the lean step; others (e.g. an MoE draft) use the model's forward.
         self.lean = DenseDecodeStep(model, self.runner.cache) if DenseDecodeStep.supports(model) else None
         self.greedy = greedy
@@ -147,7 +148,7 @@ class DraftModelProposer(Proposer):
             return proposals
         slot = self.runner.slots.slot
         rows.sort(key=lambda r: (-r.k, slot(r.seq_id)))  # drafting rows stay a prefix; slots mostly in order
-        batch = _Batch.of(rows, [slot(r.seq_id) for r in rows])
+        batch = _Batch.of(rows, [slot(r.seq_id) for r in rows], self.device)
         tokens, probs = self._draft(rows, batch, self._catch_up(rows, batch))  # [B, K], [S, K, V] or None
         sampled = 0
         for r, row in zip(rows, tokens.tolist()):
@@ -200,11 +201,12 @@ class DraftModelProposer(Proposer):
             forward_last(self.runner, prefill)
         two = [b for b, r in enumerate(rows) if len(r.tokens) - r.start == 2]
         if two:
-            idx = torch.tensor(two)
+            idx = torch.tensor(two, device=self.device)
             starts = [rows[b].start for b in two]
-            tokens = torch.tensor([rows[b].tokens[-2] for b in two])  # [n]
-            self._step(tokens, batch.slots[idx], batch.slots[idx], torch.tensor(starts), max(starts) + 1)
-        last = torch.tensor([r.tokens[-1] for r in rows])  # [B]
+            tokens = torch.tensor([rows[b].tokens[-2] for b in two], device=self.device)  # [n]
+            self._step(tokens, batch.slots[idx], batch.slots[idx], torch.tensor(starts, device=self.device),
+                       max(starts) + 1)
+        last = torch.tensor([r.tokens[-1] for r in rows], device=self.device)  # [B]
         return self._step(
             last, batch.prefix(len(rows)), batch.slots, batch.lengths - 1, batch.max_len[-1], batch.ragged[-1]
         )
@@ -217,7 +219,7 @@ class DraftModelProposer(Proposer):
         neg_k = [-r.k for r in rows]  # ascending
         active = [bisect_left(neg_k, -j) for j in range(width)]  # rows with k > j: they need draft j
         sampled = [b for b, r in enumerate(rows) if r.params is not None]
-        out = torch.empty(len(rows), width, dtype=torch.long)  # [B, K]
+        out = torch.empty(len(rows), width, dtype=torch.long, device=self.device)  # [B, K]
         probs = torch.empty(len(sampled), width, logits.shape[-1]) if sampled else None  # [S, K, V]
         for j in range(width):
             n = active[j]
@@ -252,14 +254,15 @@ class DraftModelProposer(Proposer):
         self, rows: list[_Row], idx: list[int], logits: torch.Tensor, j: int, out: torch.Tensor, probs: torch.Tensor
     ) -> None:
         """Draws draft j for the sampling rows `idx` from their processed q; stores q."""
-        q = self.sampler.probs(logits[idx], [rows[b].params for b in idx])  # [s, V]
-        out[idx, j] = random_sample(q[:, None], [None] * len(idx)).squeeze(1)
+        q = self.sampler.probs(logits[idx].float().cpu(), [rows[b].params for b in idx])  # [s, V]
+        drawn = random_sample(q[:, None], [None] * len(idx)).squeeze(1)  # [s]
         # A seeded row drafts with the target's keyed noise for that position: wherever q and
         # the target's p agree on the sample, the draft is exactly the token the target keeps.
         seeded = [i for i, b in enumerate(idx) if rows[b].params.seed is not None]
         if seeded:
             keys = [(rows[idx[i]].params.seed, len(rows[idx[i]].tokens) + j) for i in seeded]
-            out[[idx[i] for i in seeded], j] = keyed_sample(q[seeded], keys)
+            drawn[seeded] = keyed_sample(q[seeded], keys)
+        out[idx, j] = drawn.to(out.device)
         probs[: len(idx), j] = q
 
     def _make_room(self, busy: set[str]) -> bool:

@@ -1,0 +1,48 @@
+"""Where a model runs and in what precision: one answer for the weights, the KV cache, every
+per-step tensor and the collectives (`engine.device` and `model.dtype` in the config tree).
+
+"auto" means the GPU when this process has one (CUDA), else the CPU; a model's default
+precision follows the device: bfloat16 on a GPU, float32 on the CPU (bf16 matmuls on most
+CPUs are slower than fp32, and fp32 keeps greedy output identical to transformers).
+"""
+
+from __future__ import annotations
+
+import torch
+
+DEVICES = ("auto", "cpu", "cuda")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def resolve_device(name: str | torch.device = "auto") -> torch.device:
+    """"auto" | "cpu" | "cuda" | "cuda:N" -> a torch.device this process can use (clear error if not)."""
+    if isinstance(name, torch.device):
+        name = str(name)
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError as e:
+        raise ValueError(f"device: must be one of {DEVICES} (or cuda:N), got {name!r}") from e
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device: must be one of {DEVICES} (or cuda:N), got {name!r}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device: 'cuda' asked for, but this process sees no CUDA GPU "
+                         "(on Ray, give the deployment or shard num_gpus)")
+    return device
+
+
+def resolve_dtype(name: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """"auto" -> bfloat16 on a GPU, float32 on the CPU; other names -> that torch dtype."""
+    if isinstance(name, torch.dtype):
+        return name
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in DTYPES:
+        raise ValueError(f"dtype: must be one of {DTYPES}, got {name!r}")
+    return getattr(torch, name)
+
+
+def collective_backend(device: torch.device) -> str:
+    """The torch.distributed backend for tensors on `device`: NCCL for CUDA tensors, gloo for CPU ones."""
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
