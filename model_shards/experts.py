@@ -1,15 +1,37 @@
 """The experts a process holds: SwiGLU FFNs stored fused, as transformers 5.x does.
 
 Shapes: R routes (token copies) sorted by expert, El local experts, D hidden, I expert width.
+
+A layer's experts run as one grouped matmul per projection (`torch._grouped_mm`: one kernel
+for every expert's rows, given where each expert's rows end) wherever torch has it for the
+tensors' device and dtype: CUDA bf16 on compute capability 9.0+ (H100/H200), and the CPU. On
+the CPU it pays for decode-sized batches and not for prefill: measured on the demo's expert
+shape (8 experts, D=128, I=256), one thread, grouped vs a matmul per expert: 266 vs 403 us
+at 32 routes, 550 vs 598 at 128, 2043 vs 1916 at 512, 7821 vs 6249 at 2048. So CPU batches
+past GROUPED_MAX_ROUTES_CPU routes take the per-expert loop; GPUs without grouped mm take one
+batched matmul over groups padded to the largest.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+GROUPED_MAX_ROUTES_CPU = 256
+
+
+def grouped_mm_supported(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether torch's grouped matmul takes [R, D] @ w [El, D, N] for x's device and dtype."""
+    if not hasattr(torch, "_grouped_mm") or x.dtype != w.dtype:
+        return False
+    aligned = all(s * x.element_size() % 16 == 0 for s in w.shape[-2:])  # every row stride: 16 bytes
+    if x.device.type == "cuda":
+        return x.dtype == torch.bfloat16 and aligned and torch.cuda.get_device_capability(x.device) >= (9, 0)
+    return x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and aligned
 
 
 class LocalExperts(nn.Module):
@@ -28,11 +50,35 @@ class LocalExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
         """x: [R, D] routes grouped by local expert, `counts[j]` rows for local expert j. Returns [R, D]."""
+        counts = list(counts)
+        if x.shape[0] == 0:
+            return x.new_zeros(0, x.shape[-1])
+        gate_up, down = self.gate_up_proj.transpose(1, 2), self.down_proj.transpose(1, 2)  # [El, D, 2I], [El, I, D]
+        small = x.device.type != "cpu" or x.shape[0] <= GROUPED_MAX_ROUTES_CPU
+        if small and grouped_mm_supported(x, gate_up) and grouped_mm_supported(x, down):  # both projections
+            ends = torch.tensor(list(accumulate(counts)), dtype=torch.int32, device=x.device)  # [El]
+            gate, up = torch._grouped_mm(x, gate_up, offs=ends).chunk(2, dim=-1)  # [R, I] x2
+            return torch._grouped_mm(F.silu(gate) * up, down, offs=ends)  # [R, D]
+        if x.device.type == "cpu":
+            return self._per_expert(x, counts)
+        return self._padded(x, counts, gate_up, down)
+
+    def _per_expert(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """A matmul per expert with rows (the CPU's fastest for prefill-sized batches)."""
         outs = []
-        for j, chunk in enumerate(torch.split(x, list(counts))):
+        for j, chunk in enumerate(torch.split(x, counts)):
             if chunk.shape[0] == 0:
-                outs.append(chunk)
                 continue
             gate, up = F.linear(chunk, self.gate_up_proj[j]).chunk(2, dim=-1)  # [Rj, I] x2
             outs.append(F.linear(F.silu(gate) * up, self.down_proj[j]))  # [Rj, D]
-        return torch.cat(outs) if outs else x.new_zeros(0, x.shape[-1])
+        return torch.cat(outs)
+
+    def _padded(self, x: torch.Tensor, counts: list[int], gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+        """One batched matmul per projection over the groups, each padded to the largest."""
+        sizes = torch.tensor(counts, device=x.device)  # [El]
+        expert = torch.repeat_interleave(torch.arange(len(counts), device=x.device), sizes)  # [R]
+        row = torch.arange(x.shape[0], device=x.device) - torch.repeat_interleave(sizes.cumsum(0) - sizes, sizes)
+        padded = x.new_zeros(len(counts), max(counts), x.shape[-1])  # [El, Cmax, D]
+        padded[expert, row] = x
+        gate, up = torch.bmm(padded, gate_up).chunk(2, dim=-1)  # [El, Cmax, I] x2
+        return torch.bmm(F.silu(gate) * up, down)[expert, row]  # [R, D]
