@@ -29,7 +29,10 @@ def init_shard_group(
     """Join the shard group's process group (`master` is "host:port" of rank 0) with the backend
     for the tensors the ranks exchange: gloo for CPU tensors, NCCL for CUDA ones (`device`: where
     this rank's model runs). A dead peer makes collectives fail within `timeout_s`."""
-    backend = collective_backend(torch.device(device))
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # NCCL's communicator binds to the current device
+    backend = collective_backend(device)
     dist.init_process_group(
         backend, init_method=f"tcp://{master}", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
     )

@@ -12,9 +12,15 @@ flow does not depend on tensor values. This pass is the eager forward rewritten 
 - every token runs through every local expert as one batched matmul, and the top-k gate
   weights (zero elsewhere) combine them: exact for capacity "none", and at decode sizes
   E/K times more arithmetic costs less than the per-expert gather, split and scatter;
-- rows: one graph for a batch of one (torch specialises size-1 dimensions; the single
-  stream is the latency that matters most) and one shape-generic graph for 4..64 rows, each
-  for T = 1 (decode) and T = k + 1 (verify).
+- rows, on the CPU: one graph for a batch of one (torch specialises size-1 dimensions; the
+  single stream is the latency that matters most) and one shape-generic graph for 4..64 rows,
+  each for T = 1 (decode) and T = k + 1 (verify);
+- on a GPU (`static`): CUDA graphs (mode "reduce-overhead"), which need fixed shapes, so rows
+  are padded to the next of CAPTURE_SIZES (as vLLM pads to its capture sizes) and the keys read
+  to the next power of two (at least MIN_KEYS); padding rows read and write only the scratch
+  column of the first row's slot. The cache tensors are marked static addresses, so the graphs
+  update them in place. One graph per (rows, T, keys) bucket: the decode ones are captured at
+  start-up, the rest on first use (inductor's on-disk cache makes a restart cheaper).
 
 Prefill (long, ragged prompts), capacity limits other than "none", and expert-parallel
 shards keep the eager path (`CompiledStep.accepts`). The router's choices come back with
@@ -42,23 +48,43 @@ MAX_QUERY = 16  # decode (1) and verify (k + 1 <= 17) positions
 # 2-3 rows: the shape-generic graph costs more than eager (demo MoE on CPU, per engine step:
 # 0.8x at 2 rows, 1.0x at 4, 1.2x at 8, 1.4x at 16; a batch of one has a graph of its own, 1.4x)
 MIN_ROWS_GENERIC = 4
+CAPTURE_SIZES = (1, 2, 4, 8, 16, 32, 64)  # static graphs: rows padded to the next of these
+MIN_KEYS = 128  # static graphs: keys read, padded to a power of two from here
 
 
 class CompiledStep:
     """`model`'s forward over `cache` for decode/verify batches, compiled once per variant.
 
     `warm_up` writes into the first slots: call it before any sequence holds one. `backend`:
-    torch.compile's ("inductor": C++ kernels on CPU, Triton on GPU; "eager": traced, not compiled)."""
+    torch.compile's ("inductor": C++ kernels on CPU, Triton on GPU; "eager": traced, not compiled).
+    `static`: fixed-shape graphs over padded buckets (default: when the cache is on a GPU, where
+    inductor then captures CUDA graphs)."""
 
-    def __init__(self, model: CausalLM, cache: KVCache, backend: str = "inductor") -> None:
+    def __init__(self, model: CausalLM, cache: KVCache, backend: str = "inductor", static: bool | None = None) -> None:
         self.model, self.cache = model, cache
         self.num_calls = 0
-        self._graph = torch.compile(self._forward, dynamic=True, backend=backend)
+        on_gpu = cache.k[0].device.type == "cuda"
+        self.static = on_gpu if static is None else static
+        if not self.static:
+            self._graph = torch.compile(self._forward, dynamic=True, backend=backend)
+            return
+        # a graph per bucket: more than dynamo's default recompile limit (past it, it runs eagerly)
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
+        torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, 1024)
+        if on_gpu and backend == "inductor":
+            for t in cache.k + cache.v:
+                torch._dynamo.mark_static_address(t)  # updated in place by the captured graphs
+            self._graph = torch.compile(self._forward, dynamic=False, mode="reduce-overhead")
+        else:
+            self._graph = torch.compile(self._forward, dynamic=False, backend=backend)
 
     def accepts(self, num_rows: int, tq: int) -> bool:
         blocks = self.model.moe_blocks
         local = all(isinstance(b.dispatch, LocalDispatch) and b.routing.overflow == "none" for b in blocks)
-        rows_ok = num_rows == 1 or MIN_ROWS_GENERIC <= num_rows <= MAX_ROWS
+        if self.static:
+            rows_ok = num_rows <= CAPTURE_SIZES[-1]
+        else:
+            rows_ok = num_rows == 1 or MIN_ROWS_GENERIC <= num_rows <= MAX_ROWS
         return local and rows_ok and tq <= MAX_QUERY
 
     @torch.inference_mode()
@@ -69,6 +95,11 @@ class CompiledStep:
         ids = ids.clone()  # an inference tensor, like every other input: one set of guards
         as_long = lambda v: torch.tensor(v, dtype=torch.long, device=ids.device)  # noqa: E731
         tk = max(s + t for s in start)
+        if self.static:  # pad to the bucket: extra rows are empty (nothing valid) in the first row's slot
+            rows = next(n for n in CAPTURE_SIZES if n >= b)
+            ids = torch.cat([ids, ids.new_zeros(rows - b, t)])
+            slots, start, q_lens = slots + [slots[0]] * (rows - b), start + [0] * (rows - b), q_lens + [0] * (rows - b)
+            tk = min(self.cache.max_len, max(MIN_KEYS, 1 << (tk - 1).bit_length()))
         # no "duck sizing": a batch that happens to equal a model dimension must not become a guard
         with torch.fx.experimental._config.patch(use_duck_shape=False):
             logits, gates = self._graph(ids, as_long(slots), as_long(start), as_long(q_lens), tk)
@@ -82,8 +113,9 @@ class CompiledStep:
         for t in query_lens:
             logger.info("compiling the model step for %d query position(s)...", t)
             # start past 1: torch specialises sizes 0 and 1, and the keys read (Tk) must stay symbolic
-            for b in (1, MIN_ROWS_GENERIC):
-                self(torch.zeros(b, t, dtype=torch.long, device=self.model.device), list(range(b)), [2] * b, [t] * b)
+            for b in CAPTURE_SIZES if self.static else (1, MIN_ROWS_GENERIC):
+                slots = [i % self.cache.num_slots for i in range(b)]
+                self(torch.zeros(b, t, dtype=torch.long, device=self.model.device), slots, [2] * b, [t] * b)
         return time.perf_counter() - t0
 
     # ---- the graph -------------------------------------------------------------------------

@@ -102,6 +102,22 @@ def _load_experts(tensors: _Tensors, prefix: str, which: str, experts: Sequence[
     raise CheckpointError(f"missing expert tensors for {prefix}.mlp.experts ({which}) in either layout")
 
 
+def empty_model(
+    cfg: ModelConfig, experts: Sequence[int] | None = None, dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+) -> CausalLM:
+    """A `CausalLM` of this shape with uninitialised weights allocated on `device` in `dtype`
+    (never materialised anywhere else first)."""
+    with torch.device("meta"):
+        model = CausalLM(cfg, experts)
+    device = torch.device(device)
+    model.to_empty(device=device)
+    model.tie_weights()  # to_empty gives tied parameters separate storage
+    with device:
+        model.model.rotary.__init__(cfg.head_dim, cfg.rope_theta)  # non-persistent buffer lost by to_empty
+    return model.to(dtype)
+
+
 def load_checkpoint(
     path: str | Path,
     dtype: torch.dtype = torch.float32,
@@ -125,14 +141,7 @@ def load_checkpoint(
     bad = [e for e in local if not 0 <= e < max(cfg.num_experts, 1)]
     if bad:
         raise CheckpointError(f"experts {bad} out of range for a model with {cfg.num_experts} experts")
-    with torch.device("meta"):
-        model = CausalLM(cfg, local)
-    device = torch.device(device)
-    model.to_empty(device=device)
-    model.tie_weights()  # to_empty gives tied parameters separate storage
-    with device:
-        model.model.rotary.__init__(cfg.head_dim, cfg.rope_theta)  # non-persistent buffer lost by to_empty
-    model.to(dtype)
+    model = empty_model(cfg, local, dtype, device)
     for name, param in model.named_parameters(remove_duplicate=True):
         m = _EXPERT_PARAM.match(name)
         if m:

@@ -14,6 +14,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from model_shards.all_to_all import AllToAllDispatch, init_shard_group
+from model_shards.device import resolve_dtype
 from model_shards.loader import load_checkpoint
 from model_shards.model import CausalLM
 from model_shards.moe import RoutingConfig
@@ -45,10 +46,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _follower(checkpoint, placement, rank, world, master, max_num_seqs, max_model_len, routing, threads) -> None:
+def rank_device(device: str, rank: int) -> torch.device:
+    """Rank r of a local group on "cuda" uses GPU r; on the CPU every rank uses the CPU."""
+    return torch.device(f"cuda:{rank}") if device == "cuda" else torch.device(device)
+
+
+def _follower(checkpoint, placement, rank, world, master, max_num_seqs, max_model_len, routing, threads,
+              device, dtype) -> None:
     torch.set_num_threads(threads)
-    init_shard_group(rank, world, master)
-    model = load_shard(checkpoint, placement, rank, routing)
+    dev = rank_device(device, rank)
+    init_shard_group(rank, world, master, device=dev)
+    model = load_shard(checkpoint, placement, rank, routing, resolve_dtype(dtype, dev), dev)
     try:
         ShardWorker(model, rank, world, max_num_seqs, max_model_len).serve_forever()
     finally:
@@ -67,6 +75,8 @@ class LocalShardGroup:
         placement: Placement | None = None,
         routing: RoutingConfig | None = None,
         threads_per_rank: int = 1,
+        device: str = "cpu",
+        dtype: str = "auto",
     ) -> None:
         from model_shards.config import ModelConfig
 
@@ -74,26 +84,29 @@ class LocalShardGroup:
         self.placement = placement or contiguous_placement(cfg.num_experts, world_size)
         if self.placement.world_size != world_size:
             raise ValueError(f"placement is for {self.placement.world_size} ranks, not {world_size}")
-        self.args = (checkpoint, self.placement, world_size, max_num_seqs, max_model_len, routing, threads_per_rank)
+        self.args = (checkpoint, self.placement, world_size, max_num_seqs, max_model_len, routing, threads_per_rank,
+                     device, dtype)
         self.runner: ShardedRunner | None = None
         self.procs: list = []
 
     def __enter__(self) -> ShardedRunner:
-        checkpoint, placement, world, max_num_seqs, max_model_len, routing, threads = self.args
+        checkpoint, placement, world, max_num_seqs, max_model_len, routing, threads, device, dtype = self.args
         master = f"127.0.0.1:{free_port()}"
         ctx = mp.get_context("spawn")
         self.procs = [
             ctx.Process(
                 target=_follower,
-                args=(checkpoint, placement, r, world, master, max_num_seqs, max_model_len, routing, threads),
+                args=(checkpoint, placement, r, world, master, max_num_seqs, max_model_len, routing, threads, device,
+                      dtype),
                 daemon=True,
             )
             for r in range(1, world)
         ]
         for p in self.procs:
             p.start()
-        init_shard_group(0, world, master)
-        model = load_shard(checkpoint, placement, 0, routing)
+        dev = rank_device(device, 0)
+        init_shard_group(0, world, master, device=dev)
+        model = load_shard(checkpoint, placement, 0, routing, resolve_dtype(dtype, dev), dev)
         self.runner = ShardedRunner(model, world, max_num_seqs, max_model_len)
         return self.runner
 

@@ -89,3 +89,29 @@ def test_compiled_engine_writes_the_eager_tokens_and_counts_the_same_load(tiny):
         assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # compiled, not run eagerly
         assert runs[True][0] == runs[False][0]
         assert torch.equal(runs[True][1], runs[False][1])
+
+
+def test_static_buckets_pad_rows_and_keys_without_touching_other_slots(tmp_path):
+    """The GPU's fixed-shape graphs (here traced on the CPU): 3 rows padded to 4, keys padded to
+    a power of two; the real rows' logits are eager's, and the padding rows write nothing but
+    the scratch column (every slot's cached keys stay as eager left them)."""
+    from model_shards.compiled_step import CAPTURE_SIZES
+
+    save_tiny("mixtral", tmp_path)
+    model = load_checkpoint(tmp_path)
+    eager_cache, graph_cache = model.make_cache(SLOTS, MAX_LEN), model.make_cache(SLOTS, MAX_LEN)
+    for cache in (eager_cache, graph_cache):
+        torch.manual_seed(1)
+        prefill(model, cache, [7, 3, 11, 5])
+    step = CompiledStep(model, graph_cache, backend="eager", static=True)
+    assert step.accepts(3, 1) and step.accepts(CAPTURE_SIZES[-1], 5) and not step.accepts(CAPTURE_SIZES[-1] + 1, 1)
+    for slots, start, q_lens, t in (([1, 2, 3], [3, 11, 5], [1, 1, 1], 1), ([2], [12], [3], 3)):
+        ids = torch.randint(2, model.config.vocab_size, (len(slots), t))
+        want = model(ids, eager_cache, StepBatch.build(slots, start, q_lens), logits="all")
+        got = step(ids, slots, start, q_lens)
+        assert got.shape == want.shape
+        for b, n in enumerate(q_lens):
+            torch.testing.assert_close(got[b, :n], want[b, :n], rtol=1e-4, atol=1e-5)
+    for layer in range(model.config.num_layers):
+        torch.testing.assert_close(graph_cache.k[layer][:, :, :MAX_LEN], eager_cache.k[layer][:, :, :MAX_LEN])
+        torch.testing.assert_close(graph_cache.v[layer][:, :, :MAX_LEN], eager_cache.v[layer][:, :, :MAX_LEN])
