@@ -7,8 +7,9 @@ A decode step of a small MoE is nearly all per-op overhead (dozens of tiny kerne
 layer, each a Python call). `torch.compile` fuses them, but only over code whose control
 flow does not depend on tensor values. This pass is the eager forward rewritten that way:
 
-- KV writes and reads go through index tensors (padding positions write to each slot's
-  scratch column, as the eager cache does); the attention mask comes from positions;
+- KV writes go through index tensors (padding positions write to each slot's scratch column,
+  as the eager cache does); the rows' slots are contiguous (the runner keeps them so), and
+  attention reads a view of them, never a copy; the attention mask comes from positions;
 - every token runs through every local expert as one batched matmul, and the top-k gate
   weights (zero elsewhere) combine them: exact for capacity "none", and at decode sizes
   E/K times more arithmetic costs less than the per-expert gather, split and scatter;
@@ -78,7 +79,11 @@ class CompiledStep:
         else:
             self._graph = torch.compile(self._forward, dynamic=False, backend=backend)
 
-    def accepts(self, num_rows: int, tq: int) -> bool:
+    def accepts(self, num_rows: int, tq: int, slots: list[int] | None = None) -> bool:
+        """Whether the graph takes this pass (else it runs eagerly). Rows on the CPU must be in
+        contiguous slots (a subset of the running batch, e.g. a request run alone, is not)."""
+        if not self.static and slots is not None and not _contiguous(slots):
+            return False  # a graph of its own, compiled on first use: run such passes eagerly
         blocks = self.model.moe_blocks
         local = all(isinstance(b.dispatch, LocalDispatch) and b.routing.overflow == "none" for b in blocks)
         if self.static:
@@ -102,7 +107,9 @@ class CompiledStep:
             tk = min(self.cache.max_len, max(MIN_KEYS, 1 << (tk - 1).bit_length()))
         # no "duck sizing": a batch that happens to equal a model dimension must not become a guard
         with torch.fx.experimental._config.patch(use_duck_shape=False):
-            logits, gates = self._graph(ids, as_long(slots), as_long(start), as_long(q_lens), tk)
+            # slots first, first + 1, ...: attention reads views (static graphs gather their padded rows)
+            first = None if self.static or not _contiguous(slots) else slots[0]
+            logits, gates = self._graph(ids, as_long(slots), first, as_long(start), as_long(q_lens), tk)
         self._count(gates, q_lens[:b], t)
         return logits[:b]
 
@@ -119,7 +126,7 @@ class CompiledStep:
         return time.perf_counter() - t0
 
     # ---- the graph -------------------------------------------------------------------------
-    def _forward(self, ids, slots, start, q_lens, tk: int) -> tuple[torch.Tensor, list[tuple]]:
+    def _forward(self, ids, slots, first: int | None, start, q_lens, tk: int) -> tuple[torch.Tensor, list[tuple]]:
         m = self.model.model
         b, t = ids.shape
         x = m.embed_tokens(ids)  # [B, T, D]
@@ -129,7 +136,7 @@ class CompiledStep:
         rope = m.rotary(pos, x.dtype)
         gates = []
         for i, layer in enumerate(m.layers):
-            x = x + self._attention(layer.self_attn, layer.input_layernorm(x), rope, i, slots, pos, valid, tk)
+            x = x + self._attention(layer.self_attn, layer.input_layernorm(x), rope, i, slots, first, pos, valid, tk)
             h = layer.post_attention_layernorm(x).reshape(b * t, -1)  # [B*T, D]
             if layer.is_sparse:
                 out, g = _dense_moe(layer.mlp, h)
@@ -139,7 +146,7 @@ class CompiledStep:
             x = x + out.view(b, t, -1)
         return self.model.lm_logits(m.norm(x)), gates  # [B, T, V]
 
-    def _attention(self, attn, x, rope, layer: int, slots, pos, valid, tk: int) -> torch.Tensor:
+    def _attention(self, attn, x, rope, layer: int, slots, first: int | None, pos, valid, tk: int) -> torch.Tensor:
         b, t, _ = x.shape
         q, k, v = attn.project(x, rope)  # [B, H, T, Dh], [B, Hkv, T, Dh] x2
         keys, values = self.cache.k[layer], self.cache.v[layer]  # [S, Hkv, Tmax + 1, Dh]
@@ -148,8 +155,11 @@ class CompiledStep:
         keys[slots[:, None], :, write] = k.transpose(1, 2)
         values[slots[:, None], :, write] = v.transpose(1, 2)
         mask = (torch.arange(tk, device=x.device)[None, None, :] <= pos[:, :, None])[:, None]  # [B, 1, T, Tk]
-        out = F.scaled_dot_product_attention(q, keys[slots, :, :tk], values[slots, :, :tk], attn_mask=mask,
-                                             enable_gqa=True)  # [B, H, T, Dh]
+        if first is None:  # gathered: [B, Hkv, Tk, Dh] copies
+            keys, values = keys[slots, :, :tk], values[slots, :, :tk]
+        else:  # slots first, first + 1, ...: views
+            keys, values = keys[first : first + b, :, :tk], values[first : first + b, :, :tk]
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)  # [B, H, T, Dh]
         return attn.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
     def _count(self, gates: list[tuple], q_lens: list[int], t: int) -> None:
@@ -161,6 +171,10 @@ class CompiledStep:
         keep = torch.tensor(keep, device=gates[0][0].device)  # [N_valid]
         for block, (weights, expert_ids, probs) in zip(blocks, gates):
             block.stats.update(block.layer_idx, Gates(weights[keep], expert_ids[keep], probs[keep]))
+
+
+def _contiguous(slots: list[int]) -> bool:
+    return slots == list(range(slots[0], slots[0] + len(slots)))
 
 
 def _dense_moe(block, x: torch.Tensor) -> tuple[torch.Tensor, Gates]:
@@ -181,3 +195,4 @@ def _dense_moe(block, x: torch.Tensor) -> tuple[torch.Tensor, Gates]:
     if block.shared_expert is not None:
         out = out + torch.sigmoid(block.shared_expert_gate(x)) * block.shared_expert(x)
     return out, g
+

@@ -114,7 +114,7 @@ class ModelRunner:
             if r.start + len(r.tokens) > self.max_model_len:
                 raise ValueError(f"sequence {r.seq_id!r} exceeds max_model_len={self.max_model_len}")
             self.slots.written(r.seq_id, r.start + len(r.tokens))
-        if self._use_compiled(ordered, tq):
+        if self._use_compiled(ordered, tq, lists[0]):
             out = self.compiled(ids, *lists)  # [B, Tq, V]
             if logits == "last":
                 last = torch.tensor(lists[2], device=out.device) - 1
@@ -125,9 +125,10 @@ class ModelRunner:
         inverse[torch.tensor(order)] = torch.arange(len(order))
         return out.cpu()[inverse]
 
-    def _use_compiled(self, rows: list[Row], tq: int) -> bool:
+    def _use_compiled(self, rows: list[Row], tq: int, slots: list[int]) -> bool:
         """Decode and verify passes (every row has cached tokens before it) that the graph takes."""
-        return self.compiled is not None and all(r.start > 0 for r in rows) and self.compiled.accepts(len(rows), tq)
+        return self.compiled is not None and all(r.start > 0 for r in rows) and self.compiled.accepts(len(rows), tq,
+                                                                                                      slots)
 
 
 def batch_lists(slots: SlotTable, rows: list[Row]) -> tuple[list[int], list[int], list[int]]:
