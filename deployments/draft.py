@@ -62,6 +62,7 @@ class DraftServerConfig:
     torch_threads: int | None = None
     device: str = "auto"  # the draft's own GPU when the replica has one (ray_actor_options num_gpus)
     dtype: str = "auto"
+    predraft: bool = True  # draft the next proposal while the target verifies (DraftWorker.predraft)
 
     def __post_init__(self) -> None:
         if not self.model_path:
@@ -107,17 +108,67 @@ class DraftWorker:
         self._calls = 0
         self._busy_s = 0.0
         self._id = uuid.uuid4().hex[:8]
+        self._channel = None
+        self._ahead: dict[str, tuple[tuple[int, ...], list[int]]] = {}  # seq -> (history, pre-drafted tokens)
+        self._predraft_s = 0.0
+        self.num_predraft_hits = 0
+        self.num_predraft_misses = 0
 
     def propose(self, call: DraftCall) -> list[Proposal]:
-        """Proposals for `call.requests`, in order."""
+        """Proposals for `call.requests`, in order: pre-drafted ones where the history is the one
+        they were drafted for, the rest drafted now (batched)."""
         with self._lock:
             t0 = time.perf_counter()
             for seq_id in call.finished:
                 self.proposer.on_finished(seq_id)
-            out = self.proposer.propose(call.requests)
+                self._ahead.pop(seq_id, None)
+            out: list[Proposal | None] = [None] * len(call.requests)
+            for i, r in enumerate(call.requests):
+                ahead = self._ahead.pop(r.seq_id, None)
+                if ahead is None:
+                    continue
+                history, tokens = ahead
+                if history == tuple(r.token_ids) and len(tokens) >= r.num_tokens:
+                    out[i] = Proposal(tokens[: r.num_tokens])
+                    self.num_predraft_hits += 1
+                else:
+                    self.num_predraft_misses += 1
+            todo = [i for i, p in enumerate(out) if p is None]
+            if todo:
+                for i, p in zip(todo, self.proposer.propose([call.requests[i] for i in todo])):
+                    out[i] = p
             self._calls += 1
             self._busy_s += time.perf_counter() - t0
             return out
+
+    def predraft(self, call: DraftCall, proposals: list[Proposal]) -> None:
+        """After answering a call, while the target verifies it: draft each row's next proposal
+        for the outcome "every draft accepted, and the target's bonus token is the draft's own
+        next token" (one batched propose of k + 1 tokens: the guessed bonus, then the next k).
+        The next call uses it if that is what happened (a hit answers at once); otherwise the
+        row is drafted as usual, the draft's cache rolling back to the common prefix."""
+        if not self.config.predraft or not self.proposer.greedy:
+            return  # sampled drafts would be drawn ahead of the request's own keyed noise
+        with self._lock:
+            t0 = time.perf_counter()
+            ahead = [ProposalRequest(r.seq_id, list(r.token_ids) + p.token_ids, r.num_tokens + 1, r.params)
+                     for r, p in zip(call.requests, proposals) if p.token_ids and r.num_tokens]
+            if not ahead:
+                return
+            for r, p in zip(ahead, self.proposer.propose(ahead)):
+                if len(p.token_ids) > 1:
+                    self._ahead[r.seq_id] = (tuple(r.token_ids) + (p.token_ids[0],), p.token_ids[1:])
+            self._predraft_s += time.perf_counter() - t0
+
+    def channel(self) -> tuple[tuple[str, int], bytes]:
+        """The address and secret of this worker's data channel (opened on first ask): engines
+        send every step's call there instead of through Ray."""
+        with self._lock:
+            if self._channel is None:
+                from deployments.draft_channel import ChannelServer
+
+                self._channel = ChannelServer(self.propose, self.predraft)
+            return self._channel.address, self._channel.authkey
 
     def stats(self) -> dict[str, Any]:
         """This worker's counters."""
@@ -130,6 +181,10 @@ class DraftWorker:
             "new_seqs": p.num_new_seqs,
             "rebuilt_tokens": p.num_rebuilt_tokens,
             "evictions": p.num_evictions,
+            "predraft_hits": self.num_predraft_hits,
+            "predraft_misses": self.num_predraft_misses,
+            "predraft_s": self._predraft_s,
+            "channel_connections": self._channel.num_connections if self._channel is not None else 0,
         }
 
     def ping(self) -> bool:
@@ -198,7 +253,8 @@ class RemoteDraftProposer(Proposer):
     backoff_s, max_backoff_s: after a failure no call is made for backoff_s, doubling with
         each further failure up to max_backoff_s; a success resets it.
     sticky: route every Serve call of this engine to one replica (its session id).
-    direct: call the replica's DraftWorker actor directly (default), not through Serve.
+    direct: talk to the replica's DraftWorker over its data channel (default: one socket message
+        each way per step, set up once through Ray), not through a Serve call per step.
     """
 
     def __init__(
@@ -217,6 +273,8 @@ class RemoteDraftProposer(Proposer):
         self.handle = handle.options(method_name="propose", **routing)
         self.worker_handle = handle.options(method_name="worker", **routing) if direct else None
         self._worker: Any = None  # the replica's DraftWorker once asked for (direct)
+        self._client: Any = None  # the data channel to it (direct)
+        self.draft_wait_s = 0.0  # time steps spent waiting for drafts
         self.timeout_s, self.backoff_s, self.max_backoff_s = timeout_s, backoff_s, max_backoff_s
         self._pause_s = backoff_s
         self._retry_at = 0.0
@@ -256,18 +314,34 @@ class RemoteDraftProposer(Proposer):
         return [by_id.get(r.seq_id, p) for r, p in zip(requests, empty)]
 
     def _call(self, call: DraftCall) -> list[Proposal]:
-        if self.worker_handle is None:
-            return self.handle.remote(call).result(timeout_s=self.timeout_s)
-        import ray
-
-        if self._worker is None:
-            self._worker = self.worker_handle.remote().result(timeout_s=self.timeout_s)
+        t0 = time.perf_counter()
         try:
-            return ray.get(self._worker.propose.remote(call), timeout=self.timeout_s)
-        except ray.exceptions.GetTimeoutError:
-            raise TimeoutError(f"no drafts within {self.timeout_s} s") from None
-        except Exception:  # the worker (or its replica) is gone: ask the deployment again next time
-            self._worker = None
+            if self.worker_handle is None:
+                return self.handle.remote(call).result(timeout_s=self.timeout_s)
+            return self._over_channel(call)
+        finally:
+            self.draft_wait_s += time.perf_counter() - t0
+
+    def _over_channel(self, call: DraftCall) -> list[Proposal]:
+        """The worker's data channel, set up through Ray on first use (and after a failure)."""
+        if self._client is None:
+            import ray
+
+            from deployments.draft_channel import ChannelClient
+
+            if self._worker is None:
+                self._worker = self.worker_handle.remote().result(timeout_s=self.timeout_s)
+            try:
+                address, key = ray.get(self._worker.channel.remote(), timeout=self.timeout_s)
+                self._client = ChannelClient(address, key)
+            except Exception:  # the worker is gone: ask the deployment again next time
+                self._worker = None
+                raise
+        try:
+            return self._client.call(call, self.timeout_s)
+        except Exception:  # timed out (a late reply would answer the next call) or the worker died
+            self._client.close()
+            self._client, self._worker = None, None
             raise
 
     def on_finished(self, seq_id: str) -> None:
@@ -280,6 +354,7 @@ class RemoteDraftProposer(Proposer):
             "fallback_steps": self.num_fallback_steps,
             "timeouts": self.num_timeouts,
             "errors": self.num_errors,
+            "draft_wait_s": self.draft_wait_s,
         }
 
     def _fail(self, empty: list[Proposal], finished: list[str], why: str) -> list[Proposal]:
