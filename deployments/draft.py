@@ -155,7 +155,7 @@ class DraftWorker:
                      for r, p in zip(call.requests, proposals) if p.token_ids and r.num_tokens]
             if not ahead:
                 return
-            for r, p in zip(ahead, self.proposer.propose(ahead)):
+            for r, p in zip(ahead, self.proposer.propose(ahead, hypothetical=True)):
                 if len(p.token_ids) > 1:
                     self._ahead[r.seq_id] = (tuple(r.token_ids) + (p.token_ids[0],), p.token_ids[1:])
             self._predraft_s += time.perf_counter() - t0

@@ -63,13 +63,16 @@ class ChannelServer:
                     msg = pickle.loads(conn.recv_bytes())
                 except (EOFError, OSError):  # the engine went away
                     return
-                reply = self.handle(msg)
                 try:
+                    reply = self.handle(msg)
                     conn.send_bytes(_dumps(reply))
+                    if self.after is not None:
+                        self.after(msg, reply)
                 except OSError:
                     return
-                if self.after is not None:
-                    self.after(msg, reply)
+                except Exception:  # a bug in the handler: drop this engine's connection (it falls back)
+                    log.exception("draft channel: a call failed; closing the connection")
+                    return
 
     def close(self) -> None:
         self._listener.close()

@@ -139,10 +139,12 @@ class DraftModelProposer(Proposer):
             self.runner.remove(seq_id)
 
     @torch.inference_mode()
-    def propose(self, requests: list[ProposalRequest]) -> list[Proposal]:
-        """Up to request.num_tokens draft tokens per request, in order (possibly none)."""
+    def propose(self, requests: list[ProposalRequest], hypothetical: bool = False) -> list[Proposal]:
+        """Up to request.num_tokens draft tokens per request, in order (possibly none).
+        hypothetical: the requests' histories are guesses (pre-drafting ahead of the target), not
+        what the engine confirmed: drafting rolls back from them without counting a rebuild."""
         self._clock += 1
-        rows = self._sync(requests)
+        rows = self._sync(requests, hypothetical)
         proposals = [Proposal([]) for _ in requests]
         if not rows:
             return proposals
@@ -163,7 +165,7 @@ class DraftModelProposer(Proposer):
         return proposals
 
     # ---- the three phases -----------------------------------------------------------------
-    def _sync(self, requests: list[ProposalRequest]) -> list[_Row]:
+    def _sync(self, requests: list[ProposalRequest], hypothetical: bool = False) -> list[_Row]:
         """Rows that draft this step, each with its cache rolled back to the common prefix."""
         busy = {r.seq_id for r in requests}
         limit = self.runner.max_model_len
@@ -185,7 +187,9 @@ class DraftModelProposer(Proposer):
             if start < state.seen:
                 self.num_rebuilt_tokens += state.seen - start
             start = min(start, len(tokens) - 1)  # always feed one token: its logits give draft 1
-            state.seen, state.last_used = len(tokens), self._clock
+            state.last_used = self._clock
+            if not hypothetical:
+                state.seen = len(tokens)
             params = None if self.greedy or req.params is None or req.params.greedy else req.params
             rows.append(_Row(i, req.seq_id, tokens, k, start, params))
         return rows

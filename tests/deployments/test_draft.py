@@ -64,6 +64,50 @@ def test_draft_worker_is_the_in_process_proposer(ckpts):
     assert server.stats()["tracked_seqs"] == len(PROMPTS) - 2
 
 
+def test_channel_round_trip_secret_and_timeout():
+    from multiprocessing import AuthenticationError
+
+    from deployments.draft_channel import ChannelClient, ChannelServer
+
+    after = []
+    server = ChannelServer(lambda msg: ("echo", msg) if msg != "slow" else time.sleep(0.5),
+                           after=lambda msg, reply: after.append(msg), host="127.0.0.1")
+    client = ChannelClient(server.address, server.authkey)
+    assert client.call([1, 2, 3], timeout_s=5) == ("echo", [1, 2, 3])
+    assert client.call({"k": "v"}, timeout_s=5) == ("echo", {"k": "v"})
+    assert after == [[1, 2, 3], {"k": "v"}]  # the after-hook runs once the reply is sent
+    with pytest.raises(AuthenticationError):
+        ChannelClient(server.address, b"not the secret")
+    with pytest.raises(TimeoutError):
+        client.call("slow", timeout_s=0.05)
+    client.close()
+    again = ChannelClient(server.address, server.authkey)  # the server still accepts engines
+    assert again.call("x", timeout_s=5) == ("echo", "x")
+    again.close()
+    server.close()
+
+
+def test_predrafted_proposals_are_what_drafting_then_would_give(ckpts):
+    """A hit (the history the next call brings is the one pre-drafted for) answers with the
+    tokens a fresh draft gives for that history; a miss drafts anew, same tokens either way."""
+    _, draft_dir, _ = ckpts
+    worker = DraftWorker(config(draft_dir))
+    fresh = DraftModelProposer(load_checkpoint(draft_dir), 8, 96)
+    reqs = [ProposalRequest(f"s{i}", p, 3) for i, p in enumerate(PROMPTS[:3])]
+    call = DraftCall(reqs)
+    first = worker.propose(call)
+    worker.predraft(call, first)
+    # row 0: every draft accepted and the bonus is the draft's own next token (a hit); row 1: the
+    # first draft rejected (a miss); row 2: not asked again
+    guess = fresh.propose([ProposalRequest("g", reqs[0].token_ids + first[0].token_ids, 1)])[0].token_ids
+    nxt = [ProposalRequest("s0", reqs[0].token_ids + first[0].token_ids + guess, 3),
+           ProposalRequest("s1", reqs[1].token_ids + [(first[1].token_ids[0] + 1) % 90], 3)]
+    got = worker.propose(DraftCall(nxt))
+    want = [fresh.propose([ProposalRequest(f"f{i}", r.token_ids, 3)])[0].token_ids for i, r in enumerate(nxt)]
+    assert [p.token_ids for p in got] == want
+    assert worker.num_predraft_hits == 1 and worker.num_predraft_misses == 1
+
+
 class _Response:
     def __init__(self, outcome):
         self.outcome = outcome
@@ -105,7 +149,9 @@ def test_remote_proposer_falls_back_backs_off_and_recovers():
     assert len(handle.calls) == 3
     assert [r.num_tokens for r in handle.calls[-1].requests] == [2]  # rows asking for nothing are not sent
     assert handle.calls[-1].finished == [f"{proposer.session}/gone"]  # resent after the failed call
-    assert proposer.stats() == {"calls": 3, "fallback_steps": 3, "timeouts": 1, "errors": 1}
+    stats = proposer.stats()
+    assert stats.pop("draft_wait_s") >= 0
+    assert stats == {"calls": 3, "fallback_steps": 3, "timeouts": 1, "errors": 1}
 
 
 # ---- through Serve -----------------------------------------------------------------------------
@@ -120,7 +166,26 @@ def test_served_draft_gives_the_target_greedy_tokens(ray_cluster, ckpts, direct)
     assert engine.spec_metrics.alpha > 0.2
     stats = handle.options(method_name="stats", session_id=proposer.session).remote().result(timeout_s=30)
     assert stats["calls"] == proposer.num_calls  # every call reached the one replica's worker
+    if direct:  # every step over the worker's data channel: one connection
+        assert stats["channel_connections"] == 1
+        assert stats["predraft_hits"] + stats["predraft_misses"] > 0
     serve.delete("draft-one")
+
+
+def test_a_draft_that_is_always_right_is_answered_from_its_predrafts(ray_cluster, ckpts, tmp_path):
+    """The target as its own draft: every draft is accepted and the bonus token is the draft's
+    own next one, so from the second step of a request on, each call finds its proposal
+    drafted already (while the target verified the previous one)."""
+    target, _, plain = ckpts
+    save_tiny("mixtral", tmp_path)  # the same weights as the target
+    handle = serve.run(bind_draft(config(str(tmp_path))), name="draft-same", route_prefix=None)
+    proposer = RemoteDraftProposer(handle, timeout_s=30.0)
+    engine = make_engine(target, proposer, k=2)
+    assert run(engine, PROMPTS, PARAMS) == plain
+    assert engine.spec_metrics.alpha == 1.0
+    stats = handle.options(method_name="stats", session_id=proposer.session).remote().result(timeout_s=30)
+    assert stats["predraft_hits"] >= proposer.num_calls // 2, stats
+    serve.delete("draft-same")
 
 
 def test_two_replicas_sticky_or_not(ray_cluster, ckpts):
