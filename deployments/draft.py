@@ -1,17 +1,18 @@
 """The draft model as its own Serve deployment, and the engine-side proposer that calls it.
 
-    engine step --one Ray actor call per step, whole batch--> DraftWorker (owned by a
-                                                              DraftServer replica)
+    engine step --one message per step, whole batch, on a socket--> DraftWorker (owned by a
+                                                                    DraftServer replica)
 
 The user's design has "a separate draft-model deployment" propose tokens. Each replica of
 the deployment owns one `DraftWorker` actor on its own node, which holds the model; the
-engine asks the deployment once (a Serve call) for its replica's worker, then calls the
-worker directly every step. A plain actor call costs ~1.5 ms here against ~4.5 ms for a
-Serve call (router, replica queue), and a decode step is ~3 ms, so the difference decides
-whether drafting pays at all (bench/reports/speculative.md has both). The per-step call
-carries every sequence of the step at once (`DraftCall`) and returns all proposals; the
-engine never calls per sequence or per draft token. `direct=False` keeps one Serve call
-per step instead.
+engine asks the deployment once (a Serve call) for its replica's worker and the worker once
+(an actor call) for its data channel, then sends every step's call on that channel
+(deployments/draft_channel.py). A Serve call costs ~4.5 ms here and an actor call ~1.5 ms
+against a decode step of ~3 ms, so the transport decides whether drafting pays at all
+(bench/reports/speculative.md). The per-step call carries every sequence of the step at once
+(`DraftCall`) and returns all proposals; the engine never calls per sequence or per draft
+token. After answering, the worker pre-drafts the next proposal of each row while the target
+verifies (`DraftWorker.predraft`). `direct=False` keeps one Serve call per step instead.
 
 State and routing: the draft keeps a KV cache per sequence, so each engine sticks to one
 draft replica (Serve's consistent-hash router keyed by the engine's session id, and then
