@@ -2,7 +2,7 @@
 experts and combine for W = 1 and W = 2 shard processes, the all-to-all share of a step, and
 decode throughput W = 2 vs W = 1 at a fixed batch.
 
-    python -m bench.expert_parallel [--checkpoint DIR] [--batch 16] [--steps 32] [--runs 3]
+    python -m bench.expert_parallel [--checkpoint DIR] [--batch 16] [--steps 32] [--runs 3] [--worlds 1 2 4]
 
 Runs alternate W = 1 and W = 2 and report medians. The phase split is measured on rank 0;
 with W = 2, dispatch and combine include waiting for the other rank (that is the cost).
@@ -63,13 +63,14 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="one short run each")
+    ap.add_argument("--worlds", type=int, nargs="+", default=[1, 2], help="shard counts (the first is the baseline)")
     args = ap.parse_args()
     if args.quick:
         args.runs, args.steps = 1, 8
     torch.set_num_threads(1)  # one core per rank: W = 2 uses both cores, W = 1 one of them
-    results: dict[int, list[dict]] = {1: [], 2: []}
-    for run in tqdm(range(args.runs), desc="runs (W=1 and W=2 alternating)"):
-        for world in (1, 2):
+    results: dict[int, list[dict]] = {w: [] for w in args.worlds}
+    for run in tqdm(range(args.runs), desc=f"runs (W={', '.join(map(str, args.worlds))} alternating)"):
+        for world in args.worlds:
             results[world].append(one_run(args.checkpoint, world, args.batch, args.steps, args.prompt_len, run))
 
     summary = {}
@@ -81,13 +82,14 @@ def main() -> None:
         }
         a2a = summary[world]["phases_ms"]["dispatch"] + summary[world]["phases_ms"]["combine"]
         summary[world]["dispatch_combine_share"] = a2a / summary[world]["step_ms"]
-    ratio = summary[2]["tokens_per_s"] / summary[1]["tokens_per_s"]
+    worlds, base = args.worlds, args.worlds[0]
+    ratios = {w: summary[w]["tokens_per_s"] / summary[base]["tokens_per_s"] for w in worlds[1:]}
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    left = [0.0, 0.0]
+    left = [0.0] * len(worlds)
     for name in PHASES + ["other"]:
-        vals = [summary[w]["phases_ms"][name] for w in (1, 2)]
-        ax.barh(["W=1", "W=2"], vals, left=left, label=name)
+        vals = [summary[w]["phases_ms"][name] for w in worlds]
+        ax.barh([f"W={w}" for w in worlds], vals, left=left, label=name)
         left = [a + b for a, b in zip(left, vals)]
     ax.set_xlabel(f"ms per decode step (batch {args.batch})")
     ax.legend(fontsize=7, ncol=3)
@@ -97,23 +99,25 @@ def main() -> None:
         "# Expert parallelism: decode step split and throughput\n",
         f"Checkpoint `{args.checkpoint.split('/')[-1]}`, batch {args.batch}, prompt {args.prompt_len} tokens, "
         f"{args.steps} decode steps, median of {args.runs} alternating runs, 1 thread per rank.\n",
-        "| phase (ms/step, rank 0) | W=1 | W=2 |", "|---|---|---|",
+        "| phase (ms/step, rank 0) | " + " | ".join(f"W={w}" for w in worlds) + " |",
+        "|---|" + "---|" * len(worlds),
     ]
     for name in PHASES + ["other"]:
-        lines.append(f"| {name} | {summary[1]['phases_ms'][name]:.2f} | {summary[2]['phases_ms'][name]:.2f} |")
+        lines.append(f"| {name} | " + " | ".join(f"{summary[w]['phases_ms'][name]:.2f}" for w in worlds) + " |")
     lines += [
-        f"| **step** | **{summary[1]['step_ms']:.2f}** | **{summary[2]['step_ms']:.2f}** |",
+        "| **step** | " + " | ".join(f"**{summary[w]['step_ms']:.2f}**" for w in worlds) + " |",
         "",
-        f"- dispatch + combine share of a step: W=1 {summary[1]['dispatch_combine_share']:.1%}, "
-        f"W=2 {summary[2]['dispatch_combine_share']:.1%} (W=2 includes the all-to-all and waiting for the peer)",
-        f"- decode throughput: W=1 {summary[1]['tokens_per_s']:.0f} tokens/s, W=2 {summary[2]['tokens_per_s']:.0f} "
-        f"tokens/s, **ratio W=2/W=1 = {ratio:.2f}x**",
+        "- dispatch + combine share of a step: " + ", ".join(
+            f"W={w} {summary[w]['dispatch_combine_share']:.1%}" for w in worlds)
+        + " (with W > 1: the all-to-all and waiting for the other ranks)",
+        "- decode throughput: " + ", ".join(f"W={w} {summary[w]['tokens_per_s']:.0f} tokens/s" for w in worlds)
+        + "; " + ", ".join(f"**W={w}/W={base} = {r:.2f}x**" for w, r in ratios.items()),
         "",
         "![phases](expert_parallel-phases.png)",
     ]
     args.checkpoint = args.checkpoint.split("/")[-1]
-    data = {"environment": environment(1), "args": vars(args), "summary": summary, "ratio_w2_w1": ratio,
-            "runs": results}
+    data = {"environment": environment(1), "args": vars(args), "summary": summary,
+            "ratios": {f"W={w}/W={base}": r for w, r in ratios.items()}, "runs": results}
     paths = write("expert_parallel", data, "\n".join(lines), {"phases": fig})
     print("\n".join(lines))
     print(f"report: {paths[1]}")

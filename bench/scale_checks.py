@@ -1,0 +1,314 @@
+"""The scale model's checks: this machine's CPU profile (measured), predictions of
+bench/expert_parallel.py at W = 1, 2, 4, published figures, and docs/scaling.md with plots.
+
+    python -m bench.scale_model --calibrate-cpu   # writes bench/reports/scale_model_cpu.json
+    python -m bench.expert_parallel --worlds 1 2 4
+    python -m bench.scale_model --report          # writes docs/scaling.md and its plots
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import torch
+
+from bench.scale_model import (
+    CPU_PROFILE,
+    DOCS,
+    HARDWARE,
+    Hardware,
+    Layout,
+    Shape,
+    a2a_ms,
+    best_layout,
+    load_shape,
+    skew_from_stats,
+    step,
+)
+
+REPORTS = Path(__file__).resolve().parent / "reports"
+DEMO = Path(__file__).resolve().parent.parent / "checkpoints" / "demo-moe"
+
+# Published figures (each with its source); the conditions are the ones the model is given.
+DEEPEP_LOW_LATENCY = {  # EP: (dispatch us, combine us); H800, CX7 400 Gb/s, 128 tokens, hidden 7168, top-8
+    8: (77, 114), 16: (118, 195), 32: (155, 273), 64: (173, 314), 128: (192, 369), 256: (194, 360)}
+DEEPEP_SOURCE = "DeepEP README, low-latency kernels (FP8 dispatch, BF16 combine)"
+SGLANG = {"tokens_per_s_per_gpu": 22282 / 8, "gpus": 72, "batch": 256, "context": 2000, "redundant": 32,
+          "source": "LMSYS blog 2025-05-05, large-scale EP: DeepSeek-V3 decode on 9 x 8 H100, 22,282 tok/s per node, "
+                    "batch 256, KV 2,000, EPLB with 32 redundant experts, two-batch overlap"}
+WIDE_EP = {"tokens_per_s_per_gpu": 2400, "gpus": 16, "source": "Anyscale blog (Ray Serve LLM wide-EP): 2.4k tok/s per "
+           "H200, DeepSeek-R1, data parallel 16 with expert parallelism, DeepEP low-latency; batch and lengths "
+           "not published (assumed here: 128 sequences per GPU, 2,000 tokens)"}
+RESIDUAL_SKEW = 1.2  # busiest rank over the mean after EPLB at decode (an assumption, stated in the doc)
+
+
+# ---- this machine -------------------------------------------------------------------------------
+def _a2a_worker(rank: int, world: int, port: int, sizes: list[int], reps: int, out) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    result = {}
+    for size in sizes:
+        x = torch.zeros(size * world)
+        y = torch.empty_like(x)
+        for _ in range(5):
+            dist.all_to_all_single(y, x)
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            dist.all_to_all_single(y, x)
+        result[size] = (time.perf_counter() - t0) / reps
+    if rank == 0:
+        out.put(result)
+    dist.destroy_process_group()
+
+
+def measure_a2a(world: int = 2, sizes: tuple[int, ...] = (16, 1 << 18), reps: int = 200) -> dict[int, float]:
+    """Seconds per gloo all_to_all_single between `world` local processes, by floats per peer."""
+    import torch.multiprocessing as mp
+
+    from model_shards.local_group import free_port
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_a2a_worker, args=(r, world, port, list(sizes), reps, out)) for r in range(world)]
+    for p in procs:
+        p.start()
+    result = out.get(timeout=300)
+    for p in procs:
+        p.join(timeout=30)
+    return result
+
+
+def _timed(fn, reps: int) -> float:
+    fn()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return (time.perf_counter() - t0) / reps
+
+
+def demo_step_ms(batch: int = 16, context: int = 80, reps: int = 30) -> float:
+    """The demo MoE's eager decode step at `batch` rows, one thread, in this process."""
+    from model_shards import load_checkpoint
+    from moeserve.engine.model_runner import ModelRunner, Row
+
+    runner = ModelRunner(load_checkpoint(DEMO), batch, context + reps + 8)
+    ids = [f"s{i}" for i in range(batch)]
+    for sid in ids:
+        runner.add(sid)
+    runner.forward([Row(sid, list(range(10, 10 + context)), 0) for sid in ids])
+    pos = [context]
+
+    def one() -> None:
+        runner.forward([Row(sid, [7], pos[0]) for sid in ids])
+        pos[0] += 1
+
+    return _timed(one, reps) * 1e3
+
+
+def calibrate_cpu() -> Hardware:
+    """One CPU rank of this machine as a Hardware profile: matmul FLOP/s at decode-like sizes,
+    copy bandwidth, gloo all-to-all latency and bandwidth between two processes, and the
+    per-layer fixed cost of an eager step (what neither bandwidth nor FLOPs explain)."""
+    torch.set_num_threads(1)
+    a, b = torch.randn(64, 512), torch.randn(512, 512)
+    tflops = 2 * 64 * 512 * 512 / _timed(lambda: a @ b, 200) / 1e12
+    big = torch.empty(1 << 24)  # 64 MiB
+    gbps = 2 * big.numel() * 4 / _timed(lambda: big.clone(), 10) / 1e9  # read + write
+    a2a = measure_a2a()
+    small, large = sorted(a2a)
+    latency_s = a2a[small]
+    link_gbps = (large - small) * 4 / max(a2a[large] - latency_s, 1e-9) / 1e9
+    # the dispatch of one layer here is three collectives (split sizes, tokens, results back): the
+    # model's dispatch + combine carry two latencies, so each stands for 1.5 collectives
+    base = Hardware("CPU rank (this machine, 1 thread)", gbps, tflops, 8.0, link_gbps, link_gbps, os.cpu_count() or 1,
+                    1.5 * latency_s * 1e6, hbm_eff=1.0, flop_eff=1.0, fp8_speedup=1.0)
+    shape = demo_shape()
+    lay = Layout(gpus=1, batch=16, context=80, weight_bytes=4, kv_bytes=4, dispatch_bytes=4)
+    measured = demo_step_ms()
+    modelled = step(shape, base, lay)["step_ms"]
+    hw = replace(base, layer_overhead_us=max(0.0, measured - modelled) / shape.layers * 1e3)
+    CPU_PROFILE.parent.mkdir(parents=True, exist_ok=True)
+    CPU_PROFILE.write_text(json.dumps({
+        "hardware": asdict(hw),
+        "measured": {"matmul_tflops": tflops, "copy_gbps": gbps, "a2a_seconds_by_floats_per_peer": a2a,
+                     "demo_eager_step_ms_batch16": measured, "roofline_step_ms_without_overhead": modelled},
+        "how": "bench/scale_checks.py calibrate_cpu: torch 1 thread; gloo between 2 local processes",
+    }, indent=2) + "\n")
+    print(json.dumps(asdict(hw), indent=2))
+    return hw
+
+
+def demo_shape() -> Shape:
+    return Shape.from_hf(json.loads((DEMO / "config.json").read_text()), "demo-moe")
+
+
+def predict_cpu(hw: Hardware, world: int, batch: int = 16, context: int = 80) -> dict:
+    """The demo's decode step at W ranks on this machine: ranks share its cores, so with more
+    ranks than cores every rate per rank (and the fixed per-layer cost) scales by cores / W."""
+    share = min(1.0, hw.gpus_per_node / world)
+    ranked = replace(hw, hbm_gbps=hw.hbm_gbps * share, tflops=hw.tflops * share,
+                     layer_overhead_us=hw.layer_overhead_us / share)
+    lay = Layout(gpus=world, batch=max(1, batch // world), context=context, weight_bytes=4, kv_bytes=4,
+                 dispatch_bytes=4)
+    return step(demo_shape(), ranked, lay)
+
+
+# ---- the report ---------------------------------------------------------------------------------
+def _err(pred: float, actual: float) -> str:
+    return f"{pred / actual - 1:+.0%}"
+
+
+def checks() -> list[list]:
+    rows = []
+    if CPU_PROFILE.is_file() and (REPORTS / "expert_parallel.json").is_file():
+        hw = Hardware(**json.loads(CPU_PROFILE.read_text())["hardware"])
+        ep = json.loads((REPORTS / "expert_parallel.json").read_text())
+        for world, s in sorted(ep["summary"].items(), key=lambda kv: int(kv[0])):
+            pred = predict_cpu(hw, int(world), ep["args"]["batch"], ep["args"]["prompt_len"] + ep["args"]["steps"] // 2)
+            rows.append([f"this CPU, demo MoE, W={world}, batch {ep['args']['batch']}: ms per step", pred["step_ms"],
+                         s["step_ms"], _err(pred["step_ms"], s["step_ms"]), "bench/reports/expert_parallel.md"])
+    h800 = HARDWARE["h800"]
+    for ep_size, (d, c) in DEEPEP_LOW_LATENCY.items():
+        sent = 128 * 8 * 7168
+        pd, pc = a2a_ms(h800, sent * 1, ep_size) * 1e3, a2a_ms(h800, sent * 2, ep_size) * 1e3
+        rows.append([f"DeepEP EP{ep_size} dispatch (us)", pd, d, _err(pd, d), DEEPEP_SOURCE])
+        rows.append([f"DeepEP EP{ep_size} combine (us)", pc, c, _err(pc, c), DEEPEP_SOURCE])
+    ds = load_shape("deepseek-v3")
+    for name, hw, pub in (("SGLang DeepSeek-V3 decode, H100 EP72", HARDWARE["h100"], SGLANG),
+                          ("Ray Serve LLM wide-EP DeepSeek-R1, H200 EP16", HARDWARE["h200"], WIDE_EP)):
+        lay = Layout(gpus=pub["gpus"], batch=pub.get("batch", 128), context=pub.get("context", 2000), weight_bytes=1,
+                     dispatch_bytes=1, overlap=True, skew=RESIDUAL_SKEW, redundant_experts=pub.get("redundant", 0))
+        pred = step(ds, hw, lay)["tokens_per_s_per_gpu"]
+        rows.append([f"{name}: tokens/s per GPU", pred, pub["tokens_per_s_per_gpu"],
+                     _err(pred, pub["tokens_per_s_per_gpu"]), pub["source"]])
+    return rows
+
+
+def write_report() -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from bench.report import markdown_table
+
+    DOCS.mkdir(exist_ok=True)
+    rows = checks()
+    figures = {}
+    # DeepEP: predicted vs published latency by EP size
+    fig, ax = plt.subplots(figsize=(6, 3.2))
+    eps = sorted(DEEPEP_LOW_LATENCY)
+    for i, kind in enumerate(("dispatch", "combine")):
+        ax.plot(eps, [DEEPEP_LOW_LATENCY[e][i] for e in eps], "o", color=f"C{i}", label=f"{kind}, published")
+        ax.plot(eps, [a2a_ms(HARDWARE["h800"], 128 * 8 * 7168 * (1 + i), e) * 1e3 for e in eps], "-", color=f"C{i}",
+                label=f"{kind}, model")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("expert-parallel ranks")
+    ax.set_ylabel("us")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    figures["scaling-deepep.png"] = fig
+    # step split by EP size, Mixtral-8x7B on H200, batch 64 per GPU
+    mix = load_shape("mixtral-8x7b")
+    fig, ax = plt.subplots(figsize=(6, 3.2))
+    sizes = [1, 2, 4, 8]
+    left = [0.0] * len(sizes)
+    for part in ("attention", "gating", "experts", "dispatch", "combine", "other"):
+        vals = [step(mix, HARDWARE["h200"], Layout(gpus=g, batch=64))["ms"][part] for g in sizes]
+        ax.barh([f"EP{g}" for g in sizes], vals, left=left, label=part)
+        left = [a + b for a, b in zip(left, vals)]
+    ax.set_xlabel("ms per decode step (Mixtral-8x7B bf16, H200, 64 sequences per GPU, 2k context)")
+    ax.legend(fontsize=7, ncol=3)
+    fig.tight_layout()
+    figures["scaling-split.png"] = fig
+    # tokens/s per GPU against GPUs, best batch under a 50 ms per-token target
+    fig, ax = plt.subplots(figsize=(6, 3.2))
+    best_rows = []
+    for name, fp8 in (("mixtral-8x7b", False), ("qwen3-30b-a3b", False), ("deepseek-v3", True)):
+        shape = load_shape(name)
+        base = Layout(context=2048, weight_bytes=1 if fp8 else 2, dispatch_bytes=1 if fp8 else 2, overlap=True)
+        xs, ys = [], []
+        for g in (1, 2, 4, 8, 16, 32, 64, 128, 256):
+            found = best_layout(shape, HARDWARE["h200"], base, 50.0, gpus=(g,))
+            if found:
+                xs.append(g)
+                ys.append(found[1]["tokens_per_s_per_gpu"])
+        ax.plot(xs, ys, "o-", label=name)
+        for target in (20.0, 50.0):
+            found = best_layout(shape, HARDWARE["h200"], base, target)
+            if found:
+                lay, r = found
+                best_rows.append([name, f"<= {target:.0f} ms", lay.gpus, lay.tp, lay.batch, r["step_ms"],
+                                  r["tokens_per_s_per_gpu"], r["memory_gib"]["weights"], r["memory_gib"]["kv"]])
+            else:
+                best_rows.append([name, f"<= {target:.0f} ms", "-", "-", "-", "-", "-", "-", "-"])
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("GPUs (expert parallel, data-parallel attention)")
+    ax.set_ylabel("tokens/s per GPU")
+    ax.set_title("H200, 2k context, best batch with <= 50 ms per token", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    figures["scaling-throughput.png"] = fig
+    for name, f in figures.items():
+        f.savefig(DOCS / name, dpi=120)
+
+    skew_rows = _skew_rows()
+    text = (Path(__file__).resolve().parent / "scaling_template.md").read_text()
+    text = text.replace("{{CHECKS}}", markdown_table(["check", "model", "measured / published", "error", "source"],
+                                                     rows))
+    text = text.replace("{{BEST}}", markdown_table(
+        ["model", "time per token", "GPUs", "attention TP", "batch per GPU", "ms per step", "tokens/s per GPU",
+         "weights GiB per GPU", "KV GiB per GPU"], best_rows))
+    text = text.replace("{{SKEW}}", skew_rows)
+    text = text.replace("{{OVERLAY}}", _overlay_rows(markdown_table))
+    (DOCS / "scaling.md").write_text(text)
+    print(f"wrote {DOCS / 'scaling.md'} and {len(figures)} plots")
+
+
+def _skew_rows() -> str:
+    """The demo's own expert load (its held-out chats through the engine) as a skew, and what
+    that skew would cost Mixtral-8x7B on 8 H200s with and without the router's placement."""
+    from bench.prompts import formulaic
+    from model_shards import load_checkpoint
+    from moeserve.engine import LLMEngine, ModelRunner
+    from moeserve.sampling_params import SamplingParams
+    from moeserve.tokenizer import load_tokenizer
+
+    model = load_checkpoint(DEMO)
+    stats = model.enable_stats()
+    engine = LLMEngine(ModelRunner(model, 16, 1024), load_tokenizer(str(DEMO)))
+    engine.generate(formulaic(engine.tokenizer, 16), SamplingParams(max_tokens=32, temperature=0.0))
+    lines = []
+    mix = load_shape("mixtral-8x7b")
+    for ranks in (2, 4, 8):
+        skews = skew_from_stats(stats.to_dict(), ranks)
+        cost = {k: step(mix, HARDWARE["h200"], Layout(gpus=ranks, batch=64, skew=v))["step_ms"]
+                for k, v in skews.items()}
+        lines.append(f"| {ranks} | {skews['contiguous']:.2f} | {skews['eplb']:.2f} | {cost['contiguous']:.2f} | "
+                     f"{cost['eplb']:.2f} |")
+    head = ("| ranks | skew, contiguous | skew, router's placement | Mixtral ms/step, contiguous | "
+            "Mixtral ms/step, router's placement |\n|---|---|---|---|---|\n")
+    return head + "\n".join(lines)
+
+
+def _overlay_rows(markdown_table) -> str:
+    """The prod-gpu overlay's engine replica (max_num_seqs 64, max_model_len 4096, bf16 Mixtral)
+    at 1, 2, 4 and 8 shards on H200."""
+    mix = load_shape("mixtral-8x7b")
+    rows = []
+    for g in (1, 2, 4, 8):
+        lay = Layout(gpus=g, batch=max(1, 64 // g), context=4096)
+        r = step(mix, HARDWARE["h200"], lay)
+        big = best_layout(mix, HARDWARE["h200"], replace(lay, context=4096), None, gpus=(g,))
+        rows.append([g, r["memory_gib"]["weights"], r["step_ms"], 64 / r["step_ms"] * 1e3, 64 / r["step_ms"] * 1e3 / g,
+                     big[0].batch * g if big else "-"])
+    return markdown_table(["shards", "weights GiB per GPU", "ms per step (64 sequences)", "tokens/s per replica",
+                           "tokens/s per GPU", "sequences that fit at 4k context"], rows)
