@@ -4,7 +4,8 @@ per GPU, all-to-all bytes per layer; the best layout for a latency or throughput
 what a measured expert-load skew costs with and without the router's placement (EPLB).
 
     python -m bench.scale_model --model mixtral-8x7b --hardware h200 --gpus 8 --batch 64
-    python -m bench.scale_model --model deepseek-v3 --hardware h100 --best --max-tpot-ms 100
+    python -m bench.scale_model --model deepseek-v3 --hardware h100 --fp8 --best --max-tpot-ms 100
+    python -m bench.scale_model --model mixtral-8x7b --hardware h200 --best latency --batch 1
     python -m bench.scale_model --model qwen3-30b-a3b --hardware h200 --gpus 4 --skew load.json
     python -m bench.scale_model --report      # docs/scaling.md: every check, the plots
 
@@ -196,9 +197,22 @@ def fits(shape: Shape, hw: Hardware, lay: Layout, headroom: float = 0.9) -> bool
 
 
 def best_layout(shape: Shape, hw: Hardware, base: Layout, max_tpot_ms: float | None,
-                gpus: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)) -> tuple[Layout, dict] | None:
+                gpus: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256),
+                objective: str = "throughput") -> tuple[Layout, dict] | None:
     """The layout with the most tokens/s per GPU whose step (time per output token) stays under
-    max_tpot_ms; None: nothing fits. Searches ranks, attention TP and the batch per rank."""
+    max_tpot_ms (objective "throughput"), or the shortest step at the base layout's batch per GPU
+    (objective "latency"); None: nothing fits. Searches ranks, attention TP and the batch per rank."""
+    if objective == "latency":
+        found = []
+        for g in gpus:
+            for tp in (1, 2, 4, 8):
+                lay = replace(base, gpus=g, tp=tp)
+                if g <= max(shape.experts, 1) and tp <= min(g, hw.gpus_per_node) and fits(shape, hw, lay):
+                    found.append((step(shape, hw, lay)["step_ms"], g, tp, lay))
+        if not found:
+            return None
+        lay = min(found, key=lambda f: f[:3])[3]
+        return lay, step(shape, hw, lay)
     best = None
     for g in gpus:
         if g > max(shape.experts, 1):
@@ -226,7 +240,7 @@ def skew_from_stats(stats: dict, ranks: int) -> dict[str, float]:
 
     from router_service.placement import balanced_placement, contiguous_placement
 
-    counts = stats.get("route_counts") or stats.get("stats", {}).get("route_counts")
+    counts = stats.get("route_counts") or stats.get("counters", {}).get("route_counts")
     load = torch.tensor(counts, dtype=torch.float64)  # [L, E]
     load = load[load.sum(dim=1) > 0]
     if not len(load):
@@ -273,7 +287,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fp8", action="store_true", help="fp8 weights and dispatch (DeepSeek-V3's own format)")
     ap.add_argument("--overlap", action="store_true", help="two-batch overlap of communication and compute")
     ap.add_argument("--skew", default=None, help="expert-load counters (JSON from GET /admin/experts)")
-    ap.add_argument("--best", action="store_true", help="search the layout with the most tokens/s per GPU")
+    ap.add_argument("--best", nargs="?", const="throughput", choices=["throughput", "latency"],
+                    help="search the layout: most tokens/s per GPU (under --max-tpot-ms), or the "
+                         "shortest step at --batch sequences per GPU")
     ap.add_argument("--max-tpot-ms", type=float, default=None, help="with --best: latency target per token")
     ap.add_argument("--calibrate-cpu", action="store_true", help="measure this machine's CPU profile")
     ap.add_argument("--report", action="store_true", help="write docs/scaling.md (checks and plots)")
@@ -301,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  skew with {name} placement: {s:.2f} -> {r['step_ms']:.2f} ms/step, "
                   f"{r['tokens_per_s_per_gpu']:.0f} tokens/s per GPU")
     if args.best:
-        found = best_layout(shape, hw, lay, args.max_tpot_ms)
+        found = best_layout(shape, hw, lay, args.max_tpot_ms, objective=args.best)
         if found is None:
             print("  nothing fits (memory or the latency target)")
             return 1

@@ -78,6 +78,8 @@ def test_best_layout_meets_its_target_and_fits():
     assert r["memory_gib"]["weights"] + r["memory_gib"]["kv"] <= hw.mem_gib * 0.9
     assert lay.gpus >= 8  # 671 B parameters in fp8 do not fit fewer H200s
     assert best_layout(s, hw, replace(base, context=2048), max_tpot_ms=0.01) is None
+    fast, r1 = best_layout(s, hw, replace(base, batch=1), None, objective="latency")
+    assert all(step(s, hw, replace(fast, gpus=g))["step_ms"] >= r1["step_ms"] for g in (8, 16, 32, 64, 128, 256))
 
 
 def test_skew_from_expert_counters():
@@ -86,6 +88,8 @@ def test_skew_from_expert_counters():
     hot = {"route_counts": [[100, 100, 1, 1, 1, 1, 1, 1]]}  # both hot experts on rank 0 when contiguous
     skews = skew_from_stats(hot, 4)
     assert skews["contiguous"] > 3.0 and skews["eplb"] < skews["contiguous"]
+    served = {"sources": ["engine-0"], "layers": [], "counters": hot, "placement": {}}  # GET /admin/experts
+    assert skew_from_stats(served, 4) == skews
     with pytest.raises(ValueError, match="empty"):
         skew_from_stats({"route_counts": [[0] * 8]}, 2)
 
@@ -97,3 +101,4 @@ def test_the_command_line(capsys):
     assert main(["--model", "deepseek-v3", "--hardware", "h200", "--fp8", "--overlap", "--best",
                  "--max-tpot-ms", "60"]) == 0
     assert "best:" in capsys.readouterr().out
+    assert main(["--model", "mixtral-8x7b", "--best", "latency", "--batch", "1"]) == 0
