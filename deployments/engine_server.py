@@ -153,7 +153,7 @@ class EngineServer:
     async def health(self) -> dict[str, Any]:
         """Liveness: raises RuntimeError when the core is gone for good (Serve then restarts us)."""
         if not self.core.alive:
-            raise RuntimeError(f"engine loop stopped: {self.core.dead or 'closed'}")
+            raise RuntimeError(f"engine loop stopped: {self.core.why_stopped or 'closed'}")
         status: dict[str, Any] = {"status": "ok", "live_requests": len(self._streams),
                                   "core_restarts": self.core.restarts}
         if self.shard_group is not None:  # a dead shard shows here before the next step trips on it

@@ -79,6 +79,7 @@ class EngineCore:
         self.counters: Counter[str] = Counter()
         self.step_seconds = 0.0
         self.stopping = False
+        self.stop_reason: str | None = None  # set as the loop ends, before its streams are failed
         self._compiles = ThreadPoolExecutor(2, thread_name_prefix="core-grammar")
         self._compiling: dict[str, tuple[GenerateRequest, Future]] = {}
         self._expert_load = expert_load
@@ -104,6 +105,7 @@ class EngineCore:
             logger.exception("engine core loop died")
             reason = f"engine core died: {type(e).__name__}: {e}"
         finally:
+            self.stop_reason = reason
             self._compiles.shutdown(wait=False, cancel_futures=True)
             self._stop_all(channel, reason)
 

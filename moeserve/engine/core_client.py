@@ -61,6 +61,11 @@ class CoreClient(ABC):
     @abstractmethod
     def close(self, timeout: float = 5.0) -> None: ...
 
+    @property
+    def why_stopped(self) -> str | None:
+        """Why the core is gone (None while it runs, or after a plain close)."""
+        return self.dead
+
     def stats(self, timeout: float = 5.0) -> dict[str, Any]:
         """The core's gauges; raises TimeoutError if it does not answer (busy or gone)."""
         token, done = next(self._tokens), threading.Event()
@@ -118,7 +123,12 @@ class InprocCore(CoreClient):
 
     @property
     def alive(self) -> bool:
-        return self.dead is None and self._thread.is_alive()
+        # the core's own flag first: its failed streams may reach their readers before CoreStopped does
+        return self.dead is None and self.core.stop_reason is None and self._thread.is_alive()
+
+    @property
+    def why_stopped(self) -> str | None:
+        return self.dead or self.core.stop_reason
 
     def close(self, timeout: float = 5.0) -> None:
         self.send(Shutdown())
