@@ -230,7 +230,7 @@ class EngineServer:
         with self._lock:
             if not self.core.alive or self._stopping:
                 return error_chunk(rid, ErrorCode.UNAVAILABLE,
-                                   f"engine unavailable: {self.core.dead or 'shutting down'}")
+                                   f"engine unavailable: {self.core.why_stopped or 'shutting down'}")
             if rid in self._streams:
                 return error_chunk(rid, ErrorCode.INVALID_ARGUMENT, f"request id {rid!r} is already in use")
             if len(self._streams) >= limit:
