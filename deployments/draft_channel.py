@@ -31,10 +31,12 @@ def _dumps(msg: Any) -> bytes:
 
 class ChannelServer:
     """In the draft worker: accepts engines' connections, one thread each. Per message,
-    `handle(msg)` gives the reply, which is sent at once; then `after(msg, reply)` runs (the
-    worker's pre-drafting), while the engine is busy with its own step."""
+    `handle(msg)` gives the reply, which is sent at once; then `after(msg, reply, peek)` runs
+    (the worker's pre-drafting) while the engine is busy with its own step. `peek()` is the
+    engine's next message once it has arrived (None before): `after` may stop early for it,
+    and it is handled as soon as `after` returns."""
 
-    def __init__(self, handle: Callable[[Any], Any], after: Callable[[Any, Any], None] | None = None,
+    def __init__(self, handle: Callable[[Any], Any], after: Callable[[Any, Any, Callable[[], Any]], None] | None = None,
                  host: str | None = None) -> None:
         self.handle, self.after = handle, after
         self.authkey = os.urandom(16)
@@ -57,18 +59,25 @@ class ChannelServer:
             threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
 
     def _serve(self, conn: Connection) -> None:
+        early: list[Any] = []  # the next message, when `after` peeked at it
+
+        def peek() -> Any:
+            if not early and conn.poll(0):
+                early.append(pickle.loads(conn.recv_bytes()))
+            return early[0] if early else None
+
         with conn:
             while True:
                 try:
-                    msg = pickle.loads(conn.recv_bytes())
+                    msg = early.pop() if early else pickle.loads(conn.recv_bytes())
                 except (EOFError, OSError):  # the engine went away
                     return
                 try:
                     reply = self.handle(msg)
                     conn.send_bytes(_dumps(reply))
                     if self.after is not None:
-                        self.after(msg, reply)
-                except OSError:
+                        self.after(msg, reply, peek)
+                except (EOFError, OSError):
                     return
                 except Exception:  # a bug in the handler: drop this engine's connection (it falls back)
                     log.exception("draft channel: a call failed; closing the connection")

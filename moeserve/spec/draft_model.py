@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import os
 from bisect import bisect_left
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import accumulate
 
@@ -45,6 +46,10 @@ from moeserve.sampler import Sampler, keyed_sample, random_sample
 from moeserve.sampling_params import SamplingParams
 from moeserve.spec.draft_decoder import DenseDecodeStep
 from moeserve.spec.proposer import Proposal, ProposalRequest, Proposer
+
+
+class DraftInterrupted(Exception):
+    """A propose call stopped early because its caller asked (see `propose(interrupted=...)`)."""
 
 
 @dataclass
@@ -121,6 +126,8 @@ class DraftModelProposer(Proposer):
         # Dense drafts decode through the lean step; others (e.g. an MoE draft) use the model's forward.
         self.lean = DenseDecodeStep(model, self.runner.cache) if DenseDecodeStep.supports(model) else None
         self.greedy = greedy
+        self.track_runner_up = False  # keep each row's second choices (`runner_up`) for pre-drafting
+        self.runner_up: dict[str, list[int]] = {}  # of the last call's rows
         self.sampler = Sampler()
         self._seqs: dict[str, _DraftSeq] = {}
         self._clock = 0
@@ -139,10 +146,15 @@ class DraftModelProposer(Proposer):
             self.runner.remove(seq_id)
 
     @torch.inference_mode()
-    def propose(self, requests: list[ProposalRequest], hypothetical: bool = False) -> list[Proposal]:
+    def propose(
+        self, requests: list[ProposalRequest], hypothetical: bool = False, interrupted: Callable[[], bool] | None = None
+    ) -> list[Proposal]:
         """Up to request.num_tokens draft tokens per request, in order (possibly none).
         hypothetical: the requests' histories are guesses (pre-drafting ahead of the target), not
-        what the engine confirmed: drafting rolls back from them without counting a rebuild."""
+        what the engine confirmed: drafting rolls back from them without counting a rebuild.
+        interrupted: checked between draft steps; when it says True, DraftInterrupted is raised
+        and no sequence's state has changed (what was written to the cache lies past what it
+        holds, and is overwritten by the next call)."""
         self._clock += 1
         rows = self._sync(requests, hypothetical)
         proposals = [Proposal([]) for _ in requests]
@@ -151,7 +163,9 @@ class DraftModelProposer(Proposer):
         slot = self.runner.slots.slot
         rows.sort(key=lambda r: (-r.k, slot(r.seq_id)))  # drafting rows stay a prefix; slots mostly in order
         batch = _Batch.of(rows, [slot(r.seq_id) for r in rows], self.device)
-        tokens, probs = self._draft(rows, batch, self._catch_up(rows, batch))  # [B, K], [S, K, V] or None
+        tokens, probs, second = self._draft(rows, batch, self._catch_up(rows, batch), interrupted)  # [B, K] ...
+        if second is not None:
+            self.runner_up = {r.seq_id: alt[: r.k] for r, alt in zip(rows, second.tolist())}
         sampled = 0
         for r, row in zip(rows, tokens.tolist()):
             q = None
@@ -216,27 +230,34 @@ class DraftModelProposer(Proposer):
         )
 
     def _draft(
-        self, rows: list[_Row], batch: _Batch, logits: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Draft tokens [B, K] and, for sampling rows, their q [S, K, V]."""
+        self, rows: list[_Row], batch: _Batch, logits: torch.Tensor, interrupted: Callable[[], bool] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Draft tokens [B, K]; for sampling rows, their q [S, K, V]; with `track_runner_up`, the
+        draft's second choice at each position [B, K] (what pre-drafting guesses the target's
+        correction to be when it rejects that draft)."""
         width = rows[0].k
         neg_k = [-r.k for r in rows]  # ascending
         active = [bisect_left(neg_k, -j) for j in range(width)]  # rows with k > j: they need draft j
         sampled = [b for b, r in enumerate(rows) if r.params is not None]
         out = torch.empty(len(rows), width, dtype=torch.long, device=self.device)  # [B, K]
         probs = torch.empty(len(sampled), width, logits.shape[-1]) if sampled else None  # [S, K, V]
+        second = torch.zeros_like(out) if self.track_runner_up and logits.shape[-1] > 1 else None
         for j in range(width):
             n = active[j]
+            if j and interrupted is not None and interrupted():
+                raise DraftInterrupted
             if j:  # feed draft j-1 (0-based) at position len + j - 1
                 positions = batch.lengths[:n] + (j - 1)  # [n]
                 tk = batch.max_len[n - 1] + j
                 logits = self._step(out[:n, j - 1], batch.prefix(n), batch.slots[:n], positions, tk, batch.ragged[n - 1])
             out[:n, j] = logits.argmax(dim=-1)  # [n]
+            if second is not None:
+                second[:n, j] = logits.scatter(1, out[:n, j, None], float("-inf")).argmax(dim=-1)
             if sampled:
                 s = bisect_left(sampled, n)  # sampling rows among the first n
                 if s:
                     self._sample(rows, sampled[:s], logits, j, out, probs)
-        return out, probs
+        return out, probs, second
 
     def _step(
         self,

@@ -4,6 +4,7 @@ and the engine carries on without drafts when the deployment is slow or gone."""
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -71,7 +72,7 @@ def test_channel_round_trip_secret_and_timeout():
 
     after = []
     server = ChannelServer(lambda msg: ("echo", msg) if msg != "slow" else time.sleep(0.5),
-                           after=lambda msg, reply: after.append(msg), host="127.0.0.1")
+                           after=lambda msg, reply, peek: after.append(msg), host="127.0.0.1")
     client = ChannelClient(server.address, server.authkey)
     assert client.call([1, 2, 3], timeout_s=5) == ("echo", [1, 2, 3])
     assert client.call({"k": "v"}, timeout_s=5) == ("echo", {"k": "v"})
@@ -88,24 +89,49 @@ def test_channel_round_trip_secret_and_timeout():
 
 
 def test_predrafted_proposals_are_what_drafting_then_would_give(ckpts):
-    """A hit (the history the next call brings is the one pre-drafted for) answers with the
-    tokens a fresh draft gives for that history; a miss drafts anew, same tokens either way."""
+    """Hits (the next call brings a history pre-drafted for: every draft accepted with the draft's
+    own next token as the bonus, or the first draft rejected with the draft's second choice as
+    the correction) answer with the tokens a fresh draft gives for that history; a miss drafts
+    anew: the same tokens either way."""
     _, draft_dir, _ = ckpts
-    worker = DraftWorker(config(draft_dir))
+    worker = DraftWorker(replace(config(draft_dir), predraft_partial=True))
     fresh = DraftModelProposer(load_checkpoint(draft_dir), 8, 96)
     reqs = [ProposalRequest(f"s{i}", p, 3) for i, p in enumerate(PROMPTS[:3])]
     call = DraftCall(reqs)
     first = worker.propose(call)
+    second_choice = dict(worker.proposer.runner_up)
     worker.predraft(call, first)
-    # row 0: every draft accepted and the bonus is the draft's own next token (a hit); row 1: the
-    # first draft rejected (a miss); row 2: not asked again
     guess = fresh.propose([ProposalRequest("g", reqs[0].token_ids + first[0].token_ids, 1)])[0].token_ids
+    wrong = next(t for t in range(2, 90) if t not in (first[2].token_ids[0], second_choice["s2"][0]))
     nxt = [ProposalRequest("s0", reqs[0].token_ids + first[0].token_ids + guess, 3),
-           ProposalRequest("s1", reqs[1].token_ids + [(first[1].token_ids[0] + 1) % 90], 3)]
+           ProposalRequest("s1", reqs[1].token_ids + [second_choice["s1"][0]], 3),
+           ProposalRequest("s2", reqs[2].token_ids + [wrong], 3)]
     got = worker.propose(DraftCall(nxt))
     want = [fresh.propose([ProposalRequest(f"f{i}", r.token_ids, 3)])[0].token_ids for i, r in enumerate(nxt)]
     assert [p.token_ids for p in got] == want
-    assert worker.num_predraft_hits == 1 and worker.num_predraft_misses == 1
+    assert worker.num_predraft_hits == 2 and worker.num_predraft_misses == 1
+    worker.propose(DraftCall([], finished=["s0", "s1", "s2"]))
+    assert worker.stats()["tracked_seqs"] == 0  # the partial outcomes' draft sequences went with them
+
+
+def test_predrafting_stops_for_a_call_it_did_not_guess(ckpts):
+    """The engine's next call arrives mid-pre-draft with a history no outcome assumed: the
+    pre-draft stops at the next draft step, keeps nothing, and drafting that call gives what a
+    fresh draft gives (the interrupted writes lie past what the draft's cache holds)."""
+    _, draft_dir, _ = ckpts
+    worker = DraftWorker(config(draft_dir))
+    fresh = DraftModelProposer(load_checkpoint(draft_dir), 8, 96)
+    reqs = [ProposalRequest(f"s{i}", p, 4) for i, p in enumerate(PROMPTS[:2])]
+    call = DraftCall(reqs)
+    first = worker.propose(call)
+    surprise = DraftCall([ProposalRequest("s0", reqs[0].token_ids + [(first[0].token_ids[0] + 1) % 90], 4)])
+    worker.predraft(call, first, peek=lambda: surprise)
+    assert worker.num_predraft_interrupted == 1 and not worker._ahead
+    got = worker.propose(surprise)
+    assert got[0].token_ids == fresh.propose([ProposalRequest("f", surprise.requests[0].token_ids, 4)])[0].token_ids
+    guessed = DraftCall([ProposalRequest("s1", reqs[1].token_ids + first[1].token_ids + [5], 4)])
+    worker.predraft(DraftCall(reqs[1:]), first[1:], peek=lambda: guessed)  # a history being drafted: runs on
+    assert worker.num_predraft_interrupted == 1 and "s1" in worker._ahead
 
 
 class _Response:
