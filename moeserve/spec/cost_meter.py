@@ -10,7 +10,10 @@ Per sequence of a B-row batch whose widest row drafts K tokens:
 
 `fit` solves both lines by least squares over a window of recent steps. When the window
 holds one width only (fixed k, no plain steps), a slope cannot be measured; the prior's
-slope is kept and only the intercept is fitted.
+slope is kept and only the intercept is fitted. One-off stalls (a draft deployment's channel
+being set up, a long prefill of a new sequence, a pause of the process) would set the costs
+for the next hundred steps, so steps more than OUTLIER times the window's median per-row time
+are left out of each fit.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ from collections import deque
 from dataclasses import dataclass
 
 from moeserve.spec.adaptive import CostModel
+
+OUTLIER = 4.0  # a step this many times the median (per row) is a one-off, not the cost of drafting
 
 # Relative costs before anything is measured: a draft token ~1/10 of a target pass.
 PRIOR_COSTS = CostModel(target_base_s=1e-2, target_per_token_s=1e-4, draft_per_token_s=1e-3, draft_base_s=1e-3)
@@ -56,12 +61,12 @@ class StepCostMeter:
 
     def fit(self, prior: CostModel = PRIOR_COSTS) -> CostModel:
         """Per-sequence costs from the window; the prior where the window says nothing."""
-        steps = list(self._steps)
+        steps = _typical(list(self._steps), lambda s: s.target_s / s.num_rows)
         target = _fit_line(
             [s.width + 1 for s in steps], [s.target_s / s.num_rows for s in steps],
             (prior.target_base_s, prior.target_per_token_s),
         )
-        drafted = [s for s in steps if s.width > 0]
+        drafted = _typical([s for s in self._steps if s.width > 0], lambda s: s.draft_s / s.num_rows)
         draft = _fit_line(
             [s.width for s in drafted], [s.draft_s / s.num_rows for s in drafted],
             (prior.draft_base_s, prior.draft_per_token_s),
@@ -70,6 +75,15 @@ class StepCostMeter:
         if base + per_token <= 0:  # a target pass must cost something
             base = prior.target_base_s
         return CostModel(base, per_token, draft_per_token_s=draft[1], draft_base_s=draft[0])
+
+
+def _typical(steps: list[StepTiming], per_row) -> list[StepTiming]:
+    """The steps whose per-row time is at most OUTLIER times the median (all of them when few)."""
+    if len(steps) < 4:
+        return steps
+    times = sorted(per_row(s) for s in steps)
+    limit = OUTLIER * times[len(times) // 2]
+    return [s for s in steps if per_row(s) <= limit]
 
 
 def _fit_line(xs: list[int], ys: list[float], prior: tuple[float, float]) -> tuple[float, float]:

@@ -62,3 +62,16 @@ def test_validation():
         StepCostMeter().record(1, 1, -1.0, 0.1)
     with pytest.raises(ValueError):
         CostModel(1e-3, 0.0, 0.0, draft_base_s=-1.0)
+
+
+def test_a_one_off_stall_does_not_set_the_costs():
+    """The first call to a draft deployment sets up its channel (~100x a draft step): without
+    leaving it out, that one step would make drafting look ruinous for the whole window."""
+    truth = CostModel(target_base_s=4e-3, target_per_token_s=3e-4, draft_per_token_s=4e-4, draft_base_s=1e-3)
+    meter = StepCostMeter()
+    meter.record(1, 4, draft_s=0.3, target_s=5e-3)  # the stall
+    for i in range(30):
+        _record(meter, truth, rows=1, width=1 + i % 4)
+    fit = meter.fit()
+    assert fit.draft_base_s == pytest.approx(truth.draft_base_s, rel=1e-6, abs=1e-9)
+    assert fit.draft_per_token_s == pytest.approx(truth.draft_per_token_s, rel=1e-6)
