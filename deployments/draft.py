@@ -140,7 +140,7 @@ class DraftWorker:
                 if ahead is None:
                     continue
                 tokens = ahead.get(tuple(r.token_ids))
-                if tokens is not None and len(tokens) >= r.num_tokens:
+                if tokens:  # fewer than asked for when k grew since (adaptive k): still drafts for free
                     out[i] = Proposal(tokens[: r.num_tokens])
                     self.num_predraft_hits += 1
                 else:
