@@ -123,6 +123,7 @@ class DraftWorker:
         self.num_predraft_hits = 0
         self.num_predraft_misses = 0
         self.num_predraft_interrupted = 0
+        self.num_predrafts = 0
 
     def propose(self, call: DraftCall) -> list[Proposal]:
         """Proposals for `call.requests`, in order: pre-drafted ones where the history is one
@@ -190,6 +191,7 @@ class DraftWorker:
                                                            r.params)))
             if not hyps:
                 return
+            self.num_predrafts += 1
             assumed = {(seq, tuple(h.token_ids)) for seq, h in hyps}
 
             def missed() -> bool:
@@ -234,6 +236,7 @@ class DraftWorker:
             "new_seqs": p.num_new_seqs,
             "rebuilt_tokens": p.num_rebuilt_tokens,
             "evictions": p.num_evictions,
+            "predrafts": self.num_predrafts,
             "predraft_hits": self.num_predraft_hits,
             "predraft_misses": self.num_predraft_misses,
             "predraft_interrupted": self.num_predraft_interrupted,

@@ -194,7 +194,7 @@ def test_served_draft_gives_the_target_greedy_tokens(ray_cluster, ckpts, direct)
     assert stats["calls"] == proposer.num_calls  # every call reached the one replica's worker
     if direct:  # every step over the worker's data channel: one connection
         assert stats["channel_connections"] == 1
-        assert stats["predraft_hits"] + stats["predraft_misses"] > 0
+        assert stats["predrafts"] > 0  # run (finished, or stopped for a call it had not guessed)
     serve.delete("draft-one")
 
 
