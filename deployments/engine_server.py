@@ -124,7 +124,7 @@ class EngineServer:
             yield refusal
             return
         deadline = None if request.timeout_s is None else time.monotonic() + request.timeout_s
-        finished = False
+        finished, first = False, True
         try:
             while not finished:
                 try:
@@ -138,9 +138,9 @@ class EngineServer:
                     interval = self.config.stream_interval(len(self._streams))
                     if interval:
                         await asyncio.sleep(interval)  # after the first token: fewer, larger messages
-                while not chunk.finished and not stream.chunks.empty():  # coalesce a backlog
-                    chunk = chunk.merge(stream.chunks.get_nowait())
-                finished = chunk.finished
+                while not first and not chunk.finished and not stream.chunks.empty():  # coalesce a backlog
+                    chunk = chunk.merge(stream.chunks.get_nowait())  # (never into the first: TTFT)
+                finished, first = chunk.finished, False
                 yield chunk
         finally:
             if not finished:
