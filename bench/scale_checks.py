@@ -331,7 +331,7 @@ def _overlay_rows(markdown_table) -> str:
     for g in (1, 2, 4, 8):
         lay = Layout(gpus=g, batch=max(1, 64 // g), context=4096)
         r = step(mix, HARDWARE["h200"], lay)
-        big = best_layout(mix, HARDWARE["h200"], replace(lay, context=4096), None, gpus=(g,))
+        big = best_layout(mix, HARDWARE["h200"], lay, None, gpus=(g,))
         rows.append([g, r["memory_gib"]["weights"], r["step_ms"], 64 / r["step_ms"] * 1e3, 64 / r["step_ms"] * 1e3 / g,
                      big[0].batch * g if big else "-"])
     return markdown_table(["shards", "weights GiB per GPU", "ms per step (64 sequences)", "tokens/s per replica",

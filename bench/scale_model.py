@@ -191,8 +191,9 @@ def step(shape: Shape, hw: Hardware, lay: Layout) -> dict:
     }
 
 
-def fits(shape: Shape, hw: Hardware, lay: Layout, headroom: float = 0.9) -> bool:
-    mem = step(shape, hw, lay)["memory_gib"]
+def fits(hw: Hardware, result: dict, headroom: float = 0.9) -> bool:
+    """Whether a step's weights and KV cache (`step`'s result) fit in `headroom` of memory."""
+    mem = result["memory_gib"]
     return mem["weights"] + mem["kv"] <= hw.mem_gib * headroom
 
 
@@ -206,13 +207,15 @@ def best_layout(shape: Shape, hw: Hardware, base: Layout, max_tpot_ms: float | N
         found = []
         for g in gpus:
             for tp in (1, 2, 4, 8):
+                if g > max(shape.experts, 1) or tp > min(g, hw.gpus_per_node):
+                    continue
                 lay = replace(base, gpus=g, tp=tp)
-                if g <= max(shape.experts, 1) and tp <= min(g, hw.gpus_per_node) and fits(shape, hw, lay):
-                    found.append((step(shape, hw, lay)["step_ms"], g, tp, lay))
+                r = step(shape, hw, lay)
+                if fits(hw, r):
+                    found.append((r["step_ms"], g, tp, lay, r))
         if not found:
             return None
-        lay = min(found, key=lambda f: f[:3])[3]
-        return lay, step(shape, hw, lay)
+        return min(found, key=lambda f: f[:3])[3:]
     best = None
     for g in gpus:
         if g > max(shape.experts, 1):
@@ -222,9 +225,9 @@ def best_layout(shape: Shape, hw: Hardware, base: Layout, max_tpot_ms: float | N
                 continue
             for b in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512):
                 lay = replace(base, gpus=g, tp=tp, batch=b)
-                if not fits(shape, hw, lay):
-                    break
                 r = step(shape, hw, lay)
+                if not fits(hw, r):
+                    break
                 if max_tpot_ms is not None and r["step_ms"] > max_tpot_ms:
                     break
                 if best is None or r["tokens_per_s_per_gpu"] > best[1]["tokens_per_s_per_gpu"]:
