@@ -23,7 +23,8 @@ class AppConfig(tree.AppConfig):
                                   sh.gpus_per_shard, e.torch_threads, report_expert_load_s=e.expert_load_report_s,
                                   stream_interval_s=e.stream_interval_s,
                                   stream_interval_max_s=max(e.stream_interval_s, e.stream_interval_max_s),
-                                  core_process=e.core_process)
+                                  core_process=e.core_process, live_replacement=sh.live_replacement,
+                                  replacement_min_gain=sh.replacement_min_gain)
 
     def gateway_config(self) -> GatewayConfig:
         """The gateway's part."""

@@ -45,6 +45,8 @@ class EngineServerConfig:
     stream_interval_s: float = 0.0
     stream_interval_max_s: float | None = None  # the interval with a full batch (None: stream_interval_s)
     core_process: bool = default_of(EngineSection, "core_process")
+    live_replacement: bool = default_of(ShardsSection, "live_replacement")
+    replacement_min_gain: float = default_of(ShardsSection, "replacement_min_gain")
 
     def __post_init__(self) -> None:
         top = self.stream_interval_max_s

@@ -34,7 +34,7 @@ from deployments.engine_loader import EngineServerConfig, load_engine
 from moeserve.engine import LLMEngine
 from moeserve.engine.core import EngineCore
 from moeserve.engine.core_client import InprocCore, ProcessCore
-from moeserve.protocol import Abort, ErrorCode, GenerateChunk, GenerateRequest, Usage, error_chunk
+from moeserve.protocol import Abort, ApplyPlacement, ErrorCode, GenerateChunk, GenerateRequest, Usage, error_chunk
 from router_service.stats import ExpertLoadStats
 
 logger = logging.getLogger(__name__)
@@ -102,7 +102,8 @@ class EngineServer:
             compiler = GrammarCompiler(engine.tokenizer, engine.runner.vocab_size)
         group = self.shard_group
         core = EngineCore(engine, compiler, recover=self._reform if group else None,
-                          expert_load=group.collect_stats if group else None)
+                          expert_load=group.collect_stats if group else None,
+                          replace=self._replace if group else None)
         return InprocCore(core, self._on_chunks, self._on_dead)
 
     def _reform(self) -> Any:
@@ -110,6 +111,23 @@ class EngineServer:
         from deployments.router_actor import proposed_placement
 
         return self.shard_group.restart(proposed_placement(self.config.num_shards))
+
+    def _replace(self, rank_experts: tuple[tuple[int, ...], ...]) -> None:
+        """Live re-placement, on the core's thread between two steps."""
+        from router_service.placement import Placement
+
+        self.shard_group.replace(Placement(rank_experts))
+
+    def _maybe_replace(self, router: Any) -> None:
+        """Ask the router service for a plan; send it to the core if it pays (live re-placement)."""
+        import ray
+
+        group = self.shard_group
+        plan = ray.get(router.plan.remote(group.cfg.world_size, group.placement), timeout=self.config.report_expert_load_s)
+        if plan["gain"] >= self.config.replacement_min_gain and plan["placement"] != group.placement:
+            logger.info("re-placing experts: busiest rank %.2f -> %.2f of the mean", plan["imbalance_now"],
+                        plan["imbalance_proposed"])
+            self.core.send(ApplyPlacement(plan["placement"].rank_experts))
 
     # ---- the async API ---------------------------------------------------------------------
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
@@ -184,6 +202,8 @@ class EngineServer:
                     ray.get(last, timeout=self.config.report_expert_load_s)  # raises if the actor died
                 router = router or router_actor(cfg.num_layers, cfg.num_experts)
                 last = router.report.remote(f"engine-{id(self):x}", self.expert_load())
+                if self.config.live_replacement and self.shard_group is not None:
+                    self._maybe_replace(router)
             except Exception as e:  # statistics must never disturb serving
                 if isinstance(e, ray.exceptions.RayActorError):
                     router = None  # gone (killed): find or create it again next time

@@ -22,7 +22,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from deployments.auth import ApiKeys
 from deployments.metrics import GatewayMetrics
 from deployments.openai_api import APIError
-from moeserve.protocol import ErrorCode
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +39,7 @@ def install_edge(app: FastAPI, routes: Iterable[str], max_body_bytes: int, metri
 
 # ---- errors --------------------------------------------------------------------------------------
 def _error_response(e: APIError) -> JSONResponse:
-    headers = {"Retry-After": "1"} if e.code == ErrorCode.RESOURCE_EXHAUSTED.value else None
+    headers = {"Retry-After": "1"} if e.status in (429, 503) else None  # worth retrying: say when
     return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
 

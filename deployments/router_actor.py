@@ -2,9 +2,10 @@
 
 Engine replicas push their groups' cumulative counters every few seconds (never per step);
 the actor keeps the latest per (replica, rank), merges them on demand for /metrics and the
-admin route, and proposes an EPLB-style placement from observed load, which a shard group
-applies the next time it (re)forms. Live re-placement of a running group is not done: moving
-expert weights between ranks mid-flight would need a pause of the group anyway.
+admin route, and proposes an EPLB-style placement from observed load. A shard group forms and
+re-forms with it; with `shards.live_replacement` an engine replica also asks for a `plan`
+after each report and moves a running group's experts when the plan lowers the busiest rank's
+load enough (between two steps; deployments/engine_server.py).
 """
 
 from __future__ import annotations
@@ -50,6 +51,17 @@ class RouterService:
             return contiguous_placement(self.num_experts, world_size)
         slots = slots_per_rank or -(-self.num_experts // world_size)
         return balanced_placement(load, world_size, slots)
+
+    def plan(self, world_size: int, current: Placement) -> dict:
+        """The proposed placement, and the busiest rank's load over the mean under `current`
+        and under it: `gain` is the fraction of the busiest rank's load the move takes off."""
+        load = self.merged().route_counts.sum(dim=0)  # [E]
+        proposed = self.placement(world_size)
+        total = float(load.sum())
+        if total == 0 or current.num_experts != load.numel():
+            return {"placement": proposed, "imbalance_now": 1.0, "imbalance_proposed": 1.0, "gain": 0.0}
+        now, then = (float(p.rank_load(load).max()) * world_size / total for p in (current, proposed))
+        return {"placement": proposed, "imbalance_now": now, "imbalance_proposed": then, "gain": 1.0 - then / now}
 
 
 RouterServiceActor = ray.remote(num_cpus=0)(RouterService)

@@ -2,8 +2,9 @@
 
 Ray places, starts and supervises the processes and carries a handful of calls per group
 lifetime (start, health, stats); the per-step data plane is torch.distributed between the
-ranks (model_shards/shard_worker.py). If a shard dies, rank 0's next collective fails within
-the group timeout; the engine then fails the step's requests with a clear error and calls
+ranks (model_shards/shard_worker.py). The experts can also move between ranks while
+the group serves (`replace`, live re-placement between two steps). If a shard dies, rank 0's
+next collective fails within the group timeout; the engine then fails the step's requests with a clear error and calls
 `restart()`, which builds a fresh group (with a new placement, if the router service has one).
 """
 
@@ -164,6 +165,14 @@ class ShardGroup:
         if placement is not None:
             self.placement = placement
         return self.start()
+
+    def replace(self, placement: Placement) -> None:
+        """Live re-placement: every rank moves to `placement` now (between two steps, on the
+        engine core's thread); a later re-form keeps it."""
+        self.runner.replace(placement)
+        self.placement = placement
+        for info in self.shard_info:
+            info["experts"] = list(placement.rank_experts[info["rank"]])
 
     def health(self, timeout_s: float = 5.0) -> list[dict]:
         try:

@@ -18,6 +18,7 @@ import torch
 from safetensors import safe_open
 
 from model_shards.config import ModelConfig
+from model_shards.experts import LocalExperts
 from model_shards.model import CausalLM
 
 _EXPERT_PARAM = re.compile(r"^(model\.layers\.\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
@@ -161,4 +162,32 @@ def load_checkpoint(
         with torch.no_grad():
             param.copy_(value)  # casts to dtype, copies to device
     model.loaded_bytes = tensors.bytes_read
+    model.source = folder  # where reload_experts reads from
     return model.eval()
+
+
+def reload_experts(model: CausalLM, experts: Sequence[int]) -> int:
+    """Make `model` hold exactly `experts` (global ids, in local slot order) in every MoE layer,
+    read from the checkpoint it was loaded from: only those experts' tensors are read, on the
+    model's device and dtype. For live re-placement between two steps; returns the bytes read."""
+    folder = getattr(model, "source", None)
+    if folder is None:
+        raise CheckpointError("the model was not loaded from a checkpoint folder; cannot reload its experts")
+    cfg = model.config
+    local = tuple(int(e) for e in experts)
+    if not local or any(not 0 <= e < cfg.num_experts for e in local):
+        raise CheckpointError(f"experts {list(local)}: need one or more ids in [0, {cfg.num_experts})")
+    tensors = _Tensors(folder)
+    for name, old in list(model.named_modules()):
+        if not isinstance(old, LocalExperts):
+            continue
+        prefix, _, attr = name.rpartition(".")
+        with torch.device("meta"):
+            new = LocalExperts(local, old.down_proj.shape[1], old.down_proj.shape[2])
+        new = new.to_empty(device=old.down_proj.device).to(old.down_proj.dtype)
+        layer = prefix.rsplit(".mlp", 1)[0]
+        with torch.no_grad():
+            for which in ("gate_up_proj", "down_proj"):
+                getattr(new, which).copy_(_load_experts(tensors, layer, which, local))
+        setattr(model.get_submodule(prefix), attr, new.eval())
+    return tensors.bytes_read

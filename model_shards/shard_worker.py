@@ -6,8 +6,12 @@ every rank), every rank runs its rows (joining each MoE layer's all-to-all), and
 hidden states are gathered to rank 0, which applies the LM head. Nothing per step goes
 through Ray.
 
-Message (int64): header [cmd, rows, Tq, last_only, moves, 0], then moves [M, 4]
-(rank, src, dst, length) and rows [B, 4 + Tq] (rank, slot, start, q_len, tokens...).
+Message (int64): header [cmd, rows, Tq, last_only, moves, extra], then moves [M, 4]
+(rank, src, dst, length), rows [B, 4 + Tq] (rank, slot, start, q_len, tokens...) and `extra`
+more values. CMD_PLACE (live re-placement, between two steps) carries a placement in the
+extra values: [experts on rank 0, ..., experts on rank W-1, then every rank's expert ids];
+each rank reloads its experts from the checkpoint and re-wires its all-to-all, while the KV
+caches (attention is data-parallel) stay as they are.
 Shapes: B rows, Tq query tokens, D hidden, V vocab, W ranks.
 """
 
@@ -18,10 +22,13 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
+from model_shards.all_to_all import AllToAllDispatch
 from model_shards.kv_cache import SlotTable, StepBatch
+from model_shards.loader import reload_experts
 from model_shards.model import CausalLM
+from router_service.placement import Placement
 
-CMD_STEP, CMD_STOP = 1, 2
+CMD_STEP, CMD_STOP, CMD_PLACE = 1, 2, 3
 _HEADER = 6
 
 
@@ -35,8 +42,8 @@ def _broadcast(
         h = torch.empty(_HEADER, dtype=torch.long, device=device)
     dist.broadcast(h, src=0)
     header = h.tolist()
-    _, rows, tq, _, moves, _ = header
-    size = moves * 4 + rows * (4 + tq)
+    _, rows, tq, _, moves, extra = header
+    size = moves * 4 + rows * (4 + tq) + extra
     body = body.to(device) if body is not None else torch.empty(size, dtype=torch.long, device=device)
     if size:
         dist.broadcast(body, src=0)
@@ -45,7 +52,18 @@ def _broadcast(
 
 def _split(header: list[int], body: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     _, rows, tq, _, moves, _ = header
-    return body[: moves * 4].view(moves, 4), body[moves * 4 :].view(rows, 4 + tq)
+    return body[: moves * 4].view(moves, 4), body[moves * 4 : moves * 4 + rows * (4 + tq)].view(rows, 4 + tq)
+
+
+def _encode_placement(placement: Placement) -> list[int]:
+    sizes = [len(r) for r in placement.rank_experts]
+    return sizes + [e for r in placement.rank_experts for e in r]
+
+
+def _decode_placement(world_size: int, values: list[int]) -> Placement:
+    sizes, ids = values[:world_size], values[world_size:]
+    bounds = [sum(sizes[:r]) for r in range(world_size + 1)]
+    return Placement(tuple(tuple(ids[bounds[r] : bounds[r + 1]]) for r in range(world_size)))
 
 
 class _Shard:
@@ -55,6 +73,11 @@ class _Shard:
         self.model, self.rank, self.world_size = model, rank, world_size
         self.device = model.device
         self.cache = model.make_cache(max_num_seqs, max_model_len)
+
+    def place(self, placement: Placement) -> None:
+        """Hold `placement`'s experts for this rank from now on (every rank does this together)."""
+        reload_experts(self.model, placement.rank_experts[self.rank])
+        self.model.set_dispatch(AllToAllDispatch(placement, self.rank))
 
     def run(self, header: list[int], body: torch.Tensor) -> torch.Tensor:
         """Apply this rank's slot moves, run its rows, gather hidden states to rank 0.
@@ -86,7 +109,10 @@ class ShardWorker(_Shard):
             header, body = _broadcast(None, None, self.device)
             if header[0] == CMD_STOP:
                 return
-            self.run(header, body)
+            if header[0] == CMD_PLACE:
+                self.place(_decode_placement(self.world_size, body.tolist()))
+            else:
+                self.run(header, body)
 
 
 class ShardedRunner(_Shard):
@@ -149,6 +175,15 @@ class ShardedRunner(_Shard):
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(len(order))
         return out[inverse]
+
+    def replace(self, placement: Placement) -> None:
+        """Live re-placement: every rank moves to `placement` before the next step (call it
+        between steps). Sequences, their ranks and KV caches are untouched."""
+        if placement.world_size != self.world_size:
+            raise ValueError(f"placement has {placement.world_size} ranks, the group {self.world_size}")
+        values = _encode_placement(placement)
+        _broadcast([CMD_PLACE, 0, 0, 0, 0, len(values)], torch.tensor(values, dtype=torch.long), self.device)
+        self.place(placement)
 
     def shutdown(self) -> None:
         _broadcast([CMD_STOP, 0, 0, 0, 0, 0], None, self.device)

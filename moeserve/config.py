@@ -97,6 +97,11 @@ class ShardsSection(_Section):
     num_shards: int = Field(1, ge=1)  # > 1: expert-parallel shard group per engine replica
     gpus_per_shard: float = Field(0.0, ge=0)  # 1 on a GPU cluster (NCCL), 0 on CPU (gloo)
     strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"  # placement of the shards
+    # Live re-placement: after each expert-load report (engine.expert_load_report_s) the replica
+    # asks the router service for a plan and moves its running group's experts between two
+    # steps when the busiest rank's load drops by at least replacement_min_gain (a fraction).
+    live_replacement: bool = False
+    replacement_min_gain: float = Field(0.1, gt=0, lt=1)
 
 
 class GatewaySection(_Section):

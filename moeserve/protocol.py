@@ -143,6 +143,13 @@ class StatsReply:
 
 
 @dataclass(frozen=True)
+class ApplyPlacement:
+    """Move the shard group's experts to this placement between two steps (live re-placement)."""
+
+    rank_experts: tuple[tuple[int, ...], ...]
+
+
+@dataclass(frozen=True)
 class Shutdown:
     pass
 

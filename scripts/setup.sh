@@ -4,7 +4,7 @@
 #
 #   1. create .venv (with $PYTHON, default python3; 3.10 or newer) if it is missing
 #   2. torch==2.13.0 first, so the CPU build is used and nothing pulls a CUDA build
-#   3. this project, editable, with its test extras
+#   3. this project, editable, with its test and bench extras
 #   4. xgrammar with --no-deps: its declared dependency triton (~1 GB) is unused on CPU;
 #      the dependencies it really needs are in pyproject.toml
 set -euo pipefail
@@ -43,8 +43,8 @@ fi
 want_stamp="$(sha256sum pyproject.toml | cut -d' ' -f1)"
 have_stamp="$(cat "$STAMP" 2>/dev/null || true)"
 if [ "$want_stamp" != "$have_stamp" ] || [ ! -x "$VENV/bin/moeserve" ] || [ -z "$(installed_version moeserve)" ]; then
-    say "installing moeserve (editable) with test extras"
-    "$py" -m pip install -e ".[test]"
+    say "installing moeserve (editable) with its test and bench extras"
+    "$py" -m pip install -e ".[test,bench]"
     echo "$want_stamp" >"$STAMP"
 fi
 

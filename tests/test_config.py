@@ -46,7 +46,8 @@ def test_every_component_default_is_the_trees():
 
     served = ServedConfig().engine_server_config()
     plain = EngineServerConfig()
-    for f in ("max_queued_requests", "num_shards", "shard_strategy", "torch_threads", "core_process"):
+    for f in ("max_queued_requests", "num_shards", "shard_strategy", "torch_threads", "core_process",
+              "live_replacement", "replacement_min_gain"):
         assert getattr(served, f) == getattr(plain, f), f
 
 

@@ -34,6 +34,7 @@ from moeserve.engine.isolation import Isolation
 from moeserve.grammar.errors import GrammarError
 from moeserve.protocol import (
     Abort,
+    ApplyPlacement,
     CoreStopped,
     ErrorCode,
     GenerateChunk,
@@ -63,7 +64,8 @@ class EngineCore:
 
     `compiler` compiles GrammarSpecs (None: grammars are refused); `recover` is called after a
     failed step and returns a fresh model runner (an expert-parallel group re-formed);
-    `expert_load` returns per-rank expert-load counters when they live elsewhere (shard ranks).
+    `expert_load` returns per-rank expert-load counters when they live elsewhere (shard ranks);
+    `replace` moves a shard group's experts to a new placement (ApplyPlacement), between steps.
     """
 
     def __init__(
@@ -72,10 +74,13 @@ class EngineCore:
         compiler: Any = None,
         recover: Callable[[], Any] | None = None,
         expert_load: Callable[[], list[dict[str, Any]]] | None = None,
+        replace: Callable[[tuple[tuple[int, ...], ...]], None] | None = None,
     ) -> None:
         self.engine = engine
         self.compiler = compiler
         self.recover = recover
+        self.replace = replace
+        self._placement: ApplyPlacement | None = None  # the latest one asked for, applied before the next step
         self.counters: Counter[str] = Counter()
         self.step_seconds = 0.0
         self.stopping = False
@@ -97,6 +102,8 @@ class EngineCore:
                 if not self._drain(channel, IDLE_WAIT_S if idle else 0.0):
                     break
                 out = self._admit_compiled()
+                if self._placement is not None:
+                    self._apply_placement()
                 if self.engine.has_unfinished():
                     out += self._step()
                 if out:
@@ -119,6 +126,8 @@ class EngineCore:
                 self._abort(channel, msg.request_id)
             elif isinstance(msg, StatsRequest):
                 channel.send(StatsReply(msg.token, self.stats()))
+            elif isinstance(msg, ApplyPlacement):
+                self._placement = msg
             else:  # Shutdown
                 return False
             msg = channel.recv(0)
@@ -143,6 +152,24 @@ class EngineCore:
         self.counters["steps"] += 1
         self.isolation.stepped()
         return [_chunk(out) for out in outputs]
+
+    def _apply_placement(self) -> None:
+        """Live re-placement between two steps: running requests keep their caches and go on
+        exactly. If it fails the group is re-formed, as after a failed step."""
+        msg, self._placement = self._placement, None
+        if self.replace is None:
+            logger.warning("ignoring a placement: this engine has no shard group")
+            return
+        t0 = time.perf_counter()
+        try:
+            self.replace(msg.rank_experts)
+        except Exception:
+            logger.exception("live re-placement failed; re-forming the shard group")
+            self.counters["step_errors"] += 1
+            self._reform()
+            return
+        self.counters["expert_replacements"] += 1
+        logger.info("experts re-placed in %.2f s: %s", time.perf_counter() - t0, msg.rank_experts)
 
     def _reform(self) -> None:
         """After a failed step on an expert-parallel group (a shard died, a collective timed out):
@@ -242,6 +269,7 @@ class EngineCore:
             "steps": self.counters["steps"],
             "step_seconds_total": self.step_seconds,
             "step_errors": self.counters["step_errors"],
+            "expert_replacements": self.counters["expert_replacements"],
             "spec": eng.spec_metrics.to_dict() if eng.proposer is not None else {},
             "spec_disabled_steps": eng.num_spec_disabled_steps,
             "grammar_guard_refusals": eng.num_guard_refusals,

@@ -82,3 +82,49 @@ def test_group_generates_survives_a_dead_shard_and_reports_load(ray_cluster, ckp
     finally:
         group.stop()
     assert torch.distributed.is_initialized() is False
+
+
+def test_served_group_moves_its_experts_live_and_stays_exact(ray_cluster, tmp_path):
+    """`shards.live_replacement`: when the router service sees two experts of one rank run hot,
+    the engine replica moves its running group's experts between two steps; replies before,
+    during and after are exact."""
+    import asyncio
+
+    from deployments.engine_server import EngineServer, EngineServerConfig
+    from moeserve.engine.factory import EngineConfig
+    from moeserve.protocol import GenerateRequest
+    from router_service.stats import ExpertLoadStats
+    from tests.deployments.tiny_checkpoint import save_tiny_checkpoint
+
+    ckpt = save_tiny_checkpoint(tmp_path)  # with a tokenizer, as a served engine needs
+    expected = reference(ckpt)
+    cfg = load_checkpoint(ckpt).config
+    actor = router_actor(cfg.num_layers, cfg.num_experts)
+    engine_cfg = EngineConfig(model=str(ckpt), max_num_seqs=8, max_model_len=64, speculation="none")
+    server = EngineServer(EngineServerConfig(engine_cfg, num_shards=2, report_expert_load_s=0.3,
+                                             live_replacement=True, replacement_min_gain=0.2))
+
+    async def replies(tag: str) -> list[list[int]]:
+        async def one(i, p):
+            return [t async for c in server.generate(GenerateRequest(f"{tag}{i}", tuple(p), GREEDY))
+                    for t in c.token_ids]
+        return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(PROMPTS))))
+
+    try:
+        hot = server.shard_group.placement.rank_experts[0][:2]
+        skewed = ExpertLoadStats(cfg.num_layers, cfg.num_experts)
+        skewed.route_counts[:, list(hot)] = 10_000
+        ray.get(actor.report.remote("skewed-replica", [skewed.to_dict()]))
+        deadline = time.monotonic() + 30
+        while asyncio.run(server.stats())["expert_replacements"] < 1 and time.monotonic() < deadline:
+            assert asyncio.run(replies("during")) == expected  # the move lands between these steps
+        stats = asyncio.run(server.stats())
+        assert stats["expert_replacements"] == 1 and stats["step_errors"] == 0
+        after = server.shard_group.placement
+        assert not any(set(hot) <= set(r) for r in after.rank_experts)  # the hot pair is split
+        assert [i["experts"] for i in server.shard_group.shard_info] == [list(r) for r in after.rank_experts]
+        assert asyncio.run(replies("after")) == expected
+    finally:
+        server.shutdown()
+        server.shard_group.stop()
+        ray.kill(actor)

@@ -10,6 +10,7 @@ from model_shards.local_group import LocalShardGroup
 from moeserve.engine import LLMEngine, ModelRunner
 from moeserve.engine.model_runner import Row
 from moeserve.sampling_params import SamplingParams
+from router_service.placement import Placement
 from tests.model_shards.hf_tiny import save_tiny
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
@@ -47,6 +48,36 @@ def test_logits_and_greedy_equal_reference(ckpt, world):
         torch.testing.assert_close(logits, ref_logits, atol=1e-5, rtol=0)
         tokens = [c.token_ids for c in LLMEngine(runner).generate(ps, GREEDY)]
     assert tokens == ref_tokens
+
+
+def run_with_replacements(engine: LLMEngine, ps: list[list[int]], placements: dict[int, Placement]) -> list[list[int]]:
+    """Greedy tokens of `ps`, applying placements[n] to the group after its n-th step."""
+    for i, p in enumerate(ps):
+        engine.add_request(p, GREEDY, f"r{i}")
+    out: dict[str, list[int]] = {f"r{i}": [] for i in range(len(ps))}
+    steps = 0
+    while engine.has_unfinished():
+        for o in engine.step():
+            out[o.request_id] += o.new_token_ids
+        steps += 1
+        if steps in placements:
+            engine.runner.replace(placements[steps])
+    return [out[f"r{i}"] for i in range(len(ps))]
+
+
+def test_live_replacement_between_steps_is_exact(ckpt):
+    """Experts move between ranks while sequences are mid-generation (and a hot pair gets a
+    replica): tokens equal the single-process reference, and each rank holds the new experts."""
+    ps = prompts(5, seed=21)
+    ref = [c.token_ids for c in LLMEngine(ModelRunner(load_checkpoint(ckpt), 8, 64)).generate(ps, GREEDY)]
+    num_experts = load_checkpoint(ckpt).config.num_experts
+    odd_even = Placement((tuple(range(1, num_experts, 2)), tuple(range(0, num_experts, 2))))
+    replicated = Placement((tuple(range(0, num_experts // 2 + 1)), tuple(range(num_experts // 2 - 1, num_experts))))
+    with LocalShardGroup(ckpt, 2, max_num_seqs=8, max_model_len=64) as runner:
+        tokens = run_with_replacements(LLMEngine(runner), ps, {2: odd_even, 5: replicated})
+        held = {b.experts.expert_ids for b in runner.model.moe_blocks}
+    assert tokens == ref
+    assert held == {replicated.rank_experts[0]}
 
 
 @pytest.mark.parametrize("overflow", ["drop", "reroute"])

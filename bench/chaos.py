@@ -1,0 +1,402 @@
+"""Chaos under load: kill the served stack's processes as an operator would, and count the damage.
+
+    python -m bench.chaos [--quick]
+
+For each of two stacks, on a local Ray with the shipped app config (gRPC off, two gateway
+replicas so that one can die while the other serves):
+
+- `core`: the engine core in its own process (the served default). Faults: the engine core
+  process, the engine replica, a gateway replica.
+- `sharded`: an expert-parallel group of 2 shards and the draft model as its own deployment
+  (the engine core then runs on a thread of the replica). Faults: a shard actor, the draft
+  worker.
+
+1. a fault-free pass: every ask of the pool (greedy and seeded-sampled chats) once, 4 at a time:
+   the reference replies;
+2. locust, headless (bench/locust/chaos_user.py), ramps up virtual users that loop streaming
+   chats from the same pool, retrying 503/429 after Retry-After and dead connections after 1 s;
+3. at fixed times the driver SIGKILLs one process per fault (found by its process title,
+   `ray::ShardActor` and the like) and measures the seconds until the service is whole again:
+   as many processes of that kind as before (none of them the killed one), the Serve app
+   RUNNING with every deployment HEALTHY and no replica starting, GET /health 200, and a probe
+   completion answered;
+4. per fault (the requests that ended after it and before the next): requests
+   lost (the client gave up), hung (open longer than the client's limit), the client-visible
+   errors by kind, replies that differ from the reference (greedy and seeded separately),
+   recovery seconds; locust's own statistics; a timeline plot.
+
+Writes bench/reports/chaos.{json,md} and chaos-timeline.png (`--quick`: chaos-quick*).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from bench import report  # noqa: E402
+from bench.load_test import JSON_ASKS, SERVE_CONFIG, free_port, start_server, stop_server  # noqa: E402
+from bench.prompts import FREE_FORM  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+LOCUSTFILE = ROOT / "bench" / "locust" / "chaos_user.py"
+MAX_TOKENS = 40
+WHOLE_WITHIN_S = 120.0  # give up measuring recovery after this
+
+# What an operator kills, by process title (Ray names its workers "ray::<actor class>", Serve
+# replicas "ray::ServeReplica:<app>:<deployment>"); the engine core is `python -m ...core_client`.
+TARGETS = {
+    "engine core": "moeserve.engine.core_client",
+    "engine replica": "ray::ServeReplica:moeserve:engine",
+    "gateway replica": "ray::ServeReplica:moeserve:gateway",
+    "shard actor": "ray::ShardActor",
+    "draft worker": "ray::DraftWorker",
+}
+TWO_GATEWAYS = {"gateway": {"autoscaling": {"min_replicas": 2, "max_replicas": 2, "target_ongoing_requests": 64}}}
+STACKS: dict[str, dict[str, Any]] = {
+    "core": {"overrides": {"deployments": TWO_GATEWAYS},
+             "faults": ["engine core", "engine replica", "gateway replica"]},
+    "sharded": {"overrides": {"deployments": TWO_GATEWAYS, "shards": {"num_shards": 2},
+                              "speculative": {"draft": "model", "placement": "deployment"}},
+                "faults": ["shard actor", "draft worker"]},
+}
+
+
+def app_config(overrides: dict[str, Any]):
+    """The shipped app config with gRPC off (port 9000 may be taken on this box) and `overrides`."""
+    from deployments.config import AppConfig, deep_merge
+
+    return AppConfig.load(SERVE_CONFIG, deep_merge({"gateway": {"grpc_port": 0}}, overrides))
+
+
+# ---- the pool of asks ----------------------------------------------------------------------
+def pool(n_prompts: int) -> list[dict[str, Any]]:
+    """Greedy and seeded-sampled streaming chats; `key` names each for the reference."""
+    asks = (list(JSON_ASKS) + list(FREE_FORM))[:n_prompts]
+    out = []
+    for i, ask in enumerate(asks):
+        base = {"model": "demo-moe", "messages": [{"role": "user", "content": ask}], "stream": True,
+                "max_tokens": MAX_TOKENS}
+        out.append({"key": f"greedy-{i}", "mode": "greedy", "body": base | {"temperature": 0.0}})
+        out.append({"key": f"seeded-{i}", "mode": "seeded", "body": base | {"temperature": 0.8, "seed": 1000 + i}})
+    return out
+
+
+async def _one(client: httpx.AsyncClient, body: dict[str, Any]) -> str:
+    parts = []
+    async with client.stream("POST", "/v1/chat/completions", json=body) as resp:
+        resp.raise_for_status()
+        async for line in resp.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                event = json.loads(line[6:])
+                if "error" in event:
+                    raise RuntimeError(f"error event in the reference pass: {event['error']}")
+                parts.append(event["choices"][0]["delta"].get("content") or "")
+    return "".join(parts)
+
+
+def reference(url: str, items: list[dict[str, Any]]) -> dict[str, str]:
+    """The fault-free replies, 4 requests at a time."""
+    async def main() -> dict[str, str]:
+        sem = asyncio.Semaphore(4)
+        async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+            async def go(item):
+                async with sem:
+                    return item["key"], await _one(client, item["body"])
+            return dict(await asyncio.gather(*(go(i) for i in items)))
+    return asyncio.run(main())
+
+
+# ---- faults and recovery ---------------------------------------------------------------------
+def find(title: str) -> list[int]:
+    """PIDs of live processes whose command line mentions `title`."""
+    import psutil
+
+    own = os.getpid()
+    out = []
+    for p in psutil.process_iter(["pid", "cmdline", "status"]):
+        cmd = " ".join(p.info["cmdline"] or [])
+        if p.info["pid"] != own and title in cmd and p.info["status"] != psutil.STATUS_ZOMBIE:
+            out.append(p.info["pid"])
+    return sorted(out)
+
+
+def kill(fault: str) -> tuple[int, int]:
+    """SIGKILL one process of the kind; returns its pid and how many of the kind were running."""
+    pids = find(TARGETS[fault])
+    if not pids:
+        raise RuntimeError(f"no process for {fault!r} ({TARGETS[fault]}) is running")
+    os.kill(pids[0], signal.SIGKILL)
+    return pids[0], len(pids)
+
+
+def whole(url: str, probe: dict[str, Any], fault: Fault) -> tuple[bool, str]:
+    """Is the service whole: the killed kind of process back to its count, the app RUNNING,
+    every deployment HEALTHY with no replica starting or stopping, /health 200, and a probe
+    request answered?"""
+    from ray import serve
+
+    from deployments.app import APP_NAME
+
+    back = [p for p in find(TARGETS[fault.name]) if p != fault.pid]
+    if len(back) < fault.count:
+        return False, f"{len(back)} of {fault.count} {fault.name} processes"
+    app = serve.status().applications.get(APP_NAME)
+    if app is None or getattr(app.status, "value", str(app.status)) != "RUNNING":
+        return False, "app not running"
+    for name, dep in app.deployments.items():
+        states = {getattr(k, "value", str(k)): v for k, v in dep.replica_states.items() if v}
+        if getattr(dep.status, "value", str(dep.status)) != "HEALTHY" or set(states) != {"RUNNING"}:
+            return False, f"{name}: {getattr(dep.status, 'value', dep.status)} {states}"
+    try:
+        if httpx.get(f"{url}/health", timeout=10).status_code != 200:
+            return False, "/health not 200"
+        body = probe["body"] | {"stream": False, "max_tokens": 4}
+        r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=30)
+        return (r.status_code == 200), f"probe {r.status_code}"
+    except httpx.HTTPError as e:
+        return False, f"{type(e).__name__}"
+
+
+@dataclass
+class Fault:
+    name: str
+    at: float  # wall clock
+    pid: int = 0
+    count: int = 0  # processes of its kind running when it was killed
+    recovered_at: float | None = None
+    last_state: str = ""
+
+    @property
+    def recovery_s(self) -> float | None:
+        return None if self.recovered_at is None else self.recovered_at - self.at
+
+
+def inject(faults: list[Fault], url: str, probe: dict[str, Any], t0: float) -> None:
+    """Kill each fault's process at its time; then poll until the service is whole."""
+    for f in faults:
+        time.sleep(max(0.0, f.at - time.time()))
+        f.at = time.time()
+        f.pid, f.count = kill(f.name)
+        print(f"  t={f.at - t0:5.1f}s killed {f.name} (pid {f.pid})", flush=True)
+        time.sleep(1.0)
+        while time.time() - f.at < WHOLE_WITHIN_S:
+            ok, f.last_state = whole(url, probe, f)
+            if ok:
+                f.recovered_at = time.time()
+                print(f"  whole again after {f.recovery_s:.1f}s", flush=True)
+                break
+            time.sleep(0.5)
+
+
+# ---- one stack -------------------------------------------------------------------------------
+def run_stack(name: str, users: int, spawn_rate: float, gap_s: float, items: list[dict[str, Any]],
+              workdir: Path) -> dict[str, Any]:
+    spec = STACKS[name]
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    print(f"[{name}] starting the stack", flush=True)
+    start_s = start_server(app_config(spec["overrides"]), num_cpus=6, port=port)
+    try:
+        ref = reference(url, items)
+        print(f"[{name}] reference: {len(ref)} replies; load + faults", flush=True)
+        pool_file, log_file = workdir / f"{name}-pool.json", workdir / f"{name}-requests.jsonl"
+        pool_file.write_text(json.dumps(items))
+        run_time = gap_s * (len(spec["faults"]) + 1)
+        env = dict(os.environ, CHAOS_POOL=str(pool_file), CHAOS_LOG=str(log_file))
+        cmd = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless", "--host", url,
+               "--users", str(users), "--spawn-rate", str(spawn_rate), "--run-time", f"{int(run_time)}s",
+               "--stop-timeout", "120", "--csv", str(workdir / name), "--only-summary", "--loglevel", "WARNING"]
+        t0 = time.time()
+        locust = subprocess.Popen(cmd, env=env)
+        faults = [Fault(f, t0 + gap_s * (i + 1)) for i, f in enumerate(spec["faults"])]
+        injector = threading.Thread(target=inject, args=(faults, url, items[0], t0))
+        injector.start()
+        locust.wait()
+        injector.join()
+        t_end = time.time()
+        records = [json.loads(line) for line in log_file.read_text().splitlines() if line.strip()]
+    finally:
+        stop_server()
+    return {"stack": name, "start_s": start_s, "t0": t0, "t_end": t_end, "faults": faults, "records": records,
+            "reference": ref, "modes": {i["key"]: i["mode"] for i in items},
+            "locust": locust_stats(workdir / f"{name}_stats.csv")}
+
+
+def locust_stats(path: Path) -> dict[str, Any]:
+    """The aggregated row of locust's stats CSV."""
+    if not path.is_file():
+        return {}
+    with path.open() as f:
+        rows = list(csv.DictReader(f))
+    agg = next((r for r in rows if r.get("Name") == "Aggregated"), rows[-1] if rows else {})
+    keys = ("Request Count", "Failure Count", "Median Response Time", "95%", "99%", "Requests/s")
+    return {k: float(agg[k]) for k in keys if agg.get(k) not in (None, "", "N/A")}
+
+
+# ---- analysis --------------------------------------------------------------------------------
+def classify(attempt: dict[str, Any]) -> str:
+    out = attempt["outcome"]
+    if out == "ok":
+        return "ok"
+    if out.startswith("http_") and attempt.get("retry_after"):
+        return f"{out} + Retry-After"
+    return out
+
+
+def fault_rows(run: dict[str, Any], hung_s: float) -> list[dict[str, Any]]:
+    """Per window (before the first fault, then each fault until the next): what clients saw."""
+    faults: list[Fault] = run["faults"]
+    edges = [float("-inf")] + [f.at for f in faults] + [float("inf")]
+    names = ["(no fault yet)"] + [f.name for f in faults]
+    rows = []
+    for w, name in enumerate(names):
+        # a request counts once: under the last fault that struck before it ended
+        mine = [r for r in run["records"] if edges[w] <= r["end"] < edges[w + 1]]
+        errors: dict[str, int] = {}
+        for r in mine:
+            for att in r["attempts"]:
+                kind = classify(att)
+                if kind != "ok":
+                    errors[kind] = errors.get(kind, 0) + 1
+        wrong = {"greedy": 0, "seeded": 0}
+        for r in mine:
+            if r["final"] == "ok" and r["text"] != run["reference"][r["key"]]:
+                wrong[run["modes"][r["key"]]] += 1
+        fault = faults[w - 1] if w else None
+        rows.append({
+            "stack": run["stack"], "fault": name, "pid": fault.pid if fault else None,
+            "requests": len(mine), "ok": sum(r["final"] == "ok" for r in mine),
+            "lost": sum(r["final"] != "ok" for r in mine),
+            "hung": sum(r["end"] - r["start"] > hung_s for r in mine),
+            "retried": sum(len(r["attempts"]) > 1 for r in mine),
+            "client_errors": errors, "wrong_greedy": wrong["greedy"], "wrong_seeded": wrong["seeded"],
+            "recovery_s": fault.recovery_s if fault else None,
+            "not_whole_because": (fault.last_state if fault and fault.recovered_at is None else None),
+        })
+    return rows
+
+
+def timeline(runs: list[dict[str, Any]]) -> Any:
+    fig, axes = plt.subplots(len(runs), 1, figsize=(10, 3.2 * len(runs)), squeeze=False)
+    for ax, run in zip(axes[:, 0], runs):
+        t0, horizon = run["t0"], run["t_end"] - run["t0"]
+        bins = int(horizon) + 1
+        done, errs, open_ = [0] * bins, [0] * bins, [0] * bins
+        for r in run["records"]:
+            s, e = int(r["start"] - t0), int(r["end"] - t0)
+            if 0 <= e < bins and r["final"] == "ok":
+                done[e] += 1
+            for att in r["attempts"]:
+                k = int(att["t"] - t0)
+                if att["outcome"] != "ok" and 0 <= k < bins:
+                    errs[k] += 1
+            for k in range(max(s, 0), min(e, bins - 1) + 1):
+                open_[k] += 1
+        xs = list(range(bins))
+        ax.plot(xs, open_, label="requests open", color="tab:blue")
+        ax.bar(xs, done, width=1.0, alpha=0.4, label="finished ok (per s)", color="tab:green")
+        ax.bar(xs, errs, width=1.0, alpha=0.8, label="failed attempts (per s)", color="tab:red")
+        for f in run["faults"]:
+            x = f.at - t0
+            ax.axvline(x, color="black", lw=1)
+            ax.text(x, ax.get_ylim()[1] * 0.95, f" kill {f.name}", fontsize=8, va="top")
+            if f.recovery_s is not None:
+                ax.axvspan(x, x + f.recovery_s, color="orange", alpha=0.2)
+        ax.set_title(f"stack '{run['stack']}': shaded = until whole again")
+        ax.set_xlabel("seconds since the load started")
+        ax.legend(loc="upper right", fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def markdown(data: dict[str, Any]) -> str:
+    rows = data["rows"]
+    lines = [
+        "# Chaos under load",
+        "",
+        "`python -m bench.chaos" + (" --quick`" if data["setup"]["quick"] else "`") + ": one process killed per "
+        "fault (SIGKILL, by its process title) while locust users loop streaming chats (greedy and "
+        "seeded T=0.8). A request counts once, under the last fault that struck before it ended. Lost: the client gave up after its retries. Hung: open longer than "
+        f"{data['setup']['hung_s']:.0f} s. Client errors: every failed attempt the client saw (it "
+        "retries 503/429 after Retry-After and dead connections after 1 s). Wrong: a finished reply "
+        "that differs from the fault-free pass. Recovery: seconds from the kill until as many "
+        "processes of the killed kind run as before, the Serve app is RUNNING with every deployment HEALTHY and no replica starting, /health answers 200 and a "
+        "probe completion succeeds.",
+        "",
+        report.markdown_table(
+            ["stack", "fault", "requests", "ok", "lost", "hung", "retried", "client errors", "wrong greedy",
+             "wrong seeded", "recovery s"],
+            [[r["stack"], r["fault"], r["requests"], r["ok"], r["lost"], r["hung"], r["retried"],
+              ", ".join(f"{k}: {v}" for k, v in sorted(r["client_errors"].items())) or "none",
+              r["wrong_greedy"], r["wrong_seeded"],
+              "-" if r["fault"] == "(no fault yet)" else
+              (f"{r['recovery_s']:.1f}" if r["recovery_s"] is not None else f"> {WHOLE_WITHIN_S:.0f} "
+               f"({r['not_whole_because']})")] for r in rows]),
+        "",
+        "## Locust's own statistics",
+        "",
+        report.markdown_table(["stack", "requests", "failures", "median ms", "p95 ms", "p99 ms", "req/s"],
+                              [[s, *(st.get(k, "-") for k in ("Request Count", "Failure Count", "Median Response Time",
+                                                             "95%", "99%", "Requests/s"))]
+                               for s, st in data["locust"].items()]),
+        "",
+        "![timeline](chaos" + ("-quick" if data["setup"]["quick"] else "") + "-timeline.png)",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="fewer users, shorter gaps (a smoke run)")
+    ap.add_argument("--stacks", nargs="+", default=list(STACKS), choices=list(STACKS))
+    ap.add_argument("--users", type=int, default=None)
+    ap.add_argument("--gap-s", type=float, default=None, help="seconds between faults (and before the first)")
+    args = ap.parse_args(argv)
+    users = args.users or (3 if args.quick else 6)
+    gap = args.gap_s or (30.0 if args.quick else 45.0)
+    items = pool(4 if args.quick else 8)
+    hung_s = 90.0
+    runs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.stacks:
+            runs.append(run_stack(name, users, spawn_rate=users / min(20.0, gap * 0.6), gap_s=gap, items=items,
+                                  workdir=Path(tmp)))
+    rows = [row for run in runs for row in fault_rows(run, hung_s)]
+    data = {
+        "environment": report.environment(threads=1),
+        "setup": {"quick": args.quick, "users": users, "gap_s": gap, "pool": len(items), "max_tokens": MAX_TOKENS,
+                  "hung_s": hung_s, "stacks": {n: STACKS[n] for n in args.stacks}},
+        "rows": rows,
+        "locust": {run["stack"]: run["locust"] for run in runs},
+        "stack_start_s": {run["stack"]: run["start_s"] for run in runs},
+    }
+    md = markdown(data)
+    print(md)
+    name = "chaos-quick" if args.quick else "chaos"
+    for p in report.write(name, data, md, {"timeline": timeline(runs)}):
+        print("wrote", p.relative_to(ROOT))
+    return 0
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(KeyboardInterrupt):
+        sys.exit(main())
