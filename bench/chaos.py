@@ -300,19 +300,19 @@ def timeline(runs: list[dict[str, Any]]) -> Any:
     for ax, run in zip(axes[:, 0], runs):
         t0, horizon = run["t0"], run["t_end"] - run["t0"]
         bins = int(horizon) + 1
-        done, errs, open_ = [0] * bins, [0] * bins, [0] * bins
+        done, errs, open_ = [0] * bins, [0] * bins, [0.0] * bins
         for r in run["records"]:
-            s, e = int(r["start"] - t0), int(r["end"] - t0)
-            if 0 <= e < bins and r["final"] == "ok":
-                done[e] += 1
+            s, e = r["start"] - t0, r["end"] - t0
+            if 0 <= int(e) < bins and r["final"] == "ok":
+                done[int(e)] += 1
             for att in r["attempts"]:
-                k = int(att["t"] - t0)
+                k = int(att["t"] + att.get("seconds", 0.0) - t0)  # when the attempt failed
                 if att["outcome"] != "ok" and 0 <= k < bins:
                     errs[k] += 1
-            for k in range(max(s, 0), min(e, bins - 1) + 1):
-                open_[k] += 1
+            for k in range(max(int(s), 0), min(int(e), bins - 1) + 1):  # time open within each second
+                open_[k] += min(e, k + 1) - max(s, k)
         xs = list(range(bins))
-        ax.plot(xs, open_, label="requests open", color="tab:blue")
+        ax.plot(xs, open_, label="requests in flight (mean per s)", color="tab:blue")
         ax.bar(xs, done, width=1.0, alpha=0.4, label="finished ok (per s)", color="tab:green")
         ax.bar(xs, errs, width=1.0, alpha=0.8, label="failed attempts (per s)", color="tab:red")
         for f in run["faults"]:
