@@ -16,6 +16,7 @@ grammar matcher (the guard); a refusal ends the stream with INTERNAL and counts 
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -70,6 +71,17 @@ class Frontend:
         self.engine = engine
         self.metrics = metrics
         self.eos_token_id = tokenizer.eos_token_id
+
+    @functools.cached_property
+    def _vocab_bytes(self) -> list[bytes]:
+        import xgrammar as xgr  # its decoded vocabulary knows every tokenizer kind's byte mapping
+
+        return [bytes(b) for b in xgr.TokenizerInfo.from_huggingface(self.tokenizer).decoded_vocab]
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """A token's bytes (for logprobs); b"" for ids past the tokenizer's vocabulary."""
+        vocab = self._vocab_bytes
+        return vocab[token_id] if 0 <= token_id < len(vocab) else b""
 
     # ---- validation ----------------------------------------------------------------------------
     def check_model(self, model: str) -> None:

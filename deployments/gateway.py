@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -30,12 +32,13 @@ from deployments.openai_api import (
     SSE_DONE,
     APIError,
     ChatCompletionRequest,
+    Choice,
     CompletionRequest,
     ResponseBuilder,
     error_responses,
     sse,
 )
-from moeserve.protocol import GenerateChunk
+from moeserve.protocol import GenerateChunk, Usage
 
 ROUTE_COMPLETIONS = "/v1/completions"
 ROUTE_CHAT = "/v1/chat/completions"
@@ -116,15 +119,14 @@ class Gateway:
 
     # ---- routes ----------------------------------------------------------------------------
     async def completions(self, body: CompletionRequest) -> Response:
-        """OpenAI `POST /v1/completions` (one prompt, n=1), streaming or not."""
+        """OpenAI `POST /v1/completions` (one prompt, n choices), streaming or not."""
         body.check_supported()
         self.frontend.check_model(body.model)
         prompt_ids = self.frontend.encode_prompt(body.single_prompt())
-        prep = await self.frontend.prepare(
-            prompt_ids, body.sampling_params, body.max_tokens, body.grammar_spec(), ROUTE_COMPLETIONS
-        )
-        builder = ResponseBuilder(f"cmpl-{prep.request.request_id[4:]}", body.model, chat=False)
-        return await self._respond(prep, builder, body.stream, body.include_usage)
+        preps = await self._prepare(body, prompt_ids, body.max_tokens, ROUTE_COMPLETIONS)
+        builder = ResponseBuilder(f"cmpl-{preps[0].request.request_id[4:]}", body.model, chat=False,
+                                  token_bytes=self.frontend.token_bytes)
+        return await self._respond(preps, builder, body.stream, body.include_usage)
 
     async def chat_completions(self, body: ChatCompletionRequest) -> Response:
         """OpenAI `POST /v1/chat/completions` through the tokenizer's chat template."""
@@ -132,10 +134,18 @@ class Gateway:
         self.frontend.check_model(body.model)
         prompt_ids = self.frontend.encode_chat(body.message_dicts())
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        prep = await self.frontend.prepare(prompt_ids, body.sampling_params, max_tokens, body.grammar_spec(),
-                                           ROUTE_CHAT)
-        builder = ResponseBuilder(f"chatcmpl-{prep.request.request_id[4:]}", body.model, chat=True)
-        return await self._respond(prep, builder, body.stream, body.include_usage)
+        preps = await self._prepare(body, prompt_ids, max_tokens, ROUTE_CHAT)
+        builder = ResponseBuilder(f"chatcmpl-{preps[0].request.request_id[4:]}", body.model, chat=True,
+                                  token_bytes=self.frontend.token_bytes)
+        return await self._respond(preps, builder, body.stream, body.include_usage)
+
+    async def _prepare(self, body: CompletionRequest | ChatCompletionRequest, prompt_ids: list[int],
+                       max_tokens: int | None, route: str) -> list[Prepared]:
+        """One engine request per choice (choice i of a seeded request samples with seed + i)."""
+        grammar, base = body.grammar_spec(), f"req-{uuid.uuid4().hex}"
+        return [await self.frontend.prepare(prompt_ids, functools.partial(body.sampling_params, choice=i), max_tokens,
+                                            grammar, route, base if body.n == 1 else f"{base}-{i}")
+                for i in range(body.n)]
 
     async def models(self) -> dict[str, Any]:
         """OpenAI `GET /v1/models`: the one served model."""
@@ -186,50 +196,104 @@ class Gateway:
                                                      "rank_experts": placement.rank_experts}})
 
     # ---- responses -------------------------------------------------------------------------
-    async def _respond(self, prep: Prepared, builder: ResponseBuilder, stream: bool, include_usage: bool) -> Response:
-        chunks = self.frontend.stream(prep)
+    async def _respond(self, preps: list[Prepared], builder: ResponseBuilder, stream: bool,
+                       include_usage: bool) -> Response:
+        streams = [self.frontend.stream(p) for p in preps]
         handed_off = False
         try:
-            first = await anext(chunks)  # wait for the first token, so early errors keep their status code
-            if first.error is not None:
-                raise APIError.from_stream(first.error)
-            if stream:  # the SSE generator owns (and closes) the stream from here
+            # wait for every choice's first token, so early errors keep their status code
+            firsts = await asyncio.gather(*(anext(s) for s in streams))
+            for first in firsts:
+                if first.error is not None:
+                    raise APIError.from_stream(first.error)
+            merged = _merge(firsts, streams)
+            if stream:  # the SSE generator owns (and closes) the streams from here
                 handed_off = True
-                return StreamingResponse(self._sse(first, chunks, builder, include_usage),
+                return StreamingResponse(self._sse(merged, streams, builder, include_usage),
                                          media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-            text, last = [first.text], first
-            while not last.finished:
-                last = await anext(chunks)
-                text.append(last.text)
+            choices = [Choice(i) for i in range(len(preps))]
+            usage: list[Usage] = [Usage()] * len(preps)
+            async for i, chunk in merged:
+                if chunk.error is not None:
+                    raise APIError.from_stream(chunk.error)
+                c = choices[i]
+                c.text += chunk.text
+                if chunk.logprobs is not None:
+                    c.logprobs = (c.logprobs or []) + list(chunk.logprobs)
+                c.finish_reason, usage[i] = chunk.finish_reason, chunk.usage
         finally:
             if not handed_off:
-                await chunks.aclose()  # also on cancellation: a client that went away aborts its request
-        if last.error is not None:
-            raise APIError.from_stream(last.error)
-        return JSONResponse(builder.full("".join(text), last.finish_reason, last.usage))
+                await _close(streams)  # also on cancellation: a client that went away aborts its requests
+        return JSONResponse(builder.full(choices, _total(usage)))
 
-    async def _sse(
-        self, first: GenerateChunk, chunks: AsyncIterator[GenerateChunk], builder: ResponseBuilder, include_usage: bool
-    ) -> AsyncIterator[str]:
+    async def _sse(self, merged: AsyncIterator[tuple[int, GenerateChunk]], streams: list[AsyncIterator],
+                   builder: ResponseBuilder, include_usage: bool) -> AsyncIterator[str]:
+        usage: list[Usage] = [Usage()] * len(streams)
         try:
             if builder.chat:
-                yield builder.chunk("", first=True)
-            chunk = first
-            while True:
+                for i in range(len(streams)):
+                    yield builder.chunk("", first=True, index=i)
+            async for i, chunk in merged:
                 if chunk.error is not None:
                     yield sse(APIError.from_stream(chunk.error).body())
                     break
-                if chunk.text or chunk.finished:
-                    yield builder.chunk(chunk.text, chunk.finish_reason)
-                if chunk.finished:
-                    if include_usage:
-                        yield builder.usage_chunk(chunk.usage)
-                    break
-                chunk = await anext(chunks)
+                if chunk.text or chunk.finished or chunk.logprobs:
+                    yield builder.chunk(chunk.text, chunk.finish_reason, index=i, logprobs=chunk.logprobs)
+                usage[i] = chunk.usage
+            else:
+                if include_usage:
+                    yield builder.usage_chunk(_total(usage))
             yield SSE_DONE
         finally:
-            await chunks.aclose()  # a client that went away aborts its request
+            await _close(streams)  # a client that went away aborts its requests
+
+
+async def _merge(firsts: list[GenerateChunk], streams: list[AsyncIterator[GenerateChunk]]
+                 ) -> AsyncIterator[tuple[int, GenerateChunk]]:
+    """(choice index, chunk) from every choice's stream as they come, until each has finished;
+    one choice is read directly (no task per request)."""
+    if len(streams) == 1:
+        chunk = firsts[0]
+        yield 0, chunk
+        while not chunk.finished:
+            chunk = await anext(streams[0])
+            yield 0, chunk
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int) -> None:
+        try:
+            chunk = firsts[i]
+            await queue.put((i, chunk))
+            while not chunk.finished:
+                chunk = await anext(streams[i])
+                await queue.put((i, chunk))
+        except BaseException as e:  # noqa: BLE001 - surfaced to the reader below
+            await queue.put((i, e))
+
+    tasks = [asyncio.create_task(pump(i)) for i in range(len(streams))]
+    try:
+        open_ = len(streams)
+        while open_:
+            i, item = await queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            open_ -= item.finished
+            yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _close(streams: list[AsyncIterator]) -> None:
+    await asyncio.gather(*(s.aclose() for s in streams), return_exceptions=True)
+
+
+def _total(usage: list[Usage]) -> Usage:
+    """Usage of all choices: the prompt once, every choice's completion tokens."""
+    return Usage(usage[0].prompt_tokens, sum(u.completion_tokens for u in usage))
 
 
 def _openapi(app: FastAPI) -> dict[str, Any]:

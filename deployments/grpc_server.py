@@ -151,6 +151,8 @@ def _params(req: pb.GenerateRequest, max_tokens: int) -> SamplingParams:
         kwargs["stop"] = tuple(req.stop)
     if req.stop_token_ids:
         kwargs["stop_token_ids"] = tuple(req.stop_token_ids)
+    if req.HasField("logprobs"):
+        kwargs["logprobs"] = req.logprobs
     return SamplingParams(**kwargs)
 
 
@@ -178,6 +180,9 @@ def _response(chunk: GenerateChunk) -> pb.GenerateResponse:
         finish_reason=chunk.finish_reason or "",
         usage=pb.Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
                        total_tokens=u.total_tokens),
+        logprobs=[pb.TokenLogprob(token_id=e.token_id, logprob=e.logprob,
+                                  top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in e.top])
+                  for e in chunk.logprobs or ()],
     )
 
 

@@ -12,13 +12,17 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from moeserve.grammar.spec import GrammarSpec
 from moeserve.protocol import ErrorCode, StreamError, Usage
-from moeserve.sampling_params import SamplingParams
+from moeserve.sampling_params import MAX_LOGPROBS, MAX_SEED, SamplingParams, TokenLogprob
+
+MAX_CHOICES = 16  # n: each choice is its own engine request
 
 # --- errors -----------------------------------------------------------------------------------
 
@@ -92,14 +96,13 @@ class _Common(BaseModel):
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
-    n: int = 1
+    n: int = Field(1, ge=1, le=MAX_CHOICES)  # choices, each its own engine request (seed + i when seeded)
     stream: bool = False
     stream_options: StreamOptions | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
-    logprobs: Any = None
     logit_bias: dict[str, float] | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -112,22 +115,26 @@ class _Common(BaseModel):
 
     def check_supported(self) -> None:
         """400 for known OpenAI options this server does not implement."""
-        if self.n != 1:
-            raise APIError(400, f"n must be 1 (only one choice per request is supported), got {self.n}", param="n")
-        if self.logprobs not in (None, False, 0):
-            raise APIError(400, "logprobs are not supported", param="logprobs")
         if self.logit_bias:
             raise APIError(400, "logit_bias is not supported", param="logit_bias")
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name) not in (None, 0, 0.0):
                 raise APIError(400, f"{name} is not supported (only 0)", param=name)
 
-    def sampling_params(self, max_tokens: int) -> SamplingParams:
-        """The engine's SamplingParams; ValueError names the bad field."""
-        kwargs: dict[str, Any] = {"max_tokens": max_tokens, "ignore_eos": self.ignore_eos}
+    def num_logprobs(self) -> int | None:
+        """How many alternatives per token the response reports (None: no logprobs)."""
+        raise NotImplementedError
+
+    def sampling_params(self, max_tokens: int, choice: int = 0) -> SamplingParams:
+        """The engine's SamplingParams for choice `choice` (its seed is seed + choice); ValueError
+        names the bad field."""
+        kwargs: dict[str, Any] = {"max_tokens": max_tokens, "ignore_eos": self.ignore_eos,
+                                  "logprobs": self.num_logprobs()}
         for name in ("temperature", "top_p", "top_k", "seed"):
             if getattr(self, name) is not None:
                 kwargs[name] = getattr(self, name)
+        if self.seed is not None and choice:
+            kwargs["seed"] = (self.seed + choice) % (MAX_SEED + 1)
         if self.stop is not None:
             kwargs["stop"] = self.stop
         if self.stop_token_ids:
@@ -151,6 +158,7 @@ class _Common(BaseModel):
 class CompletionRequest(_Common):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16  # OpenAI's default for completions
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # alternatives per token (OpenAI allows 5)
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
@@ -163,6 +171,9 @@ class CompletionRequest(_Common):
             raise APIError(400, "best_of must be 1", param="best_of")
         if self.suffix:
             raise APIError(400, "suffix is not supported", param="suffix")
+
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
     def single_prompt(self) -> str | list[int]:
         """The one prompt: a string or token ids; batches of prompts are refused."""
@@ -207,6 +218,16 @@ class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def message_dicts(self) -> list[dict[str, str]]:
         return [{"role": m.role, "content": m.text(i)} for i, m in enumerate(self.messages)]
@@ -225,37 +246,79 @@ def usage_dict(usage: Usage) -> dict[str, int]:
     }
 
 
-class ResponseBuilder:
-    """Bodies for one request: the full response, or its SSE chunks, in OpenAI's formats."""
+@dataclass
+class Choice:
+    """One choice's output so far (non-streaming: all of it)."""
 
-    def __init__(self, request_id: str, model: str, chat: bool) -> None:
+    index: int
+    text: str = ""
+    finish_reason: str | None = None
+    logprobs: list[TokenLogprob] | None = None
+
+
+class ResponseBuilder:
+    """Bodies for one request: the full response, or its SSE chunks, in OpenAI's formats.
+    `token_bytes(id)` gives a token's bytes, for the logprobs' token strings."""
+
+    def __init__(self, request_id: str, model: str, chat: bool,
+                 token_bytes: Callable[[int], bytes] | None = None) -> None:
         self.id = request_id
         self.model = model
         self.chat = chat
         self.created = int(time.time())
+        self.token_bytes = token_bytes or (lambda token_id: b"")
+        self._offsets: dict[int, int] = {}  # completions' text_offset, per choice
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
 
-    def full(self, text: str, finish_reason: str | None, usage: Usage) -> dict[str, Any]:
+    def full(self, choices: list[Choice], usage: Usage) -> dict[str, Any]:
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None}
-            body = self._envelope("chat.completion", [{**choice, "finish_reason": finish_reason}])
+            body = self._envelope("chat.completion", [
+                {"index": c.index, "message": {"role": "assistant", "content": c.text},
+                 "logprobs": self.logprobs(c.index, c.logprobs), "finish_reason": c.finish_reason} for c in choices])
         else:
-            body = self._envelope("text_completion", [{"index": 0, "text": text, "logprobs": None,
-                                                       "finish_reason": finish_reason}])
+            body = self._envelope("text_completion", [
+                {"index": c.index, "text": c.text, "logprobs": self.logprobs(c.index, c.logprobs),
+                 "finish_reason": c.finish_reason} for c in choices])
         body["usage"] = usage_dict(usage)
         return body
 
-    def chunk(self, text: str, finish_reason: str | None = None, first: bool = False) -> str:
+    def chunk(self, text: str, finish_reason: str | None = None, first: bool = False, index: int = 0,
+              logprobs: Sequence[TokenLogprob] | None = None) -> str:
+        rendered = self.logprobs(index, logprobs)
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {}
             if text and not first:
                 delta["content"] = text
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "delta": delta, "logprobs": rendered, "finish_reason": finish_reason}
             return sse(self._envelope("chat.completion.chunk", [choice]))
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": index, "text": text, "logprobs": rendered, "finish_reason": finish_reason}
         return sse(self._envelope("text_completion", [choice]))
+
+    def logprobs(self, index: int, entries: Sequence[TokenLogprob] | None) -> dict[str, Any] | None:
+        """Chat: {"content": [{token, logprob, bytes, top_logprobs}]}; completions: tokens,
+        token_logprobs, top_logprobs ({token: logprob}) and text_offset (from the completion's start)."""
+        if entries is None:
+            return None
+        def token(token_id: int) -> tuple[str, list[int]]:
+            raw = self.token_bytes(token_id)
+            return raw.decode("utf-8", errors="replace"), list(raw)
+        if self.chat:
+            content = []
+            for e in entries:
+                text, raw = token(e.token_id)
+                top = [{"token": t, "logprob": lp, "bytes": b} for (t, b), lp in ((token(i), lp) for i, lp in e.top)]
+                content.append({"token": text, "logprob": e.logprob, "bytes": raw, "top_logprobs": top})
+            return {"content": content, "refusal": None}
+        tokens, offsets, offset = [], [], self._offsets.get(index, 0)
+        for e in entries:
+            tokens.append(token(e.token_id)[0])
+            offsets.append(offset)
+            offset += len(tokens[-1])
+        self._offsets[index] = offset
+        return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+                "top_logprobs": [{token(i)[0]: lp for i, lp in e.top} for e in entries], "text_offset": offsets}
 
     def usage_chunk(self, usage: Usage) -> str:
         obj = "chat.completion.chunk" if self.chat else "text_completion"

@@ -19,7 +19,7 @@ from typing import Any
 from moeserve.config import AppConfig
 from moeserve.detokenizer import IncrementalDetokenizer
 from moeserve.engine.factory import EngineConfig, build_engine
-from moeserve.sampling_params import SamplingParams
+from moeserve.sampling_params import SamplingParams, TokenLogprob
 
 PROGRESS_FROM = 16  # show a progress bar for this many prompts or more
 
@@ -32,6 +32,7 @@ class CompletionOutput:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per token id, with SamplingParams(logprobs=N)
 
 
 class LLM:
@@ -101,6 +102,8 @@ class LLM:
             for step_out in self.engine.step():
                 out, detok = live[step_out.request_id]
                 out.token_ids += step_out.new_token_ids
+                if step_out.logprobs is not None:
+                    out.logprobs = (out.logprobs or []) + step_out.logprobs
                 text = detok.push(step_out.new_token_ids)
                 if detok.stopped and not step_out.finished:
                     self.engine.abort(step_out.request_id)  # the stop string is the serving side's to see

@@ -22,7 +22,7 @@ import enum
 from dataclasses import dataclass, field
 
 from moeserve.grammar.spec import GrammarSpec
-from moeserve.sampling_params import SamplingParams
+from moeserve.sampling_params import SamplingParams, TokenLogprob
 
 
 class ErrorCode(str, enum.Enum):
@@ -94,6 +94,7 @@ class GenerateChunk:
     finish_reason: str | None = None
     usage: Usage = field(default_factory=Usage)
     error: StreamError | None = None
+    logprobs: tuple[TokenLogprob, ...] | None = None  # one per token id, when the request asked for them
 
     @property
     def finished(self) -> bool:
@@ -108,6 +109,7 @@ class GenerateChunk:
             later.finish_reason,
             later.usage,
             later.error,
+            None if self.logprobs is None and later.logprobs is None else (self.logprobs or ()) + (later.logprobs or ()),
         )
 
 

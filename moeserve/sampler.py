@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import torch
 
-from moeserve.sampling_params import SamplingParams
+from moeserve.sampling_params import SamplingParams, TokenLogprob
 
 __all__ = ["Sampler", "keyed_noise", "keyed_sample", "make_generator", "random_sample"]
 
@@ -213,6 +213,33 @@ class Sampler:
             keys = [(params[i].seed, positions[i] + j) for i in keyed for j in range(t)]
             tokens[_index(keyed, logits3.device)] = keyed_sample(probs.reshape(-1, probs.shape[-1]), keys).view(-1, t)
         return tokens.squeeze(1) if squeeze else tokens
+
+    def logprobs(self, logits: torch.Tensor, params: list[SamplingParams], tokens: list[int]) -> list[TokenLogprob]:
+        """Log-probability of each chosen token under row i's final distribution, logits [N, V]
+        (grammar masks already applied) -> N entries, each with params[i].logprobs alternatives.
+
+        Sampling rows: the processed distribution `sample` draws from (temperature, top-k, top-p).
+        Greedy rows: the model's own distribution (softmax of the masked logits), whose maximum
+        is the greedy token (their processed distribution would be a one-hot).
+        """
+        logp = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)  # [N, V]
+        greedy = [i for i, p in enumerate(params) if p.greedy]
+        sampled = [i for i, p in enumerate(params) if not p.greedy]
+        if greedy:
+            rows = _index(greedy, logits.device)
+            logp[rows] = logits[rows].float().log_softmax(dim=-1)
+        if sampled:
+            rows = _index(sampled, logits.device)
+            logp[rows] = _processed_probs(logits[rows].unsqueeze(1), [params[i] for i in sampled]).squeeze(1).log()
+        chosen = logp.gather(1, torch.tensor(tokens, device=logits.device).view(-1, 1)).squeeze(1).tolist()  # [N]
+        width = max((p.logprobs or 0) for p in params)
+        top_values, top_ids = logp.topk(width, dim=-1) if width else (logp[:, :0], logp[:, :0].long())  # [N, width]
+        out = []
+        for i, (token, lp) in enumerate(zip(tokens, chosen)):
+            k = params[i].logprobs or 0
+            top = tuple((t, v) for t, v in zip(top_ids[i, :k].tolist(), top_values[i, :k].tolist()) if v > NEG_INF)
+            out.append(TokenLogprob(int(token), lp, top))
+        return out
 
 
 def _processed_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

@@ -41,6 +41,17 @@ def _as_tuple(name: str, value: object) -> tuple:
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 256
+MAX_LOGPROBS = 20  # most likely alternatives reported per token (OpenAI's top_logprobs limit)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability under the distribution it was drawn from, and the
+    most likely tokens of that distribution (`SamplingParams.logprobs` of them, best first)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -61,6 +72,10 @@ class SamplingParams:
         stop_token_ids: token ids that end generation (besides EOS); the token is not
             part of the output text.
         ignore_eos: keep generating past EOS until max_tokens or a stop condition.
+        logprobs: None (off), or report each generated token's log-probability and this many
+            (0..20) most likely alternatives: from the final distribution the token was drawn
+            from (after grammar masks, temperature, top-k and top-p); for greedy requests, the
+            model's distribution under the grammar mask, whose maximum is the greedy token.
 
     The order of processing is temperature, then top-k, then top-p (vLLM and
     transformers agree on it).
@@ -74,6 +89,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -117,6 +133,9 @@ class SamplingParams:
 
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
+
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be null or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
 
     @property
     def greedy(self) -> bool:

@@ -211,3 +211,27 @@ def test_seeded_generators_follow_processed_distribution():
     gens = [make_generator(seed) for seed in range(n)]
     tokens = Sampler().sample(logits.expand(n, -1), [params] * n, gens)
     assert _chi_square_p_value(tokens, expected) > 1e-3
+
+
+def test_logprobs_are_the_log_of_the_distribution_sample_draws_from():
+    """Oracle: for sampled rows the logprobs are log(Sampler.probs) (what `sample` draws from);
+    for greedy rows the model's log-softmax; alternatives best first, masked tokens left out."""
+    import math
+
+    torch.manual_seed(0)
+    logits = torch.randn(3, 50)
+    logits[2, 10:] = float("-inf")  # a grammar mask leaving 10 tokens
+    params = [SamplingParams(temperature=0.7, top_k=8, top_p=0.9, logprobs=5),
+              SamplingParams(temperature=0.0, logprobs=3), SamplingParams(temperature=1.3, logprobs=20)]
+    sampler = Sampler()
+    tokens = sampler.sample(logits, params).tolist()
+    out = sampler.logprobs(logits, params, tokens)
+    probs = sampler.probs(logits, params)
+    assert math.isclose(out[0].logprob, math.log(probs[0, tokens[0]]), rel_tol=1e-5)
+    assert math.isclose(out[1].logprob, float(logits[1].log_softmax(-1)[tokens[1]]), rel_tol=1e-5)
+    assert out[1].top[0][0] == tokens[1] == int(logits[1].argmax())
+    assert len(out[2].top) == 10 and all(t < 10 for t, _ in out[2].top)  # only what the mask allows
+    for e, p in zip(out, params):
+        values = [v for _, v in e.top]
+        assert values == sorted(values, reverse=True) and len(e.top) <= p.logprobs
+    assert sum(math.exp(v) for _, v in out[0].top) <= 1 + 1e-6

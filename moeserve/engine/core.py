@@ -284,7 +284,8 @@ def _chunk(out: RequestOutput) -> GenerateChunk:
     if out.error is not None:
         return error_chunk(out.request_id, ErrorCode.INTERNAL, out.error, usage, tuple(out.new_token_ids), "grammar")
     reason = out.finish_reason if out.finished else None
-    return GenerateChunk(out.request_id, tuple(out.new_token_ids), finish_reason=reason, usage=usage)
+    logprobs = None if out.logprobs is None else tuple(out.logprobs)
+    return GenerateChunk(out.request_id, tuple(out.new_token_ids), finish_reason=reason, usage=usage, logprobs=logprobs)
 
 
 def _grammar_message(req: GenerateRequest, e: GrammarError) -> str:

@@ -23,7 +23,7 @@ from moeserve.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from moeserve.engine.structured import StructuredConfig, StructuredOutput
 from moeserve.grammar import CompiledGrammar
 from moeserve.sampler import Sampler
-from moeserve.sampling_params import SamplingParams
+from moeserve.sampling_params import SamplingParams, TokenLogprob
 from moeserve.sequence import RequestOutput, Sequence
 from moeserve.spec.adaptive import AdaptiveK, AdaptiveKConfig
 from moeserve.spec.config import SpecConfig
@@ -61,6 +61,7 @@ class LLMEngine:
         self.sampler = Sampler()
         self.rejection = RejectionSampler()
         self.spec_metrics = SpecMetrics()
+        self._logprobs: dict[str, list[TokenLogprob]] = {}  # this step's, for requests that asked
         self.num_spec_disabled_steps = 0  # decode steps without speculation: the batch was too big
         self.num_guard_refusals = 0  # tokens the grammar refused after masking (always 0 unless a bug)
         self.structured = StructuredOutput(runner.vocab_size, structured)
@@ -123,6 +124,7 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if batch is None:
             return []
+        self._logprobs.clear()
         for seq in batch.preempted:
             self._release(seq)
         try:
@@ -156,7 +158,21 @@ class LLMEngine:
         if self.structured.fill_last(seqs):
             self.structured.apply(logits)
         tokens = self.sampler.sample(logits, [s.params for s in seqs], positions=[s.num_tokens for s in seqs])
-        return [[t] for t in tokens.tolist()]
+        chosen = [[t] for t in tokens.tolist()]
+        self._record_logprobs(seqs, logits.unsqueeze(1), chosen)
+        return chosen
+
+    def _record_logprobs(self, seqs: list[Sequence], logits: torch.Tensor, tokens: list[list[int]]) -> None:
+        """For requests that asked: each chosen token's logprob, from the (masked) logits
+        [B, T, V] it was chosen at (position j of row i for the j-th token of row i)."""
+        want = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+        if not want:
+            return
+        at = [(i, j) for i in want for j in range(len(tokens[i]))]
+        rows = logits[[i for i, _ in at], [j for _, j in at]]  # [N, V]
+        entries = iter(self.sampler.logprobs(rows, [seqs[i].params for i, _ in at], [tokens[i][j] for i, j in at]))
+        for i in want:
+            self._logprobs[seqs[i].seq_id] = [next(entries) for _ in tokens[i]]
 
     def _decode(self, batch: ScheduledBatch) -> list[list[int]]:
         seqs = batch.seqs
@@ -177,6 +193,7 @@ class LLMEngine:
         self.structured.apply(logits)
         t2 = time.perf_counter()
         out = self._verify(seqs, logits, proposals)
+        self._record_logprobs(seqs, logits, out.token_ids)  # the target's verify pass
         accepted = out.num_accepted.tolist()
         for s, a, p, n in zip(seqs, accepted, proposals, fed):
             s.num_cached += n + a  # the fed tokens + accepted drafts; rejected ones are rolled back
@@ -236,6 +253,7 @@ class LLMEngine:
 
     def _postprocess(self, seq: Sequence, tokens: list[int]) -> RequestOutput:
         added, reason = self._append(seq, tokens)
+        logprobs = self._logprobs.pop(seq.seq_id, None)
         error = None
         if seq.grammar is not None and reason is None:
             adv = self.structured.advance(seq, added)
@@ -249,11 +267,14 @@ class LLMEngine:
                 reason = "stop"
             elif adv.forced:  # jump-forward: fed with the next step's pending token
                 forced, reason = self._append(seq, adv.forced)
+                if logprobs is not None:  # the grammar allowed nothing else: probability 1
+                    logprobs = logprobs[: len(added)] + [_forced_logprob(t, seq.params) for t in forced]
                 added += forced
         if reason:
             self._finish(seq, reason)
         return RequestOutput(
-            seq.seq_id, added, seq.is_finished, seq.finish_reason, len(seq.prompt_ids), len(seq.output_ids), error
+            seq.seq_id, added, seq.is_finished, seq.finish_reason, len(seq.prompt_ids), len(seq.output_ids), error,
+            None if logprobs is None else logprobs[: len(added)],
         )
 
     def _finish(self, seq: Sequence, reason: str) -> None:
@@ -281,6 +302,10 @@ class LLMEngine:
                     c.token_ids += out.new_token_ids
                     c.finished, c.finish_reason = out.finished, out.finish_reason
         return [done[rid] for rid in ids]
+
+
+def _forced_logprob(token: int, params: SamplingParams) -> TokenLogprob:
+    return TokenLogprob(token, 0.0, ((token, 0.0),) if params.logprobs else ())
 
 
 class StepError(RuntimeError):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 
 import httpx
 import jsonschema
@@ -81,6 +82,82 @@ def test_openai_completion_chat_and_streaming(gateway):
     assert [m.id for m in models.data] == [MODEL_NAME]
 
 
+def test_logprobs_chat_and_completions_streamed_and_not(gateway):
+    """The openai client reads logprobs: values <= 0; a greedy token is the most likely one; a
+    sampled token (top_k 5, so the final distribution has 5 tokens) is among the top 5; one
+    entry per generated token; the tokens' bytes spell the text."""
+    chat = [{"role": "user", "content": "Do you have rye bread?"}]
+
+    async def main():
+        c = client(gateway)
+        greedy = await c.chat.completions.create(model=MODEL_NAME, messages=chat, max_tokens=12, temperature=0,
+                                                 logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True})
+        stream = await c.chat.completions.create(model=MODEL_NAME, messages=chat, max_tokens=12, temperature=0.9,
+                                                 seed=5, logprobs=True, top_logprobs=5, stream=True,
+                                                 stream_options={"include_usage": True},
+                                                 extra_body={"top_k": 5, "ignore_eos": True})
+        chunks = [ch async for ch in stream]
+        comp = await c.completions.create(model=MODEL_NAME, prompt="The bakery sells", max_tokens=10,
+                                          temperature=0, logprobs=2, extra_body={"ignore_eos": True})
+        plain = await c.chat.completions.create(model=MODEL_NAME, messages=chat, max_tokens=4, temperature=0)
+        return greedy, chunks, comp, plain
+
+    greedy, chunks, comp, plain = asyncio.run(main())
+    content = greedy.choices[0].logprobs.content
+    assert len(content) == greedy.usage.completion_tokens == 12
+    for e in content:
+        assert e.logprob <= 0 and len(e.top_logprobs) == 3
+        assert e.token == e.top_logprobs[0].token and e.logprob == max(t.logprob for t in e.top_logprobs)
+    assert b"".join(bytes(e.bytes) for e in content).decode("utf-8", "replace") == greedy.choices[0].message.content
+
+    sampled = [e for ch in chunks if ch.choices and ch.choices[0].logprobs for e in ch.choices[0].logprobs.content]
+    assert len(sampled) == chunks[-1].usage.completion_tokens == 12
+    for e in sampled:
+        assert e.logprob <= 0 and 1 <= len(e.top_logprobs) <= 5
+        assert e.token in [t.token for t in e.top_logprobs]
+        assert abs(sum(math.exp(t.logprob) for t in e.top_logprobs) - 1) < 1e-4  # the whole distribution
+
+    lp = comp.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == comp.usage.completion_tokens
+    assert all(v <= 0 for v in lp.token_logprobs) and all(len(t) <= 2 for t in lp.top_logprobs)
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+    assert plain.choices[0].logprobs is None  # off unless asked for
+
+
+def test_n_choices_are_indexed_seeded_and_streamed(gateway):
+    """n choices: indices 0..n-1; choice i of a seeded request is the request with seed + i alone,
+    and the same again; streamed choices equal the non-streamed ones; greedy choices agree."""
+    async def main():
+        c = client(gateway)
+        ask = dict(model=MODEL_NAME, prompt="The bakery sells", max_tokens=8, temperature=0.9, seed=7)
+        three = await c.completions.create(n=3, **ask)
+        again = await c.completions.create(n=3, **ask)
+        alone = [await c.completions.create(**{**ask, "seed": 7 + i}) for i in range(3)]
+        chat = dict(model=MODEL_NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=6, temperature=0.8,
+                    seed=3, n=2)
+        whole = await c.chat.completions.create(**chat)
+        stream = await c.chat.completions.create(stream=True, stream_options={"include_usage": True}, **chat)
+        chunks = [ch async for ch in stream]
+        greedy = await c.completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=6, temperature=0, n=2)
+        return three, again, alone, whole, chunks, greedy
+
+    three, again, alone, whole, chunks, greedy = asyncio.run(main())
+    assert [ch.index for ch in three.choices] == [0, 1, 2]
+    assert [ch.text for ch in three.choices] == [ch.text for ch in again.choices] == [a.choices[0].text for a in alone]
+    assert three.usage.prompt_tokens == alone[0].usage.prompt_tokens
+    assert three.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+    streamed = {0: "", 1: ""}
+    finished = set()
+    for ch in chunks:
+        for choice in ch.choices:
+            streamed[choice.index] += choice.delta.content or ""
+            if choice.finish_reason:
+                finished.add(choice.index)
+    assert finished == {0, 1} and [streamed[0], streamed[1]] == [c.message.content for c in whole.choices]
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert greedy.choices[0].text == greedy.choices[1].text
+
+
 def test_response_format_json_schema_validates(gateway):
     async def main():
         c = client(gateway)
@@ -155,8 +232,9 @@ BAD = [
     ({"model": MODEL_NAME, "prompt": "x", "top_p": 1.5}, 400, "top_p"),
     ({"model": MODEL_NAME, "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
     ({"model": MODEL_NAME, "prompt": "x", "temperature": "hot"}, 400, "temperature"),
-    ({"model": MODEL_NAME, "prompt": "x", "n": 2}, 400, "n must be 1"),
-    ({"model": MODEL_NAME, "prompt": "x", "logprobs": 3}, 400, "logprobs"),
+    ({"model": MODEL_NAME, "prompt": "x", "n": 17}, 400, "n"),
+    ({"model": MODEL_NAME, "prompt": "x", "n": 0}, 400, "n"),
+    ({"model": MODEL_NAME, "prompt": "x", "logprobs": 21}, 400, "logprobs"),
     ({"model": MODEL_NAME, "prompt": "x", "stop": [""]}, 400, "stop"),
     ({"model": MODEL_NAME, "prompt": "x", "seed": 2**70}, 400, "seed"),
     ({"model": MODEL_NAME, "prompt": ["a", "b"]}, 400, "single prompt"),
@@ -181,6 +259,10 @@ BAD_CHAT = [
     ({"model": MODEL_NAME, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "text parts"),
     ({"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": -3}, 400,
      "max_tokens"),
+    ({"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, 400,
+     "top_logprobs needs logprobs"),
+    ({"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 30},
+     400, "top_logprobs"),
 ]
 
 

@@ -14,6 +14,7 @@ from deployments.metrics import GatewayMetrics
 from deployments.proto import generate_pb2 as pb
 from deployments.proto import generate_pb2_grpc as pb_grpc
 from moeserve.protocol import ErrorCode, GenerateChunk, Usage, error_chunk
+from moeserve.sampling_params import TokenLogprob
 from tests.grammar.tiny_tokenizer import build_tiny_tokenizer
 
 
@@ -25,7 +26,10 @@ class ScriptedEngine:
         if text in ErrorCode._value2member_map_:
             yield error_chunk(request.request_id, ErrorCode(text), f"scripted {text}")
             return
-        yield GenerateChunk(request.request_id, (5,), finish_reason="stop", usage=Usage(len(request.prompt_ids), 1))
+        k = request.params.logprobs
+        logprobs = None if k is None else (TokenLogprob(5, -0.25, ((5, -0.25), (6, -1.5))[:k]),)
+        yield GenerateChunk(request.request_id, (5,), finish_reason="stop", usage=Usage(len(request.prompt_ids), 1),
+                            logprobs=logprobs)
 
     async def health(self):
         return {"status": "ok"}
@@ -105,3 +109,22 @@ def test_standard_health_reflection_and_an_unset_model(frontend):
     assert unset[-1].finish_reason == "stop"
     statuses, _, _ = asyncio.run(check(down))
     assert statuses == [health_pb2.HealthCheckResponse.NOT_SERVING] * 2
+
+
+def test_logprobs_travel_both_ways(frontend):
+    async def main():
+        server, port = await start_grpc_server(frontend, "127.0.0.1", 0)
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                stub = pb_grpc.GenerateServiceStub(channel)
+                asked = [r async for r in stub.Generate(pb.GenerateRequest(model="tiny", prompt="fine", logprobs=2))]
+                plain = [r async for r in stub.Generate(pb.GenerateRequest(model="tiny", prompt="fine"))]
+                return asked, plain
+        finally:
+            await server.stop(None)
+
+    asked, plain = asyncio.run(main())
+    (entry,) = asked[-1].logprobs
+    assert (entry.token_id, entry.logprob) == (5, -0.25)
+    assert [(t.token_id, t.logprob) for t in entry.top] == [(5, -0.25), (6, -1.5)]
+    assert not plain[-1].logprobs

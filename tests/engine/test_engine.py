@@ -10,6 +10,7 @@ from moeserve.engine import LLMEngine, ModelRunner, SchedulerConfig, SpecConfig
 from moeserve.engine.model_runner import length_groups
 from moeserve.sampling_params import SamplingParams
 from moeserve.spec.ngram import NgramProposer
+from moeserve.spec.proposer import Proposal, ProposalRequest, Proposer
 from tests.model_shards.hf_tiny import save_tiny
 
 
@@ -195,3 +196,52 @@ def test_length_groups_keeps_similar_lengths_together():
     assert length_groups([1] * 16) == [list(range(16))]
     assert length_groups([]) == []
     assert length_groups([382, 31, 380], overhead_tokens=0) == [[0], [2], [1]]
+
+
+class _Replay(Proposer):
+    """Proposes the reference continuation (every draft accepted), to exercise the verify pass."""
+
+    def __init__(self, prompts: list[list[int]], continuations: list[list[int]]) -> None:
+        self.full = [p + c for p, c in zip(prompts, continuations)]
+
+    def propose(self, requests: list[ProposalRequest]) -> list[Proposal]:
+        out = []
+        for r in requests:
+            ids = list(r.token_ids)
+            ref = next(f for f in self.full if f[: len(ids)] == ids)
+            out.append(Proposal(ref[len(ids) : len(ids) + r.num_tokens]))
+        return out
+
+    def on_finished(self, seq_id: str) -> None:
+        pass
+
+
+def test_logprobs_from_the_verify_pass_equal_plain_decoding(tiny):
+    """Greedy and sampled (top-k) logprobs: one per token, the greedy token the maximum, and
+    the same values whether the tokens came from plain decode steps or were verified drafts."""
+    folder, _ = tiny
+    ps = prompts(3, seed=8)
+    for params in (SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=3),
+                   SamplingParams(max_tokens=10, temperature=0.7, top_k=4, seed=5, ignore_eos=True, logprobs=4)):
+        plain = _run_with_logprobs(make_engine(folder), ps, params)
+        replay = _Replay(ps, [tokens for tokens, _ in plain])
+        spec = _run_with_logprobs(make_engine(folder, proposer=replay, k=4), ps, params)
+        for (tokens, lps), (spec_tokens, spec_lps) in zip(plain, spec):
+            assert spec_tokens == tokens and [e.token_id for e in lps] == tokens
+            for a, b in zip(lps, spec_lps):
+                assert abs(a.logprob - b.logprob) < 1e-4 and [t for t, _ in a.top] == [t for t, _ in b.top]
+                assert a.logprob <= 0 and len(a.top) == params.logprobs
+                if params.greedy:
+                    assert a.top[0][0] == a.token_id
+                else:
+                    assert a.token_id in [t for t, _ in a.top]  # top-k 4: the whole final distribution
+
+
+def _run_with_logprobs(engine: LLMEngine, ps: list[list[int]], params: SamplingParams) -> list[tuple[list, list]]:
+    ids = [engine.add_request(p, params) for p in ps]
+    out = {rid: ([], []) for rid in ids}
+    while engine.has_unfinished():
+        for o in engine.step():
+            out[o.request_id][0].extend(o.new_token_ids)
+            out[o.request_id][1].extend(o.logprobs)
+    return [out[rid] for rid in ids]
