@@ -100,8 +100,8 @@ class Frontend:
             raise APIError(400, f"prompt token ids must be in [0, {vocab}), got {bad[0]}", param="prompt")
         return list(prompt)
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        text = render_chat(self.tokenizer, messages)  # ValueError names the message -> 400
+    def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        text = render_chat(self.tokenizer, messages, tools=tools)  # ValueError names the message -> 400
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     async def prepare(

@@ -38,6 +38,8 @@ from deployments.openai_api import (
     error_responses,
     sse,
 )
+from deployments.tools import ToolCalling
+from moeserve.grammar.spec import GrammarSpec
 from moeserve.protocol import GenerateChunk, Usage
 
 ROUTE_COMPLETIONS = "/v1/completions"
@@ -123,7 +125,7 @@ class Gateway:
         body.check_supported()
         self.frontend.check_model(body.model)
         prompt_ids = self.frontend.encode_prompt(body.single_prompt())
-        preps = await self._prepare(body, prompt_ids, body.max_tokens, ROUTE_COMPLETIONS)
+        preps = await self._prepare(body, prompt_ids, body.max_tokens, body.grammar_spec(), ROUTE_COMPLETIONS)
         builder = ResponseBuilder(f"cmpl-{preps[0].request.request_id[4:]}", body.model, chat=False,
                                   token_bytes=self.frontend.token_bytes)
         return await self._respond(preps, builder, body.stream, body.include_usage)
@@ -132,17 +134,18 @@ class Gateway:
         """OpenAI `POST /v1/chat/completions` through the tokenizer's chat template."""
         body.check_supported()
         self.frontend.check_model(body.model)
-        prompt_ids = self.frontend.encode_chat(body.message_dicts())
+        calling = body.tool_calling()
+        prompt_ids = self.frontend.encode_chat(body.message_dicts(), calling.template_tools() if calling else None)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        preps = await self._prepare(body, prompt_ids, max_tokens, ROUTE_CHAT)
+        preps = await self._prepare(body, prompt_ids, max_tokens, body.grammar_spec(calling), ROUTE_CHAT)
         builder = ResponseBuilder(f"chatcmpl-{preps[0].request.request_id[4:]}", body.model, chat=True,
                                   token_bytes=self.frontend.token_bytes)
-        return await self._respond(preps, builder, body.stream, body.include_usage)
+        return await self._respond(preps, builder, body.stream, body.include_usage, calling)
 
     async def _prepare(self, body: CompletionRequest | ChatCompletionRequest, prompt_ids: list[int],
-                       max_tokens: int | None, route: str) -> list[Prepared]:
+                       max_tokens: int | None, grammar: GrammarSpec | None, route: str) -> list[Prepared]:
         """One engine request per choice (choice i of a seeded request samples with seed + i)."""
-        grammar, base = body.grammar_spec(), f"req-{uuid.uuid4().hex}"
+        base = f"req-{uuid.uuid4().hex}"
         return [await self.frontend.prepare(prompt_ids, functools.partial(body.sampling_params, choice=i), max_tokens,
                                             grammar, route, base if body.n == 1 else f"{base}-{i}")
                 for i in range(body.n)]
@@ -197,7 +200,7 @@ class Gateway:
 
     # ---- responses -------------------------------------------------------------------------
     async def _respond(self, preps: list[Prepared], builder: ResponseBuilder, stream: bool,
-                       include_usage: bool) -> Response:
+                       include_usage: bool, calling: ToolCalling | None = None) -> Response:
         streams = [self.frontend.stream(p) for p in preps]
         handed_off = False
         try:
@@ -209,7 +212,7 @@ class Gateway:
             merged = _merge(firsts, streams)
             if stream:  # the SSE generator owns (and closes) the streams from here
                 handed_off = True
-                return StreamingResponse(self._sse(merged, streams, builder, include_usage),
+                return StreamingResponse(self._sse(merged, streams, builder, include_usage, calling),
                                          media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
             choices = [Choice(i) for i in range(len(preps))]
@@ -225,11 +228,17 @@ class Gateway:
         finally:
             if not handed_off:
                 await _close(streams)  # also on cancellation: a client that went away aborts its requests
+        if calling is not None:
+            for c in choices:
+                c.text, c.tool_calls = calling.split(c.text)
+                c.finish_reason = "tool_calls" if c.tool_calls else c.finish_reason
         return JSONResponse(builder.full(choices, _total(usage)))
 
     async def _sse(self, merged: AsyncIterator[tuple[int, GenerateChunk]], streams: list[AsyncIterator],
-                   builder: ResponseBuilder, include_usage: bool) -> AsyncIterator[str]:
+                   builder: ResponseBuilder, include_usage: bool, calling: ToolCalling | None = None
+                   ) -> AsyncIterator[str]:
         usage: list[Usage] = [Usage()] * len(streams)
+        tools = [calling.stream() for _ in streams] if calling is not None else None
         try:
             if builder.chat:
                 for i in range(len(streams)):
@@ -238,8 +247,19 @@ class Gateway:
                 if chunk.error is not None:
                     yield sse(APIError.from_stream(chunk.error).body())
                     break
-                if chunk.text or chunk.finished or chunk.logprobs:
-                    yield builder.chunk(chunk.text, chunk.finish_reason, index=i, logprobs=chunk.logprobs)
+                text, calls = chunk.text, []
+                if tools is not None:  # content only outside tool calls; the calls once complete
+                    text = tools[i].feed(text)
+                    if chunk.finished:
+                        rest, calls = tools[i].finish()
+                        text += rest
+                if calls:
+                    if text or chunk.logprobs:
+                        yield builder.chunk(text, index=i, logprobs=chunk.logprobs)
+                    yield builder.tool_calls_chunk(calls, index=i)
+                    yield builder.chunk("", "tool_calls", index=i)
+                elif text or chunk.finished or chunk.logprobs:
+                    yield builder.chunk(text, chunk.finish_reason, index=i, logprobs=chunk.logprobs)
                 usage[i] = chunk.usage
             else:
                 if include_usage:

@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from deployments.tools import Tool, ToolCalling
 from moeserve.grammar.spec import GrammarSpec
 from moeserve.protocol import ErrorCode, StreamError, Usage
 from moeserve.sampling_params import MAX_LOGPROBS, MAX_SEED, SamplingParams, TokenLogprob
@@ -197,6 +198,8 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: str
     content: str | list[ContentPart] | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
     def text(self, index: int) -> str:
         if self.content is None:
@@ -220,17 +223,44 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[Tool] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
 
     def check_supported(self) -> None:
         super().check_supported()
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
 
+    def tool_calling(self) -> ToolCalling | None:
+        """What `tools` / `tool_choice` ask for (None without tools)."""
+        if not self.tools and self.tool_choice in (None, "none", "auto"):
+            return None
+        return ToolCalling(self.tools or [], self.tool_choice, self.parallel_tool_calls)
+
+    def grammar_spec(self, calling: ToolCalling | None = None) -> GrammarSpec | None:
+        """The output grammar: a forced tool call's, or the one the request asks for (not both)."""
+        own = super().grammar_spec()
+        forced = calling.grammar() if calling is not None else None
+        if forced is not None and own is not None:
+            raise APIError(400, "a required or named tool_choice cannot be combined with response_format or "
+                                "guided_* (the call's arguments already follow the function's schema)",
+                           param="tool_choice")
+        return forced or own
+
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    def message_dicts(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.text(i)} for i, m in enumerate(self.messages)]
+    def message_dicts(self) -> list[dict[str, Any]]:
+        out = []
+        for i, m in enumerate(self.messages):
+            d: dict[str, Any] = {"role": m.role, "content": None if m.content is None and m.tool_calls else m.text(i)}
+            if m.tool_calls:
+                d["tool_calls"] = m.tool_calls
+            if m.tool_call_id is not None:
+                d["tool_call_id"] = m.tool_call_id
+            out.append(d)
+        return out
 
 
 # --- responses --------------------------------------------------------------------------------
@@ -248,12 +278,14 @@ def usage_dict(usage: Usage) -> dict[str, int]:
 
 @dataclass
 class Choice:
-    """One choice's output so far (non-streaming: all of it)."""
+    """One choice's output so far (non-streaming: all of it); with tool calls, `text` is the
+    content besides them (None when there is none)."""
 
     index: int
-    text: str = ""
+    text: str | None = ""
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ResponseBuilder:
@@ -275,7 +307,8 @@ class ResponseBuilder:
     def full(self, choices: list[Choice], usage: Usage) -> dict[str, Any]:
         if self.chat:
             body = self._envelope("chat.completion", [
-                {"index": c.index, "message": {"role": "assistant", "content": c.text},
+                {"index": c.index, "message": {"role": "assistant", "content": c.text}
+                 | ({"tool_calls": c.tool_calls} if c.tool_calls else {}),
                  "logprobs": self.logprobs(c.index, c.logprobs), "finish_reason": c.finish_reason} for c in choices])
         else:
             body = self._envelope("text_completion", [
@@ -295,6 +328,12 @@ class ResponseBuilder:
             return sse(self._envelope("chat.completion.chunk", [choice]))
         choice = {"index": index, "text": text, "logprobs": rendered, "finish_reason": finish_reason}
         return sse(self._envelope("text_completion", [choice]))
+
+    def tool_calls_chunk(self, calls: list[dict[str, Any]], index: int = 0) -> str:
+        """A chat delta with whole tool calls (id, name and all the arguments at once)."""
+        delta = {"tool_calls": [{"index": j, **call} for j, call in enumerate(calls)]}
+        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
+        return sse(self._envelope("chat.completion.chunk", [choice]))
 
     def logprobs(self, index: int, entries: Sequence[TokenLogprob] | None) -> dict[str, Any] | None:
         """Chat: {"content": [{token, logprob, bytes, top_logprobs}]}; completions: tokens,

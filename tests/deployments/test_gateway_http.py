@@ -35,15 +35,31 @@ SCHEMA = {
 }
 
 
-@pytest.fixture(scope="module")
-def gateway(tmp_path_factory):
-    folder = save_tiny_checkpoint(tmp_path_factory.mktemp("tiny-moe"))
+def _gateway(folder, max_len: int):
     tokenizer = load_tokenizer(folder)
-    engine = LLMEngine(ModelRunner(load_checkpoint(folder), 8, MAX_LEN), tokenizer, proposer=NgramProposer(),
+    engine = LLMEngine(ModelRunner(load_checkpoint(folder), 8, max_len), tokenizer, proposer=NgramProposer(),
                        spec=SpecConfig(num_tokens=3))
     server = EngineServer(EngineServerConfig(), engine=engine)
-    gw = Gateway(server, GatewayConfig(model_name=MODEL_NAME, model_path=str(folder), max_model_len=MAX_LEN,
-                                       max_body_bytes=64 * 1024))
+    return server, Gateway(server, GatewayConfig(model_name=MODEL_NAME, model_path=str(folder), max_model_len=max_len,
+                                                 max_body_bytes=64 * 1024))
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return save_tiny_checkpoint(tmp_path_factory.mktemp("tiny-moe"))
+
+
+@pytest.fixture(scope="module")
+def gateway(folder):
+    server, gw = _gateway(folder, MAX_LEN)
+    yield gw
+    server.shutdown()
+
+
+@pytest.fixture(scope="module")
+def long_gateway(folder):
+    """Room for tool definitions in the prompt (the tiny tokenizer spends a token on most characters)."""
+    server, gw = _gateway(folder, 1024)
     yield gw
     server.shutdown()
 
@@ -156,6 +172,76 @@ def test_n_choices_are_indexed_seeded_and_streamed(gateway):
     assert finished == {0, 1} and [streamed[0], streamed[1]] == [c.message.content for c in whole.choices]
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
     assert greedy.choices[0].text == greedy.choices[1].text
+
+
+ORDER = {"type": "object", "properties": {"item": {"enum": ["rye", "baguette", "croissant"]},
+                                        "quantity": {"type": "integer", "minimum": 1, "maximum": 12}},
+         "required": ["item", "quantity"], "additionalProperties": False}
+PRICE = {"type": "object", "properties": {"item": {"enum": ["rye", "baguette"]}}, "required": ["item"],
+         "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "place_order", "description": "Order bread", "parameters": ORDER}},
+         {"type": "function", "function": {"name": "get_price", "parameters": PRICE}}]
+SCHEMAS = {"place_order": ORDER, "get_price": PRICE}
+
+
+def test_tool_calls_required_and_named_streamed_and_not_then_a_round_trip(long_gateway):
+    """tool_choice required / a named function: the openai client reads tool_calls whose
+    arguments validate against the function's schema, streamed (whole calls per delta) and not;
+    the call and its result go back as messages and render through the chat template."""
+    ask = [{"role": "user", "content": "Two rye loaves please"}]
+
+    gateway = long_gateway
+
+    async def main():
+        c = client(gateway)
+        common = dict(model=MODEL_NAME, messages=ask, tools=TOOLS, max_tokens=200, temperature=1.0)
+        required = await c.chat.completions.create(tool_choice="required", parallel_tool_calls=False, seed=2,
+                                                   **common)
+        named = await c.chat.completions.create(tool_choice={"type": "function", "function": {"name": "get_price"}},
+                                                stream=True, seed=4, **common)
+        chunks = [ch async for ch in named]
+        call = required.choices[0].message.tool_calls[0]
+        follow = ask + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                        {"role": "tool", "tool_call_id": call.id, "content": '{"ok": true}'}]
+        after = await c.chat.completions.create(model=MODEL_NAME, messages=follow, tools=TOOLS, max_tokens=4,
+                                                temperature=0)
+        return required, chunks, follow, after
+
+    required, chunks, follow, after = asyncio.run(main())
+    choice = required.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_") and call.function.name in SCHEMAS
+    jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+    streamed: dict[int, dict] = {}
+    for ch in chunks:
+        for d in ch.choices[0].delta.tool_calls or []:
+            entry = streamed.setdefault(d.index, {"name": "", "arguments": ""})
+            entry["name"] += d.function.name or ""
+            entry["arguments"] += d.function.arguments or ""
+    assert chunks[-1].choices[0].finish_reason == "tool_calls" and streamed
+    for entry in streamed.values():  # parallel calls allowed: one or more, all of the named function
+        assert entry["name"] == "get_price"
+        jsonschema.validate(json.loads(entry["arguments"]), PRICE)
+
+    prompt = load_tokenizer(gateway.config.model_path).decode(gateway.frontend.encode_chat(follow, TOOLS))
+    assert "<tool_response>" in prompt and call.function.name in prompt and "place_order" in prompt
+    assert after.choices[0].message.role == "assistant"
+
+
+def test_tool_choice_errors_are_clear_400s(gateway):
+    ask = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}]}
+    cases = [
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "not in tools"),
+        ({"tool_choice": "required"}, "needs tools"),
+        ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+        ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "function name"),
+        ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "cannot be combined"),
+    ]
+    for extra, needle in cases:
+        r = asyncio.run(_post(gateway, "/v1/chat/completions", {**ask, **extra}))
+        assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
 
 
 def test_response_format_json_schema_validates(gateway):

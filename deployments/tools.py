@@ -1,0 +1,155 @@
+"""Tool calling for chat completions: `tools`, `tool_choice` and `parallel_tool_calls`, as the
+OpenAI API defines them.
+
+    tool_choice   what the model may write                      how
+    "none"        text only                                     no grammar (tools still in the prompt)
+    "auto"        text, or calls as <tool_call>{...}</tool_call>  parsed from the text (Hermes style)
+    "required"    one call (or a list, if parallel) of any tool  JSON-schema grammar: always valid
+    {function}    a call of that function                        JSON-schema grammar: always valid
+
+With "required" or a named function, the output is grammar-constrained to
+`{"name": <tool>, "arguments": <its parameters schema>}` (or a non-empty array of those), so
+the arguments always validate against the function's schema. The chat template shows the
+tools to the model and renders earlier calls and their results (moeserve/tokenizer.py).
+Calls reach the client as `message.tool_calls` with finish_reason "tool_calls"; streamed, as
+one `delta.tool_calls` entry per call once the call is complete (the openai client joins
+argument fragments, so a whole call per delta is what it reads too).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from moeserve.grammar.spec import GrammarSpec
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+_CALL = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.DOTALL)
+_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule for function names
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class ToolCalling:
+    """One chat request's tools: the grammar its output needs, and its text turned into calls."""
+
+    def __init__(self, tools: list[Tool], choice: str | dict[str, Any] | None, parallel: bool) -> None:
+        names = [t.function.name for t in tools]
+        for name in names:
+            if not _NAME.match(name):
+                raise ValueError(f"tools: function name {name!r} must be 1-64 letters, digits, _ or -")
+        if len(set(names)) != len(names):
+            raise ValueError("tools: function names must be unique")
+        self.tools = {t.function.name: t.function for t in tools}
+        self.parallel = parallel
+        self.forced: list[str] = []  # the functions a call must be one of (empty: not forced)
+        if choice is None or choice in ("auto", "none"):
+            self.mode = "auto" if tools and choice != "none" else "none"
+        elif choice == "required":
+            if not tools:
+                raise ValueError("tool_choice 'required' needs tools")
+            self.mode, self.forced = "forced", names
+        elif isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
+            name = choice["function"].get("name")
+            if name not in self.tools:
+                raise ValueError(f"tool_choice names function {name!r}, which is not in tools")
+            self.mode, self.forced = "forced", [name]
+        else:
+            raise ValueError("tool_choice must be 'none', 'auto', 'required' or "
+                             "{'type': 'function', 'function': {'name': ...}}")
+
+    def template_tools(self) -> list[dict[str, Any]]:
+        """The tools as chat templates expect them (transformers' `tools=` argument)."""
+        return [{"type": "function", "function": f.model_dump(exclude_none=True)} for f in self.tools.values()]
+
+    def grammar(self) -> GrammarSpec | None:
+        """For a forced call: a JSON schema admitting exactly the allowed calls."""
+        if self.mode != "forced":
+            return None
+        calls = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
+                  "properties": {"name": {"const": n}, "arguments": self.tools[n].parameters}} for n in self.forced]
+        one = calls[0] if len(calls) == 1 else {"anyOf": calls}
+        schema = {"type": "array", "minItems": 1, "items": one} if self.parallel else one
+        return GrammarSpec.json_schema(json.dumps(schema))
+
+    def split(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
+        """The finished text as (content, tool_calls in OpenAI's shape); no calls: (text, [])."""
+        if self.mode == "none":
+            return text, []
+        if self.mode == "forced":
+            try:
+                parsed = json.loads(text)
+            except ValueError:  # cut short (length): not a call
+                return text, []
+            return None, [_call(c) for c in (parsed if isinstance(parsed, list) else [parsed])]
+        calls = []
+        for body in _CALL.findall(text):
+            try:
+                c = json.loads(body)
+            except ValueError:
+                continue
+            if isinstance(c, dict) and c.get("name") in self.tools and isinstance(c.get("arguments", {}), dict):
+                calls.append(_call(c))
+        if not calls:
+            return text, []
+        content = _CALL.sub("", text).strip()
+        return content or None, calls if self.parallel else calls[:1]
+
+    def stream(self) -> ToolStream:
+        return ToolStream(self)
+
+
+class ToolStream:
+    """One streamed choice: passes text through until a call may start, then holds it back."""
+
+    def __init__(self, calling: ToolCalling) -> None:
+        self.calling = calling
+        self.text = ""  # everything generated
+        self.sent = 0  # characters of it already streamed as content
+
+    def feed(self, text: str) -> str:
+        """Content to stream now for this new text."""
+        self.text += text
+        mode = self.calling.mode
+        if mode == "forced":
+            return ""
+        if mode == "none":
+            out, self.sent = self.text[self.sent :], len(self.text)
+            return out
+        start = self.text.find(OPEN, self.sent)
+        if start < 0:  # hold back a tail that may be the start of "<tool_call>"
+            start = len(self.text)
+            for k in range(min(len(OPEN) - 1, len(self.text) - self.sent), 0, -1):
+                if OPEN.startswith(self.text[-k:]):
+                    start = len(self.text) - k
+                    break
+        out, self.sent = self.text[self.sent : start], start
+        return out
+
+    def finish(self) -> tuple[str, list[dict[str, Any]]]:
+        """At the end: the content not yet streamed, and the calls."""
+        content, calls = self.calling.split(self.text)
+        if not calls:
+            return self.text[self.sent :], []
+        rest = self.text[self.sent :] if self.calling.mode == "auto" else ""
+        return _CALL.sub("", rest), calls
+
+
+def _call(c: dict[str, Any]) -> dict[str, Any]:
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": c["name"], "arguments": json.dumps(c.get("arguments", {}), ensure_ascii=False)}}
