@@ -1,7 +1,13 @@
 """Per-model grammar compilation: `GrammarCompiler` turns a `GrammarSpec` into a `CompiledGrammar`.
 
 One compiler per (tokenizer, model vocab size), shared by all requests of a process, as vLLM v1
-keeps one grammar backend per engine. Compiling is bounded three ways, because the spec comes
+keeps one grammar backend per engine.
+
+Two backends, chosen per request: xgrammar for everything it can enforce (JSON schemas after
+schema_support.py's rewriting, regex, EBNF, choice), and llguidance's JSON-schema compiler
+for schemas that rewriting refuses for a feature llguidance enforces exactly (LLGUIDANCE_FEATURES:
+multipleOf, a length or format together with a pattern, ...). A schema neither can enforce
+exactly is refused with the feature named: an output is never allowed to break its schema. Compiling is bounded three ways, because the spec comes
 from the client: spec text length, wall time, and an LRU cache that makes repeats ~free.
 
 Time limit: xgrammar's C++ compile cannot be interrupted, so it runs in a small thread pool
@@ -21,8 +27,10 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+import llguidance
+import llguidance.hf
 import torch
 import xgrammar as xgr
 from transformers import PreTrainedTokenizerBase
@@ -34,6 +42,13 @@ from moeserve.grammar.spec import GrammarSpec
 from moeserve.grammar.termination import ClosingPolicy, ClosingTables
 from moeserve.grammar.tokenizer_info import build_tokenizer_info
 from moeserve.grammar.utf8 import second_byte_rows
+
+# Refusals of the xgrammar path that llguidance enforces exactly and always lets finish (random
+# decodes of every JSONSchemaBench schema with these features end, and validate). Not here:
+# patternProperties (llguidance lets a key grow that no pattern can ever match, so a decode may
+# never end), and what llguidance refuses itself (not, oneOf, uniqueItems, if/then/else, ...).
+LLGUIDANCE_FEATURES = frozenset({"multipleOf", "length+pattern", "format+pattern", "format+length", "$ref:anchor",
+                                 "allOf:pattern", "minProperties"})
 
 
 @dataclass(frozen=True)
@@ -78,20 +93,21 @@ class CompiledGrammar:
     every request with the same spec; per-request state lives in `GrammarMatcher`."""
 
     spec: GrammarSpec
-    grammar: xgr.CompiledGrammar = field(repr=False, compare=False)
-    source: str = field(repr=False)  # what xgrammar compiled: rewritten schema, regex or EBNF
+    grammar: xgr.CompiledGrammar | None = field(repr=False, compare=False)  # None: llguidance's
+    source: str = field(repr=False)  # what the backend compiled: rewritten schema, regex, EBNF, llguidance grammar
     vocab_size: int
     stop_token_ids: tuple[int, ...]
     compile_s: float = field(compare=False)
     vocab: VocabRows = field(repr=False, compare=False)
+    llg_tokenizer: llguidance.LLTokenizer | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def backend(self) -> str:
+        return "xgrammar" if self.grammar is not None else "llguidance"
 
     @property
     def memory_size_bytes(self) -> int:
-        return self.grammar.memory_size_bytes
-
-    def serialize(self) -> str:
-        """xgrammar's JSON form, for shipping to another process; see `GrammarCompiler.deserialize`."""
-        return self.grammar.serialize_json()
+        return self.grammar.memory_size_bytes if self.grammar is not None else len(self.source)
 
 
 class GrammarCompiler:
@@ -118,6 +134,8 @@ class GrammarCompiler:
         )
         self.vocab_size: int = text_info.vocab_size
         self.stop_token_ids: tuple[int, ...] = tuple(text_info.stop_token_ids)
+        self.tokenizer = tokenizer
+        self._llg_tokenizer: llguidance.LLTokenizer | None = None  # built on the first llguidance grammar
         self.decoded_vocab: list[bytes] = text_info.decoded_vocab
         self._infos = {"text": text_info, "json": json_info}
         threads = self.config.max_threads
@@ -180,12 +198,6 @@ class GrammarCompiler:
                 "in_flight": len(self._in_flight),
             }
 
-    def deserialize(self, spec: GrammarSpec, data: str) -> CompiledGrammar:
-        """Rebuild a grammar `CompiledGrammar.serialize()` produced in a process with the same tokenizer."""
-        info = self._infos["json" if spec.kind in ("json_object", "json_schema") else "text"]
-        grammar = xgr.CompiledGrammar.deserialize_json(data, info)
-        return self._wrap(spec, grammar, source="(deserialized)", compile_s=0.0)
-
     def closing_policy(self, compiled: CompiledGrammar) -> ClosingPolicy:
         """A fresh per-request policy for steering `compiled`'s output to an end (termination.py)."""
         if self._closing_tables is None:  # built on first use: a Python pass over the vocabulary
@@ -221,7 +233,11 @@ class GrammarCompiler:
                 # strict_mode=False: "any object" must allow any keys (strict allows none undeclared).
                 grammar = self._xgr["json"].compile_json_schema(source, strict_mode=False, **json_opts)
             elif spec.kind == "json_schema":
-                prepared = prepare_json_schema(json.loads(spec.value))
+                schema = json.loads(spec.value)
+                try:
+                    prepared = prepare_json_schema(schema)
+                except GrammarError as refused:  # what xgrammar cannot enforce: llguidance may
+                    return self._compile_llguidance(spec, schema, refused, start)
                 source = json.dumps(prepared, ensure_ascii=False)
                 grammar = self._xgr["json"].compile_json_schema(source, strict_mode=True, **json_opts)
             elif spec.kind == "regex":
@@ -241,7 +257,30 @@ class GrammarCompiler:
             raise GrammarError(f"invalid {spec.kind}: {_xgr_message(e)}", feature=f"invalid-{spec.kind}") from None
         return self._wrap(spec, grammar, source=source, compile_s=time.perf_counter() - start)
 
-    def _wrap(self, spec: GrammarSpec, grammar: xgr.CompiledGrammar, *, source: str, compile_s: float) -> CompiledGrammar:
+    def _compile_llguidance(self, spec: GrammarSpec, schema: object, refused: GrammarError,
+                            start: float) -> CompiledGrammar:
+        """llguidance's JSON-schema grammar for a schema the xgrammar path refused; the refusal
+        stands (with llguidance's reason added) when llguidance cannot enforce it either."""
+        if refused.feature not in LLGUIDANCE_FEATURES:
+            raise refused
+        item, key = self.config.separators
+        options = {"whitespace_flexible": False, "item_separator": item, "key_separator": key}
+        try:
+            source = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)
+        except ValueError:
+            raise refused from None
+        with self._lock:
+            if self._llg_tokenizer is None:
+                self._llg_tokenizer = llguidance.hf.from_tokenizer(
+                    self.tokenizer, n_vocab=self.vocab_size, eos_token=list(self.stop_token_ids))
+        probe = llguidance.LLMatcher(self._llg_tokenizer, source, log_level=0)
+        if probe.is_error():
+            raise GrammarError(f"{refused.message} (llguidance: {probe.get_error()})", feature=refused.feature) from None
+        compiled = self._wrap(spec, None, source=source, compile_s=time.perf_counter() - start)
+        return replace(compiled, llg_tokenizer=self._llg_tokenizer)
+
+    def _wrap(self, spec: GrammarSpec, grammar: xgr.CompiledGrammar | None, *, source: str,
+              compile_s: float) -> CompiledGrammar:
         return CompiledGrammar(
             spec=spec,
             grammar=grammar,

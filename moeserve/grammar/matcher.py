@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import llguidance
+import llguidance.torch
 import torch
 import xgrammar as xgr
 
@@ -30,7 +32,7 @@ class GrammarMatcher:
 
     def __init__(self, compiled: CompiledGrammar) -> None:
         self.compiled = compiled
-        self._matcher = xgr.GrammarMatcher(compiled.grammar)
+        self._matcher = xgr.GrammarMatcher(compiled.grammar) if compiled.grammar is not None else _LLGuidance(compiled)
         self._vocab = compiled.vocab
         self._history: list[int] = []  # accepted since reset: what rollback() can undo
 
@@ -135,3 +137,48 @@ class GrammarMatcher:
             if text:
                 return pending_lead(text)
         return None
+
+
+class _LLGuidance:
+    """llguidance's matcher behind the xgrammar matcher calls `GrammarMatcher` makes. A refused
+    token leaves it unchanged (llguidance itself would enter an error state for good)."""
+
+    def __init__(self, compiled: CompiledGrammar) -> None:
+        self._m = llguidance.LLMatcher(compiled.llg_tokenizer, compiled.source, log_level=0)
+        self._stop = frozenset(compiled.stop_token_ids)
+        self._terminated = False  # a stop token was accepted
+
+    def accept_token(self, token_id: int) -> bool:
+        if self._terminated:
+            return False
+        if token_id in self._stop:  # kept here, not in llguidance: rollback past it stays simple
+            self._terminated = self._m.is_accepting()
+            return self._terminated
+        if self._m.is_stopped() or self._m.validate_tokens([token_id]) != 1:
+            return False
+        return self._m.consume_token(token_id)
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens and self._terminated:
+            self._terminated, num_tokens = False, num_tokens - 1
+        if num_tokens:
+            self._m.rollback(num_tokens)
+
+    def fill_next_token_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        llguidance.torch.fill_next_token_bitmask(self._m, bitmask, row)
+
+    def is_terminated(self) -> bool:
+        return self._terminated
+
+    def is_completed(self) -> bool:
+        return self._m.is_accepting()
+
+    def find_jump_forward_tokens(self) -> list[int]:
+        return self._m.compute_ff_tokens()
+
+    def find_jump_forward_string(self) -> str:
+        return self._m.compute_ff_bytes().decode("utf-8", errors="ignore")
+
+    def reset(self) -> None:
+        self._m.reset()
+        self._terminated = False

@@ -20,9 +20,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import xgrammar as xgr
-
-from moeserve.grammar import GrammarCompiler, GrammarError, GrammarSpec, check_output
+from moeserve.grammar import GrammarCompiler, GrammarError, GrammarMatcher, GrammarSpec, check_output
 from tests.grammar.decoding import random_decode
 
 CONFORMANCE_ENV = "MOESERVE_CONFORMANCE_DIR"
@@ -100,8 +98,9 @@ def check_case(compiler: GrammarCompiler, tokenizer, case: Case, *, decodes: int
                 result.invalid.append(f"{reason}: {out.text[:300]!r}")
         for test in case.tests:
             instance = json.dumps(test["data"], separators=compiler.config.separators, ensure_ascii=False)
-            matcher = xgr.GrammarMatcher(compiled.grammar)
-            accepted = matcher.accept_string(instance) and matcher.is_completed()
+            ids = tokenizer.encode(instance, add_special_tokens=False)
+            matcher = GrammarMatcher(compiled)
+            accepted = matcher.accept_tokens(ids) == len(ids) and matcher.is_completed()
             if accepted and not test["valid"]:
                 result.unsound.append(instance[:300])
             elif not accepted and test["valid"]:

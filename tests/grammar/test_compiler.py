@@ -161,15 +161,6 @@ def test_regex_grammars_may_use_newlines(compiler, tokenizer):
     assert matcher.is_completed()
 
 
-def test_serialize_roundtrip(compiler, tokenizer):
-    spec = GrammarSpec.json_schema(SCHEMA)
-    data = compiler.compile(spec).serialize()
-    rebuilt = compiler.deserialize(spec, data)
-    ids = tokenizer.encode('{"id":12,"tags":["x"]}')
-    matcher = GrammarMatcher(rebuilt)
-    assert matcher.accept_tokens(ids) == len(ids) and matcher.is_completed()
-
-
 def test_custom_stop_tokens(tokenizer):
     compiler = GrammarCompiler(tokenizer, MODEL_VOCAB, stop_token_ids=[tokenizer.pad_token_id])
     matcher = GrammarMatcher(compiler.compile(GrammarSpec.choice(["yes"])))

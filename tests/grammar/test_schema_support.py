@@ -2,9 +2,10 @@
 
 Every "ok" case compiles and its grammar accepts the valid instances and refuses the invalid
 ones (as compact JSON); each exists because xgrammar 0.2.9 alone got it wrong or because we
-rewrite it (see test_xgrammar_quirks.py for the raw behaviour). Every "refused" case raises
-GrammarError with the named feature instead of compiling a grammar that would let invalid
-output through.
+rewrite it (see test_xgrammar_quirks.py for the raw behaviour). Every "llguidance" case is one
+the xgrammar path refuses and the second backend enforces, checked the same way. Every
+"refused" case raises GrammarError with the named feature instead of compiling a grammar that
+would let invalid output through.
 """
 
 from __future__ import annotations
@@ -12,19 +13,19 @@ from __future__ import annotations
 import json
 
 import pytest
-import xgrammar as xgr
 
-from moeserve.grammar import GrammarError, GrammarSpec
+from moeserve.grammar import GrammarError, GrammarMatcher, GrammarSpec
 
 D4 = "http://json-schema.org/draft-04/schema#"
 D7 = "http://json-schema.org/draft-07/schema#"
 OBJ_AB = {"a": {"type": "integer"}, "b": {"type": "integer"}}
 
 
-def accepts(compiled, instance) -> bool:
-    matcher = xgr.GrammarMatcher(compiled.grammar)
+def accepts(compiled, instance, tokenizer) -> bool:
+    matcher = GrammarMatcher(compiled)
     text = instance if isinstance(instance, Raw) else json.dumps(instance, separators=(",", ":"), ensure_ascii=False)
-    return matcher.accept_string(str(text)) and matcher.is_completed()
+    ids = tokenizer.encode(str(text), add_special_tokens=False)
+    return matcher.accept_tokens(ids) == len(ids) and matcher.is_completed()
 
 
 class Raw(str):
@@ -84,6 +85,23 @@ OK = [
     ("const in draft-04 is not a keyword", {"$schema": D4, "type": "integer", "const": 3}, [4], ["x"]),
 ]
 
+LLGUIDANCE = [
+    # (name, schema, valid instances, invalid instances): refused by the xgrammar path
+    ("multipleOf on numbers", {"type": "number", "multipleOf": 0.5}, [1.5, 2, -0.5], [1.25, 0.3]),
+    ("multipleOf fractional step", {"type": "integer", "multipleOf": 2.5}, [5, 10, 0], [2, 7]),
+    ("pattern + length", {"type": "string", "pattern": "^(a|bc)+$", "maxLength": 4}, ["abc", "bcbc", "aaaa"],
+     ["aaaaa", "bcbca", "b", ""]),
+    ("format + pattern", {"type": "string", "format": "email", "pattern": "^a"}, ["ab@example.com"],
+     ["b@example.com", "abc"]),
+    ("format + length", {"type": "string", "format": "email", "maxLength": 8}, ["a@bc.de"],
+     ["ab@cd.efgh", "abcde"]),
+    ("anchor $ref", {"$defs": {"a": {"$anchor": "x", "type": "integer"}}, "$ref": "#x"}, [3], ["s"]),
+    ("allOf conflicting patterns", {"allOf": [{"type": "string", "pattern": "^a"}, {"pattern": "b$"}]},
+     ["ab", "axb"], ["a", "b", "ba"]),
+    ("minProperties via undeclared keys", {"type": "object", "additionalProperties": {"type": "integer"},
+                                           "minProperties": 2}, [{"a": 1, "b": 2}], [{"a": 1}, {}, {"a": "s", "b": 1}]),
+]
+
 REFUSED = [
     ("not", {"not": {"type": "string"}}, "not"),
     ("if/then/else", {"if": {"type": "string"}, "then": {"minLength": 2}}, "if/then/else"),
@@ -92,28 +110,20 @@ REFUSED = [
     ("dependencies", {"type": "object", "properties": OBJ_AB, "dependencies": {"a": ["b"]}, "$schema": D7}, "dependencies"),
     ("dependentRequired", {"type": "object", "properties": OBJ_AB, "dependentRequired": {"a": ["b"]}}, "dependentRequired"),
     ("dependentSchemas", {"type": "object", "properties": OBJ_AB, "dependentSchemas": {"a": {"required": ["b"]}}}, "dependentSchemas"),
-    ("multipleOf on numbers", {"type": "number", "multipleOf": 0.5}, "multipleOf"),
-    ("multipleOf fractional step", {"type": "integer", "multipleOf": 2.5}, "multipleOf"),
     ("oneOf overlapping", {"oneOf": [{"type": "integer"}, {"type": "number"}]}, "oneOf"),
     ("oneOf open objects", {"oneOf": [
         {"type": "object", "properties": {"x": {}}, "required": ["x"], "additionalProperties": True},
         {"type": "object", "properties": {"y": {}}, "required": ["y"]},
     ]}, "oneOf"),
-    ("pattern + length", {"type": "string", "pattern": "^(a|bc)+$", "maxLength": 4}, "length+pattern"),
-    ("format + pattern", {"type": "string", "format": "email", "pattern": "^a"}, "format+pattern"),
-    ("format + length", {"type": "string", "format": "email", "maxLength": 5}, "format+length"),
     ("unsupported format", {"type": "string", "format": "iri"}, "format:iri"),
     ("remote $ref", {"$ref": "https://example.com/s.json"}, "$ref:remote"),
-    ("anchor $ref", {"$defs": {"a": {"$anchor": "x", "type": "integer"}}, "$ref": "#x"}, "$ref:anchor"),
     ("unresolvable $ref", {"$ref": "#/$defs/missing"}, "$ref"),
     ("two patternProperties", {"type": "object", "patternProperties": {"^a": {}, "b$": {}}}, "patternProperties"),
     ("patternProperties clash", {"type": "object", "properties": {"xa": {"type": "string"}}, "patternProperties": {"^x": {"type": "integer"}}}, "patternProperties"),
     ("propertyNames clash", {"type": "object", "properties": {"b": {}}, "propertyNames": {"pattern": "^a"}}, "propertyNames"),
     ("empty enum after filtering", {"type": "integer", "enum": ["a", "b"]}, "enum"),
-    ("allOf conflicting patterns", {"allOf": [{"type": "string", "pattern": "^a"}, {"pattern": "b$"}]}, "allOf:pattern"),
     ("allOf recursion", {"$defs": {"x": {"additionalProperties": {"$ref": "#/$defs/y"}}, "y": {"additionalProperties": {"$ref": "#/$defs/x"}}},
                          "allOf": [{"$ref": "#/$defs/x"}, {"$ref": "#/$defs/y"}]}, "allOf:recursive"),
-    ("minProperties via undeclared keys", {"type": "object", "additionalProperties": {"type": "integer"}, "minProperties": 2}, "minProperties"),
     ("allOf disjoint types", {"allOf": [{"type": "integer"}, {"type": "string"}]}, "unsatisfiable"),
     ("invalid schema", {"type": "strng"}, "invalid-schema"),
     ("unknown $schema", {"$schema": "http://example.com/my-draft", "type": "string"}, "$schema"),
@@ -121,13 +131,16 @@ REFUSED = [
 ]
 
 
-@pytest.mark.parametrize(("name", "schema", "valid", "invalid"), OK, ids=[c[0] for c in OK])
-def test_enforced_exactly(compiler, name, schema, valid, invalid):
+@pytest.mark.parametrize(("name", "schema", "valid", "invalid", "backend"),
+                         [(*c, "xgrammar") for c in OK] + [(*c, "llguidance") for c in LLGUIDANCE],
+                         ids=[c[0] for c in OK + LLGUIDANCE])
+def test_enforced_exactly(compiler, name, schema, valid, invalid, backend):
     compiled = compiler.compile(GrammarSpec.json_schema(schema))
+    assert compiled.backend == backend
     for instance in valid:
-        assert accepts(compiled, instance), f"{name}: valid {instance!r} refused; source {compiled.source}"
+        assert accepts(compiled, instance, compiler.tokenizer), f"{name}: valid {instance!r} refused"
     for instance in invalid:
-        assert not accepts(compiled, instance), f"{name}: invalid {instance!r} accepted; source {compiled.source}"
+        assert not accepts(compiled, instance, compiler.tokenizer), f"{name}: invalid {instance!r} accepted"
 
 
 @pytest.mark.parametrize(("name", "schema", "feature"), REFUSED, ids=[c[0] for c in REFUSED])
