@@ -153,6 +153,8 @@ def markdown(s: dict, folder: Path, args: argparse.Namespace) -> str:
         f"| {s['schemas']} | {s['compiled']} | {s['refused']} | {s['errors']} | {s['valid_outputs']} | {s['invalid_outputs']} "
         f"| {s['unterminated']} | {s['unsound_instances']} | {s['valid_instances_rejected']} |",
         "",
+        f"Compiled by xgrammar: {s['compiled'] - s['compiled_by_llguidance']}; by llguidance (schemas the xgrammar "
+        f"path refuses for a feature llguidance enforces exactly): {s['compiled_by_llguidance']}. "
         "Valid test instances refused are narrowings (fixed property order, strict mode, compact JSON), not errors.",
         "",
         "## Refused, by feature",

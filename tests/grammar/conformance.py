@@ -56,6 +56,7 @@ class SchemaResult:
     feature: str | None = None
     message: str = ""
     compile_s: float = 0.0
+    backend: str | None = None  # which backend compiled it (xgrammar | llguidance)
     valid: int = 0
     invalid: list[str] = field(default_factory=list)  # "reason: text" per invalid output
     unterminated: int = 0
@@ -76,7 +77,7 @@ def check_case(compiler: GrammarCompiler, tokenizer, case: Case, *, decodes: int
         return SchemaResult(case.name, "refused", e.feature or "unknown", e.message)
     except Exception as e:  # noqa: BLE001 - an unexpected exception is a bug to count, not to hide
         return SchemaResult(case.name, "error", type(e).__name__, f"compile: {e!r}")
-    result = SchemaResult(case.name, "compiled", compile_s=time.perf_counter() - t0)
+    result = SchemaResult(case.name, "compiled", compile_s=time.perf_counter() - t0, backend=compiled.backend)
     try:
         for k in range(decodes):
             out = random_decode(compiler, compiled, tokenizer, seed=seed + k, max_tokens=max_tokens)
@@ -118,6 +119,7 @@ def summarize(results: list[SchemaResult]) -> dict:
     return {
         "schemas": len(results),
         "compiled": sum(r.status == "compiled" for r in results),
+        "compiled_by_llguidance": sum(r.backend == "llguidance" for r in results),
         "refused": sum(r.status == "refused" for r in results),
         "errors": sum(r.status == "error" for r in results),
         "valid_outputs": sum(r.valid for r in results),
