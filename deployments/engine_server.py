@@ -84,8 +84,10 @@ class EngineServer:
         else:
             self.core = self._thread_core(engine, compiler, draft)
             self.max_num_seqs = self.engine.scheduler.cfg.max_num_seqs
+        self._reporter: threading.Thread | None = None
         if config.report_expert_load_s > 0:
-            threading.Thread(target=self._report_expert_load, name="expert-load", daemon=True).start()
+            self._reporter = threading.Thread(target=self._report_expert_load, name="expert-load", daemon=True)
+            self._reporter.start()
 
     def _thread_core(self, engine: LLMEngine | None, compiler: Any, draft: Any) -> InprocCore:
         if engine is None:
@@ -197,6 +199,8 @@ class EngineServer:
         router, last = None, None
         while not self._stopping and self.core.dead is None:
             time.sleep(self.config.report_expert_load_s)
+            if self._stopping or not ray.is_initialized():  # never start a Ray of our own (a call would)
+                return
             try:
                 if last is not None:
                     ray.get(last, timeout=self.config.report_expert_load_s)  # raises if the actor died
@@ -235,9 +239,11 @@ class EngineServer:
         return core | out | {"experts": experts}
 
     def shutdown(self, timeout: float = 5.0) -> None:
-        """Stop the core; live streams end with UNAVAILABLE."""
+        """Stop the core and the load reporter; live streams end with UNAVAILABLE."""
         self._stopping = True
         self.core.close(timeout)
+        if self._reporter is not None:  # it must not call Ray after the caller shuts Ray down
+            self._reporter.join(timeout)
         self._on_dead("engine replica shutting down")
 
     def __del__(self) -> None:

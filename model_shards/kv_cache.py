@@ -38,6 +38,11 @@ class StepBatch:
     attn_mask: torch.Tensor | None = None  # [B, 1, Tq, Tk] query i sees keys 0 .. pos[i]; None when fresh
     fresh: bool = False  # every row starts at position 0: plain causal attention over this step's keys
     rows: slice | torch.Tensor | None = None  # cache rows: a slice when slots are contiguous
+    # Paged cache (model_shards/paged_kv.py) instead of slots: [B, nb] block ids, and where this
+    # step's positions go ([B*Tq] block * block_size + offset; padding to the scratch block 0).
+    block_table: torch.Tensor | None = None
+    block_size: int = 0
+    write_index: torch.Tensor | None = None
 
     @classmethod
     def build(
@@ -58,6 +63,13 @@ class StepBatch:
         self.fresh = not bool(self.start.any())
         keys = torch.arange(self.tk, device=self.pos.device)
         self.attn_mask = None if self.fresh else (keys[None, None, :] <= self.pos[:, :, None])[:, None]
+        if self.block_table is not None:
+            pos = self.pos if self.valid_mask is None else self.pos.masked_fill(~self.valid_mask, 0)
+            blocks = self.block_table.gather(1, pos // self.block_size)  # [B, Tq]
+            if self.valid_mask is not None:
+                blocks = blocks.masked_fill(~self.valid_mask, 0)
+            self.write_index = (blocks * self.block_size + pos % self.block_size).view(-1)  # [B*Tq]
+            return self
         self.rows = self.contiguous_slots()
         if self.rows is None:
             self.rows = self.slots

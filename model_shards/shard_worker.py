@@ -135,10 +135,12 @@ class ShardedRunner(_Shard):
     def num_free_slots(self) -> int:
         return sum(t.num_free for t in self.tables)
 
-    def add(self, seq_id: str) -> None:
+    def add(self, seq_id: str, token_ids: list[int] | tuple[int, ...] = ()) -> int:
+        """Give the sequence a slot on the least busy rank; returns 0 (no prefix cache here)."""
         rank = min(range(self.world_size), key=lambda r: (len(self.tables[r]), r))
         self.tables[rank].add(seq_id)
         self._rank_of[seq_id] = rank
+        return 0
 
     def remove(self, seq_id: str) -> None:
         rank = self._rank_of.pop(seq_id, None)

@@ -47,7 +47,13 @@ class EngineSection(_Section):
     max_model_len: int = Field(1024, ge=2)
     max_num_batched_tokens: int = Field(2048, ge=1)
     # KV-cache tokens for all running sequences (0: every slot may fill); past it the newest are preempted.
+    # With the paged cache this is the memory really allocated (in tokens: blocks x block_size).
     kv_budget_tokens: int = Field(0, ge=0)
+    # slots: one max_model_len slot per sequence, attention reads views (model_shards/kv_cache.py);
+    # paged: blocks of block_size tokens allocated on demand, with prefix caching (model_shards/paged_kv.py).
+    kv_cache: Literal["slots", "paged"] = "slots"
+    block_size: int = Field(16, ge=1, le=1024)
+    prefix_caching: bool = True  # paged cache: reuse the KV of shared prompt prefixes (full blocks)
     # Backpressure: past max_num_seqs running + this many waiting, new requests get 503 / RESOURCE_EXHAUSTED.
     max_queued_requests: int = Field(64, ge=0)
     # torch threads of the engine; unset: torch's default in-process, all cores but one in the

@@ -275,6 +275,7 @@ class EngineCore:
             "grammar_guard_refusals": eng.num_guard_refusals,
             "grammar_cache": self.compiler.cache_info() if self.compiler is not None else {},
             "routing": _routing_gauges(eng.runner.model),
+            "kv": eng.runner.stats() if hasattr(eng.runner, "stats") else {},  # paged: blocks, prefix-cache hits
             "expert_load": self.expert_load(),
         }
 

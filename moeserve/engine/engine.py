@@ -129,8 +129,8 @@ class LLMEngine:
             self._release(seq)
         try:
             if batch.is_prefill:
-                for seq in batch.seqs:
-                    self.runner.add(seq.seq_id)
+                for seq in batch.seqs:  # a paged runner may hold a prefix already (prefix caching)
+                    seq.num_cached = max(seq.num_cached, self.runner.add(seq.seq_id, seq.token_ids) or 0)
                 new_tokens = self._prefill(batch)
             else:
                 new_tokens = self._decode(batch)

@@ -12,6 +12,7 @@ from model_shards.moe import RoutingConfig
 from moeserve.config import AppConfig, EngineSection, ModelSection, SpeculativeSection, default_of, resolve_path
 from moeserve.engine.engine import LLMEngine
 from moeserve.engine.model_runner import ModelRunner
+from moeserve.engine.paged_runner import PagedRunner
 from moeserve.engine.scheduler import SchedulerConfig
 from moeserve.spec.config import SpecConfig
 
@@ -38,6 +39,9 @@ class EngineConfig:
     max_model_len: int = default_of(EngineSection, "max_model_len")
     max_num_batched_tokens: int = default_of(EngineSection, "max_num_batched_tokens")
     kv_budget_tokens: int = default_of(EngineSection, "kv_budget_tokens")
+    kv_cache: str = default_of(EngineSection, "kv_cache")  # slots | paged
+    block_size: int = default_of(EngineSection, "block_size")
+    prefix_caching: bool = default_of(EngineSection, "prefix_caching")
     dtype: str = default_of(ModelSection, "dtype")  # auto: bfloat16 on a GPU, float32 on the CPU
     device: str = default_of(EngineSection, "device")  # auto | cpu | cuda
     compile: bool = default_of(EngineSection, "compile")
@@ -56,6 +60,10 @@ class EngineConfig:
             raise ValueError(f"dtype: must be one of {DTYPES}, got {self.dtype!r}")
         if self.device not in DEVICES:
             raise ValueError(f"device: must be one of {DEVICES}, got {self.device!r}")
+        if self.kv_cache not in ("slots", "paged"):
+            raise ValueError(f"kv_cache: must be slots or paged, got {self.kv_cache!r}")
+        if self.kv_cache == "paged" and self.compile:
+            raise ValueError("compile: the compiled step reads the slot cache; use kv_cache: slots with it")
         SpecConfig(num_tokens=self.num_spec_tokens, disable_by_batch_size=self.spec_disable_by_batch_size)
         self.scheduler()  # validates the scheduler limits
 
@@ -74,6 +82,9 @@ class EngineConfig:
             max_model_len=e.max_model_len,
             max_num_batched_tokens=e.max_num_batched_tokens,
             kv_budget_tokens=e.kv_budget_tokens,
+            kv_cache=e.kv_cache,
+            block_size=e.block_size,
+            prefix_caching=e.prefix_caching,
             dtype=cfg.model.dtype,
             device=e.device,
             compile=e.compile,
@@ -88,9 +99,10 @@ class EngineConfig:
     def torch_dtype(self) -> torch.dtype:
         return resolve_dtype(self.dtype, self.torch_device)
 
-    def scheduler(self) -> SchedulerConfig:
+    def scheduler(self, lookahead: int = 0) -> SchedulerConfig:
         return SchedulerConfig(
-            self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len, kv_budget_tokens=self.kv_budget_tokens
+            self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len, kv_budget_tokens=self.kv_budget_tokens,
+            lookahead=lookahead, block_size=self.block_size if self.kv_cache == "paged" else 1,
         )
 
 
@@ -115,11 +127,16 @@ def build_engine(cfg: EngineConfig, runner=None, proposer=None) -> LLMEngine:
     from moeserve.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(cfg.model)
+    proposer = proposer if proposer is not None else build_proposer(cfg)
     if runner is None:
         model = load_checkpoint(cfg.model, cfg.torch_dtype, device=cfg.torch_device)
         model.set_routing(cfg.routing)
-        runner = ModelRunner(model, cfg.max_num_seqs, cfg.max_model_len, compile=cfg.compile)
-    proposer = proposer if proposer is not None else build_proposer(cfg)
+        if cfg.kv_cache == "paged":  # as many blocks as the scheduler's budget (+ the scratch block)
+            budget = cfg.scheduler(lookahead=cfg.num_spec_tokens if proposer is not None else 0).kv_budget
+            runner = PagedRunner(model, cfg.max_num_seqs, cfg.max_model_len, budget // cfg.block_size + 1,
+                                 cfg.block_size, cfg.prefix_caching)
+        else:
+            runner = ModelRunner(model, cfg.max_num_seqs, cfg.max_model_len, compile=cfg.compile)
     if getattr(runner, "compiled", None) is not None:
         verify = (cfg.num_spec_tokens + 1,) if proposer is not None else ()
         seconds = runner.compiled.warm_up((1, *verify))

@@ -93,8 +93,10 @@ class ModelRunner:
     def num_free_slots(self) -> int:
         return self.slots.num_free
 
-    def add(self, seq_id: str) -> None:
+    def add(self, seq_id: str, token_ids: list[int] | tuple[int, ...] = ()) -> int:
+        """Give the sequence a slot; returns how many of its tokens are cached already (none here)."""
         self.slots.add(seq_id)
+        return 0
 
     def remove(self, seq_id: str) -> None:
         move = self.slots.remove(seq_id)

@@ -6,7 +6,8 @@ requests join between steps whenever a KV slot and the token budget allow; prefi
 first so new requests start quickly.
 
 KV budget: the running sequences may hold at most `kv_budget_tokens` tokens of KV cache
-(every token so far plus `lookahead` for the next step's draft). A request is admitted only
+(every token so far plus `lookahead` for the next step's draft, rounded up to whole blocks of
+`block_size` tokens for a paged cache). A request is admitted only
 when its tokens fit; when growing sequences would overflow the budget, the newest running
 ones are preempted: their KV cache is freed and they go back to the front of the queue,
 keeping their output, which the next prefill recomputes (vLLM's recompute preemption).
@@ -27,6 +28,7 @@ class SchedulerConfig:
     max_model_len: int = 1024
     kv_budget_tokens: int = 0  # KV-cache tokens for all running sequences; 0: max_num_seqs * max_model_len
     lookahead: int = 0  # tokens a sequence may add in one step beyond the next one (draft tokens)
+    block_size: int = 1  # KV is held in blocks of this many tokens (a paged cache); 1: per token
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -34,6 +36,8 @@ class SchedulerConfig:
                 raise ValueError(f"{name}: must be positive, got {getattr(self, name)}")
         if self.lookahead < 0:
             raise ValueError(f"lookahead: must be >= 0, got {self.lookahead}")
+        if self.block_size < 1:
+            raise ValueError(f"block_size: must be >= 1, got {self.block_size}")
         if self.kv_budget_tokens and self.kv_budget_tokens < self.max_model_len + self.lookahead:
             raise ValueError(
                 f"kv_budget_tokens: {self.kv_budget_tokens} cannot hold one sequence of max_model_len "
@@ -42,7 +46,11 @@ class SchedulerConfig:
 
     @property
     def kv_budget(self) -> int:
-        return self.kv_budget_tokens or self.max_num_seqs * (self.max_model_len + self.lookahead)
+        return self.kv_budget_tokens or self.max_num_seqs * self.held(self.max_model_len + self.lookahead)
+
+    def held(self, tokens: int) -> int:
+        """KV tokens a sequence of `tokens` tokens holds: whole blocks."""
+        return -(-tokens // self.block_size) * self.block_size
 
 
 @dataclass
@@ -64,7 +72,7 @@ class Scheduler:
 
     @property
     def kv_tokens_used(self) -> int:
-        return sum(s.num_tokens for s in self.running)
+        return sum(self.cfg.held(s.num_tokens) for s in self.running)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -77,12 +85,13 @@ class Scheduler:
             return self._schedule_focus(self.focus)
         admitted: list[Sequence] = []
         tokens = 0
-        kv_free = self.cfg.kv_budget - self.kv_tokens_used - len(self.running) * (1 + self.cfg.lookahead)
+        grow = 1 + self.cfg.lookahead
+        kv_free = self.cfg.kv_budget - sum(self.cfg.held(s.num_tokens + grow) for s in self.running)
         while self.waiting and len(self.running) + len(admitted) < self.cfg.max_num_seqs:
             seq = self.waiting[0]
             if admitted and tokens + len(seq.pending_ids) > self.cfg.max_num_batched_tokens:
                 break
-            need = seq.num_tokens + 1 + self.cfg.lookahead
+            need = self.cfg.held(seq.num_tokens + grow)
             if need > kv_free and (admitted or self.running):
                 break
             kv_free -= need
@@ -124,7 +133,7 @@ class Scheduler:
         """Preempt the newest running sequences until the next step's KV growth fits the budget."""
         preempted = []
         grow = 1 + self.cfg.lookahead
-        while len(self.running) > 1 and self.kv_tokens_used + grow * len(self.running) > self.cfg.kv_budget:
+        while len(self.running) > 1 and sum(self.cfg.held(s.num_tokens + grow) for s in self.running) > self.cfg.kv_budget:
             seq = self.running.pop()
             seq.status = SequenceStatus.WAITING
             seq.num_cached = 0  # recompute: the next prefill feeds prompt + output so far

@@ -1,0 +1,154 @@
+"""The paged KV cache: block allocation (a property test against a simple reference), outputs
+identical to the slot cache (prefix caching on and off, under preemption, with speculation),
+prefix-cache reuse, and no leaked block after many requests with aborts."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from model_shards import load_checkpoint
+from model_shards.paged_kv import BlockAllocator, OutOfBlocks
+from moeserve.engine import LLMEngine, ModelRunner, SchedulerConfig, SpecConfig
+from moeserve.engine.model_runner import Row
+from moeserve.engine.paged_runner import PagedRunner
+from moeserve.sampling_params import SamplingParams
+from moeserve.spec.ngram import NgramProposer
+from tests.model_shards.hf_tiny import save_tiny
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+MAX_LEN = 128
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("mixtral")
+    save_tiny("mixtral", folder)
+    return folder
+
+
+def paged(ckpt, num_blocks=200, block_size=4, prefix_caching=True, max_num_seqs=8) -> PagedRunner:
+    return PagedRunner(load_checkpoint(ckpt), max_num_seqs, MAX_LEN, num_blocks, block_size, prefix_caching)
+
+
+def slots(ckpt, max_num_seqs=8) -> ModelRunner:
+    return ModelRunner(load_checkpoint(ckpt), max_num_seqs, MAX_LEN)
+
+
+def engine(runner, block_size=1, budget=0, proposer=None, k=0) -> LLMEngine:
+    sched = SchedulerConfig(runner.max_num_seqs, 2048, MAX_LEN, kv_budget_tokens=budget, block_size=block_size)
+    return LLMEngine(runner, scheduler=sched, proposer=proposer, spec=SpecConfig(num_tokens=k))
+
+
+def shared_prompts(n: int, seed: int = 0, prefix_len: int = 21) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    prefix = torch.randint(2, 96, (prefix_len,), generator=g).tolist()
+    return [prefix + torch.randint(2, 96, (int(torch.randint(1, 9, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+def test_allocator_never_hands_out_a_held_block():
+    """Random allocate / free / commit / lookup against a reference of who holds what."""
+    rng = random.Random(0)
+    alloc = BlockAllocator(17)
+    held: list[int] = []  # one entry per reference
+    content: dict[int, int] = {}  # committed block -> hash
+    for _ in range(5000):
+        op = rng.random()
+        if op < 0.4:
+            try:
+                b = alloc.allocate()
+            except OutOfBlocks:
+                assert alloc.num_free == 0
+                continue
+            assert b != 0 and b not in held, f"block {b} handed out while held"
+            content.pop(b, None)  # an evicted cached block loses its identity
+            held.append(b)
+        elif op < 0.7 and held:
+            b = held.pop(rng.randrange(len(held)))
+            alloc.free(b)
+        elif op < 0.85 and held:
+            b = rng.choice(held)
+            h = rng.randrange(6)
+            if b not in content and h not in content.values():
+                alloc.commit(b, h)
+                content[b] = h
+        else:
+            want = [rng.randrange(6) for _ in range(rng.randrange(1, 3))]
+            for b in alloc.lookup(want):
+                assert content.get(b) in want
+                held.append(b)
+        assert alloc.num_free == 16 - len(set(held))
+        assert all(alloc.refcount(b) == held.count(b) for b in set(held))
+
+
+def test_paged_logits_equal_the_slot_cache(ckpt):
+    """One prefill and a ragged verify-like step, read through block tables of size 3."""
+    ps = shared_prompts(3, seed=1)
+    a, b = slots(ckpt), paged(ckpt, block_size=3, prefix_caching=False)
+    for r in (a, b):
+        for i in range(3):
+            r.add(f"s{i}")
+    rows = [Row(f"s{i}", p, 0) for i, p in enumerate(ps)]
+    torch.testing.assert_close(b.forward(rows, "all"), a.forward(rows, "all"), atol=1e-5, rtol=0)
+    more = [Row(f"s{i}", [5, 6, 7][: i + 1], len(p)) for i, p in enumerate(ps)]
+    torch.testing.assert_close(b.forward(more, "all"), a.forward(more, "all"), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_generation_equals_the_slot_cache_with_and_without_prefix_caching(ckpt, prefix_caching):
+    ps = shared_prompts(6, seed=2)
+    ref = [c.token_ids for c in engine(slots(ckpt)).generate(ps, GREEDY)]
+    runner = paged(ckpt, prefix_caching=prefix_caching)
+    eng = engine(runner, block_size=4)
+    assert [c.token_ids for c in eng.generate(ps[:1], GREEDY)] == ref[:1]  # fills the prefix cache
+    assert [c.token_ids for c in eng.generate(ps, GREEDY)] == ref
+    stats = runner.stats()
+    assert (stats["prefix_cache_hit_blocks"] >= 5 * (21 // 4)) == prefix_caching
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]  # every finished sequence gave its blocks back
+
+
+def test_a_prefix_hit_skips_the_cached_tokens(ckpt):
+    runner = paged(ckpt, block_size=4)
+    p = shared_prompts(1, seed=3)[0]
+    assert runner.add("a", p) == 0
+    runner.forward([Row("a", p, 0)])
+    assert runner.add("b", p) == (len(p) - 1) // 4 * 4  # whole blocks, leaving the last token
+    assert runner.add("c", p[:3]) == 0  # shorter than a block
+    assert runner.add("d", [99] + p[1:]) == 0  # different first block: the chain breaks
+
+
+def test_preemption_and_speculation_keep_outputs_identical(ckpt):
+    """A budget of 34 blocks of 4 tokens cannot hold six sequences at once: the newest are
+    preempted and recomputed (from the prefix cache). N-gram drafts are verified and rolled back."""
+    ps = shared_prompts(6, seed=4)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    ref = [c.token_ids for c in engine(slots(ckpt)).generate(ps, params)]
+    runner = paged(ckpt, num_blocks=35, block_size=4)
+    eng = engine(runner, block_size=4, budget=136, proposer=NgramProposer(), k=3)
+    assert [c.token_ids for c in eng.generate(ps, params)] == ref
+    assert eng.scheduler.num_preemptions > 0 and eng.spec_metrics.num_draft_tokens > 0
+    assert runner.stats()["kv_blocks_free"] == 34
+
+
+def test_no_block_leaks_after_a_thousand_requests_with_aborts(ckpt):
+    rng = random.Random(5)
+    runner = paged(ckpt, num_blocks=120, block_size=4)
+    eng = engine(runner, block_size=4, budget=476)
+    prompts = shared_prompts(40, seed=6)
+    live: list[str] = []
+    for i in range(1000):
+        p = SamplingParams(max_tokens=rng.randint(1, 6), temperature=0.0, ignore_eos=True)
+        live.append(eng.add_request(rng.choice(prompts), p, f"r{i}"))
+        if rng.random() < 0.3 and eng.has_unfinished():
+            eng.abort(rng.choice(live))
+        if i % 8 == 7:
+            for _ in range(rng.randint(1, 3)):
+                eng.step()
+    while eng.has_unfinished():
+        eng.step()
+    stats = runner.stats()
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"] and not runner._tables
+    assert stats["prefix_cache_hit_blocks"] > 0
