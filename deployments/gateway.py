@@ -202,7 +202,7 @@ class Gateway:
     async def _respond(self, preps: list[Prepared], builder: ResponseBuilder, stream: bool,
                        include_usage: bool, calling: ToolCalling | None = None) -> Response:
         streams = [self.frontend.stream(p) for p in preps]
-        handed_off = False
+        handed_off, merged = False, None
         try:
             # wait for every choice's first token, so early errors keep their status code
             firsts = await asyncio.gather(*(anext(s) for s in streams))
@@ -227,7 +227,7 @@ class Gateway:
                 c.finish_reason, usage[i] = chunk.finish_reason, chunk.usage
         finally:
             if not handed_off:
-                await _close(streams)  # also on cancellation: a client that went away aborts its requests
+                await _close(streams, merged)  # also on cancellation: a client that went away aborts its requests
         if calling is not None:
             for c in choices:
                 c.text, c.tool_calls = calling.split(c.text)
@@ -266,7 +266,7 @@ class Gateway:
                     yield builder.usage_chunk(_total(usage))
             yield SSE_DONE
         finally:
-            await _close(streams)  # a client that went away aborts its requests
+            await _close(streams, merged)  # a client that went away aborts its requests
 
 
 async def _merge(firsts: list[GenerateChunk], streams: list[AsyncIterator[GenerateChunk]]
@@ -307,7 +307,9 @@ async def _merge(firsts: list[GenerateChunk], streams: list[AsyncIterator[Genera
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def _close(streams: list[AsyncIterator]) -> None:
+async def _close(streams: list[AsyncIterator], merged: AsyncIterator | None = None) -> None:
+    if merged is not None:  # first its tasks (n > 1), which read the streams
+        await merged.aclose()
     await asyncio.gather(*(s.aclose() for s in streams), return_exceptions=True)
 
 
