@@ -196,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
         "|---|---|---|---|",
         f"| KV allocated at start | {mb(mem['slots']['allocated_bytes'])} | {mb(mem['paged']['allocated_bytes'])} | "
         "same budget |",
-        f"| KV held at peak (live tokens at peak: {mb(mem['paged']['peak_live_bytes'])}) | "
+        f"| KV held at peak (tokens of the running sequences at peak: {mb(mem['paged']['peak_live_bytes'])}; "
+        "shared prefix blocks count once when paged) | "
         f"{mb(mem['slots']['peak_held_bytes'])} | {mb(mem['paged']['peak_held_bytes'])} | "
         f"{mem['slots']['peak_held_bytes'] / mem['paged']['peak_held_bytes']:.1f}x less |",
         f"| sequences running at once in a budget of {cap['budget_tokens']} tokens (mean final length "
