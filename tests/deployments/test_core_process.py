@@ -93,3 +93,32 @@ def test_killing_the_core_mid_stream_loses_nothing(server, folder, expected):
     assert all(chunks[-1].error is None for chunks in outs)
     assert fe.metrics.retries._value.get() >= 1
     assert asyncio.run(server.health())["status"] == "ok"
+
+
+def test_a_paged_core_process_matches_and_reports_its_prefix_cache(folder):
+    """engine.kv_cache: paged in the served core process: the same tokens as the slot cache
+    offline, and the blocks and prefix-cache hits reach the engine's stats (and so /metrics)."""
+    prompts = [f"Our shop in Pune. {p} " * 3 for p in PROMPTS]
+    llm = LLM(folder, draft="none", max_num_seqs=4, max_model_len=256)
+    expected = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+    engine = EngineConfig(model=folder, speculation="none", max_num_seqs=4, max_model_len=256, kv_cache="paged",
+                          block_size=4)
+    srv = EngineServer(EngineServerConfig(engine, torch_threads=1))
+    try:
+        fe = frontend(srv, folder)
+
+        async def run() -> list[list[int]]:
+            async def one(prompt: str) -> list[int]:
+                prep = await fe.prepare(fe.tokenizer.encode(prompt), lambda n: GREEDY, 40, None, "t")
+                return [t async for c in fe.stream(prep) for t in c.token_ids]
+            return list(await asyncio.wait_for(asyncio.gather(*(one(p) for p in prompts)), 120))
+
+        assert asyncio.run(run()) == expected
+        assert asyncio.run(run()) == expected  # now from the prefix cache
+        stats = asyncio.run(srv.stats())
+        kv = stats["kv"]
+        assert kv["prefix_cache_hit_tokens"] > 0 and kv["kv_blocks_free"] == kv["kv_blocks_total"]
+        text = GatewayMetrics().render(stats).decode()
+        assert 'moeserve_engine{name="kv_prefix_cache_hit_rate"}' in text
+    finally:
+        srv.shutdown()
