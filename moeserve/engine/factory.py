@@ -103,6 +103,7 @@ class EngineConfig:
         return SchedulerConfig(
             self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len, kv_budget_tokens=self.kv_budget_tokens,
             lookahead=lookahead, block_size=self.block_size if self.kv_cache == "paged" else 1,
+            share_prefill=self.kv_cache == "paged" and self.prefix_caching,
         )
 
 

@@ -29,6 +29,9 @@ class SchedulerConfig:
     kv_budget_tokens: int = 0  # KV-cache tokens for all running sequences; 0: max_num_seqs * max_model_len
     lookahead: int = 0  # tokens a sequence may add in one step beyond the next one (draft tokens)
     block_size: int = 1  # KV is held in blocks of this many tokens (a paged cache); 1: per token
+    # With prefix caching: of several waiting sequences with the same prompt (n choices), prefill
+    # one; the others follow a step later and reuse its prompt blocks.
+    share_prefill: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -87,18 +90,24 @@ class Scheduler:
         tokens = 0
         grow = 1 + self.cfg.lookahead
         kv_free = self.cfg.kv_budget - sum(self.cfg.held(s.num_tokens + grow) for s in self.running)
-        while self.waiting and len(self.running) + len(admitted) < self.cfg.max_num_seqs:
-            seq = self.waiting[0]
+        prompts: set[tuple[int, ...]] = set()  # of this prefill
+        for seq in list(self.waiting):
+            if len(self.running) + len(admitted) >= self.cfg.max_num_seqs:
+                break
             if admitted and tokens + len(seq.pending_ids) > self.cfg.max_num_batched_tokens:
                 break
+            if self.cfg.share_prefill and len(seq.prompt_ids) > self.cfg.block_size and tuple(seq.prompt_ids) in prompts:
+                continue  # its twin's prompt blocks are in the prefix cache after this step: prefill it next
             need = self.cfg.held(seq.num_tokens + grow)
             if need > kv_free and (admitted or self.running):
                 break
             kv_free -= need
             tokens += len(seq.pending_ids)
-            admitted.append(self.waiting.popleft())
+            admitted.append(seq)
+            prompts.add(tuple(seq.prompt_ids))
         if admitted:
             for seq in admitted:
+                self.waiting.remove(seq)
                 seq.status = SequenceStatus.RUNNING
             self.running.extend(admitted)
             return ScheduledBatch(is_prefill=True, seqs=admitted)

@@ -152,3 +152,15 @@ def test_no_block_leaks_after_a_thousand_requests_with_aborts(ckpt):
     stats = runner.stats()
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"] and not runner._tables
     assert stats["prefix_cache_hit_blocks"] > 0
+
+
+def test_n_copies_of_a_prompt_share_its_prefill(ckpt):
+    """Four requests with one prompt (what n=4 sends): one is prefilled, the other three reuse its
+    prompt blocks a step later; their replies are the slot cache's."""
+    p = shared_prompts(1, seed=7)[0]
+    ref = [c.token_ids for c in engine(slots(ckpt)).generate([p] * 4, GREEDY)]
+    runner = paged(ckpt, block_size=4)
+    sched = SchedulerConfig(8, 2048, MAX_LEN, block_size=4, share_prefill=True)
+    eng = LLMEngine(runner, scheduler=sched)
+    assert [c.token_ids for c in eng.generate([p] * 4, GREEDY)] == ref
+    assert runner.stats()["prefix_cache_hit_blocks"] == 3 * ((len(p) - 1) // 4)
