@@ -119,8 +119,10 @@ class BlockAllocator:
 
 
 class PagedKVCache:
-    """Keys and values of each layer in one tensor [N, Bs, 2, Hkv, Dh]: a block is Bs consecutive
-    positions of one sequence, keys and values side by side (one copy in, one gather out per layer).
+    """Keys and values of each layer in one tensor [2, Hkv, N, Bs, Dh]: a block is Bs consecutive
+    positions of one sequence. One index_copy in and one index_select out per layer; what the
+    gather returns is already [B, Hkv, Tk, Dh] with each head's [Tk, Dh] contiguous, as
+    attention's matmuls want it.
 
     Same interface as the slot cache for attention: `write` this step's keys/values, `read` the
     batch's keys/values up to `batch.tk` as [B, Hkv, Tk, Dh] (a gather through the block tables).
@@ -138,7 +140,7 @@ class PagedKVCache:
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size: must be >= 1, got {block_size}")
-        shape = (num_blocks, block_size, 2, num_kv_heads, head_dim)
+        shape = (2, num_kv_heads, num_blocks, block_size, head_dim)
         self.kv = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -150,18 +152,19 @@ class PagedKVCache:
     def write(self, layer: int, batch: StepBatch, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store this step's keys/values; k, v: [B, Hkv, Tq, Dh] (batch prepared for Tq)."""
         cache = self.kv[layer]
-        new = torch.stack((k, v), dim=2).transpose(1, 3).reshape(-1, 2, *cache.shape[3:])  # [B*Tq, 2, Hkv, Dh]
+        two, heads, n, bs, dh = cache.shape
+        new = torch.stack((k, v)).transpose(1, 2).reshape(two, heads, -1, dh)  # [2, Hkv, B*Tq, Dh]
         # slot = block * Bs + offset for each position; padding goes to the scratch block
-        cache.view(-1, *cache.shape[2:]).index_copy_(0, batch.write_index, new)
+        cache.view(two, heads, n * bs, dh).index_copy_(2, batch.write_index, new)
 
     def read(self, layer: int, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """[B, Hkv, Tk, Dh] keys and values of the batch's rows: one gather (index_select is
         several times faster than advanced indexing here) and two views."""
         cache = self.kv[layer]
         b, nb = batch.block_table.shape
-        blocks = cache.index_select(0, batch.block_table.view(-1))  # [B*nb, Bs, 2, Hkv, Dh]
-        both = blocks.view(b, nb * self.block_size, 2, *cache.shape[3:])[:, : batch.tk]  # [B, Tk, 2, Hkv, Dh]
-        return both[:, :, 0].transpose(1, 2), both[:, :, 1].transpose(1, 2)
+        blocks = cache.index_select(2, batch.block_table.view(-1))  # [2, Hkv, B*nb, Bs, Dh]
+        both = blocks.view(2, cache.shape[1], b, nb * self.block_size, cache.shape[4])[:, :, :, : batch.tk]
+        return both[0].transpose(0, 1), both[1].transpose(0, 1)  # [B, Hkv, Tk, Dh] each
 
 
 def paged_step_batch(
