@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 PACKAGE_ROOT = Path(__file__).resolve().parent
 PROJECT_ROOT = PACKAGE_ROOT.parent  # the source checkout, when running from one
@@ -52,6 +52,9 @@ class EngineSection(_Section):
     # slots: one max_model_len slot per sequence, attention reads views (model_shards/kv_cache.py);
     # paged: blocks of block_size tokens allocated on demand, with prefix caching (model_shards/paged_kv.py).
     kv_cache: Literal["slots", "paged"] = "slots"
+    # The same budget in bytes instead ("2GiB", "512MiB", or a number): converted with the model's
+    # KV bytes per token (layers x kv heads x head dim x 2 x dtype size). Set this or kv_budget_tokens.
+    kv_cache_memory: int = 0
     block_size: int = Field(16, ge=1, le=1024)
     prefix_caching: bool = True  # paged cache: reuse the KV of shared prompt prefixes (full blocks)
     # Backpressure: past max_num_seqs running + this many waiting, new requests get 503 / RESOURCE_EXHAUSTED.
@@ -73,6 +76,19 @@ class EngineSection(_Section):
     # default: on the demo MoE it generates 1.7x faster at batch 1, 1.0-1.4x at 16 (bench/generation.py).
     compile: bool = False
 
+    @field_validator("kv_cache_memory", mode="before")
+    @classmethod
+    def _bytes(cls, value: int | str) -> int:
+        return parse_bytes(value)
+
+    @model_validator(mode="after")
+    def _one_budget(self) -> EngineSection:
+        if self.kv_cache_memory and self.kv_budget_tokens:
+            raise ValueError("set kv_budget_tokens or kv_cache_memory, not both")
+        if self.kv_cache_memory < 0:
+            raise ValueError(f"kv_cache_memory: must be >= 0, got {self.kv_cache_memory}")
+        return self
+
 
 class SpeculativeSection(_Section):
     draft: Literal["none", "ngram", "model"] = "ngram"  # model: the dense draft checkpoint
@@ -87,6 +103,21 @@ class SpeculativeSection(_Section):
     # Measured on the demo pair (formulaic prompts, 64 tokens, vs no speculation): draft model
     # 1.11x at batch 4, 1.14x at 8, 0.91x at 16.
     disable_by_batch_size: int = Field(12, ge=0)
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def parse_bytes(value: int | str) -> int:
+    """2048, "2048", "512MiB", "2 GiB", "1.5GB" -> bytes."""
+    if isinstance(value, int):
+        return value
+    text = str(value).strip().lower().replace(" ", "")
+    number = text.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = text[len(number):]
+    if unit not in _UNITS or not number:
+        raise ValueError(f"{value!r}: expected bytes like 2048, '512MiB' or '2GiB'")
+    return int(float(number) * _UNITS[unit])
 
 
 class RoutingSection(_Section):

@@ -101,3 +101,21 @@ def test_the_overflow_policy_set_in_the_yaml_reaches_every_moe_layer_and_metrics
     assert {b.routing for b in engine.runner.model.moe_blocks} == {cfg.routing}
     gauges = EngineCore(engine).stats()["routing"]
     assert gauges["overflow_drop"] == 1.0 and gauges["overflow_none"] == 0.0 and gauges["capacity_factor"] == 1.0
+
+
+def test_the_kv_budget_in_bytes_and_the_paged_cache_reach_the_engine():
+    from moeserve.config import parse_bytes
+    from moeserve.llm import LLM
+
+    assert [parse_bytes(v) for v in (2048, "2048", "512MiB", "2 GiB", "1.5GB")] == [2048, 2048, 2**29, 2**31, 15 * 10**8]
+    with pytest.raises(ValueError, match="expected bytes"):
+        parse_bytes("lots")
+    with pytest.raises(ValueError, match="not both"):
+        AppConfig.from_dict({"engine": {"kv_cache_memory": "8MiB", "kv_budget_tokens": 4096}})
+    engine = EngineConfig.from_app(AppConfig.from_dict({"engine": {"kv_cache": "paged", "kv_cache_memory": "8MiB"}}))
+    # demo MoE: 4 layers x 2 kv heads x head dim 32 x (key + value) x 4 bytes = 2 KiB per token
+    assert engine.kv_budget() == 4096 and engine.scheduler().kv_budget == 4096
+    llm = LLM(draft="none", kv_cache="paged", kv_cache_memory="8MiB", prefix_caching=False, block_size=32)
+    runner = llm.engine.runner
+    assert (runner.blocks.num_blocks, runner.block_size, runner.prefix_caching) == (4096 // 32 + 1, 32, False)
+    assert runner.cache.nbytes == 8 * 2**20 + 32 * 2048  # the budget, plus the scratch block

@@ -40,6 +40,7 @@ class EngineConfig:
     max_num_batched_tokens: int = default_of(EngineSection, "max_num_batched_tokens")
     kv_budget_tokens: int = default_of(EngineSection, "kv_budget_tokens")
     kv_cache: str = default_of(EngineSection, "kv_cache")  # slots | paged
+    kv_cache_memory: int = default_of(EngineSection, "kv_cache_memory")  # bytes; 0: kv_budget_tokens decides
     block_size: int = default_of(EngineSection, "block_size")
     prefix_caching: bool = default_of(EngineSection, "prefix_caching")
     dtype: str = default_of(ModelSection, "dtype")  # auto: bfloat16 on a GPU, float32 on the CPU
@@ -83,6 +84,7 @@ class EngineConfig:
             max_num_batched_tokens=e.max_num_batched_tokens,
             kv_budget_tokens=e.kv_budget_tokens,
             kv_cache=e.kv_cache,
+            kv_cache_memory=e.kv_cache_memory,
             block_size=e.block_size,
             prefix_caching=e.prefix_caching,
             dtype=cfg.model.dtype,
@@ -99,9 +101,19 @@ class EngineConfig:
     def torch_dtype(self) -> torch.dtype:
         return resolve_dtype(self.dtype, self.torch_device)
 
+    def kv_budget(self) -> int:
+        """KV tokens for all running sequences: kv_budget_tokens, or kv_cache_memory in tokens (0: every slot)."""
+        if not self.kv_cache_memory:
+            return self.kv_budget_tokens
+        from model_shards.config import ModelConfig
+
+        c = ModelConfig.from_file(self.model)
+        per_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * self.torch_dtype.itemsize
+        return self.kv_cache_memory // per_token
+
     def scheduler(self, lookahead: int = 0) -> SchedulerConfig:
         return SchedulerConfig(
-            self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len, kv_budget_tokens=self.kv_budget_tokens,
+            self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len, kv_budget_tokens=self.kv_budget(),
             lookahead=lookahead, block_size=self.block_size if self.kv_cache == "paged" else 1,
             share_prefill=self.kv_cache == "paged" and self.prefix_caching,
         )
