@@ -17,6 +17,8 @@ model:
 engine:
   max_num_seqs: 8
   max_model_len: 512
+  kv_cache: paged
+  kv_cache_memory: 4MiB
 speculative:
   draft: none
 """
@@ -27,12 +29,16 @@ def test_yaml_cli_and_llm_options_give_the_same_config(tmp_path):
     path.write_text(SETTINGS_YAML)
     from_yaml = AppConfig.load(path)
     args = build_parser().parse_args(["serve", "--model", "checkpoints/demo-moe", "--draft", "none",
-                                      "--max-num-seqs", "8", "--max-model-len", "512"])
+                                      "--max-num-seqs", "8", "--max-model-len", "512", "--kv-cache", "paged",
+                                      "--kv-cache-memory", "4MiB"])
     from_cli = serve_config(args)
-    from_llm = AppConfig.from_options("checkpoints/demo-moe", "none", max_num_seqs=8, max_model_len=512)
+    from_llm = AppConfig.from_options("checkpoints/demo-moe", "none", max_num_seqs=8, max_model_len=512,
+                                      kv_cache="paged", kv_cache_memory="4MiB")
     assert from_yaml.model_dump() == from_cli.model_dump() == from_llm.model_dump()
     engines = {EngineConfig.from_app(c) for c in (from_yaml, from_cli, from_llm)}
-    assert len(engines) == 1 and engines.pop().max_num_seqs == 8
+    assert len(engines) == 1
+    engine = engines.pop()
+    assert (engine.max_num_seqs, engine.kv_cache, engine.kv_cache_memory) == (8, "paged", 4 * 2**20)
 
 
 def test_every_component_default_is_the_trees():
