@@ -49,9 +49,11 @@ class EngineSection(_Section):
     # KV-cache tokens for all running sequences (0: every slot may fill); past it the newest are preempted.
     # With the paged cache this is the memory really allocated (in tokens: blocks x block_size).
     kv_budget_tokens: int = Field(0, ge=0)
+    # paged: blocks of block_size tokens allocated on demand, with prefix caching (model_shards/paged_kv.py);
     # slots: one max_model_len slot per sequence, attention reads views (model_shards/kv_cache.py);
-    # paged: blocks of block_size tokens allocated on demand, with prefix caching (model_shards/paged_kv.py).
-    kv_cache: Literal["slots", "paged"] = "slots"
+    # auto: paged, or slots with `compile` (the compiled step reads slot views). Expert-parallel
+    # shard groups and the draft model keep slot caches either way.
+    kv_cache: Literal["auto", "paged", "slots"] = "auto"
     # The same budget in bytes instead ("2GiB", "512MiB", or a number): converted with the model's
     # KV bytes per token (layers x kv heads x head dim x 2 x dtype size). Set this or kv_budget_tokens.
     kv_cache_memory: int = 0

@@ -39,7 +39,7 @@ class EngineConfig:
     max_model_len: int = default_of(EngineSection, "max_model_len")
     max_num_batched_tokens: int = default_of(EngineSection, "max_num_batched_tokens")
     kv_budget_tokens: int = default_of(EngineSection, "kv_budget_tokens")
-    kv_cache: str = default_of(EngineSection, "kv_cache")  # slots | paged
+    kv_cache: str = default_of(EngineSection, "kv_cache")  # auto | paged | slots (auto is resolved here)
     kv_cache_memory: int = default_of(EngineSection, "kv_cache_memory")  # bytes; 0: kv_budget_tokens decides
     block_size: int = default_of(EngineSection, "block_size")
     prefix_caching: bool = default_of(EngineSection, "prefix_caching")
@@ -61,8 +61,10 @@ class EngineConfig:
             raise ValueError(f"dtype: must be one of {DTYPES}, got {self.dtype!r}")
         if self.device not in DEVICES:
             raise ValueError(f"device: must be one of {DEVICES}, got {self.device!r}")
+        if self.kv_cache == "auto":
+            object.__setattr__(self, "kv_cache", "slots" if self.compile else "paged")
         if self.kv_cache not in ("slots", "paged"):
-            raise ValueError(f"kv_cache: must be slots or paged, got {self.kv_cache!r}")
+            raise ValueError(f"kv_cache: must be auto, paged or slots, got {self.kv_cache!r}")
         if self.kv_cache == "paged" and self.compile:
             raise ValueError("compile: the compiled step reads the slot cache; use kv_cache: slots with it")
         SpecConfig(num_tokens=self.num_spec_tokens, disable_by_batch_size=self.spec_disable_by_batch_size)

@@ -102,7 +102,7 @@ class PagedRunner:
         if logits == "last":  # prefill or plain decode: every fed token is final
             for r in rows:
                 self._commit(r.seq_id, r.start + len(r.tokens))
-        return out.cpu()
+        return out.to("cpu", copy=True)  # a normal tensor (not an inference one): grammar masks write into it
 
     def _commit(self, seq_id: str, upto: int) -> None:
         """Tokens before `upto` are final: their full blocks become findable."""

@@ -12,6 +12,7 @@ import pytest
 
 from model_shards import load_checkpoint
 from moeserve.engine import LLMEngine, ModelRunner, SpecConfig
+from moeserve.engine.paged_runner import PagedRunner
 from moeserve.engine.structured import StructuredConfig
 from moeserve.grammar import GrammarCompiler, GrammarMatcher, GrammarSpec, check_output
 from moeserve.sampling_params import SamplingParams
@@ -49,8 +50,11 @@ def tiny(tmp_path_factory):
     return folder, tokenizer, GrammarCompiler(tokenizer, len(tokenizer))
 
 
-def make_engine(folder, tokenizer, proposer=None, k=0, jump_forward=True) -> LLMEngine:
-    runner = ModelRunner(load_checkpoint(folder), max_num_seqs=8, max_model_len=512)
+def make_engine(folder, tokenizer, proposer=None, k=0, jump_forward=True, kv_cache="slots") -> LLMEngine:
+    if kv_cache == "paged":
+        runner = PagedRunner(load_checkpoint(folder), 8, 512, num_blocks=8 * 512 // 16 + 1, block_size=16)
+    else:
+        runner = ModelRunner(load_checkpoint(folder), max_num_seqs=8, max_model_len=512)
     return LLMEngine(runner, tokenizer, proposer=proposer, spec=SpecConfig(num_tokens=k),
                      structured=StructuredConfig(jump_forward=jump_forward))
 
@@ -88,13 +92,14 @@ def test_every_grammar_kind_gives_accepted_outputs(tiny, temperature):
     assert engine.structured.num_forced_tokens > 0  # jump-forward fired (e.g. `"size":"` in the schema)
 
 
-def test_greedy_speculation_under_a_grammar_is_exact(tiny):
+@pytest.mark.parametrize("kv_cache", ["slots", "paged"])
+def test_greedy_speculation_under_a_grammar_is_exact(tiny, kv_cache):
     """n-gram drafts + jump-forward (several fed tokens per row) + masks for k+1 positions."""
     folder, tokenizer, compiler = tiny
     jobs = [(p, SamplingParams(max_tokens=160, temperature=0.0), compiler.compile(s))
             for p in PROMPTS for s in SPECS.values()]
     plain = run(make_engine(folder, tokenizer), jobs)
-    engine = make_engine(folder, tokenizer, proposer=NgramProposer(), k=3)
+    engine = make_engine(folder, tokenizer, proposer=NgramProposer(), k=3, kv_cache=kv_cache)
     spec = run(engine, jobs)
     assert [t for t, _, _ in spec] == [t for t, _, _ in plain]
     assert engine.spec_metrics.num_draft_tokens > 0 and engine.structured.num_forced_tokens > 0

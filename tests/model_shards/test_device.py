@@ -11,6 +11,7 @@ from model_shards.device import collective_backend, resolve_device, resolve_dtyp
 from moeserve.engine import LLMEngine, ModelRunner
 from moeserve.engine.factory import EngineConfig, demo_checkpoint
 from moeserve.engine.model_runner import Row
+from moeserve.engine.paged_runner import PagedRunner
 from moeserve.sampling_params import SamplingParams
 from moeserve.tokenizer import load_tokenizer
 
@@ -69,6 +70,11 @@ def test_a_bf16_model_keeps_weights_cache_and_activations_in_bf16():
     assert seen and set(seen) == {torch.bfloat16}
     assert logits.dtype == torch.float32 and logits.device.type == "cpu"
     assert runner.cache.k[0][0, :, : len(prompt)].abs().sum() > 0  # the prompt's keys were written
+
+    paged = PagedRunner(model, 2, 64, num_blocks=9, block_size=16)
+    assert all(t.dtype == torch.bfloat16 and t.device == model.device for t in paged.cache.kv)
+    paged.add("a")
+    assert paged.forward([Row("a", prompt, 0)]).dtype == torch.float32
 
     reference = ModelRunner(load_checkpoint(path), 2, 64)
     reference.add("a")
