@@ -123,8 +123,8 @@ class _Common(BaseModel):
                 raise APIError(400, f"{name} is not supported (only 0)", param=name)
 
     def num_logprobs(self) -> int | None:
-        """How many alternatives per token the response reports (None: no logprobs)."""
-        raise NotImplementedError
+        """How many alternatives per token the response reports (None: no logprobs); the routes say."""
+        return None
 
     def sampling_params(self, max_tokens: int, choice: int = 0) -> SamplingParams:
         """The engine's SamplingParams for choice `choice` (its seed is seed + choice); ValueError
