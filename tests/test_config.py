@@ -125,3 +125,16 @@ def test_the_kv_budget_in_bytes_and_the_paged_cache_reach_the_engine():
     runner = llm.engine.runner
     assert (runner.blocks.num_blocks, runner.block_size, runner.prefix_caching) == (4096 // 32 + 1, 32, False)
     assert runner.cache.nbytes == 8 * 2**20 + 32 * 2048  # the budget, plus the scratch block
+
+
+def test_a_runner_handed_in_keeps_its_own_cache_accounting():
+    """A shard group's runner (slots) under the default paged config: the scheduler counts
+    tokens, not blocks, and does not hold back copies of a prompt for a prefix cache it lacks."""
+    from model_shards import load_checkpoint
+    from moeserve.engine import ModelRunner
+    from moeserve.engine.factory import build_engine
+
+    cfg = EngineConfig(speculation="none", max_num_seqs=2, max_model_len=64)
+    assert cfg.kv_cache == "paged"
+    engine = build_engine(cfg, runner=ModelRunner(load_checkpoint(cfg.model), 2, 64))
+    assert (engine.scheduler.cfg.block_size, engine.scheduler.cfg.share_prefill) == (1, False)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 
@@ -158,4 +159,7 @@ def build_engine(cfg: EngineConfig, runner=None, proposer=None) -> LLMEngine:
         logging.getLogger(__name__).info("model step compiled in %.1f s", seconds)
     spec = SpecConfig(num_tokens=cfg.num_spec_tokens if proposer is not None else 0, adaptive=cfg.adaptive_k,
                       disable_by_batch_size=cfg.spec_disable_by_batch_size)
-    return LLMEngine(runner, tokenizer, scheduler=cfg.scheduler(), proposer=proposer, spec=spec)
+    scheduler = cfg.scheduler()
+    if not isinstance(runner, PagedRunner):  # a slot cache (a shard group's, or a compiled runner's)
+        scheduler = dataclasses.replace(scheduler, block_size=1, share_prefill=False)
+    return LLMEngine(runner, tokenizer, scheduler=scheduler, proposer=proposer, spec=spec)
