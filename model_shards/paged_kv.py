@@ -3,10 +3,12 @@
 Shapes: N blocks, L layers, Bs tokens per block, Hkv key/value heads, Dh head dim,
 B batch rows, Tq query positions this step, nb blocks per row (the longest row's).
 
-Memory is `num_blocks` blocks, allocated once (the KV budget), not a slot of max_model_len
-per sequence: a sequence holds ceil(tokens / Bs) blocks, listed in its block table, and gets
-more as it grows. Block 0 is scratch: padded query positions write there, and block tables
-are padded with it.
+Memory is at most `num_blocks` blocks (the KV budget), not a slot of max_model_len per
+sequence: a sequence holds ceil(tokens / Bs) blocks, listed in its block table, and gets more
+as it grows. The cache tensors start small and grow (doubling, up to the budget) as higher
+block ids are handed out; the allocator hands out the lowest free ids first, so what is
+allocated follows the tokens live (and cached). Block 0 is scratch: padded query positions
+write there, and block tables are padded with it.
 
 Prefix caching (vLLM's automatic prefix caching): a block whose Bs tokens are all committed is
 identified by a hash of those tokens chained with its parent block's hash, so equal hashes
@@ -51,6 +53,7 @@ class BlockAllocator:
         self.num_blocks = num_blocks
         self._blocks = [_Block() for _ in range(num_blocks)]
         self._free: list[int] = list(range(num_blocks - 1, 0, -1))  # never-cached free blocks (pop from the end)
+        self.high_water = 1  # one past the highest block id ever handed out
         self._cached: dict[int, int] = {}  # block hash -> block id
         self._idle: OrderedDict[int, None] = OrderedDict()  # cached blocks no one holds, oldest first
         self.hits = 0  # blocks reused from the prefix cache
@@ -75,6 +78,7 @@ class BlockAllocator:
         else:
             raise OutOfBlocks("no free KV cache block")
         self._blocks[block].ref = 1
+        self.high_water = max(self.high_water, block + 1)
         return block
 
     def free(self, block: int) -> None:
@@ -137,17 +141,37 @@ class PagedKVCache:
         head_dim: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        initial_blocks: int | None = None,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size: must be >= 1, got {block_size}")
-        shape = (2, num_kv_heads, num_blocks, block_size, head_dim)
+        first = num_blocks if initial_blocks is None else max(1, min(initial_blocks, num_blocks))
+        shape = (2, num_kv_heads, first, block_size, head_dim)
         self.kv = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.num_blocks = num_blocks
+        self.num_blocks = num_blocks  # the most it may grow to
         self.block_size = block_size
 
     @property
     def nbytes(self) -> int:
+        """Bytes allocated now."""
         return sum(t.numel() * t.element_size() for t in self.kv)
+
+    @property
+    def capacity(self) -> int:
+        return self.kv[0].shape[2]
+
+    def reserve(self, blocks: int) -> None:
+        """Room for block ids below `blocks`: grow by doubling (up to num_blocks), keeping contents."""
+        have = self.capacity
+        if blocks <= have:
+            return
+        if blocks > self.num_blocks:
+            raise ValueError(f"block {blocks - 1} is past the cache's {self.num_blocks} blocks")
+        new = min(self.num_blocks, max(blocks, 2 * have))
+        for i, t in enumerate(self.kv):
+            grown = t.new_zeros(*t.shape[:2], new, *t.shape[3:])
+            grown[:, :, :have] = t
+            self.kv[i] = grown
 
     def write(self, layer: int, batch: StepBatch, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store this step's keys/values; k, v: [B, Hkv, Tq, Dh] (batch prepared for Tq)."""

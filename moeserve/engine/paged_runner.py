@@ -25,6 +25,8 @@ from model_shards import CausalLM
 from model_shards.paged_kv import BlockAllocator, PagedKVCache, block_hash, paged_step_batch
 from moeserve.engine.model_runner import Row
 
+INITIAL_BLOCKS = 64  # the cache starts with this many blocks and doubles as sequences need more
+
 
 class PagedRunner:
     """Target model + a paged KV cache of `num_blocks` blocks of `block_size` tokens (block 0 is
@@ -43,7 +45,7 @@ class PagedRunner:
         self.block_size = block_size
         self.prefix_caching = prefix_caching
         self.cache = PagedKVCache(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, w.dtype,
-                                  w.device)
+                                  w.device, initial_blocks=INITIAL_BLOCKS)
         self.blocks = BlockAllocator(num_blocks)
         self._tables: dict[str, list[int]] = {}  # sequence -> its blocks, in position order
         self._tokens: dict[str, list[int]] = {}  # sequence -> the tokens at its positions so far
@@ -93,6 +95,7 @@ class PagedRunner:
                 table.append(self.blocks.allocate())
             del tokens[r.start :]
             tokens.extend(r.tokens)
+        self.cache.reserve(self.blocks.high_water)
         tq = max(len(r.tokens) for r in rows)
         ids = torch.tensor([r.tokens + [0] * (tq - len(r.tokens)) for r in rows], dtype=torch.long,
                            device=self.device)  # [B, Tq]
@@ -117,6 +120,7 @@ class PagedRunner:
         """Blocks in use and the prefix cache's counters (for /metrics)."""
         total = self.blocks.num_blocks - 1
         return {"kv_blocks_total": total, "kv_blocks_free": self.blocks.num_free,
+                "kv_bytes_allocated": self.cache.nbytes,
                 "kv_blocks_held": total - self.blocks.num_free, "prefix_cache_blocks": self.blocks.num_cached,
                 "prefix_cache_hit_blocks": self.blocks.hits, "prefix_cache_query_blocks": self.blocks.queries,
                 "prefix_cache_hit_tokens": self.blocks.hits * self.block_size,

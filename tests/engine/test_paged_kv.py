@@ -164,3 +164,18 @@ def test_n_copies_of_a_prompt_share_its_prefill(ckpt):
     eng = LLMEngine(runner, scheduler=sched)
     assert [c.token_ids for c in eng.generate([p] * 4, GREEDY)] == ref
     assert runner.stats()["prefix_cache_hit_blocks"] == 3 * ((len(p) - 1) // 4)
+
+
+def test_the_cache_grows_with_the_blocks_in_use_and_keeps_its_contents(ckpt):
+    """Allocation follows use: the cache starts at 64 blocks, doubles when a higher block id is
+    handed out (never past the budget), and the keys already written survive the growth."""
+    runner = paged(ckpt, num_blocks=300, block_size=2)
+    start = runner.cache.nbytes
+    ps = shared_prompts(8, seed=9, prefix_len=30)
+    ref = [c.token_ids for c in engine(slots(ckpt)).generate(ps, GREEDY)]
+    eng = engine(runner, block_size=2)
+    assert [c.token_ids for c in eng.generate(ps, GREEDY)] == ref
+    assert runner.cache.capacity > 64 and runner.cache.nbytes == start * runner.cache.capacity // 64
+    assert runner.cache.capacity <= 300 and runner.blocks.high_water <= runner.cache.capacity
+    with pytest.raises(ValueError, match="past the cache"):
+        runner.cache.reserve(301)
