@@ -143,11 +143,11 @@ class ToolStream:
 
     def finish(self) -> tuple[str, list[dict[str, Any]]]:
         """At the end: the content not yet streamed, and the calls."""
-        content, calls = self.calling.split(self.text)
+        _, calls = self.calling.split(self.text)
+        rest = self.text[self.sent :]
         if not calls:
-            return self.text[self.sent :], []
-        rest = self.text[self.sent :] if self.calling.mode == "auto" else ""
-        return _CALL.sub("", rest), calls
+            return rest, []
+        return ("" if self.calling.mode == "forced" else _CALL.sub("", rest)), calls
 
 
 def _call(c: dict[str, Any]) -> dict[str, Any]:

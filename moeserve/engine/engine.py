@@ -130,7 +130,7 @@ class LLMEngine:
         try:
             if batch.is_prefill:
                 for seq in batch.seqs:  # a paged runner may hold a prefix already (prefix caching)
-                    seq.num_cached = max(seq.num_cached, self.runner.add(seq.seq_id, seq.token_ids) or 0)
+                    seq.num_cached = max(seq.num_cached, self.runner.add(seq.seq_id, seq.token_ids))
                 new_tokens = self._prefill(batch)
             else:
                 new_tokens = self._decode(batch)

@@ -96,7 +96,8 @@ class Scheduler:
                 break
             if admitted and tokens + len(seq.pending_ids) > self.cfg.max_num_batched_tokens:
                 break
-            if self.cfg.share_prefill and len(seq.prompt_ids) > self.cfg.block_size and tuple(seq.prompt_ids) in prompts:
+            key = tuple(seq.prompt_ids) if self.cfg.share_prefill and len(seq.prompt_ids) > self.cfg.block_size else None
+            if key is not None and key in prompts:
                 continue  # its twin's prompt blocks are in the prefix cache after this step: prefill it next
             need = self.cfg.held(seq.num_tokens + grow)
             if need > kv_free and (admitted or self.running):
@@ -104,7 +105,8 @@ class Scheduler:
             kv_free -= need
             tokens += len(seq.pending_ids)
             admitted.append(seq)
-            prompts.add(tuple(seq.prompt_ids))
+            if key is not None:
+                prompts.add(key)
         if admitted:
             for seq in admitted:
                 self.waiting.remove(seq)
