@@ -51,14 +51,14 @@ def rank_device(device: str, rank: int) -> torch.device:
     return torch.device(f"cuda:{rank}") if device == "cuda" else torch.device(device)
 
 
-def _follower(checkpoint, placement, rank, world, master, max_num_seqs, max_model_len, routing, threads,
-              device, dtype) -> None:
+def _follower(checkpoint, placement, rank, world, master, max_num_seqs, max_model_len, block_size, routing,
+              threads, device, dtype) -> None:
     torch.set_num_threads(threads)
     dev = rank_device(device, rank)
     init_shard_group(rank, world, master, device=dev)
     model = load_shard(checkpoint, placement, rank, routing, resolve_dtype(dtype, dev), dev)
     try:
-        ShardWorker(model, rank, world, max_num_seqs, max_model_len).serve_forever()
+        ShardWorker(model, rank, world, max_num_seqs, max_model_len, block_size).serve_forever()
     finally:
         dist.destroy_process_group()
 
@@ -72,6 +72,8 @@ class LocalShardGroup:
         world_size: int,
         max_num_seqs: int = 8,
         max_model_len: int = 512,
+        block_size: int = 16,
+        prefix_caching: bool = True,
         placement: Placement | None = None,
         routing: RoutingConfig | None = None,
         threads_per_rank: int = 1,
@@ -84,20 +86,21 @@ class LocalShardGroup:
         self.placement = placement or contiguous_placement(cfg.num_experts, world_size)
         if self.placement.world_size != world_size:
             raise ValueError(f"placement is for {self.placement.world_size} ranks, not {world_size}")
-        self.args = (checkpoint, self.placement, world_size, max_num_seqs, max_model_len, routing, threads_per_rank,
-                     device, dtype)
+        self.args = (checkpoint, self.placement, world_size, max_num_seqs, max_model_len, block_size, routing,
+                     threads_per_rank, device, dtype)
+        self.prefix_caching = prefix_caching
         self.runner: ShardedRunner | None = None
         self.procs: list = []
 
     def __enter__(self) -> ShardedRunner:
-        checkpoint, placement, world, max_num_seqs, max_model_len, routing, threads, device, dtype = self.args
+        checkpoint, placement, world, max_num_seqs, max_model_len, block_size, routing, threads, device, dtype = self.args
         master = f"127.0.0.1:{free_port()}"
         ctx = mp.get_context("spawn")
         self.procs = [
             ctx.Process(
                 target=_follower,
-                args=(checkpoint, placement, r, world, master, max_num_seqs, max_model_len, routing, threads, device,
-                      dtype),
+                args=(checkpoint, placement, r, world, master, max_num_seqs, max_model_len, block_size, routing, threads,
+                      device, dtype),
                 daemon=True,
             )
             for r in range(1, world)
@@ -107,7 +110,7 @@ class LocalShardGroup:
         dev = rank_device(device, 0)
         init_shard_group(0, world, master, device=dev)
         model = load_shard(checkpoint, placement, 0, routing, resolve_dtype(dtype, dev), dev)
-        self.runner = ShardedRunner(model, world, max_num_seqs, max_model_len)
+        self.runner = ShardedRunner(model, world, max_num_seqs, max_model_len, block_size, self.prefix_caching)
         return self.runner
 
     def __exit__(self, *exc) -> None:

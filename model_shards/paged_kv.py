@@ -121,6 +121,123 @@ class BlockAllocator:
     def refcount(self, block: int) -> int:
         return self._blocks[block].ref
 
+    def is_cached(self, h: int) -> bool:
+        return h in self._cached
+
+    def is_committed(self, block: int) -> bool:
+        return self._blocks[block].hash is not None
+
+
+class BlockManager:
+    """Which blocks each sequence holds: block tables, the tokens behind them and prefix caching.
+    Bookkeeping only (no tensors): a paged runner owns one per cache, a shard group one per rank."""
+
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size: must be >= 1, got {block_size}")
+        self.allocator = BlockAllocator(num_blocks)
+        self.block_size = block_size
+        self.prefix_caching = prefix_caching
+        self.tables: dict[str, list[int]] = {}  # sequence -> its blocks, in position order
+        self._tokens: dict[str, list[int]] = {}  # sequence -> the tokens at its positions so far
+        self._hashes: dict[str, list[int]] = {}  # sequence -> hashes of its committed full blocks
+
+    def __len__(self) -> int:
+        return len(self.tables)
+
+    def __contains__(self, seq_id: str) -> bool:
+        return seq_id in self.tables
+
+    def add(self, seq_id: str, token_ids: list[int] | tuple[int, ...] = ()) -> int:
+        """Start a sequence; returns how many of its leading tokens are already cached (a
+        multiple of the block size, always leaving the last token to compute)."""
+        if seq_id in self.tables:
+            raise ValueError(f"sequence {seq_id!r} is already running")
+        bs = self.block_size
+        hashes: list[int] = []
+        if self.prefix_caching:
+            for i in range((len(token_ids) - 1) // bs):  # full blocks before the last token
+                hashes.append(block_hash(hashes[-1] if hashes else None, tuple(token_ids[i * bs : (i + 1) * bs])))
+        found = self.allocator.lookup(hashes)
+        self.tables[seq_id] = found
+        self._hashes[seq_id] = hashes[: len(found)]
+        self._tokens[seq_id] = list(token_ids[: len(found) * bs])
+        return len(found) * bs
+
+    def cached_prefix(self, token_ids: list[int] | tuple[int, ...]) -> int:
+        """How many leading tokens `add` would find cached now (nothing is taken)."""
+        if not self.prefix_caching:
+            return 0
+        bs, h, n = self.block_size, None, 0
+        for i in range((len(token_ids) - 1) // bs):
+            h = block_hash(h, tuple(token_ids[i * bs : (i + 1) * bs]))
+            if not self.allocator.is_cached(h):
+                break
+            n += bs
+        return n
+
+    def remove(self, seq_id: str) -> None:
+        for block in self.tables.pop(seq_id, ()):
+            self.allocator.free(block)
+        self._tokens.pop(seq_id, None)
+        self._hashes.pop(seq_id, None)
+
+    def write(self, seq_id: str, start: int, tokens: list[int], reserve: int = 0) -> list[tuple[int, int]]:
+        """Make room for `tokens` at positions start.. (and `reserve` more positions after them).
+
+        Tokens before `start` are final: their full blocks become findable. Blocks past the end
+        (rejected drafts) are freed. A block this write would touch that others share or the
+        prefix cache holds (the sequence rewound into it) is first replaced by a block of its
+        own: the returned (src, dst) pairs are the block copies the cache must make before
+        writing. May raise OutOfBlocks (then the sequence holds what it held before)."""
+        bs, table, known = self.block_size, self.tables[seq_id], self._tokens[seq_id]
+        hashes = self._hashes[seq_id]
+        del hashes[start // bs :]  # blocks at or after `start` are no longer final
+        self.commit(seq_id, start)
+        need = -(-(start + len(tokens) + reserve) // bs)
+        a = self.allocator
+        shared = [i for i in range(start // bs, min(need, len(table)))
+                  if a.refcount(table[i]) > 1 or a.is_committed(table[i])]
+        if len(shared) + max(need - len(table), 0) > a.num_free:
+            raise OutOfBlocks(f"sequence {seq_id!r} needs more KV cache blocks than are free")
+        copies = []
+        for i in shared:
+            block = table[i]
+            table[i] = a.allocate()
+            a.free(block)
+            if i * bs < start:  # it keeps positions before `start`
+                copies.append((block, table[i]))
+        while len(table) > need:
+            a.free(table.pop())
+        while len(table) < need:
+            table.append(a.allocate())
+        del known[start:]
+        known.extend(tokens)
+        return copies
+
+    def commit(self, seq_id: str, upto: int) -> None:
+        """Tokens before `upto` are final: their full blocks become findable."""
+        if not self.prefix_caching:
+            return
+        bs, hashes, tokens, table = self.block_size, self._hashes[seq_id], self._tokens[seq_id], self.tables[seq_id]
+        for i in range(len(hashes), min(upto, len(tokens)) // bs):
+            hashes.append(block_hash(hashes[-1] if hashes else None, tuple(tokens[i * bs : (i + 1) * bs])))
+            self.allocator.commit(table[i], hashes[-1])
+
+    def record(self, seq_id: str, tokens: list[int]) -> None:
+        """The tokens now at the sequence's positions 0.. (after writes whose tokens came one by
+        one, e.g. a draft's own proposals): what later commits hash."""
+        self._tokens[seq_id] = list(tokens)
+
+    def stats(self) -> dict[str, int | float]:
+        """Blocks in use and the prefix cache's counters (for /metrics)."""
+        a = self.allocator
+        total = a.num_blocks - 1
+        return {"kv_blocks_total": total, "kv_blocks_free": a.num_free, "kv_blocks_held": total - a.num_free,
+                "prefix_cache_blocks": a.num_cached, "prefix_cache_hit_blocks": a.hits,
+                "prefix_cache_query_blocks": a.queries, "prefix_cache_hit_tokens": a.hits * self.block_size,
+                "prefix_cache_hit_rate": a.hits / max(a.queries, 1)}
+
 
 class PagedKVCache:
     """Keys and values of each layer in one tensor [2, Hkv, N, Bs, Dh]: a block is Bs consecutive
@@ -173,21 +290,36 @@ class PagedKVCache:
             grown[:, :, :have] = t
             self.kv[i] = grown
 
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Block dst gets block src's keys and values, for each (src, dst)."""
+        if not pairs:
+            return
+        src, dst = (torch.tensor(ids, device=self.kv[0].device) for ids in zip(*pairs))
+        for t in self.kv:
+            t.index_copy_(2, dst, t.index_select(2, src))
+
     def write(self, layer: int, batch: StepBatch, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store this step's keys/values; k, v: [B, Hkv, Tq, Dh] (batch prepared for Tq)."""
+        self.write_at(layer, batch.write_index, k, v)
+
+    def write_at(self, layer: int, index: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v: [B, Hkv, Tq, Dh] to the flat positions `index` [B*Tq] (block * Bs + offset)."""
         cache = self.kv[layer]
         two, heads, n, bs, dh = cache.shape
         new = torch.stack((k, v)).transpose(1, 2).reshape(two, heads, -1, dh)  # [2, Hkv, B*Tq, Dh]
-        # slot = block * Bs + offset for each position; padding goes to the scratch block
-        cache.view(two, heads, n * bs, dh).index_copy_(2, batch.write_index, new)
+        cache.view(two, heads, n * bs, dh).index_copy_(2, index, new)
 
     def read(self, layer: int, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """[B, Hkv, Tk, Dh] keys and values of the batch's rows: one gather (index_select is
-        several times faster than advanced indexing here) and two views."""
+        """[B, Hkv, Tk, Dh] keys and values of the batch's rows."""
+        return self.gather(layer, batch.block_table, batch.tk)
+
+    def gather(self, layer: int, block_table: torch.Tensor, tk: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """[B, Hkv, Tk, Dh] keys and values through `block_table` [B, nb] (nb * Bs >= Tk): one
+        gather (index_select is several times faster than advanced indexing here) and two views."""
         cache = self.kv[layer]
-        b, nb = batch.block_table.shape
-        blocks = cache.index_select(2, batch.block_table.view(-1))  # [2, Hkv, B*nb, Bs, Dh]
-        both = blocks.view(2, cache.shape[1], b, nb * self.block_size, cache.shape[4])[:, :, :, : batch.tk]
+        b, nb = block_table.shape
+        blocks = cache.index_select(2, block_table.reshape(-1))  # [2, Hkv, B*nb, Bs, Dh]
+        both = blocks.view(2, cache.shape[1], b, nb * self.block_size, cache.shape[4])[:, :, :, :tk]
         return both[0].transpose(0, 1), both[1].transpose(0, 1)  # [B, Hkv, Tk, Dh] each
 
 

@@ -1,15 +1,16 @@
 """The shard group's step protocol over torch.distributed: rank 0 drives, the others follow.
 
-Each rank holds the dense weights, its own experts and the KV cache of its own sequences
-(data-parallel attention). Per step rank 0 broadcasts one message (slot moves + the rows of
-every rank), every rank runs its rows (joining each MoE layer's all-to-all), and the final
-hidden states are gathered to rank 0, which applies the LM head. Nothing per step goes
-through Ray.
+Each rank holds the dense weights, its own experts and the paged KV cache of its own
+sequences (data-parallel attention). Rank 0 keeps every rank's block tables (a BlockManager
+per rank, with prefix caching); the other ranks only hold the cache tensors. Per step rank 0
+broadcasts one message (block copies + the rows of every rank with their block tables), every
+rank runs its rows (joining each MoE layer's all-to-all), and the final hidden states are
+gathered to rank 0, which applies the LM head. Nothing per step goes through Ray.
 
-Message (int64): header [cmd, rows, Tq, last_only, moves, extra], then moves [M, 4]
-(rank, src, dst, length), rows [B, 4 + Tq] (rank, slot, start, q_len, tokens...) and `extra`
-more values. CMD_PLACE (live re-placement, between two steps) carries a placement in the
-extra values: [experts on rank 0, ..., experts on rank W-1, then every rank's expert ids];
+Message (int64): header [cmd, rows, Tq, last_only, copies, n], then for CMD_STEP copies [C, 3]
+(rank, src block, dst block: copy-on-write before the step) and rows [B, 3 + Tq + n] (rank,
+start, q_len, tokens..., n block ids padded with the scratch block 0). CMD_PLACE (live re-placement, between two steps) carries a placement in the
+n values: [experts on rank 0, ..., experts on rank W-1, then every rank's expert ids];
 each rank reloads its experts from the checkpoint and re-wires its all-to-all, while the KV
 caches (attention is data-parallel) stay as they are.
 Shapes: B rows, Tq query tokens, D hidden, V vocab, W ranks.
@@ -23,13 +24,24 @@ import torch
 import torch.distributed as dist
 
 from model_shards.all_to_all import AllToAllDispatch
-from model_shards.kv_cache import SlotTable, StepBatch
+from model_shards.kv_cache import StepBatch
 from model_shards.loader import reload_experts
 from model_shards.model import CausalLM
+from model_shards.paged_kv import BlockManager, PagedKVCache
 from router_service.placement import Placement
 
 CMD_STEP, CMD_STOP, CMD_PLACE = 1, 2, 3
 _HEADER = 6
+_ROW = 3  # rank, start, q_len
+INITIAL_BLOCKS = 64  # each rank's cache starts with this many blocks and doubles as needed
+# A new sequence goes to the rank holding most of its prefix, unless that rank runs this many
+# more sequences than the least busy one.
+BALANCE_SLACK = 2
+
+
+def _body_size(header: list[int]) -> int:
+    cmd, rows, tq, _, copies, n = header
+    return n if cmd == CMD_PLACE else copies * 3 + rows * (_ROW + tq + n)
 
 
 def _broadcast(
@@ -42,8 +54,7 @@ def _broadcast(
         h = torch.empty(_HEADER, dtype=torch.long, device=device)
     dist.broadcast(h, src=0)
     header = h.tolist()
-    _, rows, tq, _, moves, extra = header
-    size = moves * 4 + rows * (4 + tq) + extra
+    size = _body_size(header)
     body = body.to(device) if body is not None else torch.empty(size, dtype=torch.long, device=device)
     if size:
         dist.broadcast(body, src=0)
@@ -51,8 +62,8 @@ def _broadcast(
 
 
 def _split(header: list[int], body: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    _, rows, tq, _, moves, _ = header
-    return body[: moves * 4].view(moves, 4), body[moves * 4 : moves * 4 + rows * (4 + tq)].view(rows, 4 + tq)
+    _, rows, tq, _, copies, n = header
+    return body[: copies * 3].view(copies, 3), body[copies * 3 :].view(rows, _ROW + tq + n)
 
 
 def _encode_placement(placement: Placement) -> list[int]:
@@ -69,10 +80,15 @@ def _decode_placement(world_size: int, values: list[int]) -> Placement:
 class _Shard:
     """What every rank does with a step message."""
 
-    def __init__(self, model: CausalLM, rank: int, world_size: int, max_num_seqs: int, max_model_len: int) -> None:
+    def __init__(self, model: CausalLM, rank: int, world_size: int, max_num_seqs: int, max_model_len: int,
+                 block_size: int = 16) -> None:
         self.model, self.rank, self.world_size = model, rank, world_size
         self.device = model.device
-        self.cache = model.make_cache(max_num_seqs, max_model_len)
+        self.block_size = block_size
+        self.num_blocks = max_num_seqs * -(-max_model_len // block_size) + 1  # room for every sequence (+ scratch)
+        cfg, w = model.config, model.lm_head.weight
+        self.cache = PagedKVCache(cfg.num_layers, self.num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
+                                  w.dtype, w.device, initial_blocks=INITIAL_BLOCKS)
 
     def place(self, placement: Placement) -> None:
         """Hold `placement`'s experts for this rank from now on (every rank does this together)."""
@@ -80,16 +96,17 @@ class _Shard:
         self.model.set_dispatch(AllToAllDispatch(placement, self.rank))
 
     def run(self, header: list[int], body: torch.Tensor) -> torch.Tensor:
-        """Apply this rank's slot moves, run its rows, gather hidden states to rank 0.
+        """Make this rank's block copies, run its rows, gather hidden states to rank 0.
         Returns [W, Bmax, T', D] on rank 0 (padding rows are zeros), an empty tensor elsewhere."""
         _, _, tq, last_only, _, _ = header
-        moves, rows = _split(header, body)
-        for _, src, dst, length in moves[moves[:, 0] == self.rank].tolist():
-            self.cache.copy_slot(src, dst, length)
-        mine = rows[rows[:, 0] == self.rank]  # [Br, 4 + Tq]
-        ids = mine[:, 4:]
+        copies, rows = _split(header, body)
+        mine = rows[rows[:, 0] == self.rank]  # [Br, 3 + Tq + n]
+        ids, tables = mine[:, _ROW : _ROW + tq], mine[:, _ROW + tq :]
         if len(mine):
-            batch = StepBatch(slots=mine[:, 1], start=mine[:, 2], q_lens=mine[:, 3])
+            self.cache.reserve(int(tables.max()) + 1)
+            self.cache.copy_blocks([(src, dst) for _, src, dst in copies[copies[:, 0] == self.rank].tolist()])
+            batch = StepBatch(slots=mine[:, 0], start=mine[:, 1], q_lens=mine[:, 2], block_table=tables,
+                              block_size=self.block_size)
             h = self.model.hidden_states(ids, self.cache, batch, last_only=bool(last_only))  # [Br, T', D]
         else:
             h = self.model.hidden_states(ids, last_only=bool(last_only))
@@ -116,64 +133,74 @@ class ShardWorker(_Shard):
 
 
 class ShardedRunner(_Shard):
-    """Rank 0: the engine's model runner for a whole shard group (same interface as ModelRunner).
-    `max_num_seqs` is per rank; sequences go to the rank with the fewest."""
+    """Rank 0: the engine's model runner for a whole shard group (same interface as PagedRunner).
+    `max_num_seqs` is per rank; a sequence goes to the rank with most of its prefix cached,
+    within BALANCE_SLACK sequences of the least busy one."""
 
-    def __init__(self, model: CausalLM, world_size: int, max_num_seqs: int, max_model_len: int) -> None:
-        super().__init__(model, 0, world_size, max_num_seqs, max_model_len)
+    def __init__(self, model: CausalLM, world_size: int, max_num_seqs: int, max_model_len: int,
+                 block_size: int = 16, prefix_caching: bool = True) -> None:
+        super().__init__(model, 0, world_size, max_num_seqs, max_model_len, block_size)
         self.max_model_len = max_model_len
+        self.per_rank = max_num_seqs
+        self.prefix_caching = prefix_caching
         self.vocab_size = model.config.vocab_size
-        self.tables = [SlotTable(max_num_seqs) for _ in range(world_size)]
+        self.managers = [BlockManager(self.num_blocks, block_size, prefix_caching) for _ in range(world_size)]
         self._rank_of: dict[str, int] = {}
-        self._moves: list[tuple[int, int, int, int]] = []  # sent with the next step
 
     @property
     def max_num_seqs(self) -> int:
-        return sum(t.num_slots for t in self.tables)
+        return self.per_rank * self.world_size
 
     @property
     def num_free_slots(self) -> int:
-        return sum(t.num_free for t in self.tables)
+        return self.max_num_seqs - len(self._rank_of)
 
     def add(self, seq_id: str, token_ids: list[int] | tuple[int, ...] = ()) -> int:
-        """Give the sequence a slot on the least busy rank; returns 0 (no prefix cache here)."""
-        rank = min(range(self.world_size), key=lambda r: (len(self.tables[r]), r))
-        self.tables[rank].add(seq_id)
+        """Start the sequence on a rank; returns how many of its leading tokens that rank has cached."""
+        loads = [len(m) for m in self.managers]
+        least = min(loads)
+        if least >= self.per_rank:
+            raise RuntimeError("no room for another sequence")
+        candidates = [r for r in range(self.world_size) if loads[r] < min(least + BALANCE_SLACK, self.per_rank)]
+        rank = max(candidates, key=lambda r: (self.managers[r].cached_prefix(token_ids), -loads[r], -r))
         self._rank_of[seq_id] = rank
-        return 0
+        return self.managers[rank].add(seq_id, token_ids)
 
     def remove(self, seq_id: str) -> None:
         rank = self._rank_of.pop(seq_id, None)
-        if rank is None:
-            return
-        move = self.tables[rank].remove(seq_id)
-        if move is not None:
-            self._moves.append((rank, *move))
+        if rank is not None:
+            self.managers[rank].remove(seq_id)
 
     def forward(self, rows: list, logits: Literal["all", "last"] = "last") -> torch.Tensor:
         """rows: engine Rows (seq_id, tokens, start). Returns logits [B, V] or [B, Tq, V] in row order."""
         tq = max(len(r.tokens) for r in rows)
-        packed = torch.zeros(len(rows), 4 + tq, dtype=torch.long)  # [B, 4 + Tq]
-        for i, r in enumerate(rows):
+        copies, tables = [], []
+        for r in rows:
             if r.start + len(r.tokens) > self.max_model_len:
                 raise ValueError(f"sequence {r.seq_id!r} exceeds max_model_len={self.max_model_len}")
             rank = self._rank_of[r.seq_id]
-            self.tables[rank].written(r.seq_id, r.start + len(r.tokens))
-            packed[i, :4] = torch.tensor([rank, self.tables[rank].slot(r.seq_id), r.start, len(r.tokens)])
-            packed[i, 4 : 4 + len(r.tokens)] = torch.tensor(r.tokens)
-        # Within a rank, rows in slot order: attention then reads contiguous cache views.
-        order = torch.argsort(packed[:, 0] * (1 << 20) + packed[:, 1])
+            copies += [(rank, src, dst) for src, dst in self.managers[rank].write(r.seq_id, r.start, r.tokens)]
+            tables.append(self.managers[rank].tables[r.seq_id])
+        n = max(max(map(len, tables)), -(-max(r.start + tq for r in rows) // self.block_size))
+        packed = torch.zeros(len(rows), _ROW + tq + n, dtype=torch.long)  # [B, 3 + Tq + n]
+        for i, (r, table) in enumerate(zip(rows, tables)):
+            packed[i, :_ROW] = torch.tensor([self._rank_of[r.seq_id], r.start, len(r.tokens)])
+            packed[i, _ROW : _ROW + len(r.tokens)] = torch.tensor(r.tokens)
+            packed[i, _ROW + tq : _ROW + tq + len(table)] = torch.tensor(table)
+        order = torch.argsort(packed[:, 0], stable=True)  # rows grouped by rank
         packed = packed[order]
-        moves = torch.tensor(self._moves, dtype=torch.long).view(-1, 4)
-        self._moves = []
-        header = [CMD_STEP, len(rows), tq, int(logits == "last"), len(moves), 0]
-        header, body = _broadcast(header, torch.cat([moves.view(-1), packed.view(-1)]), self.device)
+        header = [CMD_STEP, len(rows), tq, int(logits == "last"), len(copies), n]
+        body = torch.cat([torch.tensor(copies, dtype=torch.long).view(-1), packed.view(-1)])
+        header, body = _broadcast(header, body, self.device)
         gathered = self.run(header, body)  # [W, Bmax, T', D]
         ranks = packed[:, 0]
         within = torch.cat([torch.arange(int(c)) for c in torch.bincount(ranks, minlength=self.world_size)])
         h = gathered[ranks.to(self.device), within.to(self.device)]  # [B, T', D] in packed order
         out = self.model.lm_logits(h).cpu()
         out = out[:, 0] if logits == "last" else out
+        if logits == "last":  # prefill or plain decode: every fed token is final
+            for r in rows:
+                self.managers[self._rank_of[r.seq_id]].commit(r.seq_id, r.start + len(r.tokens))
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(len(order))
         return out[inverse]
@@ -186,6 +213,13 @@ class ShardedRunner(_Shard):
         values = _encode_placement(placement)
         _broadcast([CMD_PLACE, 0, 0, 0, 0, len(values)], torch.tensor(values, dtype=torch.long), self.device)
         self.place(placement)
+
+    def stats(self) -> dict[str, int | float]:
+        """Every rank's blocks and prefix-cache counters, summed (for /metrics)."""
+        per_rank = [m.stats() for m in self.managers]
+        total = {k: sum(s[k] for s in per_rank) for k in per_rank[0]}
+        total["prefix_cache_hit_rate"] = total["prefix_cache_hit_blocks"] / max(total["prefix_cache_query_blocks"], 1)
+        return total
 
     def shutdown(self) -> None:
         _broadcast([CMD_STOP, 0, 0, 0, 0, 0], None, self.device)

@@ -160,6 +160,8 @@ def build_engine(cfg: EngineConfig, runner=None, proposer=None) -> LLMEngine:
     spec = SpecConfig(num_tokens=cfg.num_spec_tokens if proposer is not None else 0, adaptive=cfg.adaptive_k,
                       disable_by_batch_size=cfg.spec_disable_by_batch_size)
     scheduler = cfg.scheduler()
-    if not isinstance(runner, PagedRunner):  # a slot cache (a shard group's, or a compiled runner's)
-        scheduler = dataclasses.replace(scheduler, block_size=1, share_prefill=False)
+    if not isinstance(runner, PagedRunner):  # a slot cache (token accounting), or a shard group's paged ranks
+        paged = getattr(runner, "block_size", 0)
+        scheduler = dataclasses.replace(scheduler, block_size=paged or 1,
+                                        share_prefill=bool(paged) and runner.prefix_caching)
     return LLMEngine(runner, tokenizer, scheduler=scheduler, proposer=proposer, spec=spec)

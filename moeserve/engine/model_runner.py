@@ -54,16 +54,16 @@ class Row:
     start: int
 
 
-def forward_last(runner, rows: list[Row]) -> torch.Tensor:
+def forward_last(runner, rows: list[Row], **kwargs) -> torch.Tensor:
     """Logits [B, V] at each row's last token, in row order; rows of very different lengths
     (prompts being prefilled) run as separate passes, each padded only to its own longest
-    row (length_groups). `runner`: a ModelRunner or anything with its forward()."""
+    row (length_groups). `runner`: a ModelRunner or anything with its forward() (which gets `kwargs`)."""
     groups = length_groups([len(r.tokens) for r in rows])
     if len(groups) == 1:
-        return runner.forward(rows, logits="last")
+        return runner.forward(rows, logits="last", **kwargs)
     logits = torch.empty(len(rows), runner.vocab_size)  # [B, V]
     for group in groups:
-        logits[group] = runner.forward([rows[i] for i in group], logits="last")
+        logits[group] = runner.forward([rows[i] for i in group], logits="last", **kwargs)
     return logits
 
 

@@ -4,7 +4,7 @@ Same interface as ModelRunner (add / remove / forward), except that `add` is tol
 sequence's tokens and answers how many leading ones the prefix cache already holds: the
 engine then feeds only the rest.
 
-What a forward pass does to a sequence's blocks:
+What a forward pass does to a sequence's blocks (BlockManager.write):
 - positions before a row's `start` are committed (the engine feeds from its cached length, so
   rejected draft tokens are never behind it): full blocks among them are hashed and become
   findable by later sequences;
@@ -12,7 +12,8 @@ What a forward pass does to a sequence's blocks:
 - blocks are allocated for the positions this pass writes; a prefill's or plain decode's
   tokens are committed right after the pass (a verify pass's drafts only at the next one).
 Shared blocks are never written: a prefix hit ends on a block boundary before the last
-prompt token, so every position a sequence writes lies in a block of its own.
+prompt token, so every position a sequence writes lies in a block of its own (and a sequence
+that rewinds into a shared block gets a copy of its own first).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Literal
 import torch
 
 from model_shards import CausalLM
-from model_shards.paged_kv import BlockAllocator, PagedKVCache, block_hash, paged_step_batch
+from model_shards.paged_kv import BlockManager, PagedKVCache, paged_step_batch
 from moeserve.engine.model_runner import Row
 
 INITIAL_BLOCKS = 64  # the cache starts with this many blocks and doubles as sequences need more
@@ -46,82 +47,56 @@ class PagedRunner:
         self.prefix_caching = prefix_caching
         self.cache = PagedKVCache(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, w.dtype,
                                   w.device, initial_blocks=INITIAL_BLOCKS)
-        self.blocks = BlockAllocator(num_blocks)
-        self._tables: dict[str, list[int]] = {}  # sequence -> its blocks, in position order
-        self._tokens: dict[str, list[int]] = {}  # sequence -> the tokens at its positions so far
-        self._hashes: dict[str, list[int]] = {}  # sequence -> hashes of its committed full blocks
+        self.manager = BlockManager(num_blocks, block_size, prefix_caching)
+        self.blocks = self.manager.allocator
 
     @property
     def num_free_slots(self) -> int:
-        return self.max_num_seqs - len(self._tables)
+        return self.max_num_seqs - len(self.manager)
 
     def add(self, seq_id: str, token_ids: list[int] | tuple[int, ...] = ()) -> int:
         """Start a sequence; returns how many of its leading tokens are already cached (a
         multiple of the block size, always leaving the last token to compute)."""
-        if seq_id in self._tables:
-            raise ValueError(f"sequence {seq_id!r} is already running")
-        if len(self._tables) >= self.max_num_seqs:
+        if len(self.manager) >= self.max_num_seqs and seq_id not in self.manager:
             raise RuntimeError("no room for another sequence")
-        bs = self.block_size
-        hashes: list[int] = []
-        if self.prefix_caching:
-            for i in range((len(token_ids) - 1) // bs):  # full blocks before the last token
-                hashes.append(block_hash(hashes[-1] if hashes else None, tuple(token_ids[i * bs : (i + 1) * bs])))
-        found = self.blocks.lookup(hashes)
-        self._tables[seq_id] = found
-        self._hashes[seq_id] = hashes[: len(found)]
-        self._tokens[seq_id] = list(token_ids[: len(found) * bs])
-        return len(found) * bs
+        return self.manager.add(seq_id, token_ids)
 
     def remove(self, seq_id: str) -> None:
-        for block in self._tables.pop(seq_id, ()):
-            self.blocks.free(block)
-        self._tokens.pop(seq_id, None)
-        self._hashes.pop(seq_id, None)
+        self.manager.remove(seq_id)
 
-    def forward(self, rows: list[Row], logits: Literal["all", "last"] = "last") -> torch.Tensor:
-        """Logits [B, V] at each row's last token ("last") or [B, Tq, V] for every fed token ("all")."""
-        bs = self.block_size
-        for r in rows:
-            end = r.start + len(r.tokens)
-            if end > self.max_model_len:
-                raise ValueError(f"sequence {r.seq_id!r} exceeds max_model_len={self.max_model_len}")
-            self._commit(r.seq_id, r.start)
-            table, tokens = self._tables[r.seq_id], self._tokens[r.seq_id]
-            need = -(-end // bs)
-            while len(table) > need:  # rejected drafts' blocks
-                self.blocks.free(table.pop())
-            while len(table) < need:
-                table.append(self.blocks.allocate())
-            del tokens[r.start :]
-            tokens.extend(r.tokens)
+    def prepare(self, seq_id: str, start: int, tokens: list[int], reserve: int = 0) -> None:
+        """Blocks for `tokens` at positions start.. and `reserve` more (see BlockManager.write)."""
+        end = start + len(tokens) + reserve
+        if end > self.max_model_len:
+            raise ValueError(f"sequence {seq_id!r} exceeds max_model_len={self.max_model_len}")
+        self.cache.copy_blocks(self.manager.write(seq_id, start, tokens, reserve))
+
+    def block_tables(self, seq_ids: list[str], width: int = 0) -> torch.Tensor:
+        """[B, nb] block ids of these sequences (padded with the scratch block), on the cache's device;
+        the cache is grown to hold every block id handed out so far."""
+        self.cache.reserve(self.blocks.high_water)
+        tables = [self.manager.tables[s] for s in seq_ids]
+        width = max(width, *map(len, tables))
+        return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=self.device)
+
+    def forward(self, rows: list[Row], logits: Literal["all", "last"] = "last", prepared: bool = False) -> torch.Tensor:
+        """Logits [B, V] at each row's last token ("last") or [B, Tq, V] for every fed token ("all").
+        prepared: the rows' blocks were set up by `prepare` already (with room for what comes after)."""
+        if not prepared:
+            for r in rows:
+                self.prepare(r.seq_id, r.start, r.tokens)
         self.cache.reserve(self.blocks.high_water)
         tq = max(len(r.tokens) for r in rows)
         ids = torch.tensor([r.tokens + [0] * (tq - len(r.tokens)) for r in rows], dtype=torch.long,
                            device=self.device)  # [B, Tq]
-        batch = paged_step_batch([self._tables[r.seq_id] for r in rows], [r.start for r in rows],
-                                 [len(r.tokens) for r in rows], bs, self.device)
+        batch = paged_step_batch([self.manager.tables[r.seq_id] for r in rows], [r.start for r in rows],
+                                 [len(r.tokens) for r in rows], self.block_size, self.device)
         out = self.model(ids, self.cache, batch, logits=logits)
-        if logits == "last":  # prefill or plain decode: every fed token is final
+        if logits == "last" and not prepared:  # prefill or plain decode: every fed token is final
             for r in rows:
-                self._commit(r.seq_id, r.start + len(r.tokens))
+                self.manager.commit(r.seq_id, r.start + len(r.tokens))
         return out.to("cpu", copy=True)  # a normal tensor (not an inference one): grammar masks write into it
 
-    def _commit(self, seq_id: str, upto: int) -> None:
-        """Tokens before `upto` are final: their full blocks become findable."""
-        if not self.prefix_caching:
-            return
-        bs, hashes, tokens, table = self.block_size, self._hashes[seq_id], self._tokens[seq_id], self._tables[seq_id]
-        for i in range(len(hashes), min(upto, len(tokens)) // bs):
-            hashes.append(block_hash(hashes[-1] if hashes else None, tuple(tokens[i * bs : (i + 1) * bs])))
-            self.blocks.commit(table[i], hashes[-1])
-
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, int | float]:
         """Blocks in use and the prefix cache's counters (for /metrics)."""
-        total = self.blocks.num_blocks - 1
-        return {"kv_blocks_total": total, "kv_blocks_free": self.blocks.num_free,
-                "kv_bytes_allocated": self.cache.nbytes,
-                "kv_blocks_held": total - self.blocks.num_free, "prefix_cache_blocks": self.blocks.num_cached,
-                "prefix_cache_hit_blocks": self.blocks.hits, "prefix_cache_query_blocks": self.blocks.queries,
-                "prefix_cache_hit_tokens": self.blocks.hits * self.block_size,
-                "prefix_cache_hit_rate": self.blocks.hits / max(self.blocks.queries, 1)}
+        return {**self.manager.stats(), "kv_bytes_allocated": self.cache.nbytes}

@@ -5,8 +5,8 @@ I MLP width, V vocab.
 
 At demo size a draft forward is ~100 small torch calls plus module and StepBatch plumbing:
 its cost is Python overhead, not arithmetic, and the draft runs k of them per engine step.
-This step reads the same weights and the same KV cache as `CausalLM.forward` (so prefill
-stays on the model's own path) but fuses q/k/v and gate/up into one matmul each, rotates
+This step reads the same weights and the same paged KV cache as `CausalLM.forward` (so
+prefill stays on the model's own path) but fuses q/k/v and gate/up into one matmul each, rotates
 queries and keys together with cos/sin looked up in a table, uses torch's fused RMSNorm,
 and builds no padding and, when all rows are as long, no mask. Dense Llama/Qwen2-style
 models only (no experts, no q/k norm, no qkv clipping); `supports` says whether it applies.
@@ -17,18 +17,19 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from model_shards import CausalLM, KVCache
+from model_shards import CausalLM
+from model_shards.paged_kv import PagedKVCache
 
 
 class DenseDecodeStep:
-    """`step(tokens, slots, positions)` -> logits [B, V], writing each row's key/value at its position."""
+    """`step(tokens, block_table, positions, tk)` -> logits [B, V], writing each row's key/value at its position."""
 
     @staticmethod
     def supports(model: CausalLM) -> bool:
         cfg = model.config
         return not any(cfg.sparse_layers) and cfg.qk_norm == "none" and cfg.clip_qkv is None
 
-    def __init__(self, model: CausalLM, cache: KVCache) -> None:
+    def __init__(self, model: CausalLM, cache: PagedKVCache, max_len: int) -> None:
         if not self.supports(model):
             raise ValueError("DenseDecodeStep needs a dense model without q/k norm or qkv clipping")
         cfg = model.config
@@ -52,7 +53,7 @@ class DenseDecodeStep:
         self.norm = (model.model.norm.weight, model.model.norm.eps)
         self.lm_head = model.lm_head.weight  # [V, D]
         inv_freq = model.model.rotary.inv_freq
-        positions = torch.arange(cache.max_len + 1, dtype=torch.float32, device=inv_freq.device)
+        positions = torch.arange(max_len + 1, dtype=torch.float32, device=inv_freq.device)
         freqs = positions[:, None] * inv_freq  # [Tmax, Dh/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [Tmax, Dh]
         dtype = self.embed.dtype
@@ -60,9 +61,10 @@ class DenseDecodeStep:
 
     @torch.inference_mode()
     def step(
-        self, tokens: torch.Tensor, slots: torch.Tensor | slice, positions: torch.Tensor, tk: int, ragged: bool = True
+        self, tokens: torch.Tensor, block_table: torch.Tensor, positions: torch.Tensor, tk: int, ragged: bool = True
     ) -> torch.Tensor:
-        """tokens, positions: [B]; slots: [B] or a slice of contiguous slots; tk = max(positions) + 1.
+        """tokens, positions: [B]; block_table: [B, nb] each row's blocks (covering its position);
+        tk = max(positions) + 1.
 
         Row b attends to its keys 0..positions[b]. ragged=False promises that every row sits
         at position tk - 1, so no mask is built (and nothing is read back from the tensors)."""
@@ -72,21 +74,17 @@ class DenseDecodeStep:
         mask = None
         if b > 1 and ragged:
             mask = (torch.arange(tk, device=tokens.device)[None, :] <= positions[:, None])[:, None, None]  # [B, 1, 1, Tk]
-        if isinstance(slots, slice):
-            write_rows = torch.arange(slots.start, slots.stop, device=tokens.device)  # [B]
-        else:
-            write_rows = slots
+        bs = self.cache.block_size
+        write = block_table.gather(1, (positions // bs)[:, None])[:, 0] * bs + positions % bs  # [B]
+        read = block_table[:, : -(-tk // bs)]  # [B, nb'] the blocks holding keys 0..tk-1
         x = F.embedding(tokens, self.embed)  # [B, D]
         for i, (w_in, eps_in, w_qkv, b_qkv, w_o, w_post, eps_post, w_gu, w_down) in enumerate(self.layers):
             qkv = F.linear(F.rms_norm(x, w_in.shape, w_in, eps_in), w_qkv, b_qkv)  # [B, (H + 2 Hkv) Dh]
             qk = _rotary(qkv[:, : self.q_dim + self.kv_dim].view(b, h_ + hkv, dh), cos, sin)  # [B, H + Hkv, Dh]
             v = qkv[:, self.q_dim + self.kv_dim :].view(b, hkv, dh)  # [B, Hkv, Dh]
-            keys, values = self.cache.k[i], self.cache.v[i]  # [S, Hkv, Tmax + 1, Dh]
-            keys[write_rows, :, positions] = qk[:, h_:]
-            values[write_rows, :, positions] = v
-            out = F.scaled_dot_product_attention(
-                qk[:, :h_, None], keys[slots, :, :tk], values[slots, :, :tk], attn_mask=mask, enable_gqa=True
-            )  # [B, H, 1, Dh]
+            self.cache.write_at(i, write, qk[:, h_:, None], v[:, :, None])
+            keys, values = self.cache.gather(i, read, tk)  # [B, Hkv, Tk, Dh]
+            out = F.scaled_dot_product_attention(qk[:, :h_, None], keys, values, attn_mask=mask, enable_gqa=True)
             x = x + F.linear(out.view(b, self.q_dim), w_o)  # [B, D]
             gate, up = F.linear(F.rms_norm(x, w_post.shape, w_post, eps_post), w_gu).chunk(2, dim=-1)  # [B, I] x 2
             x = x + F.linear(F.silu(gate) * up, w_down)  # [B, D]

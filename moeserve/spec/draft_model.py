@@ -5,11 +5,13 @@ row), V vocab, S rows that sample their drafts.
 
 One `propose` call per engine step, for the whole batch:
 
-1. sync: the draft keeps its own KV cache per sequence and remembers which tokens it
-   holds. The request's token ids are compared with them; the common prefix stays and the
+1. sync: the draft keeps its own paged KV cache (with prefix caching, as the target's) and
+   remembers which tokens each sequence holds there. The request's token ids are compared with them; the common prefix stays and the
    rest is forgotten. That is the rollback after a rejection (the cache held drafts the
    target refused) and the rebuild after a miss (a new sequence, an evicted one, or a
    history this replica never saw): rolling back is just feeding from a smaller position.
+   Each row gets the blocks for its tail and the k - 1 drafts it will feed, evicting idle
+   sequences when the blocks run out.
 2. catch-up: every row's uncached tail is fed, batched: its last token in one one-token
    forward for all rows, whose logits give draft token 1; before it, the token before that
    for rows whose tail is two tokens (the last draft and the bonus token, after a step that
@@ -41,7 +43,9 @@ from itertools import accumulate
 import torch
 
 from model_shards import CausalLM, StepBatch
-from moeserve.engine.model_runner import ModelRunner, Row, forward_last
+from model_shards.paged_kv import OutOfBlocks
+from moeserve.engine.model_runner import Row, forward_last
+from moeserve.engine.paged_runner import PagedRunner
 from moeserve.sampler import Sampler, keyed_sample, random_sample
 from moeserve.sampling_params import SamplingParams
 from moeserve.spec.draft_decoder import DenseDecodeStep
@@ -75,39 +79,36 @@ class _Row:
 
 @dataclass(frozen=True)
 class _Batch:
-    """The drafting rows' slots and lengths as tensors, built once per step."""
+    """The drafting rows' block tables and lengths as tensors, built once per step."""
 
-    slots: torch.Tensor  # [B]
+    tables: torch.Tensor  # [B, nb] each row's blocks, covering its tail and the drafts it feeds
     lengths: torch.Tensor  # [B] tokens cached once caught up
     max_len: list[int]  # max_len[n - 1] = longest of the first n rows
     ragged: list[bool]  # ragged[n - 1]: the first n rows differ in length
-    first_slot: int | None  # the slots are first_slot, first_slot + 1, ... (else None)
 
     @classmethod
-    def of(cls, rows: list[_Row], slots: list[int], device: torch.device) -> _Batch:
+    def of(cls, rows: list[_Row], tables: torch.Tensor) -> _Batch:
         lengths = [len(r.tokens) for r in rows]
-        contiguous = slots == list(range(slots[0], slots[0] + len(slots)))
         shortest = list(accumulate(lengths, min))
         longest = list(accumulate(lengths, max))
-        return cls(torch.tensor(slots, device=device), torch.tensor(lengths, device=device), longest,
-                   [a != b for a, b in zip(shortest, longest)], slots[0] if contiguous else None)
-
-    def prefix(self, n: int) -> torch.Tensor | slice:
-        """The first n rows' slots: a slice (a view of the cache) when contiguous."""
-        return self.slots[:n] if self.first_slot is None else slice(self.first_slot, self.first_slot + n)
+        return cls(tables, torch.tensor(lengths, device=tables.device), longest,
+                   [a != b for a, b in zip(shortest, longest)])
 
 
 class DraftModelProposer(Proposer):
-    """A dense draft model proposing k tokens per sequence, with its own slot KV cache.
+    """A dense draft model proposing k tokens per sequence, with its own paged KV cache.
 
     model: the draft (a CausalLM, or a checkpoint folder to load), sharing the target's
         tokenizer.
-    max_num_seqs: KV slots; when full, the least recently used sequence not in this step's
-        batch is evicted (it is rebuilt if it comes back), so a leaked id costs nothing.
-    max_model_len: tokens per slot; rows that would pass it draft fewer tokens.
+    max_num_seqs: sequences held; when full (or when the KV blocks run out), the least recently
+        used sequence not in this step's batch is evicted (it is rebuilt if it comes back), so
+        a leaked id costs nothing.
+    max_model_len: tokens per sequence; rows that would pass it draft fewer tokens.
     greedy: True proposes the draft's argmax for every request. False samples drafts for
         sampled requests with their own SamplingParams and returns q (greedy requests still
         get the argmax).
+    num_blocks, block_size, prefix_caching: the paged cache (model_shards/paged_kv.py); blocks are
+        allocated as sequences grow; 0 blocks: room for max_num_seqs sequences of max_model_len.
     """
 
     def __init__(
@@ -116,15 +117,19 @@ class DraftModelProposer(Proposer):
         max_num_seqs: int = 32,
         max_model_len: int = 1024,
         greedy: bool = True,
+        num_blocks: int = 0,
+        block_size: int = 16,
+        prefix_caching: bool = True,
     ) -> None:
         if not isinstance(model, CausalLM):
             from model_shards import load_checkpoint
 
             model = load_checkpoint(model)
-        self.runner = ModelRunner(model, max_num_seqs, max_model_len)
+        num_blocks = num_blocks or max_num_seqs * -(-max_model_len // block_size) + 1
+        self.runner = PagedRunner(model, max_num_seqs, max_model_len, num_blocks, block_size, prefix_caching)
         self.device = model.device  # the draft's own tensors; sampled drafts are drawn on the CPU
         # Dense drafts decode through the lean step; others (e.g. an MoE draft) use the model's forward.
-        self.lean = DenseDecodeStep(model, self.runner.cache) if DenseDecodeStep.supports(model) else None
+        self.lean = DenseDecodeStep(model, self.runner.cache, max_model_len) if DenseDecodeStep.supports(model) else None
         self.greedy = greedy
         self.track_runner_up = False  # keep each row's second choices (`runner_up`) for pre-drafting
         self.runner_up: dict[str, list[int]] = {}  # of the last call's rows
@@ -137,11 +142,11 @@ class DraftModelProposer(Proposer):
 
     @property
     def num_tracked(self) -> int:
-        """Sequences holding a draft KV slot (for leak checks)."""
+        """Sequences holding draft KV blocks (for leak checks)."""
         return len(self._seqs)
 
     def on_finished(self, seq_id: str) -> None:
-        """Frees the sequence's KV slot; unknown ids are ignored."""
+        """Frees the sequence's KV blocks; unknown ids are ignored."""
         if self._seqs.pop(seq_id, None) is not None:
             self.runner.remove(seq_id)
 
@@ -160,9 +165,8 @@ class DraftModelProposer(Proposer):
         proposals = [Proposal([]) for _ in requests]
         if not rows:
             return proposals
-        slot = self.runner.slots.slot
-        rows.sort(key=lambda r: (-r.k, slot(r.seq_id)))  # drafting rows stay a prefix; slots mostly in order
-        batch = _Batch.of(rows, [slot(r.seq_id) for r in rows], self.device)
+        rows.sort(key=lambda r: -r.k)  # the rows still drafting stay a prefix
+        batch = _Batch.of(rows, self.runner.block_tables([r.seq_id for r in rows]))
         tokens, probs, second = self._draft(rows, batch, self._catch_up(rows, batch), interrupted)  # [B, K] ...
         if second is not None:
             self.runner_up = {r.seq_id: alt[: r.k] for r, alt in zip(rows, second.tolist())}
@@ -175,7 +179,8 @@ class DraftModelProposer(Proposer):
             proposals[r.index] = Proposal(row[: r.k], q)
             state = self._seqs[r.seq_id]
             state.cached = r.tokens + row[: r.k - 1]  # the last draft was sampled, never fed
-            self.runner.slots.written(r.seq_id, len(state.cached))
+            self.runner.manager.record(r.seq_id, state.cached)
+            self.runner.manager.commit(r.seq_id, len(r.tokens))  # its full blocks: findable by other sequences
         return proposals
 
     # ---- the three phases -----------------------------------------------------------------
@@ -194,13 +199,15 @@ class DraftModelProposer(Proposer):
             if state is None:
                 if not self._make_room(busy):
                     continue
-                self.runner.add(req.seq_id)
-                state = self._seqs[req.seq_id] = _DraftSeq()
+                cached = self.runner.add(req.seq_id, tokens)  # a prefix-cache hit skips those tokens
+                state = self._seqs[req.seq_id] = _DraftSeq(tokens[:cached])
                 self.num_new_seqs += 1
             start = _common_prefix(state.cached, tokens, state.seen)
             if start < state.seen:
                 self.num_rebuilt_tokens += state.seen - start
             start = min(start, len(tokens) - 1)  # always feed one token: its logits give draft 1
+            if not self._reserve(req.seq_id, start, tokens, k, None if hypothetical else busy):
+                continue
             state.last_used = self._clock
             if not hypothetical:
                 state.seen = len(tokens)
@@ -216,18 +223,15 @@ class DraftModelProposer(Proposer):
         prefilled with the model's own forward first, up to their last token."""
         prefill = [Row(r.seq_id, r.tokens[r.start : -1], r.start) for r in rows if len(r.tokens) - r.start > 2]
         if prefill:
-            forward_last(self.runner, prefill)
+            forward_last(self.runner, prefill, prepared=True)
         two = [b for b, r in enumerate(rows) if len(r.tokens) - r.start == 2]
         if two:
             idx = torch.tensor(two, device=self.device)
             starts = [rows[b].start for b in two]
             tokens = torch.tensor([rows[b].tokens[-2] for b in two], device=self.device)  # [n]
-            self._step(tokens, batch.slots[idx], batch.slots[idx], torch.tensor(starts, device=self.device),
-                       max(starts) + 1)
+            self._step(tokens, batch.tables[idx], torch.tensor(starts, device=self.device), max(starts) + 1)
         last = torch.tensor([r.tokens[-1] for r in rows], device=self.device)  # [B]
-        return self._step(
-            last, batch.prefix(len(rows)), batch.slots, batch.lengths - 1, batch.max_len[-1], batch.ragged[-1]
-        )
+        return self._step(last, batch.tables, batch.lengths - 1, batch.max_len[-1], batch.ragged[-1])
 
     def _draft(
         self, rows: list[_Row], batch: _Batch, logits: torch.Tensor, interrupted: Callable[[], bool] | None = None
@@ -249,7 +253,7 @@ class DraftModelProposer(Proposer):
             if j:  # feed draft j-1 (0-based) at position len + j - 1
                 positions = batch.lengths[:n] + (j - 1)  # [n]
                 tk = batch.max_len[n - 1] + j
-                logits = self._step(out[:n, j - 1], batch.prefix(n), batch.slots[:n], positions, tk, batch.ragged[n - 1])
+                logits = self._step(out[:n, j - 1], batch.tables[:n], positions, tk, batch.ragged[n - 1])
             out[:n, j] = logits.argmax(dim=-1)  # [n]
             if second is not None:
                 second[:n, j] = logits.scatter(1, out[:n, j, None], float("-inf")).argmax(dim=-1)
@@ -260,19 +264,14 @@ class DraftModelProposer(Proposer):
         return out, probs, second
 
     def _step(
-        self,
-        tokens: torch.Tensor,
-        slots: torch.Tensor | slice,
-        slot_ids: torch.Tensor,
-        positions: torch.Tensor,
-        tk: int,
-        ragged: bool = True,
+        self, tokens: torch.Tensor, tables: torch.Tensor, positions: torch.Tensor, tk: int, ragged: bool = True
     ) -> torch.Tensor:
-        """One token per row at its position: logits [n, V]. slots: [n] ids or a contiguous slice;
+        """One token per row at its position: logits [n, V]. tables: [n, nb] the rows' blocks;
         tk: the longest row's length after this token; ragged: rows differ in length."""
         if self.lean is not None:
-            return self.lean.step(tokens, slots, positions, tk, ragged)
-        batch = StepBatch(slot_ids, positions, torch.ones_like(positions))
+            return self.lean.step(tokens, tables, positions, tk, ragged)
+        ones = torch.ones_like(positions)
+        batch = StepBatch(ones, positions, ones, block_table=tables, block_size=self.runner.block_size)
         return self.runner.model(tokens[:, None], self.runner.cache, batch, logits="last")  # [n, V]
 
     def _sample(
@@ -290,10 +289,22 @@ class DraftModelProposer(Proposer):
         out[idx, j] = drawn.to(out.device)
         probs[: len(idx), j] = q
 
+    def _reserve(self, seq_id: str, start: int, tokens: list[int], k: int, busy: set[str] | None) -> bool:
+        """Blocks for the row's tail and the k - 1 drafts it feeds, evicting sequences outside
+        `busy` as needed (None: never evict, e.g. for a guessed history)."""
+        while True:
+            try:
+                self.runner.prepare(seq_id, start, tokens[start:], reserve=k - 1)
+                return True
+            except OutOfBlocks:
+                if busy is None or not self._evict(busy):
+                    return False
+
     def _make_room(self, busy: set[str]) -> bool:
-        """Frees a slot by evicting the least recently used sequence outside this batch."""
-        if self.runner.num_free_slots:
-            return True
+        """Room for one more sequence: evicts the least recently used one outside this batch if full."""
+        return bool(self.runner.num_free_slots) or self._evict(busy)
+
+    def _evict(self, busy: set[str]) -> bool:
         idle = [(s.last_used, sid) for sid, s in self._seqs.items() if sid not in busy]
         if not idle:
             return False

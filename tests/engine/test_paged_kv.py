@@ -150,7 +150,7 @@ def test_no_block_leaks_after_a_thousand_requests_with_aborts(ckpt):
     while eng.has_unfinished():
         eng.step()
     stats = runner.stats()
-    assert stats["kv_blocks_free"] == stats["kv_blocks_total"] and not runner._tables
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"] and not len(runner.manager)
     assert stats["prefix_cache_hit_blocks"] > 0
 
 
@@ -179,3 +179,24 @@ def test_the_cache_grows_with_the_blocks_in_use_and_keeps_its_contents(ckpt):
     assert runner.cache.capacity <= 300 and runner.blocks.high_water <= runner.cache.capacity
     with pytest.raises(ValueError, match="past the cache"):
         runner.cache.reserve(301)
+
+
+def test_a_sequence_rewinding_into_shared_blocks_writes_copies_of_its_own(ckpt):
+    """A rewinds into blocks B shares with it (and the prefix cache holds): A's new tokens go to
+    copies, so B, a later prefix hit and A itself all read what a fresh pass computes."""
+    runner, reference = paged(ckpt), slots(ckpt)
+    prompt = shared_prompts(1, seed=3, prefix_len=14)[0][:14]
+    runner.add("a", prompt)
+    runner.forward([Row("a", prompt, 0)])
+    assert runner.add("b", prompt + [7]) == 12  # three shared blocks
+    rewound = prompt[:6] + [9, 9, 9]  # position 6 lies in the second shared block
+    got = runner.forward([Row("a", rewound[6:], 6)])
+    reference.add("a")
+    want = reference.forward([Row("a", rewound, 0)])
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    for seq, tokens in (("b", prompt + [7]), ("c", prompt + [5])):
+        if seq == "c":
+            assert runner.add("c", tokens) == 12  # the prefix cache still has the original blocks
+        got = runner.forward([Row(seq, tokens[12:], 12)])
+        reference.add(seq)
+        torch.testing.assert_close(got, reference.forward([Row(seq, tokens, 0)]), atol=1e-5, rtol=1e-5)

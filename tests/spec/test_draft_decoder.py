@@ -1,13 +1,12 @@
-"""The lean one-token decode step computes what the draft model's own forward computes."""
+"""The lean one-token decode step (over a paged cache) computes what the draft model's own forward computes."""
 
 from __future__ import annotations
-
-import copy
 
 import pytest
 import torch
 
 from model_shards import StepBatch, load_checkpoint
+from model_shards.paged_kv import PagedKVCache
 from moeserve.spec.draft_decoder import DenseDecodeStep
 from tests.model_shards.hf_tiny import save_tiny
 
@@ -19,25 +18,35 @@ def model(request, tmp_path_factory):
     return load_checkpoint(folder)
 
 
+BLOCK = 4
+
+
 def _prefilled(model, lengths: list[int]):
-    cache = model.make_cache(len(lengths), 64)
-    ids = torch.randint(2, 96, (len(lengths), max(lengths)), generator=torch.Generator().manual_seed(0))
-    model(ids, cache, StepBatch.build(list(range(len(lengths))), [0] * len(lengths), lengths), logits="last")
-    return cache
+    """A slot cache and a paged one, each holding the same prompts; the paged rows' blocks are
+    scattered (row r holds blocks r + 1, r + 1 + R, ...) with room for a few more tokens."""
+    slots = model.make_cache(len(lengths), 64)
+    cfg = model.config
+    paged = PagedKVCache(cfg.num_layers, 64, BLOCK, cfg.num_kv_heads, cfg.head_dim)
+    n = len(lengths)
+    tables = torch.tensor([[r + 1 + i * n for i in range(-(-(max(lengths) + 4) // BLOCK))] for r in range(n)])
+    ids = torch.randint(2, 96, (n, max(lengths)), generator=torch.Generator().manual_seed(0))
+    model(ids, slots, StepBatch.build(list(range(n)), [0] * n, lengths), logits="last")
+    batch = StepBatch.build([0] * n, [0] * n, lengths)
+    batch.block_table, batch.block_size = tables, BLOCK
+    model(ids, paged, batch, logits="last")
+    return slots, paged, tables
 
 
-@pytest.mark.parametrize("slots", [[0, 1, 2], [2, 0], [1]])
-def test_step_equals_the_model_forward(model, slots):
+@pytest.mark.parametrize("rows", [[0, 1, 2], [2, 0], [1]])
+def test_step_equals_the_model_forward(model, rows):
     lengths = [20, 13, 7]
-    cache = _prefilled(model, lengths)
-    reference = copy.deepcopy(cache)
-    lean = DenseDecodeStep(model, cache)
-    positions = torch.tensor([lengths[s] for s in slots])  # each row at its own length
-    tokens = torch.tensor([5, 6, 7][: len(slots)])
+    reference, cache, tables = _prefilled(model, lengths)
+    lean = DenseDecodeStep(model, cache, 64)
+    positions = torch.tensor([lengths[s] for s in rows])  # each row at its own length
+    tokens = torch.tensor([5, 6, 7][: len(rows)])
     for step in range(3):  # the step's own keys/values must be read back by the next one
-        rows = slice(slots[0], slots[0] + 1) if len(slots) == 1 else torch.tensor(slots)
-        got = lean.step(tokens, rows, positions + step, int(positions.max()) + step + 1)
-        want = model(tokens[:, None], reference, StepBatch.build(slots, (positions + step).tolist(), [1] * len(slots)),
+        got = lean.step(tokens, tables[rows], positions + step, int(positions.max()) + step + 1)
+        want = model(tokens[:, None], reference, StepBatch.build(rows, (positions + step).tolist(), [1] * len(rows)),
                      logits="last")
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
         tokens = want.argmax(-1)
@@ -48,4 +57,4 @@ def test_moe_models_are_not_supported(tmp_path):
     model = load_checkpoint(tmp_path)
     assert not DenseDecodeStep.supports(model)
     with pytest.raises(ValueError, match="dense"):
-        DenseDecodeStep(model, model.make_cache(1, 8))
+        DenseDecodeStep(model, PagedKVCache(1, 4, BLOCK, 1, 8), 8)

@@ -91,6 +91,25 @@ def test_rows_beyond_the_slots_and_the_context_get_fewer_drafts(draft):
     assert prop.token_ids == continuation(hf, near_limit, 4)
 
 
+def test_the_draft_cache_is_paged_shares_prefixes_and_evicts_when_blocks_run_out(draft):
+    _, hf, model = draft
+    # 12 blocks of 4 tokens (one is scratch): two 20-token histories plus their drafts fit, three do not
+    proposer = DraftModelProposer(model, max_num_seqs=4, max_model_len=96, num_blocks=12, block_size=4)
+    shared = random_prompts(1, 96, seed=8, lengths=(16, 17))[0]
+    prompts = [shared + p for p in random_prompts(3, 96, seed=9, lengths=(4, 5))]
+    (a,) = proposer.propose([ProposalRequest("a", prompts[0], 3)])
+    (b,) = proposer.propose([ProposalRequest("b", prompts[1], 3)])  # its first 16 tokens are a's blocks
+    assert proposer.runner.blocks.hits == 4
+    for prop, prompt in ((a, prompts[0]), (b, prompts[1])):
+        assert prop.token_ids == continuation(hf, prompt, 3)
+    other = random_prompts(1, 96, seed=10, lengths=(20, 21))[0]
+    (c,) = proposer.propose([ProposalRequest("c", other, 3)])  # no prefix in common: needs blocks of its own
+    assert c.token_ids == continuation(hf, other, 3) and proposer.num_evictions >= 1 and proposer.num_tracked < 3
+    for sid in ("a", "b", "c"):
+        proposer.on_finished(sid)
+    assert proposer.runner.blocks.num_free == 11 and proposer.num_tracked == 0
+
+
 def test_sampled_drafts_carry_q_and_are_seed_deterministic(draft):
     _, _, model = draft
     params = SamplingParams(temperature=0.9, top_k=5, seed=11)
