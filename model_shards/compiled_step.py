@@ -10,6 +10,9 @@ flow does not depend on tensor values. This pass is the eager forward rewritten 
 - KV writes go through index tensors (padding positions write to each slot's scratch column,
   as the eager cache does); the rows' slots are contiguous (the runner keeps them so), and
   attention reads a view of them, never a copy; the attention mask comes from positions;
+- or, over the paged cache (model_shards/paged_kv.py), writes go to block * Bs + offset through
+  the rows' block tables (padding to the scratch block) and attention reads one gather of the
+  rows' blocks; the cache tensors are inputs of the graph, so they may grow between calls;
 - every token runs through every local expert as one batched matmul, and the top-k gate
   weights (zero elsewhere) combine them: exact for capacity "none", and at decode sizes
   E/K times more arithmetic costs less than the per-expert gather, split and scatter;
@@ -21,7 +24,8 @@ flow does not depend on tensor values. This pass is the eager forward rewritten 
   to the next power of two (at least MIN_KEYS); padding rows read and write only the scratch
   column of the first row's slot. The cache tensors are marked static addresses, so the graphs
   update them in place. One graph per (rows, T, keys) bucket: the decode ones are captured at
-  start-up, the rest on first use (inductor's on-disk cache makes a restart cheaper).
+  start-up, the rest on first use (inductor's on-disk cache makes a restart cheaper). Static
+  graphs need the slot cache (a paged cache's tensors move when it grows).
 
 Prefill (long, ragged prompts), capacity limits other than "none", and expert-parallel
 shards keep the eager path (`CompiledStep.accepts`). The router's choices come back with
@@ -40,6 +44,7 @@ import torch.nn.functional as F
 from model_shards.dispatch import LocalDispatch
 from model_shards.kv_cache import KVCache
 from model_shards.model import CausalLM
+from model_shards.paged_kv import PagedKVCache
 from router_service.gating import Gates, topk_gate
 
 logger = logging.getLogger(__name__)
@@ -61,11 +66,15 @@ class CompiledStep:
     `static`: fixed-shape graphs over padded buckets (default: when the cache is on a GPU, where
     inductor then captures CUDA graphs)."""
 
-    def __init__(self, model: CausalLM, cache: KVCache, backend: str = "inductor", static: bool | None = None) -> None:
+    def __init__(self, model: CausalLM, cache: KVCache | PagedKVCache, backend: str = "inductor",
+                 static: bool | None = None) -> None:
         self.model, self.cache = model, cache
+        self.paged = isinstance(cache, PagedKVCache)
         self.num_calls = 0
-        on_gpu = cache.k[0].device.type == "cuda"
-        self.static = on_gpu if static is None else static
+        on_gpu = model.lm_head.weight.device.type == "cuda"
+        self.static = on_gpu and not self.paged if static is None else static
+        if self.static and self.paged:
+            raise ValueError("static graphs need the slot cache (a paged cache's tensors move when it grows)")
         if not self.static:
             self._graph = torch.compile(self._forward, dynamic=True, backend=backend)
             return
@@ -82,7 +91,7 @@ class CompiledStep:
     def accepts(self, num_rows: int, tq: int, slots: list[int] | None = None) -> bool:
         """Whether the graph takes this pass (else it runs eagerly). Rows on the CPU must be in
         contiguous slots (a subset of the running batch, e.g. a request run alone, is not)."""
-        if not self.static and slots is not None and not _contiguous(slots):
+        if not self.static and not self.paged and slots is not None and not _contiguous(slots):
             return False  # a graph of its own, compiled on first use: run such passes eagerly
         blocks = self.model.moe_blocks
         local = all(isinstance(b.dispatch, LocalDispatch) and b.routing.overflow == "none" for b in blocks)
@@ -93,13 +102,20 @@ class CompiledStep:
         return local and rows_ok and tq <= MAX_QUERY
 
     @torch.inference_mode()
-    def __call__(self, ids: torch.Tensor, slots: list[int], start: list[int], q_lens: list[int]) -> torch.Tensor:
-        """ids [B, T] (padded on the right past q_lens) -> logits [B, T, V]."""
+    def __call__(self, ids: torch.Tensor, slots: list[int] | torch.Tensor, start: list[int],
+                 q_lens: list[int]) -> torch.Tensor:
+        """ids [B, T] (padded on the right past q_lens) -> logits [B, T, V]. slots: each row's
+        slot, or with a paged cache the rows' block tables [B, nb] (covering max(start) + T)."""
         b, t = ids.shape
         self.num_calls += 1
         ids = ids.clone()  # an inference tensor, like every other input: one set of guards
         as_long = lambda v: torch.tensor(v, dtype=torch.long, device=ids.device)  # noqa: E731
         tk = max(s + t for s in start)
+        if self.paged:
+            with torch.fx.experimental._config.patch(use_duck_shape=False):
+                logits, gates = self._graph(ids, slots, None, as_long(start), as_long(q_lens), tk, self.cache.kv)
+            self._count(gates, q_lens, t)
+            return logits
         if self.static:  # pad to the bucket: extra rows are empty (nothing valid) in the first row's slot
             rows = next(n for n in CAPTURE_SIZES if n >= b)
             ids = torch.cat([ids, ids.new_zeros(rows - b, t)])
@@ -121,12 +137,16 @@ class CompiledStep:
             logger.info("compiling the model step for %d query position(s)...", t)
             # start past 1: torch specialises sizes 0 and 1, and the keys read (Tk) must stay symbolic
             for b in CAPTURE_SIZES if self.static else (1, MIN_ROWS_GENERIC):
-                slots = [i % self.cache.num_slots for i in range(b)]
+                if self.paged:  # every row in the scratch block
+                    slots = torch.zeros(b, -(-(2 + t) // self.cache.block_size), dtype=torch.long,
+                                        device=self.model.device)
+                else:
+                    slots = [i % self.cache.num_slots for i in range(b)]
                 self(torch.zeros(b, t, dtype=torch.long, device=self.model.device), slots, [2] * b, [t] * b)
         return time.perf_counter() - t0
 
     # ---- the graph -------------------------------------------------------------------------
-    def _forward(self, ids, slots, first: int | None, start, q_lens, tk: int) -> tuple[torch.Tensor, list[tuple]]:
+    def _forward(self, ids, slots, first: int | None, start, q_lens, tk: int, kv=None) -> tuple[torch.Tensor, list[tuple]]:
         m = self.model.model
         b, t = ids.shape
         x = m.embed_tokens(ids)  # [B, T, D]
@@ -136,7 +156,8 @@ class CompiledStep:
         rope = m.rotary(pos, x.dtype)
         gates = []
         for i, layer in enumerate(m.layers):
-            x = x + self._attention(layer.self_attn, layer.input_layernorm(x), rope, i, slots, first, pos, valid, tk)
+            x = x + self._attention(layer.self_attn, layer.input_layernorm(x), rope, i, slots, first, pos, valid, tk,
+                                    None if kv is None else kv[i])
             h = layer.post_attention_layernorm(x).reshape(b * t, -1)  # [B*T, D]
             if layer.is_sparse:
                 out, g = _dense_moe(layer.mlp, h)
@@ -146,15 +167,26 @@ class CompiledStep:
             x = x + out.view(b, t, -1)
         return self.model.lm_logits(m.norm(x)), gates  # [B, T, V]
 
-    def _attention(self, attn, x, rope, layer: int, slots, first: int | None, pos, valid, tk: int) -> torch.Tensor:
+    def _attention(self, attn, x, rope, layer: int, slots, first: int | None, pos, valid, tk: int,
+                   paged: torch.Tensor | None = None) -> torch.Tensor:
         b, t, _ = x.shape
         q, k, v = attn.project(x, rope)  # [B, H, T, Dh], [B, Hkv, T, Dh] x2
+        mask = (torch.arange(tk, device=x.device)[None, None, :] <= pos[:, :, None])[:, None]  # [B, 1, T, Tk]
+        if paged is not None:  # [2, Hkv, N, Bs, Dh]; slots: block tables [B, nb]
+            two, heads, n, bs, dh = paged.shape
+            p = torch.where(valid, pos, 0)
+            write = torch.where(valid, slots.gather(1, p // bs) * bs + p % bs, 0)  # [B, T]; padding -> scratch
+            new = torch.stack((k, v)).transpose(1, 2).reshape(two, heads, b * t, dh)  # [2, Hkv, B*T, Dh]
+            paged.view(two, heads, n * bs, dh).index_copy_(2, write.view(-1), new)
+            read = paged.index_select(2, slots.reshape(-1)).view(two, heads, b, -1, dh)[:, :, :, :tk]
+            out = F.scaled_dot_product_attention(q, read[0].transpose(0, 1), read[1].transpose(0, 1), attn_mask=mask,
+                                                 enable_gqa=True)  # [B, H, T, Dh]
+            return attn.o_proj(out.transpose(1, 2).reshape(b, t, -1))
         keys, values = self.cache.k[layer], self.cache.v[layer]  # [S, Hkv, Tmax + 1, Dh]
         write = torch.where(valid, pos, self.cache.max_len)  # [B, T]; padding -> scratch column
         # advanced indices on dims 0 and 2 put the broadcast [B, T] first: values are [B, T, Hkv, Dh]
         keys[slots[:, None], :, write] = k.transpose(1, 2)
         values[slots[:, None], :, write] = v.transpose(1, 2)
-        mask = (torch.arange(tk, device=x.device)[None, None, :] <= pos[:, :, None])[:, None]  # [B, 1, T, Tk]
         if first is None:  # gathered: [B, Hkv, Tk, Dh] copies
             keys, values = keys[slots, :, :tk], values[slots, :, :tk]
         else:  # slots first, first + 1, ...: views

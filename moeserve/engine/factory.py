@@ -62,12 +62,11 @@ class EngineConfig:
             raise ValueError(f"dtype: must be one of {DTYPES}, got {self.dtype!r}")
         if self.device not in DEVICES:
             raise ValueError(f"device: must be one of {DEVICES}, got {self.device!r}")
-        if self.kv_cache == "auto":
-            object.__setattr__(self, "kv_cache", "slots" if self.compile else "paged")
+        if self.kv_cache == "auto":  # compiled on a GPU: CUDA graphs, which need the slot cache's fixed tensors
+            cuda_graphs = self.compile and self.torch_device.type == "cuda"
+            object.__setattr__(self, "kv_cache", "slots" if cuda_graphs else "paged")
         if self.kv_cache not in ("slots", "paged"):
             raise ValueError(f"kv_cache: must be auto, paged or slots, got {self.kv_cache!r}")
-        if self.kv_cache == "paged" and self.compile:
-            raise ValueError("compile: the compiled step reads the slot cache; use kv_cache: slots with it")
         SpecConfig(num_tokens=self.num_spec_tokens, disable_by_batch_size=self.spec_disable_by_batch_size)
         self.scheduler()  # validates the scheduler limits
 
@@ -150,7 +149,7 @@ def build_engine(cfg: EngineConfig, runner=None, proposer=None) -> LLMEngine:
         if cfg.kv_cache == "paged":  # as many blocks as the scheduler's budget (+ the scratch block)
             budget = cfg.scheduler(lookahead=cfg.num_spec_tokens if proposer is not None else 0).kv_budget
             runner = PagedRunner(model, cfg.max_num_seqs, cfg.max_model_len, budget // cfg.block_size + 1,
-                                 cfg.block_size, cfg.prefix_caching)
+                                 cfg.block_size, cfg.prefix_caching, compile=cfg.compile)
         else:
             runner = ModelRunner(model, cfg.max_num_seqs, cfg.max_model_len, compile=cfg.compile)
     if getattr(runner, "compiled", None) is not None:

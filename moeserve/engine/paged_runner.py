@@ -33,10 +33,8 @@ class PagedRunner:
     """Target model + a paged KV cache of `num_blocks` blocks of `block_size` tokens (block 0 is
     scratch) for up to `max_num_seqs` sequences of up to `max_model_len` tokens."""
 
-    compiled = None  # the compiled step reads slot views; the paged cache runs eager
-
     def __init__(self, model: CausalLM, max_num_seqs: int, max_model_len: int, num_blocks: int,
-                 block_size: int = 16, prefix_caching: bool = True) -> None:
+                 block_size: int = 16, prefix_caching: bool = True, compile: bool = False) -> None:
         cfg, w = model.config, model.lm_head.weight
         self.model = model
         self.max_num_seqs = max_num_seqs
@@ -49,6 +47,11 @@ class PagedRunner:
                                   w.device, initial_blocks=INITIAL_BLOCKS)
         self.manager = BlockManager(num_blocks, block_size, prefix_caching)
         self.blocks = self.manager.allocator
+        self.compiled = None  # decode and verify passes as a compiled graph (model_shards/compiled_step.py)
+        if compile:
+            from model_shards.compiled_step import CompiledStep
+
+            self.compiled = CompiledStep(model, self.cache)
 
     @property
     def num_free_slots(self) -> int:
@@ -89,9 +92,16 @@ class PagedRunner:
         tq = max(len(r.tokens) for r in rows)
         ids = torch.tensor([r.tokens + [0] * (tq - len(r.tokens)) for r in rows], dtype=torch.long,
                            device=self.device)  # [B, Tq]
-        batch = paged_step_batch([self.manager.tables[r.seq_id] for r in rows], [r.start for r in rows],
-                                 [len(r.tokens) for r in rows], self.block_size, self.device)
-        out = self.model(ids, self.cache, batch, logits=logits)
+        starts, q_lens = [r.start for r in rows], [len(r.tokens) for r in rows]
+        if self.compiled is not None and min(starts) > 0 and self.compiled.accepts(len(rows), tq):
+            width = -(-(max(starts) + tq) // self.block_size)
+            out = self.compiled(ids, self.block_tables([r.seq_id for r in rows], width), starts, q_lens)  # [B, Tq, V]
+            if logits == "last":
+                out = out[torch.arange(len(rows), device=out.device), torch.tensor(q_lens, device=out.device) - 1]
+        else:
+            batch = paged_step_batch([self.manager.tables[r.seq_id] for r in rows], starts, q_lens, self.block_size,
+                                     self.device)
+            out = self.model(ids, self.cache, batch, logits=logits)
         if logits == "last" and not prepared:  # prefill or plain decode: every fed token is final
             for r in rows:
                 self.manager.commit(r.seq_id, r.start + len(r.tokens))
