@@ -72,6 +72,8 @@ class CompiledStep:
         self.paged = isinstance(cache, PagedKVCache)
         self.num_calls = 0
         on_gpu = model.lm_head.weight.device.type == "cuda"
+        # a graph per variant (rows, query length, cache kind): more than dynamo's default limit (past it, eager)
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         self.static = on_gpu and not self.paged if static is None else static
         if self.static and self.paged:
             raise ValueError("static graphs need the slot cache (a paged cache's tensors move when it grows)")
@@ -113,7 +115,7 @@ class CompiledStep:
         tk = max(s + t for s in start)
         if self.paged:
             with torch.fx.experimental._config.patch(use_duck_shape=False):
-                logits, gates = self._graph(ids, slots, None, as_long(start), as_long(q_lens), tk, self.cache.kv)
+                logits, gates = self._graph(ids, slots, None, as_long(start), as_long(q_lens), 0, self.cache.kv)
             self._count(gates, q_lens, t)
             return logits
         if self.static:  # pad to the bucket: extra rows are empty (nothing valid) in the first row's slot
@@ -137,8 +139,8 @@ class CompiledStep:
             logger.info("compiling the model step for %d query position(s)...", t)
             # start past 1: torch specialises sizes 0 and 1, and the keys read (Tk) must stay symbolic
             for b in CAPTURE_SIZES if self.static else (1, MIN_ROWS_GENERIC):
-                if self.paged:  # every row in the scratch block
-                    slots = torch.zeros(b, -(-(2 + t) // self.cache.block_size), dtype=torch.long,
+                if self.paged:  # every row in the scratch block, twice (a table of one block would specialise)
+                    slots = torch.zeros(b, max(2, -(-(2 + t) // self.cache.block_size)), dtype=torch.long,
                                         device=self.model.device)
                 else:
                     slots = [i % self.cache.num_slots for i in range(b)]
@@ -171,17 +173,20 @@ class CompiledStep:
                    paged: torch.Tensor | None = None) -> torch.Tensor:
         b, t, _ = x.shape
         q, k, v = attn.project(x, rope)  # [B, H, T, Dh], [B, Hkv, T, Dh] x2
-        mask = (torch.arange(tk, device=x.device)[None, None, :] <= pos[:, :, None])[:, None]  # [B, 1, T, Tk]
         if paged is not None:  # [2, Hkv, N, Bs, Dh]; slots: block tables [B, nb]
             two, heads, n, bs, dh = paged.shape
             p = torch.where(valid, pos, 0)
             write = torch.where(valid, slots.gather(1, p // bs) * bs + p % bs, 0)  # [B, T]; padding -> scratch
             new = torch.stack((k, v)).transpose(1, 2).reshape(two, heads, b * t, dh)  # [2, Hkv, B*T, Dh]
             paged.view(two, heads, n * bs, dh).index_copy_(2, write.view(-1), new)
-            read = paged.index_select(2, slots.reshape(-1)).view(two, heads, b, -1, dh)[:, :, :, :tk]
+            # every key of the rows' blocks (nb * Bs of them), masked past each query's position: no
+            # slice to tk, whose size would become a guard (equal to nb * Bs or not) and recompile
+            read = paged.index_select(2, slots.reshape(-1)).view(two, heads, b, -1, dh)  # [2, Hkv, B, nb*Bs, Dh]
+            mask = (torch.arange(read.shape[3], device=x.device)[None, None, :] <= pos[:, :, None])[:, None]
             out = F.scaled_dot_product_attention(q, read[0].transpose(0, 1), read[1].transpose(0, 1), attn_mask=mask,
                                                  enable_gqa=True)  # [B, H, T, Dh]
             return attn.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+        mask = (torch.arange(tk, device=x.device)[None, None, :] <= pos[:, :, None])[:, None]  # [B, 1, T, Tk]
         keys, values = self.cache.k[layer], self.cache.v[layer]  # [S, Hkv, Tmax + 1, Dh]
         write = torch.where(valid, pos, self.cache.max_len)  # [B, T]; padding -> scratch column
         # advanced indices on dims 0 and 2 put the broadcast [B, T] first: values are [B, T, Hkv, Dh]

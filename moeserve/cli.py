@@ -106,8 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-num-seqs", type=int, help="running batch of one engine replica (engine.max_num_seqs)")
     s.add_argument("--max-model-len", type=int, help="context length, prompt and output (engine.max_model_len)")
     s.add_argument("--kv-cache", choices=("auto", "paged", "slots"),
-                   help="KV cache layout (engine.kv_cache): paged blocks with prefix caching (auto: unless compiled), "
-                        "or per-sequence slots")
+                   help="KV cache layout (engine.kv_cache): paged blocks with prefix caching (auto: unless "
+                        "CUDA graphs), or per-sequence slots")
     s.add_argument("--kv-cache-memory", metavar="BYTES",
                    help="KV budget of one engine replica, e.g. 2GiB (engine.kv_cache_memory)")
     s.add_argument("--api-key", action="append", metavar="KEY",

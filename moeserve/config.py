@@ -51,8 +51,8 @@ class EngineSection(_Section):
     kv_budget_tokens: int = Field(0, ge=0)
     # paged: blocks of block_size tokens allocated on demand, with prefix caching (model_shards/paged_kv.py);
     # slots: one max_model_len slot per sequence, attention reads views (model_shards/kv_cache.py);
-    # auto: paged, or slots with `compile` (the compiled step reads slot views). Expert-parallel
-    # shard groups and the draft model keep slot caches either way.
+    # auto: paged, except slots with `compile` on a GPU (CUDA graphs need the slot cache's fixed tensors).
+    # Expert-parallel ranks and the draft model are always paged (with prefix caching per `prefix_caching`).
     kv_cache: Literal["auto", "paged", "slots"] = "auto"
     # The same budget in bytes instead ("2GiB", "512MiB", or a number): converted with the model's
     # KV bytes per token (layers x kv heads x head dim x 2 x dtype size). Set this or kv_budget_tokens.
