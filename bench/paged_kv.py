@@ -9,7 +9,8 @@
 3. shared system prompt: 32 chats behind one long system prompt, after one warm-up chat; time
    to first token with prefix caching vs without (same paged cache), replies compared;
 4. decode: tokens/s at batch 16, paged vs slots (same prompts, 64 new tokens, greedy), both
-   engines stepping in turn in one loop; the ratio is the median of the per-round ratios.
+   engines stepping in turn in one loop; the ratio is the median of the per-round ratios; then
+   the same with the compiled step (`engine.compile`) over each cache.
 
 Rounds alternate the variants; medians are reported. Writes bench/reports/paged_kv.{json,md} and
 paged_kv-memory.png (`--quick`: paged_kv-quick*).
@@ -43,9 +44,9 @@ ASKS = ("Do you have rye bread today?", "What does a baguette cost?", "Is the ma
         "When do you open on Sunday?", "Is the sourdough vegan?", "I want two muffins, afternoon pickup.")
 
 
-def engine(kv_cache: str, prefix_caching: bool = True, max_num_seqs: int = 16, budget: int = 0):
+def engine(kv_cache: str, prefix_caching: bool = True, max_num_seqs: int = 16, budget: int = 0, compile: bool = False):
     cfg = EngineConfig(speculation="none", kv_cache=kv_cache, prefix_caching=prefix_caching,
-                       max_num_seqs=max_num_seqs, kv_budget_tokens=budget)
+                       max_num_seqs=max_num_seqs, kv_budget_tokens=budget, compile=compile)
     return build_engine(cfg)
 
 
@@ -145,16 +146,17 @@ def shared_prompt(rounds: int, quick: bool) -> dict[str, Any]:
             "replies_identical": replies["prefix_caching"] == replies["no_prefix_caching"]}
 
 
-def decode(rounds: int, quick: bool) -> dict[str, Any]:
+def decode(rounds: int, quick: bool, compile: bool = False) -> dict[str, Any]:
     """Both engines decode the same batch in one loop, one step each in turn, so machine noise
-    hits both alike; decode seconds are summed per engine (prefill excluded)."""
+    hits both alike; decode seconds are summed per engine (prefill excluded). With `compile`,
+    both run the compiled step (each compiles once; later rounds reuse inductor's cache)."""
     new = 32 if quick else 64
     prompts = formulaic(engine("slots").tokenizer, 16)
     params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
     rates: dict[str, list[float]] = {"slots": [], "paged": []}
     outputs: dict[str, list[list[int]]] = {}
     for _ in range(rounds):
-        engines = {kind: engine(kind, prefix_caching=False) for kind in ("slots", "paged")}
+        engines = {kind: engine(kind, prefix_caching=False, compile=compile) for kind in ("slots", "paged")}
         seconds = dict.fromkeys(engines, 0.0)
         tokens: dict[str, dict[str, list[int]]] = {}
         for kind, eng in engines.items():
@@ -174,7 +176,7 @@ def decode(rounds: int, quick: bool) -> dict[str, Any]:
             outputs[kind] = list(tokens[kind].values())
     med = {k: statistics.median(v) for k, v in rates.items()}
     ratios = [p / s for p, s in zip(rates["paged"], rates["slots"])]
-    return {"batch": 16, "new_tokens": new, "tokens_per_s": med, "all_rounds": rates,
+    return {"batch": 16, "new_tokens": new, "compiled": compile, "tokens_per_s": med, "all_rounds": rates,
             "paged_over_slots": statistics.median(ratios), "ratio_per_round": ratios,
             "outputs_identical": outputs["slots"] == outputs["paged"]}
 
@@ -202,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     mem, cap = memory(args.quick), capacity(args.quick)
     shared, dec = shared_prompt(args.rounds, args.quick), decode(args.rounds, args.quick)
+    dec_c = decode(args.rounds, args.quick, compile=True)
     mb = lambda b: f"{b / 2**20:.1f} MiB"  # noqa: E731
     md = "\n".join([
         "# Paged KV cache vs slots",
@@ -225,16 +228,18 @@ def main(argv: list[str] | None = None) -> int:
         f"{shared['mean_ttft_s']['prefix_caching'] * 1e3:.0f} ms with | {shared['speedup']:.1f}x faster |",
         f"| decode tokens/s, batch 16 | {dec['tokens_per_s']['slots']:.0f} | {dec['tokens_per_s']['paged']:.0f} | "
         f"{dec['paged_over_slots']:.2f}x |",
+        f"| decode tokens/s, batch 16, compiled step | {dec_c['tokens_per_s']['slots']:.0f} | "
+        f"{dec_c['tokens_per_s']['paged']:.0f} | {dec_c['paged_over_slots']:.2f}x |",
         "",
         f"Replies identical with and without prefix caching: {shared['replies_identical']}; greedy outputs identical "
-        f"paged vs slots at batch 16: {dec['outputs_identical']}.",
+        f"paged vs slots at batch 16: {dec['outputs_identical']} (compiled: {dec_c['outputs_identical']}).",
         "",
         "![memory](paged_kv" + ("-quick" if args.quick else "") + "-memory.png)",
     ])
     print(md)
     data = {"environment": report.environment(threads=1), "setup": {"rounds": args.rounds, "quick": args.quick},
             "memory": {k: {kk: vv for kk, vv in v.items() if kk != "trace"} for k, v in mem.items()},
-            "capacity": cap, "shared_prompt": shared, "decode": dec}
+            "capacity": cap, "shared_prompt": shared, "decode": dec, "decode_compiled": dec_c}
     name = "paged_kv-quick" if args.quick else "paged_kv"
     for p in report.write(name, data, md, {"memory": figure(mem)}):
         print("wrote", p)

@@ -9,8 +9,9 @@ gathered to rank 0, which applies the LM head. Nothing per step goes through Ray
 
 Message (int64): header [cmd, rows, Tq, last_only, copies, n], then for CMD_STEP copies [C, 3]
 (rank, src block, dst block: copy-on-write before the step) and rows [B, 3 + Tq + n] (rank,
-start, q_len, tokens..., n block ids padded with the scratch block 0). CMD_PLACE (live re-placement, between two steps) carries a placement in the
-n values: [experts on rank 0, ..., experts on rank W-1, then every rank's expert ids];
+start, q_len, tokens..., n block ids padded with the scratch block 0). CMD_PLACE (live
+re-placement, between two steps) carries a placement in n values: [experts on rank 0, ...,
+experts on rank W-1, then every rank's expert ids];
 each rank reloads its experts from the checkpoint and re-wires its all-to-all, while the KV
 caches (attention is data-parallel) stay as they are.
 Shapes: B rows, Tq query tokens, D hidden, V vocab, W ranks.

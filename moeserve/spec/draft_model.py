@@ -6,8 +6,8 @@ row), V vocab, S rows that sample their drafts.
 One `propose` call per engine step, for the whole batch:
 
 1. sync: the draft keeps its own paged KV cache (with prefix caching, as the target's) and
-   remembers which tokens each sequence holds there. The request's token ids are compared with them; the common prefix stays and the
-   rest is forgotten. That is the rollback after a rejection (the cache held drafts the
+   remembers which tokens each sequence holds there. The request's token ids are compared
+   with them; the common prefix stays and the rest is forgotten. That is the rollback after a rejection (the cache held drafts the
    target refused) and the rebuild after a miss (a new sequence, an evicted one, or a
    history this replica never saw): rolling back is just feeding from a smaller position.
    Each row gets the blocks for its tail and the k - 1 drafts it will feed, evicting idle
