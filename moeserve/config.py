@@ -43,7 +43,7 @@ class EngineSection(_Section):
     # auto: the GPU when this process sees one, else the CPU. A shard group's ranks run on their
     # own GPUs when shards.gpus_per_shard > 0.
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    max_num_seqs: int = Field(16, ge=1)  # running batch = KV cache slots
+    max_num_seqs: int = Field(16, ge=1)  # running batch: sequences at once
     max_model_len: int = Field(1024, ge=2)
     max_num_batched_tokens: int = Field(2048, ge=1)
     # KV-cache tokens for all running sequences (0: every slot may fill); past it the newest are preempted.
