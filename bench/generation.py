@@ -22,8 +22,9 @@ from bench import report, workloads  # noqa: E402
 from bench.prompts import formulaic  # noqa: E402
 from bench.timing import interleaved, paired_ratio, summarize  # noqa: E402
 from model_shards import load_checkpoint  # noqa: E402
-from moeserve.engine import LLMEngine, ModelRunner, SchedulerConfig  # noqa: E402
+from moeserve.engine import LLMEngine, SchedulerConfig  # noqa: E402
 from moeserve.engine.factory import demo_checkpoint  # noqa: E402
+from moeserve.engine.paged_runner import PagedRunner  # noqa: E402
 from moeserve.tokenizer import load_tokenizer  # noqa: E402
 
 
@@ -48,9 +49,10 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = load_tokenizer(args.target)
     prompts = formulaic(tokenizer, max(args.batch, args.prompts_b1))
     b1_prompts, batch_prompts = prompts[: args.prompts_b1], prompts[: args.batch]
-    def our_engine(compile: bool) -> LLMEngine:
-        runner = ModelRunner(load_checkpoint(args.target), args.batch, 1024, compile=compile)
-        return LLMEngine(runner, tokenizer, scheduler=SchedulerConfig(args.batch, 1 << 16, 1024))
+    def our_engine(compile: bool) -> LLMEngine:  # the default cache: paged, 16-token blocks, prefix caching
+        runner = PagedRunner(load_checkpoint(args.target), args.batch, 1024, args.batch * 1024 // 16 + 1,
+                             compile=compile)
+        return LLMEngine(runner, tokenizer, scheduler=SchedulerConfig(args.batch, 1 << 16, 1024, block_size=16))
 
     engine, compiled = our_engine(False), our_engine(True)
     compile_s = compiled.runner.compiled.warm_up((1,))
