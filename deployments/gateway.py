@@ -224,6 +224,8 @@ class Gateway:
                 c.text += chunk.text
                 if chunk.logprobs is not None:
                     c.logprobs = (c.logprobs or []) + list(chunk.logprobs)
+                if chunk.trace is not None:
+                    c.trace = (c.trace or []) + list(chunk.trace)
                 c.finish_reason, usage[i] = chunk.finish_reason, chunk.usage
         finally:
             if not handed_off:
@@ -254,12 +256,12 @@ class Gateway:
                         rest, calls = tools[i].finish()
                         text += rest
                 if calls:
-                    if text or chunk.logprobs:
-                        yield builder.chunk(text, index=i, logprobs=chunk.logprobs)
+                    if text or chunk.logprobs or chunk.trace:
+                        yield builder.chunk(text, index=i, logprobs=chunk.logprobs, trace=chunk.trace)
                     yield builder.tool_calls_chunk(calls, index=i)
                     yield builder.chunk("", "tool_calls", index=i)
-                elif text or chunk.finished or chunk.logprobs:
-                    yield builder.chunk(text, chunk.finish_reason, index=i, logprobs=chunk.logprobs)
+                elif text or chunk.finished or chunk.logprobs or chunk.trace:
+                    yield builder.chunk(text, chunk.finish_reason, index=i, logprobs=chunk.logprobs, trace=chunk.trace)
                 usage[i] = chunk.usage
             else:
                 if include_usage:

@@ -153,6 +153,8 @@ def _params(req: pb.GenerateRequest, max_tokens: int) -> SamplingParams:
         kwargs["stop_token_ids"] = tuple(req.stop_token_ids)
     if req.HasField("logprobs"):
         kwargs["logprobs"] = req.logprobs
+    if req.HasField("trace"):
+        kwargs |= {"trace_experts": req.trace.experts, "trace_speculation": req.trace.speculation}
     return SamplingParams(**kwargs)
 
 
@@ -183,6 +185,10 @@ def _response(chunk: GenerateChunk) -> pb.GenerateResponse:
         logprobs=[pb.TokenLogprob(token_id=e.token_id, logprob=e.logprob,
                                   top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in e.top])
                   for e in chunk.logprobs or ()],
+        trace=[pb.TokenTrace(token_id=e.token_id, source=e.source or "",
+                             experts=[pb.LayerRouting(layer=layer, expert_ids=ids, weights=w)
+                                      for layer, ids, w in e.experts or ()])
+               for e in chunk.trace or ()],
     )
 
 

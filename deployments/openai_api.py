@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from deployments.tools import Tool, ToolCalling
 from moeserve.grammar.spec import GrammarSpec
 from moeserve.protocol import ErrorCode, StreamError, Usage
-from moeserve.sampling_params import MAX_LOGPROBS, MAX_SEED, SamplingParams, TokenLogprob
+from moeserve.sampling_params import MAX_LOGPROBS, MAX_SEED, SamplingParams, TokenLogprob, TokenTrace
 
 MAX_CHOICES = 16  # n: each choice is its own engine request
 
@@ -88,6 +88,15 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class TraceOptions(BaseModel):
+    """The per-token trace (an extension): the experts each token was routed to, and whether it
+    was decoded by the target, a draft token the target accepted, or forced by the grammar."""
+
+    model_config = ConfigDict(extra="forbid")
+    experts: bool = False
+    speculation: bool = False
+
+
 class _Common(BaseModel):
     """Fields shared by completions and chat completions (OpenAI names, plus vLLM's extras)."""
 
@@ -113,6 +122,7 @@ class _Common(BaseModel):
     guided_regex: str | None = None
     guided_grammar: str | None = None
     guided_choice: list[str] | None = None
+    trace: TraceOptions | None = None
 
     def check_supported(self) -> None:
         """400 for known OpenAI options this server does not implement."""
@@ -131,6 +141,8 @@ class _Common(BaseModel):
         names the bad field."""
         kwargs: dict[str, Any] = {"max_tokens": max_tokens, "ignore_eos": self.ignore_eos,
                                   "logprobs": self.num_logprobs()}
+        if self.trace is not None:
+            kwargs |= {"trace_experts": self.trace.experts, "trace_speculation": self.trace.speculation}
         for name in ("temperature", "top_p", "top_k", "seed"):
             if getattr(self, name) is not None:
                 kwargs[name] = getattr(self, name)
@@ -286,6 +298,7 @@ class Choice:
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] | None = None
     tool_calls: list[dict[str, Any]] | None = None
+    trace: list[TokenTrace] | None = None
 
 
 class ResponseBuilder:
@@ -309,24 +322,26 @@ class ResponseBuilder:
             body = self._envelope("chat.completion", [
                 {"index": c.index, "message": {"role": "assistant", "content": c.text}
                  | ({"tool_calls": c.tool_calls} if c.tool_calls else {}),
-                 "logprobs": self.logprobs(c.index, c.logprobs), "finish_reason": c.finish_reason} for c in choices])
+                 "logprobs": self.logprobs(c.index, c.logprobs), "finish_reason": c.finish_reason}
+                | self.trace(c.trace) for c in choices])
         else:
             body = self._envelope("text_completion", [
                 {"index": c.index, "text": c.text, "logprobs": self.logprobs(c.index, c.logprobs),
-                 "finish_reason": c.finish_reason} for c in choices])
+                 "finish_reason": c.finish_reason} | self.trace(c.trace) for c in choices])
         body["usage"] = usage_dict(usage)
         return body
 
     def chunk(self, text: str, finish_reason: str | None = None, first: bool = False, index: int = 0,
-              logprobs: Sequence[TokenLogprob] | None = None) -> str:
+              logprobs: Sequence[TokenLogprob] | None = None, trace: Sequence[TokenTrace] | None = None) -> str:
         rendered = self.logprobs(index, logprobs)
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {}
             if text and not first:
                 delta["content"] = text
             choice = {"index": index, "delta": delta, "logprobs": rendered, "finish_reason": finish_reason}
-            return sse(self._envelope("chat.completion.chunk", [choice]))
+            return sse(self._envelope("chat.completion.chunk", [choice | self.trace(trace)]))
         choice = {"index": index, "text": text, "logprobs": rendered, "finish_reason": finish_reason}
+        choice |= self.trace(trace)
         return sse(self._envelope("text_completion", [choice]))
 
     def tool_calls_chunk(self, calls: list[dict[str, Any]], index: int = 0) -> str:
@@ -334,6 +349,18 @@ class ResponseBuilder:
         delta = {"tool_calls": [{"index": j, **call} for j, call in enumerate(calls)]}
         choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
         return sse(self._envelope("chat.completion.chunk", [choice]))
+
+    def trace(self, entries: Sequence[TokenTrace] | None) -> dict[str, Any]:
+        """{"trace": [{token, token_id, source, experts: [{layer, ids, weights}]}]} when the request
+        asked for a trace (source / experts null where not asked); {} otherwise."""
+        if entries is None:
+            return {}
+        return {"trace": [{
+            "token": self.token_bytes(e.token_id).decode("utf-8", errors="replace"), "token_id": e.token_id,
+            "source": e.source,
+            "experts": None if e.experts is None else [{"layer": layer, "ids": list(ids), "weights": list(weights)}
+                                                       for layer, ids, weights in e.experts],
+        } for e in entries]}
 
     def logprobs(self, index: int, entries: Sequence[TokenLogprob] | None) -> dict[str, Any] | None:
         """Chat: {"content": [{token, logprob, bytes, top_logprobs}]}; completions: tokens,

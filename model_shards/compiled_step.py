@@ -200,8 +200,11 @@ class CompiledStep:
         return attn.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
     def _count(self, gates: list[tuple], q_lens: list[int], t: int) -> None:
-        """Expert-load statistics over the real tokens of the first len(q_lens) rows."""
+        """Expert-load statistics over the real tokens of the first len(q_lens) rows (and the
+        routing of every row, while it is recorded)."""
         blocks = self.model.moe_blocks
+        if blocks and blocks[0].trace is not None:
+            blocks[0].trace.extend((b.layer_idx, ids, w) for b, (w, ids, _) in zip(blocks, gates))
         if not blocks or blocks[0].stats is None:
             return
         keep = [i for r, n in enumerate(q_lens) for i in range(r * t, r * t + n)]

@@ -65,6 +65,8 @@ class Transformer(nn.Module):
 class CausalLM(nn.Module):
     """`forward(input_ids)` -> logits [B, T, V]; with a KVCache and StepBatch it runs one engine step."""
 
+    routing_trace: list | None = None  # see record_routing
+
     def __init__(self, cfg: ModelConfig, local_experts: Sequence[int] | None = None) -> None:
         super().__init__()
         self.config = cfg
@@ -89,6 +91,14 @@ class CausalLM(nn.Module):
     def set_routing(self, routing: RoutingConfig) -> None:
         for block in self.moe_blocks:
             block.routing = routing
+
+    def record_routing(self, on: bool) -> list | None:
+        """While on, every MoE layer appends (layer index, expert ids [N, K], gate weights [N, K])
+        of each forward pass to the returned list (the caller empties it); off costs nothing."""
+        trace = self.routing_trace = [] if on else None
+        for block in self.moe_blocks:
+            block.trace = trace
+        return trace
 
     def enable_stats(self) -> ExpertLoadStats:
         """Start counting expert load in every MoE layer; returns the (shared) accumulator."""

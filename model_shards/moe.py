@@ -61,6 +61,7 @@ class MoEBlock(nn.Module):
         self.dispatch: Dispatch = LocalDispatch()
         self.routing = RoutingConfig()
         self.stats: ExpertLoadStats | None = None
+        self.trace: list | None = None  # while routing is recorded: (expert_ids, weights) [N, K] per forward
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [N, D] -> [N, D]."""
@@ -77,6 +78,8 @@ class MoEBlock(nn.Module):
                 expert_ids, weights = routed.expert_ids, routed.weights
             if self.stats is not None:
                 self.stats.update(self.layer_idx, gates, routed)
+            if self.trace is not None:
+                self.trace.append((self.layer_idx, expert_ids, weights))
         out = self.dispatch(x, expert_ids, weights, self.experts)  # [N, D]
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)

@@ -19,7 +19,7 @@ from typing import Any
 from moeserve.config import AppConfig
 from moeserve.detokenizer import IncrementalDetokenizer
 from moeserve.engine.factory import EngineConfig, build_engine
-from moeserve.sampling_params import SamplingParams, TokenLogprob
+from moeserve.sampling_params import SamplingParams, TokenLogprob, TokenTrace
 
 PROGRESS_FROM = 16  # show a progress bar for this many prompts or more
 
@@ -33,6 +33,7 @@ class CompletionOutput:
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] | None = None  # one per token id, with SamplingParams(logprobs=N)
+    trace: list[TokenTrace] | None = None  # one per token id, with SamplingParams(trace_experts / trace_speculation)
 
 
 class LLM:
@@ -104,6 +105,8 @@ class LLM:
                 out.token_ids += step_out.new_token_ids
                 if step_out.logprobs is not None:
                     out.logprobs = (out.logprobs or []) + step_out.logprobs
+                if step_out.trace is not None:
+                    out.trace = (out.trace or []) + step_out.trace
                 text = detok.push(step_out.new_token_ids)
                 if detok.stopped and not step_out.finished:
                     self.engine.abort(step_out.request_id)  # the stop string is the serving side's to see

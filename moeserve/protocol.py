@@ -22,7 +22,7 @@ import enum
 from dataclasses import dataclass, field
 
 from moeserve.grammar.spec import GrammarSpec
-from moeserve.sampling_params import SamplingParams, TokenLogprob
+from moeserve.sampling_params import SamplingParams, TokenLogprob, TokenTrace
 
 
 class ErrorCode(str, enum.Enum):
@@ -95,6 +95,7 @@ class GenerateChunk:
     usage: Usage = field(default_factory=Usage)
     error: StreamError | None = None
     logprobs: tuple[TokenLogprob, ...] | None = None  # one per token id, when the request asked for them
+    trace: tuple[TokenTrace, ...] | None = None  # one per token id, when the request asked for a trace
 
     @property
     def finished(self) -> bool:
@@ -109,7 +110,8 @@ class GenerateChunk:
             later.finish_reason,
             later.usage,
             later.error,
-            None if self.logprobs is None and later.logprobs is None else (self.logprobs or ()) + (later.logprobs or ()),
+            _join(self.logprobs, later.logprobs),
+            _join(self.trace, later.trace),
         )
 
 
@@ -149,6 +151,11 @@ class ApplyPlacement:
     """Move the shard group's experts to this placement between two steps (live re-placement)."""
 
     rank_experts: tuple[tuple[int, ...], ...]
+
+
+def _join(a: tuple | None, b: tuple | None) -> tuple | None:
+    """Per-token entries of two consecutive chunks (None when neither has any)."""
+    return None if a is None and b is None else (a or ()) + (b or ())
 
 
 @dataclass(frozen=True)

@@ -54,6 +54,26 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...] = ()
 
 
+TRACE_SOURCES = ("target", "draft", "forced")
+
+
+@dataclass(frozen=True)
+class TokenTrace:
+    """How one generated token came to be (an opt-in trace).
+
+    source: "target" (drawn from the target's own distribution: a plain step, or the token
+        that corrected or followed a run of drafts), "draft" (a draft token the target
+        accepted) or "forced" (the grammar allowed nothing else: jump-forward); None unless
+        the request asked for it.
+    experts: per MoE layer, (layer index, expert ids, gate weights) at the position whose
+        output chose this token; None unless asked, for forced tokens (no pass chose them),
+        and where routing is not recorded (expert-parallel ranks)."""
+
+    token_id: int
+    source: str | None = None
+    experts: tuple[tuple[int, tuple[int, ...], tuple[float, ...]], ...] | None = None
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request samples tokens and when it stops.
@@ -76,6 +96,8 @@ class SamplingParams:
             (0..20) most likely alternatives: from the final distribution the token was drawn
             from (after grammar masks, temperature, top-k and top-p); for greedy requests, the
             model's distribution under the grammar mask, whose maximum is the greedy token.
+        trace_experts, trace_speculation: report for each generated token the experts it was
+            routed to in every MoE layer, and where it came from (see TokenTrace).
 
     The order of processing is temperature, then top-k, then top-p (vLLM and
     transformers agree on it).
@@ -90,6 +112,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    trace_experts: bool = False
+    trace_speculation: bool = False
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -136,6 +160,9 @@ class SamplingParams:
 
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be null or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        for name in ("trace_experts", "trace_speculation"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
 
     @property
     def greedy(self) -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from moeserve.sampling_params import SamplingParams, TokenLogprob
+from moeserve.sampling_params import SamplingParams, TokenLogprob, TokenTrace
 
 
 class SequenceStatus(enum.Enum):
@@ -61,3 +61,4 @@ class RequestOutput:
     num_output_tokens: int
     error: str | None = None  # why it ended with finish_reason "error"
     logprobs: list[TokenLogprob] | None = None  # one per new token, when the request asked for them
+    trace: list[TokenTrace] | None = None  # one per new token, when the request asked for a trace

@@ -286,7 +286,9 @@ def _chunk(out: RequestOutput) -> GenerateChunk:
         return error_chunk(out.request_id, ErrorCode.INTERNAL, out.error, usage, tuple(out.new_token_ids), "grammar")
     reason = out.finish_reason if out.finished else None
     logprobs = None if out.logprobs is None else tuple(out.logprobs)
-    return GenerateChunk(out.request_id, tuple(out.new_token_ids), finish_reason=reason, usage=usage, logprobs=logprobs)
+    trace = None if out.trace is None else tuple(out.trace)
+    return GenerateChunk(out.request_id, tuple(out.new_token_ids), finish_reason=reason, usage=usage, logprobs=logprobs,
+                         trace=trace)
 
 
 def _grammar_message(req: GenerateRequest, e: GrammarError) -> str:

@@ -23,7 +23,7 @@ from moeserve.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from moeserve.engine.structured import StructuredConfig, StructuredOutput
 from moeserve.grammar import CompiledGrammar
 from moeserve.sampler import Sampler
-from moeserve.sampling_params import SamplingParams, TokenLogprob
+from moeserve.sampling_params import SamplingParams, TokenLogprob, TokenTrace
 from moeserve.sequence import RequestOutput, Sequence
 from moeserve.spec.adaptive import AdaptiveK, AdaptiveKConfig
 from moeserve.spec.config import SpecConfig
@@ -62,6 +62,7 @@ class LLMEngine:
         self.rejection = RejectionSampler()
         self.spec_metrics = SpecMetrics()
         self._logprobs: dict[str, list[TokenLogprob]] = {}  # this step's, for requests that asked
+        self._trace: dict[str, list[TokenTrace]] = {}  # this step's, for requests that asked
         self.num_spec_disabled_steps = 0  # decode steps without speculation: the batch was too big
         self.num_guard_refusals = 0  # tokens the grammar refused after masking (always 0 unless a bug)
         self.structured = StructuredOutput(runner.vocab_size, structured)
@@ -125,6 +126,8 @@ class LLMEngine:
         if batch is None:
             return []
         self._logprobs.clear()
+        self._trace.clear()
+        self._record_routing(any(s.params.trace_experts for s in batch.seqs))
         for seq in batch.preempted:
             self._release(seq)
         try:
@@ -160,6 +163,7 @@ class LLMEngine:
         tokens = self.sampler.sample(logits, [s.params for s in seqs], positions=[s.num_tokens for s in seqs])
         chosen = [[t] for t in tokens.tolist()]
         self._record_logprobs(seqs, logits.unsqueeze(1), chosen)
+        self._record_trace(seqs, chosen, [-1] * len(seqs))  # chosen at each row's last fed token
         return chosen
 
     def _record_logprobs(self, seqs: list[Sequence], logits: torch.Tensor, tokens: list[list[int]]) -> None:
@@ -173,6 +177,40 @@ class LLMEngine:
         entries = iter(self.sampler.logprobs(rows, [seqs[i].params for i, _ in at], [tokens[i][j] for i, j in at]))
         for i in want:
             self._logprobs[seqs[i].seq_id] = [next(entries) for _ in tokens[i]]
+
+    def _record_routing(self, on: bool) -> None:
+        """Record the model's routing while a request in the batch asked for its experts (runners
+        that report it per row only: a shard group's ranks route on their own processes)."""
+        routing = getattr(self.runner, "routing", None)
+        if routing is None:
+            return
+        routing.clear()
+        if on != (self.runner.model.routing_trace is not None):
+            self.runner.model.record_routing(on)
+
+    def _record_trace(self, seqs: list[Sequence], tokens: list[list[int]], first: list[int],
+                      accepted: list[int] | None = None) -> None:
+        """For requests that asked: each new token's source and experts. tokens[i][j] was chosen
+        at fed position first[i] + j of row i (negative: from the end); the first accepted[i]
+        of them are accepted drafts."""
+        routing = getattr(self.runner, "routing", {})
+        for i, s in enumerate(seqs):
+            p = s.params
+            if not (p.trace_experts or p.trace_speculation):
+                continue
+            routes = routing.get(s.seq_id) if p.trace_experts else None
+            entries = []
+            for j, t in enumerate(tokens[i]):
+                source = None
+                if p.trace_speculation:
+                    source = "draft" if accepted is not None and j < accepted[i] else "target"
+                experts = None
+                if routes is not None:
+                    at = first[i] + j
+                    experts = tuple((layer, tuple(ids[at].tolist()), tuple(round(w, 4) for w in weights[at].tolist()))
+                                    for layer, ids, weights in routes)
+                entries.append(TokenTrace(t, source, experts))
+            self._trace[s.seq_id] = entries
 
     def _decode(self, batch: ScheduledBatch) -> list[list[int]]:
         seqs = batch.seqs
@@ -195,6 +233,7 @@ class LLMEngine:
         out = self._verify(seqs, logits, proposals)
         self._record_logprobs(seqs, logits, out.token_ids)  # the target's verify pass
         accepted = out.num_accepted.tolist()
+        self._record_trace(seqs, out.token_ids, [n - 1 for n in fed], accepted)
         for s, a, p, n in zip(seqs, accepted, proposals, fed):
             s.num_cached += n + a  # the fed tokens + accepted drafts; rejected ones are rolled back
             if self.adaptive is not None:
@@ -254,6 +293,7 @@ class LLMEngine:
     def _postprocess(self, seq: Sequence, tokens: list[int]) -> RequestOutput:
         added, reason = self._append(seq, tokens)
         logprobs = self._logprobs.pop(seq.seq_id, None)
+        trace = self._trace.pop(seq.seq_id, None)
         error = None
         if seq.grammar is not None and reason is None:
             adv = self.structured.advance(seq, added)
@@ -269,12 +309,15 @@ class LLMEngine:
                 forced, reason = self._append(seq, adv.forced)
                 if logprobs is not None:  # the grammar allowed nothing else: probability 1
                     logprobs = logprobs[: len(added)] + [_forced_logprob(t, seq.params) for t in forced]
+                if trace is not None:
+                    source = "forced" if seq.params.trace_speculation else None
+                    trace = trace[: len(added)] + [TokenTrace(t, source) for t in forced]
                 added += forced
         if reason:
             self._finish(seq, reason)
         return RequestOutput(
             seq.seq_id, added, seq.is_finished, seq.finish_reason, len(seq.prompt_ids), len(seq.output_ids), error,
-            None if logprobs is None else logprobs[: len(added)],
+            None if logprobs is None else logprobs[: len(added)], None if trace is None else trace[: len(added)],
         )
 
     def _finish(self, seq: Sequence, reason: str) -> None:

@@ -67,6 +67,23 @@ def forward_last(runner, rows: list[Row], **kwargs) -> torch.Tensor:
     return logits
 
 
+def routing_by_row(trace: list, rows: list[Row], tq: int) -> dict[str, list[tuple]]:
+    """The routing one pass recorded (CausalLM.record_routing), per row: seq id -> [(layer,
+    expert ids [T_r, K], gate weights [T_r, K]) per MoE layer] over the row's fed tokens."""
+    out: dict[str, list[tuple]] = {r.seq_id: [] for r in rows}
+    lengths = [len(r.tokens) for r in rows]
+    for layer, ids, weights in trace:
+        ids, weights = ids.cpu(), weights.float().cpu()
+        if ids.shape[0] == sum(lengths):  # only the real tokens, row after row (eager: padding skips the router)
+            per_row = zip(ids.split(lengths), weights.split(lengths))
+        else:  # every row padded to tq (the compiled step; static graphs add padding rows after the real ones)
+            per_row = ((i[:n], w[:n]) for i, w, n in zip(ids.view(-1, tq, ids.shape[-1]),
+                                                       weights.view(-1, tq, weights.shape[-1]), lengths))
+        for r, (i, w) in zip(rows, per_row):
+            out[r.seq_id].append((layer, i, w))
+    return out
+
+
 class ModelRunner:
     """Target model + KV cache for up to `max_num_seqs` sequences of up to `max_model_len` tokens.
 
@@ -83,6 +100,7 @@ class ModelRunner:
         self.device = model.device
         self.cache = model.make_cache(max_num_seqs, max_model_len)
         self.slots = SlotTable(max_num_seqs)
+        self.routing: dict[str, list[tuple]] = {}  # while routing is recorded: the last passes' (routing_by_row)
         self.compiled = None
         if compile:
             from model_shards.compiled_step import CompiledStep
@@ -112,6 +130,9 @@ class ModelRunner:
         ids = torch.tensor(ids, dtype=torch.long, device=self.device)  # [B, Tq]
         ordered = [rows[i] for i in order]
         lists = batch_lists(self.slots, ordered)
+        trace = self.model.routing_trace
+        if trace is not None:
+            trace.clear()
         for r in ordered:
             if r.start + len(r.tokens) > self.max_model_len:
                 raise ValueError(f"sequence {r.seq_id!r} exceeds max_model_len={self.max_model_len}")
@@ -123,6 +144,8 @@ class ModelRunner:
                 out = out[torch.arange(len(ordered), device=out.device), last]  # [B, V]
         else:
             out = self.model(ids, self.cache, StepBatch.build(*lists, device=self.device), logits=logits)
+        if trace is not None:
+            self.routing.update(routing_by_row(trace, ordered, tq))
         inverse = torch.empty(len(order), dtype=torch.long)
         inverse[torch.tensor(order)] = torch.arange(len(order))
         return out.cpu()[inverse]

@@ -24,7 +24,7 @@ import torch
 
 from model_shards import CausalLM
 from model_shards.paged_kv import BlockManager, PagedKVCache, paged_step_batch
-from moeserve.engine.model_runner import Row
+from moeserve.engine.model_runner import Row, routing_by_row
 
 INITIAL_BLOCKS = 64  # the cache starts with this many blocks and doubles as sequences need more
 
@@ -47,6 +47,7 @@ class PagedRunner:
                                   w.device, initial_blocks=INITIAL_BLOCKS)
         self.manager = BlockManager(num_blocks, block_size, prefix_caching)
         self.blocks = self.manager.allocator
+        self.routing: dict[str, list[tuple]] = {}  # while routing is recorded: the last passes' (routing_by_row)
         self.compiled = None  # decode and verify passes as a compiled graph (model_shards/compiled_step.py)
         if compile:
             from model_shards.compiled_step import CompiledStep
@@ -93,6 +94,9 @@ class PagedRunner:
         ids = torch.tensor([r.tokens + [0] * (tq - len(r.tokens)) for r in rows], dtype=torch.long,
                            device=self.device)  # [B, Tq]
         starts, q_lens = [r.start for r in rows], [len(r.tokens) for r in rows]
+        trace = self.model.routing_trace
+        if trace is not None:
+            trace.clear()
         if self.compiled is not None and min(starts) > 0 and self.compiled.accepts(len(rows), tq):
             width = -(-(max(starts) + tq) // self.block_size)
             out = self.compiled(ids, self.block_tables([r.seq_id for r in rows], width), starts, q_lens)  # [B, Tq, V]
@@ -102,6 +106,8 @@ class PagedRunner:
             batch = paged_step_batch([self.manager.tables[r.seq_id] for r in rows], starts, q_lens, self.block_size,
                                      self.device)
             out = self.model(ids, self.cache, batch, logits=logits)
+        if trace is not None:
+            self.routing.update(routing_by_row(trace, rows, tq))
         if logits == "last" and not prepared:  # prefill or plain decode: every fed token is final
             for r in rows:
                 self.manager.commit(r.seq_id, r.start + len(r.tokens))

@@ -562,3 +562,39 @@ def test_limits_are_clear_400s_in_the_error_shape(gateway):
     r = asyncio.run(_post(gateway, "/v1/completions", content=very_deep.encode()))
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
     assert asyncio.run(_get(gateway, "/v2/nothing")).json()["error"]["type"] == "not_found_error"
+
+
+def test_trace_reports_experts_and_sources_streamed_and_not(gateway):
+    """The trace extension: one entry per generated token, its text spelling the output; experts
+    per MoE layer (K distinct ids, gate weights summing to 1) on every decoded token; under a
+    JSON schema the grammar's jump-forward tokens are "forced" (and have no routing); n-gram
+    drafts the target accepted are "draft"; streamed chunks carry their tokens' entries."""
+    body = {"model": MODEL_NAME, "prompt": "Order:", "max_tokens": 40, "temperature": 0,
+            "guided_json": SCHEMA, "trace": {"experts": True, "speculation": True}}
+
+    async def main():
+        full = (await _post(gateway, "/v1/completions", body)).json()
+        async with http(gateway) as h:
+            streamed = await h.post("/v1/completions", json=body | {"stream": True})
+        plain = (await _post(gateway, "/v1/completions", {k: v for k, v in body.items() if k != "trace"})).json()
+        bad = [await _post(gateway, "/v1/completions", body | {"trace": t}) for t in ({"bogus": True}, "yes")]
+        return full, streamed.text, plain, bad
+
+    full, streamed, plain, bad = asyncio.run(main())
+    choice = full["choices"][0]
+    trace = choice["trace"]
+    assert len(trace) == full["usage"]["completion_tokens"] and "".join(e["token"] for e in trace) == choice["text"]
+    sources = {e["source"] for e in trace}
+    assert "forced" in sources and sources <= {"target", "draft", "forced"}
+    for e in trace:
+        if e["source"] == "forced":
+            assert e["experts"] is None
+            continue
+        assert [x["layer"] for x in e["experts"]] == sorted({x["layer"] for x in e["experts"]})
+        for x in e["experts"]:
+            assert len(set(x["ids"])) == len(x["ids"]) == 2 and abs(sum(x["weights"]) - 1) < 1e-3
+    events = [json.loads(line[6:]) for line in streamed.splitlines() if line.startswith("data: {")]
+    streamed_trace = [e for ev in events for c in ev["choices"] for e in c.get("trace", [])]
+    assert streamed_trace == trace  # greedy: the same tokens, routing and sources
+    assert "trace" not in plain["choices"][0] and plain["choices"][0]["text"] == choice["text"]
+    assert [r.status_code for r in bad] == [400, 400]

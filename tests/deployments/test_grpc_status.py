@@ -14,7 +14,7 @@ from deployments.metrics import GatewayMetrics
 from deployments.proto import generate_pb2 as pb
 from deployments.proto import generate_pb2_grpc as pb_grpc
 from moeserve.protocol import ErrorCode, GenerateChunk, Usage, error_chunk
-from moeserve.sampling_params import TokenLogprob
+from moeserve.sampling_params import TokenLogprob, TokenTrace
 from tests.grammar.tiny_tokenizer import build_tiny_tokenizer
 
 
@@ -28,8 +28,13 @@ class ScriptedEngine:
             return
         k = request.params.logprobs
         logprobs = None if k is None else (TokenLogprob(5, -0.25, ((5, -0.25), (6, -1.5))[:k]),)
+        p = request.params
+        trace = None
+        if p.trace_experts or p.trace_speculation:  # what the engine reports for what was asked
+            trace = (TokenTrace(5, "draft" if p.trace_speculation else None,
+                                ((1, (3, 0), (0.75, 0.25)),) if p.trace_experts else None),)
         yield GenerateChunk(request.request_id, (5,), finish_reason="stop", usage=Usage(len(request.prompt_ids), 1),
-                            logprobs=logprobs)
+                            logprobs=logprobs, trace=trace)
 
     async def health(self):
         return {"status": "ok"}
@@ -128,3 +133,28 @@ def test_logprobs_travel_both_ways(frontend):
     assert (entry.token_id, entry.logprob) == (5, -0.25)
     assert [(t.token_id, t.logprob) for t in entry.top] == [(5, -0.25), (6, -1.5)]
     assert not plain[-1].logprobs
+
+
+def test_the_trace_travels_both_ways(frontend):
+    async def main():
+        server, port = await start_grpc_server(frontend, "127.0.0.1", 0)
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                stub = pb_grpc.GenerateServiceStub(channel)
+                both = pb.TraceOptions(experts=True, speculation=True)
+                asked = [r async for r in stub.Generate(pb.GenerateRequest(model="tiny", prompt="fine", trace=both))]
+                sources = [r async for r in stub.Generate(pb.GenerateRequest(
+                    model="tiny", prompt="fine", trace=pb.TraceOptions(speculation=True)))]
+                plain = [r async for r in stub.Generate(pb.GenerateRequest(model="tiny", prompt="fine"))]
+                return asked, sources, plain
+        finally:
+            await server.stop(None)
+
+    asked, sources, plain = asyncio.run(main())
+    (entry,) = asked[-1].trace
+    assert (entry.token_id, entry.source) == (5, "draft")
+    (layer,) = entry.experts
+    assert (layer.layer, list(layer.expert_ids), list(layer.weights)) == (1, [3, 0], [0.75, 0.25])
+    (entry,) = sources[-1].trace
+    assert entry.source == "draft" and not entry.experts
+    assert not plain[-1].trace
