@@ -19,10 +19,11 @@ import functools
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 
 from deployments.auth import ApiKeys
 from deployments.frontend import Frontend, FrontendConfig, Prepared
@@ -44,7 +45,8 @@ from moeserve.protocol import GenerateChunk, Usage
 
 ROUTE_COMPLETIONS = "/v1/completions"
 ROUTE_CHAT = "/v1/chat/completions"
-ROUTES = (ROUTE_COMPLETIONS, ROUTE_CHAT, "/v1/models", "/health", "/metrics")
+ROUTES = (ROUTE_COMPLETIONS, ROUTE_CHAT, "/v1/models", "/health", "/metrics", "/playground")
+PLAYGROUND = Path(__file__).resolve().parent / "playground" / "index.html"
 
 
 @dataclass(frozen=True)
@@ -61,7 +63,7 @@ class GatewayConfig:
     request_timeout_s: float | None = 300.0
     api_keys: tuple[str, ...] = ()  # with $MOESERVE_API_KEY: deployments/auth.py
     max_streams_per_key: int = 0
-    public_paths: tuple[str, ...] = ("/health", "/metrics")
+    public_paths: tuple[str, ...] = ("/health", "/metrics", "/playground")
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1024:
@@ -103,6 +105,7 @@ class Gateway:
         app.get("/metrics", responses={200: {"content": {"text/plain": {}}, "description": "Prometheus"}})(
             self.prometheus)
         app.get("/admin/experts", responses=error_responses(400, 401, 503))(self.experts)
+        app.get("/playground", response_class=HTMLResponse, include_in_schema=False)(self.playground)
         app.openapi = lambda: _openapi(app)
         return app
 
@@ -197,6 +200,11 @@ class Gateway:
                                     headers={"Retry-After": "5"})
         return JSONResponse(summary | {"placement": {"world_size": placement.world_size,
                                                      "rank_experts": placement.rank_experts}})
+
+    async def playground(self) -> HTMLResponse:
+        """The playground page (one file in the package, no CDN): chat with the served model and see
+        each token's experts and speculation outcome, a JSON-schema box, live expert load and stats."""
+        return HTMLResponse(PLAYGROUND.read_text(encoding="utf-8"))
 
     # ---- responses -------------------------------------------------------------------------
     async def _respond(self, preps: list[Prepared], builder: ResponseBuilder, stream: bool,

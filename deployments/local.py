@@ -46,7 +46,7 @@ def serve_locally(cfg: AppConfig, *, host: str, http_port: int, num_cpus: int, d
         serve.run(app, name=APP_NAME, route_prefix="/")
         shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
         print(f"moeserve is up ({time.perf_counter() - t0:.1f} s): model {cfg.model.name!r}")
-        print(f"  HTTP  http://{shown}:{http_port}/v1  (OpenAI API; /health, /metrics)")
+        print(f"  HTTP  http://{shown}:{http_port}/v1  (OpenAI API; /health, /metrics, /playground)")
         if cfg.gateway.grpc_port:
             print(f"  gRPC  {shown}:{cfg.gateway.grpc_port}  (moeserve.v1.GenerateService)")
         print("Ctrl-C to stop.", flush=True)

@@ -152,7 +152,7 @@ class GatewaySection(_Section):
     # comma-separated. None configured: open. deployments/auth.py.
     api_keys: list[str] = Field(default_factory=list)
     max_streams_per_key: int = Field(0, ge=0)  # concurrent requests per key (0: no limit), then 429
-    public_paths: list[str] = Field(default_factory=lambda: ["/health", "/metrics"])  # open even with keys
+    public_paths: list[str] = Field(default_factory=lambda: ["/health", "/metrics", "/playground"])  # open with keys
 
 
 class AutoscalingSection(_Section):

@@ -497,20 +497,20 @@ def test_api_keys_http_and_grpc(gateway, monkeypatch):
             wrong = await h.post("/v1/completions", json=body, headers={"Authorization": "Bearer nope"})
             ok = await h.post("/v1/completions", json=body, headers={"Authorization": "Bearer k1"})
             env = await h.post("/v1/completions", json=body, headers={"Authorization": "Bearer other"})
-            health, metrics = await h.get("/health"), await h.get("/metrics")
+            health, metrics, page = await h.get("/health"), await h.get("/metrics"), await h.get("/playground")
             # (the in-process transport runs a response to its end, so hold k1's slot by hand)
             assert gw.auth.acquire("k1")  # k1 now holds one request: its limit
             busy = await h.post("/v1/completions", json=body, headers={"Authorization": "Bearer k1"})
             other = await h.post("/v1/completions", json=body, headers={"Authorization": "Bearer from-env"})
             gw.auth.release("k1")
             again = await h.post("/v1/completions", json=body, headers={"Authorization": "Bearer k1"})
-        return anonymous, wrong, ok, env, health, metrics, busy, other, again
+        return anonymous, wrong, ok, env, health, metrics, page, busy, other, again
 
-    anonymous, wrong, ok, env, health, metrics, busy, other, again = asyncio.run(main())
+    anonymous, wrong, ok, env, health, metrics, page, busy, other, again = asyncio.run(main())
     assert anonymous.status_code == wrong.status_code == 401 and anonymous.headers["www-authenticate"] == "Bearer"
     assert anonymous.json()["error"]["code"] == "invalid_api_key"
     assert ok.status_code == env.status_code == other.status_code == 200
-    assert health.status_code == metrics.status_code == 200
+    assert health.status_code == metrics.status_code == page.status_code == 200  # public paths
     assert busy.status_code == 429 and busy.headers["retry-after"] == "1" and again.status_code == 200
     assert not gw.auth._streams  # every finished request gave its slot back
 
@@ -598,3 +598,23 @@ def test_trace_reports_experts_and_sources_streamed_and_not(gateway):
     assert streamed_trace == trace  # greedy: the same tokens, routing and sources
     assert "trace" not in plain["choices"][0] and plain["choices"][0]["text"] == choice["text"]
     assert [r.status_code for r in bad] == [400, 400]
+
+
+def test_the_playground_page_is_served_self_contained(gateway):
+    """GET /playground: one HTML page from the package, nothing loaded from elsewhere (no CDN); it
+    asks the chat route for a streamed trace and reads the live panels' sources."""
+    import re
+
+    async def main():
+        async with http(gateway) as h:
+            return await h.get("/playground"), await h.get("/admin/experts")
+
+    page, experts = asyncio.run(main())
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    html = page.text
+    assert not re.search(r"""(src|href)=["']?(https?:)?//""", html)  # every resource is inline
+    for used in ('"/v1/chat/completions"', "trace: {experts: true, speculation: true}", '"/metrics"',
+                 '"/admin/experts"', '"/v1/models"', "json_schema", "spec_acceptance_rate", "spec_tokens_per_pass"):
+        assert used in html
+    layer = experts.json()["layers"][0]
+    assert {"layer", "tokens", "f", "P", "balance"} <= set(layer)  # what the heatmap reads
