@@ -7,11 +7,12 @@ broadcasts one message (block copies + the rows of every rank with their block t
 rank runs its rows (joining each MoE layer's all-to-all), and the final hidden states are
 gathered to rank 0, which applies the LM head. Nothing per step goes through Ray.
 
-Message (int64): header [cmd, rows, Tq, last_only, copies, n], then for CMD_STEP copies [C, 3]
+Message (int64): header [cmd, rows, Tq, last_only, copies, n, trace], then for CMD_STEP copies [C, 3]
 (rank, src block, dst block: copy-on-write before the step) and rows [B, 3 + Tq + n] (rank,
 start, q_len, tokens..., n block ids padded with the scratch block 0). CMD_PLACE (live
 re-placement, between two steps) carries a placement in n values: [experts on rank 0, ...,
-experts on rank W-1, then every rank's expert ids];
+experts on rank W-1, then every rank's expert ids]; `trace` set: every rank records its rows'
+routing (CMD_STEP) and gathers it to rank 0 with the hidden states;
 each rank reloads its experts from the checkpoint and re-wires its all-to-all, while the KV
 caches (attention is data-parallel) stay as they are.
 Shapes: B rows, Tq query tokens, D hidden, V vocab, W ranks.
@@ -32,7 +33,7 @@ from model_shards.paged_kv import BlockManager, PagedKVCache
 from router_service.placement import Placement
 
 CMD_STEP, CMD_STOP, CMD_PLACE = 1, 2, 3
-_HEADER = 6
+_HEADER = 7
 _ROW = 3  # rank, start, q_len
 INITIAL_BLOCKS = 64  # each rank's cache starts with this many blocks and doubles as needed
 # A new sequence goes to the rank holding most of its prefix, unless that rank runs this many
@@ -41,7 +42,7 @@ BALANCE_SLACK = 2
 
 
 def _body_size(header: list[int]) -> int:
-    cmd, rows, tq, _, copies, n = header
+    cmd, rows, tq, _, copies, n, _ = header
     return n if cmd == CMD_PLACE else copies * 3 + rows * (_ROW + tq + n)
 
 
@@ -63,7 +64,7 @@ def _broadcast(
 
 
 def _split(header: list[int], body: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    _, rows, tq, _, copies, n = header
+    _, rows, tq, _, copies, n, _ = header
     return body[: copies * 3].view(copies, 3), body[copies * 3 :].view(rows, _ROW + tq + n)
 
 
@@ -96,10 +97,17 @@ class _Shard:
         reload_experts(self.model, placement.rank_experts[self.rank])
         self.model.set_dispatch(AllToAllDispatch(placement, self.rank))
 
-    def run(self, header: list[int], body: torch.Tensor) -> torch.Tensor:
+    def run(self, header: list[int], body: torch.Tensor) -> tuple[torch.Tensor, tuple | None]:
         """Make this rank's block copies, run its rows, gather hidden states to rank 0.
-        Returns [W, Bmax, T', D] on rank 0 (padding rows are zeros), an empty tensor elsewhere."""
-        _, _, tq, last_only, _, _ = header
+        Returns [W, Bmax, T', D] on rank 0 (padding rows are zeros), an empty tensor elsewhere;
+        with `trace`, also every rank's routing on rank 0: expert ids and gate weights
+        [W, Bmax, Tq, L', K] (L' MoE layers; -1 / 0 past each row's tokens)."""
+        _, _, tq, last_only, _, _, traced = header
+        if bool(traced) != (self.model.routing_trace is not None):
+            self.model.record_routing(bool(traced))
+        trace = self.model.routing_trace
+        if trace is not None:
+            trace.clear()
         copies, rows = _split(header, body)
         mine = rows[rows[:, 0] == self.rank]  # [Br, 3 + Tq + n]
         ids, tables = mine[:, _ROW : _ROW + tq], mine[:, _ROW + tq :]
@@ -116,7 +124,30 @@ class _Shard:
         padded[: len(h)] = h
         gathered = [torch.empty_like(padded) for _ in range(self.world_size)] if self.rank == 0 else None
         dist.gather(padded, gathered, dst=0)
-        return torch.stack(gathered) if gathered is not None else h.new_empty(0)
+        routing = None
+        if trace is not None:
+            routing = self._gather_routing(trace, mine[:, 2].tolist(), int(counts.max()), tq)
+        return (torch.stack(gathered) if gathered is not None else h.new_empty(0)), routing
+
+    def _gather_routing(self, trace: list, lengths: list[int], bmax: int, tq: int) -> tuple | None:
+        """This rank's recorded routing as [Bmax, Tq, L', K] ids and weights, gathered to rank 0."""
+        from moeserve.engine.model_runner import Row, routing_by_row
+
+        k = self.model.config.top_k
+        layers = len(self.model.moe_blocks)
+        ids = torch.full((bmax, tq, layers, k), -1, dtype=torch.long)
+        weights = torch.zeros(bmax, tq, layers, k)
+        rows = [Row(str(b), [0] * n, 0) for b, n in enumerate(lengths)]
+        for b, per_layer in enumerate(routing_by_row(trace, rows, tq).values()):
+            for j, (_, i, w) in enumerate(per_layer):
+                ids[b, : len(i), j], weights[b, : len(i), j] = i, w
+        both = torch.stack((ids.double(), weights.double())).to(self.device)  # [2, Bmax, Tq, L', K]
+        gathered = [torch.empty_like(both) for _ in range(self.world_size)] if self.rank == 0 else None
+        dist.gather(both, gathered, dst=0)
+        if gathered is None:
+            return None
+        stacked = torch.stack(gathered).cpu()  # [W, 2, Bmax, Tq, L', K]
+        return stacked[:, 0].long(), stacked[:, 1].float()
 
 
 class ShardWorker(_Shard):
@@ -147,6 +178,7 @@ class ShardedRunner(_Shard):
         self.vocab_size = model.config.vocab_size
         self.managers = [BlockManager(self.num_blocks, block_size, prefix_caching) for _ in range(world_size)]
         self._rank_of: dict[str, int] = {}
+        self.routing: dict[str, list[tuple]] = {}  # while routing is recorded: the last passes' (routing_by_row)
 
     @property
     def max_num_seqs(self) -> int:
@@ -190,13 +222,20 @@ class ShardedRunner(_Shard):
             packed[i, _ROW + tq : _ROW + tq + len(table)] = torch.tensor(table)
         order = torch.argsort(packed[:, 0], stable=True)  # rows grouped by rank
         packed = packed[order]
-        header = [CMD_STEP, len(rows), tq, int(logits == "last"), len(copies), n]
+        traced = int(self.model.routing_trace is not None)  # the engine turns recording on for rank 0's model
+        header = [CMD_STEP, len(rows), tq, int(logits == "last"), len(copies), n, traced]
         body = torch.cat([torch.tensor(copies, dtype=torch.long).view(-1), packed.view(-1)])
         header, body = _broadcast(header, body, self.device)
-        gathered = self.run(header, body)  # [W, Bmax, T', D]
+        gathered, routing = self.run(header, body)  # [W, Bmax, T', D]
         ranks = packed[:, 0]
         within = torch.cat([torch.arange(int(c)) for c in torch.bincount(ranks, minlength=self.world_size)])
         h = gathered[ranks.to(self.device), within.to(self.device)]  # [B, T', D] in packed order
+        if routing is not None:
+            layers = [b.layer_idx for b in self.model.moe_blocks]
+            ids, weights = routing[0][ranks, within], routing[1][ranks, within]  # [B, Tq, L', K] in packed order
+            for b, i in enumerate(order.tolist()):
+                n = len(rows[i].tokens)
+                self.routing[rows[i].seq_id] = [(layer, ids[b, :n, j], weights[b, :n, j]) for j, layer in enumerate(layers)]
         out = self.model.lm_logits(h).cpu()
         out = out[:, 0] if logits == "last" else out
         if logits == "last":  # prefill or plain decode: every fed token is final
@@ -212,7 +251,7 @@ class ShardedRunner(_Shard):
         if placement.world_size != self.world_size:
             raise ValueError(f"placement has {placement.world_size} ranks, the group {self.world_size}")
         values = _encode_placement(placement)
-        _broadcast([CMD_PLACE, 0, 0, 0, 0, len(values)], torch.tensor(values, dtype=torch.long), self.device)
+        _broadcast([CMD_PLACE, 0, 0, 0, 0, len(values), 0], torch.tensor(values, dtype=torch.long), self.device)
         self.place(placement)
 
     def stats(self) -> dict[str, int | float]:
@@ -223,4 +262,4 @@ class ShardedRunner(_Shard):
         return total
 
     def shutdown(self) -> None:
-        _broadcast([CMD_STOP, 0, 0, 0, 0, 0], None, self.device)
+        _broadcast([CMD_STOP, 0, 0, 0, 0, 0, 0], None, self.device)

@@ -66,8 +66,7 @@ class TokenTrace:
         accepted) or "forced" (the grammar allowed nothing else: jump-forward); None unless
         the request asked for it.
     experts: per MoE layer, (layer index, expert ids, gate weights) at the position whose
-        output chose this token; None unless asked, for forced tokens (no pass chose them),
-        and where routing is not recorded (expert-parallel ranks)."""
+        output chose this token; None unless asked, and for forced tokens (no pass chose them)."""
 
     token_id: int
     source: str | None = None

@@ -7,6 +7,8 @@
 #   3. this project, editable, with its test and bench extras
 #   4. xgrammar with --no-deps: its declared dependency triton (~1 GB) is unused on CPU;
 #      the dependencies it really needs are in pyproject.toml
+#   5. Debian's chromium for the playground's browser tests (Playwright drives it; its own
+#      browser download is not used), where apt-get can install it; without it those tests skip
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -51,6 +53,14 @@ fi
 if [ "$(installed_version xgrammar)" != "$XGRAMMAR_VERSION" ]; then
     say "installing xgrammar==$XGRAMMAR_VERSION without its dependencies"
     "$py" -m pip install --no-deps "xgrammar==$XGRAMMAR_VERSION"
+fi
+
+if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    say "installing chromium (browser tests)"
+    if ! { apt-get install -y -q --no-install-recommends chromium >/dev/null \
+           || { apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends chromium >/dev/null; }; }; then
+        say "chromium could not be installed: the browser tests will skip"
+    fi
 fi
 
 "$py" -c 'import torch, transformers, xgrammar, moeserve' || {

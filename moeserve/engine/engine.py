@@ -179,8 +179,8 @@ class LLMEngine:
             self._logprobs[seqs[i].seq_id] = [next(entries) for _ in tokens[i]]
 
     def _record_routing(self, on: bool) -> None:
-        """Record the model's routing while a request in the batch asked for its experts (runners
-        that report it per row only: a shard group's ranks route on their own processes)."""
+        """Record the model's routing while a request in the batch asked for its experts (with
+        runners that report it per row; a shard group's rank 0 then tells every rank to)."""
         routing = getattr(self.runner, "routing", None)
         if routing is None:
             return

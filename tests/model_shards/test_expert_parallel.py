@@ -154,3 +154,30 @@ def test_ranks_cache_prefixes_and_outputs_stay_exact(ckpt):
         stats = runner.stats()
     assert first + rest == ref
     assert stats["prefix_cache_hit_blocks"] >= 3 * 5 and stats["kv_blocks_held"] == 0  # finished: nothing held
+
+
+def test_each_rank_reports_its_own_tokens_routing(ckpt):
+    """Traced requests on a 2-rank group: each token's experts (recorded on the rank that holds
+    the sequence, gathered to rank 0) equal the single-process engine's trace."""
+    from moeserve.engine.paged_runner import PagedRunner
+
+    traced = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, trace_experts=True)
+    ps = prompts(3, seed=13)
+
+    def traces(engine):
+        ids = [engine.add_request(p, traced) for p in ps]
+        out = {rid: [] for rid in ids}
+        while engine.has_unfinished():
+            for o in engine.step():
+                out[o.request_id] += o.trace
+        return [[e.experts for e in out[rid]] for rid in ids]
+
+    ref = traces(LLMEngine(PagedRunner(load_checkpoint(ckpt), 8, 64, num_blocks=64, block_size=4)))
+    with LocalShardGroup(ckpt, 2, max_num_seqs=4, max_model_len=64, block_size=4) as runner:
+        got = traces(LLMEngine(runner))  # the three sequences go to ranks 0, 1, 0
+    for want_seq, got_seq in zip(ref, got):
+        assert len(got_seq) == len(want_seq) == traced.max_tokens
+        for want, have in zip(want_seq, got_seq):
+            assert [(layer, ids) for layer, ids, _ in have] == [(layer, ids) for layer, ids, _ in want]
+            for (_, _, w1), (_, _, w2) in zip(have, want):
+                assert max(abs(a - b) for a, b in zip(w1, w2)) < 1e-3

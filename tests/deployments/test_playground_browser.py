@@ -1,0 +1,95 @@
+"""The playground in a real browser (Debian's chromium driven by Playwright): the page loads from
+the gateway, a prompt streams tokens coloured by their experts, switching the layer and the
+colouring changes what is shown, and a JSON schema gives an answer that validates."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+import time
+
+import jsonschema
+import pytest
+
+from deployments.engine_server import EngineServer, EngineServerConfig
+from deployments.gateway import Gateway, GatewayConfig
+from model_shards import load_checkpoint
+from model_shards.local_group import free_port
+from moeserve.engine import LLMEngine, SpecConfig
+from moeserve.engine.paged_runner import PagedRunner
+from moeserve.spec.ngram import NgramProposer
+from moeserve.tokenizer import load_tokenizer
+from tests.deployments.tiny_checkpoint import MODEL_NAME, save_tiny_checkpoint
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+playwright = pytest.importorskip("playwright.sync_api", reason="playwright is installed by scripts/setup.sh")
+pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no chromium (scripts/setup.sh installs Debian's)")
+SCHEMA = {"type": "object", "properties": {"item": {"type": "string", "maxLength": 8},
+                                           "qty": {"type": "integer", "minimum": 1, "maximum": 9}},
+          "required": ["item", "qty"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def url(tmp_path_factory):
+    import uvicorn
+
+    folder = save_tiny_checkpoint(tmp_path_factory.mktemp("tiny-moe"))
+    engine = LLMEngine(PagedRunner(load_checkpoint(folder), 4, 256, num_blocks=128), load_tokenizer(folder),
+                       proposer=NgramProposer(), spec=SpecConfig(num_tokens=3))
+    server = EngineServer(EngineServerConfig(), engine=engine)
+    gw = Gateway(server, GatewayConfig(model_name=MODEL_NAME, model_path=str(folder), max_model_len=256))
+    port = free_port()
+    http = uvicorn.Server(uvicorn.Config(gw.http_app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=http.run, daemon=True)
+    thread.start()
+    while not http.started:
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}"
+    http.should_exit = True
+    thread.join(10)
+    server.shutdown()
+
+
+@pytest.fixture(scope="module")
+def page(url):
+    with playwright.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        page = browser.new_page()
+        page.goto(f"{url}/playground")
+        yield page
+        browser.close()
+
+
+def send(page, prompt: str, schema: dict | None = None) -> None:
+    page.fill("#prompt", prompt)
+    page.fill("#max_tokens", "24")
+    page.fill("#schema", json.dumps(schema) if schema else "")
+    page.click("#send")
+    page.wait_for_function("document.getElementById('status').textContent.includes('tokens in')", timeout=60_000)
+
+
+def test_tokens_arrive_coloured_by_expert_and_by_source(page):
+    assert page.text_content("#model") == f"model: {MODEL_NAME}"
+    send(page, "Do you have rye bread today?")
+    tokens = page.locator("#output span.tok")
+    assert tokens.count() > 0
+    first = [tokens.nth(i).get_attribute("data-expert") for i in range(tokens.count())]
+    assert all(e is not None for e in first)  # every decoded token has its layer's top expert
+    layers = page.locator("#layer option")
+    assert layers.count() >= 2
+    page.select_option("#layer", index=layers.count() - 1)
+    last = [tokens.nth(i).get_attribute("data-expert") for i in range(tokens.count())]
+    assert last != first  # another layer routes differently
+    assert "layer" in tokens.first.get_attribute("title")  # hover: experts and gate weights
+    page.select_option("#colour", "source")
+    sources = {tokens.nth(i).get_attribute("data-source") for i in range(tokens.count())}
+    assert sources <= {"target", "draft"} and "target" in sources
+    assert page.locator("#legend span").first.text_content() == "target"
+
+
+def test_a_schema_gives_valid_json(page):
+    send(page, "I want two muffins, afternoon pickup.", SCHEMA)
+    assert page.locator("#json .ok").text_content() == "valid JSON"
+    jsonschema.validate(json.loads(page.text_content("#json pre")), SCHEMA)
+    assert page.locator("#output span.forced").count() > 0  # the grammar forced the keys
