@@ -67,6 +67,7 @@ def produced_types(s: dict) -> set[str]:
 def normalize_node(nz: SchemaNormalizer, s: dict) -> Any:
     """The normalized form of plain node `s` (see module docstring)."""
     rest = dict(s)
+    _narrow_not(rest)
     _refuse_logic(rest)
     declared = type_set(rest)
     rest.pop("type", None)
@@ -91,6 +92,40 @@ def normalize_node(nz: SchemaNormalizer, s: dict) -> Any:
 
 def _refuse(feature: str, why: str) -> GrammarError:
     return GrammarError(f"{feature}: {why}", feature=feature)
+
+
+def _narrow_not(s: dict) -> None:
+    """Rewrite the `not` forms a narrower schema enforces (sound: every output still validates);
+    others stay and are refused:
+    - not {type: T}: the other types (exact, unless it would need "number but not integer");
+    - not {required: [a, ..., z]} (or an allOf of such): no property named z, and no
+      additional properties (narrower), unless z is required or patternProperties could name it."""
+    neg = s.get("not")
+    if not isinstance(neg, dict):
+        return
+    if set(neg) == {"type"}:
+        excluded = set(neg["type"]) if isinstance(neg["type"], list) else {neg["type"]}
+        if "number" in excluded:
+            excluded.add("integer")
+        declared = type_set(s)
+        allowed = set(ALL_TYPES) if declared is None else set(declared)
+        if "integer" in excluded and "number" in allowed - excluded:
+            return  # "number but not integer" has no grammar here
+        allowed -= excluded
+        if allowed:
+            s["type"] = [t for t in ALL_TYPES if t in allowed]
+            del s["not"]
+        return
+    together = [neg] if set(neg) == {"required"} else neg.get("allOf", []) if set(neg) == {"allOf"} else []
+    if not together or not all(isinstance(b, dict) and set(b) == {"required"} for b in together):
+        return
+    names = [n for b in together for n in b["required"]]
+    if not names or names[-1] in s.get("required", []) or s.get("patternProperties"):
+        return
+    s["properties"] = {k: v for k, v in s.get("properties", {}).items() if k != names[-1]}
+    s["additionalProperties"] = False
+    s.pop("unevaluatedProperties", None)
+    del s["not"]
 
 
 def _refuse_logic(s: dict) -> None:
@@ -199,7 +234,9 @@ def _arrays(nz: SchemaNormalizer, s: dict, types: set[str], out: dict) -> None:
     if "array" not in types:
         return
     if kw.get("uniqueItems") is True and kw.get("maxItems", 2) > 1:
-        raise _refuse("uniqueItems", "unique array items are not supported")
+        if kw.get("minItems", 0) > 1:
+            raise _refuse("uniqueItems", "unique array items are not supported (with minItems > 1)")
+        kw["maxItems"] = 1  # narrower: an array of at most one item is unique
     if "contains" in kw:
         raise _refuse("contains", "contains/minContains/maxContains are not supported")
     items = kw.get("items", kw.get("unevaluatedItems"))  # with no adjacent applicator they mean the same

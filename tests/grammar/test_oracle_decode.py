@@ -65,6 +65,15 @@ SCHEMAS = {
     },
     "tuple (draft-07)": {"$schema": "http://json-schema.org/draft-07/schema#", "type": "array", "items": [{"type": "string", "format": "ipv4"}, {"type": "integer"}], "additionalItems": {"type": "boolean"}},
     "free-form": {"type": "object", "additionalProperties": {"type": ["string", "number", "array"]}, "maxProperties": 3},
+    # narrowed, not refused: uniqueItems (at most one item), not {type} (the other types), not both of two properties
+    "narrowed not / uniqueItems": {
+        "type": "object",
+        "properties": {"tags": {"type": "array", "items": {"enum": ["a", "b"]}, "uniqueItems": True},
+                       "any": {"not": {"type": ["array", "object", "string"]}}, "site": {"type": "string"},
+                       "app": {"type": "string"}},
+        "not": {"allOf": [{"required": ["site"]}, {"required": ["app"]}]},
+        "required": ["tags", "any"],
+    },
 }
 
 REGEXES = [

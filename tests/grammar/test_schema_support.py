@@ -59,6 +59,11 @@ OK = [
     ("tuple items (draft-07)", {"$schema": D7, "type": "array", "items": [{"type": "integer"}], "additionalItems": False}, [[1]], [[1, 2], ["a"]]),
     ("prefixItems", {"type": "array", "prefixItems": [{"type": "integer"}, {"type": "string"}]}, [[1, "a"]], [["a", 1]]),
     ("uniqueItems trivially true", {"type": "array", "items": {"type": "integer"}, "uniqueItems": True, "maxItems": 1}, [[1]], [[1, 1]]),
+    # narrowed (sound: what the grammar accepts validates; some valid instances are no longer produced)
+    ("uniqueItems: at most one item", {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, [[], [1]], [[1, 1]]),
+    ("not type: the other types", {"not": {"type": ["string", "number"]}}, [None, True, [1], {}], ["x", 1, 1.5]),
+    ("not both of two properties: no second", {"type": "object", "properties": OBJ_AB, "not": {"required": ["a", "b"]}},
+     [{"a": 1}, {}], [{"a": 1, "b": 1}]),
     ("allOf merged", {"allOf": [{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}, {"properties": {"b": {"type": "string"}}, "required": ["b"]}]}, [{"a": 1, "b": "x"}], [{"a": 1}, {"b": "x"}]),
     ("allOf bounds", {"allOf": [{"type": "integer"}, {"minimum": 3}]}, [3], [2]),
     ("anyOf with siblings", {"type": "object", "properties": OBJ_AB, "anyOf": [{"required": ["a"]}, {"required": ["b"]}]}, [{"a": 1}, {"b": 1}], [{}]),
@@ -103,9 +108,10 @@ LLGUIDANCE = [
 ]
 
 REFUSED = [
-    ("not", {"not": {"type": "string"}}, "not"),
+    ("not", {"not": {"type": "string", "pattern": "^a"}}, "not"),
+    ("not integer of a number", {"type": "number", "not": {"type": "integer"}}, "not"),
     ("if/then/else", {"if": {"type": "string"}, "then": {"minLength": 2}}, "if/then/else"),
-    ("uniqueItems", {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "uniqueItems"),
+    ("uniqueItems", {"type": "array", "items": {"type": "integer"}, "uniqueItems": True, "minItems": 2}, "uniqueItems"),
     ("contains", {"type": "array", "contains": {"const": 5}}, "contains"),
     ("dependencies", {"type": "object", "properties": OBJ_AB, "dependencies": {"a": ["b"]}, "$schema": D7}, "dependencies"),
     ("dependentRequired", {"type": "object", "properties": OBJ_AB, "dependentRequired": {"a": ["b"]}}, "dependentRequired"),
