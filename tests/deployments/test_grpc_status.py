@@ -116,19 +116,26 @@ def test_standard_health_reflection_and_an_unset_model(frontend):
     assert statuses == [health_pb2.HealthCheckResponse.NOT_SERVING] * 2
 
 
-def test_logprobs_travel_both_ways(frontend):
+def generate_each(frontend, *requests: pb.GenerateRequest) -> list[list[pb.GenerateResponse]]:
+    """Every response of each request, in turn, from a gRPC server on `frontend`."""
     async def main():
         server, port = await start_grpc_server(frontend, "127.0.0.1", 0)
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
                 stub = pb_grpc.GenerateServiceStub(channel)
-                asked = [r async for r in stub.Generate(pb.GenerateRequest(model="tiny", prompt="fine", logprobs=2))]
-                plain = [r async for r in stub.Generate(pb.GenerateRequest(model="tiny", prompt="fine"))]
-                return asked, plain
+                answers = []
+                for req in requests:
+                    answers.append([r async for r in stub.Generate(req)])
+                return answers
         finally:
             await server.stop(None)
 
-    asked, plain = asyncio.run(main())
+    return asyncio.run(main())
+
+
+def test_logprobs_travel_both_ways(frontend):
+    asked, plain = generate_each(frontend, pb.GenerateRequest(model="tiny", prompt="fine", logprobs=2),
+                                 pb.GenerateRequest(model="tiny", prompt="fine"))
     (entry,) = asked[-1].logprobs
     assert (entry.token_id, entry.logprob) == (5, -0.25)
     assert [(t.token_id, t.logprob) for t in entry.top] == [(5, -0.25), (6, -1.5)]
@@ -136,21 +143,10 @@ def test_logprobs_travel_both_ways(frontend):
 
 
 def test_the_trace_travels_both_ways(frontend):
-    async def main():
-        server, port = await start_grpc_server(frontend, "127.0.0.1", 0)
-        try:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-                stub = pb_grpc.GenerateServiceStub(channel)
-                both = pb.TraceOptions(experts=True, speculation=True)
-                asked = [r async for r in stub.Generate(pb.GenerateRequest(model="tiny", prompt="fine", trace=both))]
-                sources = [r async for r in stub.Generate(pb.GenerateRequest(
-                    model="tiny", prompt="fine", trace=pb.TraceOptions(speculation=True)))]
-                plain = [r async for r in stub.Generate(pb.GenerateRequest(model="tiny", prompt="fine"))]
-                return asked, sources, plain
-        finally:
-            await server.stop(None)
-
-    asked, sources, plain = asyncio.run(main())
+    asked, sources, plain = generate_each(
+        frontend, pb.GenerateRequest(model="tiny", prompt="fine", trace=pb.TraceOptions(experts=True, speculation=True)),
+        pb.GenerateRequest(model="tiny", prompt="fine", trace=pb.TraceOptions(speculation=True)),
+        pb.GenerateRequest(model="tiny", prompt="fine"))
     (entry,) = asked[-1].trace
     assert (entry.token_id, entry.source) == (5, "draft")
     (layer,) = entry.experts
