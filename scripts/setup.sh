@@ -57,8 +57,9 @@ fi
 
 if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
     say "installing chromium (browser tests)"
-    if ! { apt-get install -y -q --no-install-recommends chromium >/dev/null \
-           || { apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends chromium >/dev/null; }; }; then
+    apt_get() { DEBIAN_FRONTEND=noninteractive timeout 600 apt-get "$@" >/dev/null; }
+    if ! { apt_get install -y -q --no-install-recommends chromium \
+           || { apt_get update -q && apt_get install -y -q --no-install-recommends chromium; }; }; then
         say "chromium could not be installed: the browser tests will skip"
     fi
 fi
