@@ -335,7 +335,7 @@ BAD = [
     ({"model": MODEL_NAME, "prompt": "x", "guided_regex": "a", "guided_choice": ["a"]}, 400, "at most one"),
     ({"model": MODEL_NAME, "prompt": "x", "response_format": {"type": "xml"}}, 400, "response_format"),
     ({"model": MODEL_NAME, "prompt": "x", "response_format": {"type": "json_schema", "json_schema": {
-        "name": "u", "schema": {"type": "array", "uniqueItems": True}}}}, 400, "uniqueItems"),
+        "name": "u", "schema": {"type": "array", "uniqueItems": True, "minItems": 2}}}}, 400, "uniqueItems"),
     ({"model": MODEL_NAME, "prompt": "x", "response_format": {"type": "json_schema", "json_schema": {
         "name": "t", "schema": {"type": "bogus"}}}}, 400, "bogus"),
 ]
