@@ -100,6 +100,7 @@ def test_a_plain_pip_install_serves_the_demo(tmp_path):
     subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "--no-deps", "-q", str(wheel)],
                    check=True, cwd=tmp_path, timeout=600)
     assert (site / "moeserve" / "checkpoints" / "demo-moe" / "model.safetensors").is_file()
+    assert (site / "deployments" / "playground" / "index.html").is_file()  # GET /playground's page
     where = subprocess.run([str(venv / "bin" / "python"), "-c", "import moeserve.config as c; print(c.DATA_ROOT)"],
                            cwd=tmp_path, capture_output=True, text=True, check=True).stdout.strip()
     assert Path(where) == site / "moeserve"
