@@ -112,12 +112,12 @@ class CompiledStep:
         self.num_calls += 1
         ids = ids.clone()  # an inference tensor, like every other input: one set of guards
         as_long = lambda v: torch.tensor(v, dtype=torch.long, device=ids.device)  # noqa: E731
-        tk = max(s + t for s in start)
         if self.paged:
             with torch.fx.experimental._config.patch(use_duck_shape=False):
                 logits, gates = self._graph(ids, slots, None, as_long(start), as_long(q_lens), 0, self.cache.kv)
             self._count(gates, q_lens, t)
             return logits
+        tk = max(s + t for s in start)
         if self.static:  # pad to the bucket: extra rows are empty (nothing valid) in the first row's slot
             rows = next(n for n in CAPTURE_SIZES if n >= b)
             ids = torch.cat([ids, ids.new_zeros(rows - b, t)])

@@ -62,6 +62,24 @@ class Transformer(nn.Module):
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)
 
 
+def split_routing(trace: list, lengths: list[int], tq: int) -> list[list[tuple]]:
+    """What one pass recorded (CausalLM.record_routing), per row: [(layer, expert ids [n, K],
+    gate weights [n, K]) per MoE layer] over the row's n = lengths[b] fed tokens, on the CPU.
+    The eager forward routes only real tokens, row after row; the compiled step routes every
+    row padded to tq (static graphs add padding rows after the real ones)."""
+    rows: list[list[tuple]] = [[] for _ in lengths]
+    for layer, ids, weights in trace:
+        ids, weights = ids.cpu(), weights.float().cpu()
+        if ids.shape[0] == sum(lengths):
+            per_row = zip(ids.split(lengths), weights.split(lengths))
+        else:
+            per_row = ((i[:n], w[:n]) for i, w, n in zip(ids.view(-1, tq, ids.shape[-1]),
+                                                       weights.view(-1, tq, weights.shape[-1]), lengths))
+        for out, (i, w) in zip(rows, per_row):
+            out.append((layer, i, w))
+    return rows
+
+
 class CausalLM(nn.Module):
     """`forward(input_ids)` -> logits [B, T, V]; with a KVCache and StepBatch it runs one engine step."""
 

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from model_shards.all_to_all import AllToAllDispatch
 from model_shards.kv_cache import StepBatch
 from model_shards.loader import reload_experts
-from model_shards.model import CausalLM
+from model_shards.model import CausalLM, split_routing
 from model_shards.paged_kv import BlockManager, PagedKVCache
 from router_service.placement import Placement
 
@@ -131,14 +131,11 @@ class _Shard:
 
     def _gather_routing(self, trace: list, lengths: list[int], bmax: int, tq: int) -> tuple | None:
         """This rank's recorded routing as [Bmax, Tq, L', K] ids and weights, gathered to rank 0."""
-        from moeserve.engine.model_runner import Row, routing_by_row
-
         k = self.model.config.top_k
         layers = len(self.model.moe_blocks)
         ids = torch.full((bmax, tq, layers, k), -1, dtype=torch.long)
         weights = torch.zeros(bmax, tq, layers, k)
-        rows = [Row(str(b), [0] * n, 0) for b, n in enumerate(lengths)]
-        for b, per_layer in enumerate(routing_by_row(trace, rows, tq).values()):
+        for b, per_layer in enumerate(split_routing(trace, lengths, tq)):
             for j, (_, i, w) in enumerate(per_layer):
                 ids[b, : len(i), j], weights[b, : len(i), j] = i, w
         both = torch.stack((ids.double(), weights.double())).to(self.device)  # [2, Bmax, Tq, L', K]

@@ -21,6 +21,7 @@ import torch
 from moeserve.engine.model_runner import ModelRunner, Row, forward_last
 from moeserve.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from moeserve.engine.structured import StructuredConfig, StructuredOutput
+from moeserve.engine.trace import forced_traces, token_traces
 from moeserve.grammar import CompiledGrammar
 from moeserve.sampler import Sampler
 from moeserve.sampling_params import SamplingParams, TokenLogprob, TokenTrace
@@ -195,22 +196,9 @@ class LLMEngine:
         of them are accepted drafts."""
         routing = getattr(self.runner, "routing", {})
         for i, s in enumerate(seqs):
-            p = s.params
-            if not (p.trace_experts or p.trace_speculation):
-                continue
-            routes = routing.get(s.seq_id) if p.trace_experts else None
-            entries = []
-            for j, t in enumerate(tokens[i]):
-                source = None
-                if p.trace_speculation:
-                    source = "draft" if accepted is not None and j < accepted[i] else "target"
-                experts = None
-                if routes is not None:
-                    at = first[i] + j
-                    experts = tuple((layer, tuple(ids[at].tolist()), tuple(round(w, 4) for w in weights[at].tolist()))
-                                    for layer, ids, weights in routes)
-                entries.append(TokenTrace(t, source, experts))
-            self._trace[s.seq_id] = entries
+            if s.params.trace_experts or s.params.trace_speculation:
+                self._trace[s.seq_id] = token_traces(s.params, tokens[i], first[i],
+                                                     None if accepted is None else accepted[i], routing.get(s.seq_id))
 
     def _decode(self, batch: ScheduledBatch) -> list[list[int]]:
         seqs = batch.seqs
@@ -310,8 +298,7 @@ class LLMEngine:
                 if logprobs is not None:  # the grammar allowed nothing else: probability 1
                     logprobs = logprobs[: len(added)] + [_forced_logprob(t, seq.params) for t in forced]
                 if trace is not None:
-                    source = "forced" if seq.params.trace_speculation else None
-                    trace = trace[: len(added)] + [TokenTrace(t, source) for t in forced]
+                    trace = trace[: len(added)] + forced_traces(seq.params, forced)
                 added += forced
         if reason:
             self._finish(seq, reason)

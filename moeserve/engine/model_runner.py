@@ -15,6 +15,7 @@ import torch
 
 from model_shards import CausalLM, StepBatch
 from model_shards.kv_cache import SlotTable
+from model_shards.model import split_routing
 
 # A forward pass costs about as much fixed overhead (per-op dispatch, one pass over every
 # weight) as this many extra token positions: for the demo model on CPU a pass costs ~5 ms
@@ -68,20 +69,8 @@ def forward_last(runner, rows: list[Row], **kwargs) -> torch.Tensor:
 
 
 def routing_by_row(trace: list, rows: list[Row], tq: int) -> dict[str, list[tuple]]:
-    """The routing one pass recorded (CausalLM.record_routing), per row: seq id -> [(layer,
-    expert ids [T_r, K], gate weights [T_r, K]) per MoE layer] over the row's fed tokens."""
-    out: dict[str, list[tuple]] = {r.seq_id: [] for r in rows}
-    lengths = [len(r.tokens) for r in rows]
-    for layer, ids, weights in trace:
-        ids, weights = ids.cpu(), weights.float().cpu()
-        if ids.shape[0] == sum(lengths):  # only the real tokens, row after row (eager: padding skips the router)
-            per_row = zip(ids.split(lengths), weights.split(lengths))
-        else:  # every row padded to tq (the compiled step; static graphs add padding rows after the real ones)
-            per_row = ((i[:n], w[:n]) for i, w, n in zip(ids.view(-1, tq, ids.shape[-1]),
-                                                       weights.view(-1, tq, weights.shape[-1]), lengths))
-        for r, (i, w) in zip(rows, per_row):
-            out[r.seq_id].append((layer, i, w))
-    return out
+    """The routing one pass recorded, by sequence id (see model_shards.model.split_routing)."""
+    return dict(zip((r.seq_id for r in rows), split_routing(trace, [len(r.tokens) for r in rows], tq)))
 
 
 class ModelRunner:
