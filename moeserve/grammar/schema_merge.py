@@ -11,6 +11,7 @@ GrammarError naming the keyword, rather than guess.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
 from fractions import Fraction
 from typing import Any
@@ -74,8 +75,10 @@ def merge_schemas(a: Schema, b: Schema, prep: Prep, merge: Merge | None = None) 
     out = dict(a)
     if "properties" in a or "properties" in b:
         out["properties"] = _merge_properties(a, b, prep, merge)
+    if a.get("patternProperties") or b.get("patternProperties"):
+        out["patternProperties"] = _merge_patterns(a, b, prep, merge)
     for key, vb in b.items():
-        if key == "properties":
+        if key in ("properties", "patternProperties") and key in out:
             continue
         if key not in out:
             out[key] = vb
@@ -83,6 +86,8 @@ def merge_schemas(a: Schema, b: Schema, prep: Prep, merge: Merge | None = None) 
             out[key] = _merge_keyword(key, out[key], vb, prep, merge)
             if out[key] is _NOTHING:
                 return False  # no instance satisfies both; anyOf drops such a branch
+    if any(out.get("properties", {}).get(name) is False for name in out.get("required", [])):
+        return False  # a required property no value satisfies
     return out
 
 
@@ -95,7 +100,7 @@ def _merge_keyword(key: str, va: Any, vb: Any, prep: Prep, merge: Merge) -> Any:
         return merge(prep(va), prep(vb))
     if key == "enum":
         keys_b = {json_key(v) for v in vb}
-        return [v for v in va if json_key(v) in keys_b]  # an empty enum is refused later, with a message
+        return [v for v in va if json_key(v) in keys_b] or _NOTHING
     if key == "const":
         return _NOTHING
     if key in _LOWER_BOUNDS:
@@ -134,15 +139,42 @@ def _merge_types(va: Any, vb: Any) -> Any:
 
 def _merge_properties(a: dict, b: dict, prep: Prep, merge: Merge) -> dict:
     """Property-wise intersection. A name one side does not declare falls under that side's
-    additionalProperties, so {"properties": {"x": X}} AND {"additionalProperties": A} gives x: X AND A."""
-    if a.get("patternProperties") or b.get("patternProperties"):
-        raise GrammarError(
-            "allOf: combining patternProperties with properties from another branch is not supported",
-            feature="allOf:patternProperties",
-        )
-    props_a, props_b = a.get("properties", {}), b.get("properties", {})
-    rest_a, rest_b = a.get("additionalProperties", True), b.get("additionalProperties", True)
+    patternProperties it matches, else its additionalProperties, so {"properties": {"x": X}}
+    AND {"additionalProperties": A} gives x: X AND A."""
     out = {}
-    for name in dict.fromkeys([*props_a, *props_b]):
-        out[name] = merge(prep(props_a.get(name, rest_a)), prep(props_b.get(name, rest_b)))
+    for name in dict.fromkeys([*a.get("properties", {}), *b.get("properties", {})]):
+        out[name] = merge(_property_schema(a, name, prep, merge), _property_schema(b, name, prep, merge))
     return out
+
+
+def _property_schema(s: dict, name: str, prep: Prep, merge: Merge) -> Schema:
+    """What object schema `s` requires of the value of property `name`."""
+    if name in s.get("properties", {}):
+        return prep(s["properties"][name])
+    hits = [prep(sub) for pattern, sub in (s.get("patternProperties") or {}).items() if _search(pattern, name)]
+    if not hits:
+        return prep(s.get("additionalProperties", True))
+    out = hits[0]
+    for hit in hits[1:]:
+        out = merge(out, hit)
+    return out
+
+
+def _merge_patterns(a: dict, b: dict, prep: Prep, merge: Merge) -> dict:
+    """Both sides' patternProperties. A key one side's pattern names must also satisfy the other
+    side: its patterns the key matches (their own entries) or else its additionalProperties,
+    merged into the pattern's schema (narrower when the key matches the other's patterns too)."""
+    out: dict = {}
+    for mine, other in ((a, b), (b, a)):
+        rest = prep(other.get("additionalProperties", True))
+        for pattern, sub in (mine.get("patternProperties") or {}).items():
+            value = merge(prep(sub), rest)
+            out[pattern] = merge(out[pattern], value) if pattern in out else value
+    return out
+
+
+def _search(pattern: str, name: str) -> bool:
+    try:
+        return re.search(pattern, name) is not None
+    except re.error as e:
+        raise GrammarError(f"invalid regular expression {pattern!r}: {e}", feature="patternProperties") from None

@@ -75,13 +75,16 @@ def normalize_node(nz: SchemaNormalizer, s: dict) -> Any:
     # applies it to numbers. Restricting to the types whose keywords appear is narrower, so sound.
     types = declared if declared is not None else inferred_types(rest)
     out: dict[str, Any] = {}
-    if types:
-        ordered = [t for t in ALL_TYPES if t in types]
-        out["type"] = ordered[0] if len(ordered) == 1 else ordered
     _numbers(rest, types, out)
     _strings(rest, types, out)
     _arrays(nz, rest, types, out)
-    _objects(nz, rest, types, out)
+    if not _objects(nz, rest, types, out):  # a required property no value satisfies: no object
+        types = types - {"object"}
+        if not types:
+            return False
+    if types:
+        ordered = [t for t in ALL_TYPES if t in types]
+        out = {"type": ordered[0] if len(ordered) == 1 else ordered, **out}
     for key in ("then", "else", "minContains", "maxContains"):  # inert without if / contains
         rest.pop(key, None)
     if rest:
@@ -252,20 +255,29 @@ def _arrays(nz: SchemaNormalizer, s: dict, types: set[str], out: dict) -> None:
             out[k] = kw[k]
 
 
-def _objects(nz: SchemaNormalizer, s: dict, types: set[str], out: dict) -> None:
+def _objects(nz: SchemaNormalizer, s: dict, types: set[str], out: dict) -> bool:
+    """Object keywords into `out`; False when no object satisfies them (nothing written)."""
     kw = {k: s.pop(k) for k in _KEYWORDS_OF["object"] if k in s}
     if "object" not in types:
-        return
+        return True
     required = list(kw.get("required", []))
     extra = kw.get("additionalProperties", kw.get("unevaluatedProperties"))  # None: absent
-    patterns = kw.get("patternProperties") or {}
     names = kw.get("propertyNames")
+    declared = dict(kw.get("properties") or {})
+    patterns = kw.get("patternProperties") or {}
+    key_value: Any = False  # the schema of pattern-named keys
+    if patterns:
+        if names is not None:
+            raise _refuse("patternProperties", "patternProperties with propertyNames is not supported")
+        key_value = _pattern_properties(nz, patterns, declared, required)
+        if key_value is False:
+            patterns, extra = {}, False  # narrower: declared properties only
     props: dict[str, Any] = {}
-    for name, sub in (kw.get("properties") or {}).items():
+    for name, sub in declared.items():
         n = nz.norm(sub)
         if n is False:
             if name in required:
-                raise _refuse("required", f"property {name!r} is required but its schema is false")
+                return False
             if extra not in (None, False):
                 raise _refuse("properties", f"property {name!r} is false while additionalProperties allows others")
             continue  # in strict mode an undeclared name is never produced
@@ -273,8 +285,8 @@ def _objects(nz: SchemaNormalizer, s: dict, types: set[str], out: dict) -> None:
     for name in required:
         if name in props:
             continue
-        if patterns or names is not None:
-            raise _refuse("required", f"required property {name!r} is not declared in properties (next to patternProperties/propertyNames)")
+        if names is not None:  # (a name a pattern matches is declared by now; others fall under additionalProperties)
+            raise _refuse("required", f"required property {name!r} is not declared in properties (next to propertyNames)")
         if extra is False:
             raise _refuse("required", f"required property {name!r} is forbidden by additionalProperties: false")
         props[name] = nz.norm(extra) if isinstance(extra, dict) else True
@@ -286,7 +298,7 @@ def _objects(nz: SchemaNormalizer, s: dict, types: set[str], out: dict) -> None:
             raise _refuse("minProperties", f"minProperties {min_props} needs undeclared properties; duplicate keys could fake it")
         extra, patterns, names = False, {}, None  # narrower: declared properties only
     if patterns:
-        _pattern_properties(nz, patterns, props, names, out)
+        out["patternProperties"] = {_key_regex(patterns): key_value}
         extra = None  # xgrammar ignores additionalProperties next to patternProperties: narrower, sound
     if names is not None:
         _property_names(nz, names, props, out)
@@ -299,25 +311,67 @@ def _objects(nz: SchemaNormalizer, s: dict, types: set[str], out: dict) -> None:
             out[k] = kw[k]
     if extra is not None:
         out["additionalProperties"] = extra if isinstance(extra, bool) else nz.norm(extra)
+    return True
 
 
-def _pattern_properties(nz: SchemaNormalizer, patterns: dict, props: dict, names: Any, out: dict) -> None:
-    # xgrammar produces keys that fully match the pattern (a subset of the keys that search-match)
-    # and gives them only the pattern's schema: sound only if no declared name matches it too and
-    # no second pattern could claim the same key.
-    if len(patterns) > 1:
-        raise _refuse("patternProperties", "more than one pattern is not supported")
-    if names is not None:
-        raise _refuse("patternProperties", "patternProperties with propertyNames is not supported")
-    ((pattern, sub),) = patterns.items()
+def _pattern_properties(nz: SchemaNormalizer, patterns: dict, declared: dict, required: list) -> Any:
+    """Fold patternProperties into `declared` and return the one schema for pattern-named keys
+    normalized (False: produce none, narrower, unless there is nothing else to produce).
+
+    A declared (or required) name a pattern matches must satisfy that pattern's schema too, so
+    it is merged in. xgrammar produces keys that fully match one regex (a subset of the keys
+    that search-match, so sound) and gives each the same schema, and it may produce a declared
+    name that way, or repeat one: so that schema is every pattern's and every matching declared
+    name's at once. When no value satisfies them all, no pattern-named key is produced.
+    """
+    matching: dict[str, list] = {}
+    for name in dict.fromkeys([*declared, *required]):
+        hits = [sub for pattern, sub in patterns.items() if _search(pattern, name)]
+        if hits:
+            matching[name] = hits
+    for name, hits in matching.items():
+        merged = nz.deref(declared.get(name, True))
+        for sub in hits:
+            merged = nz.merge(merged, nz.deref(sub))
+        declared[name] = merged
+    subs = [*patterns.values(), *(declared[name] for name in matching)]
+    value: Any = subs[0]  # (one alone keeps its $ref: a recursive schema stays a reference)
+    why = "no value satisfies them all"
     try:
-        compiled = re.compile(pattern)
+        for sub in subs[1:]:
+            value = nz.merge(nz.deref(value), nz.deref(sub))
+        value = nz.norm(value)
+    except GrammarError as e:
+        value, why = False, e.message
+    if value is False and len(patterns) > 1 and not declared:  # nothing left to produce but {}
+        raise _refuse("patternProperties", f"a key may match several of the patterns, and {why}")
+    return value
+
+
+def _search(pattern: str, name: str) -> bool:
+    """Does `name` match the JSON-Schema `pattern` (search semantics, as the validator reads it)?"""
+    try:
+        return re.search(pattern, name) is not None
     except re.error as e:
         raise _refuse("patternProperties", f"invalid regular expression {pattern!r}: {e}") from None
-    clash = [name for name in props if compiled.search(name)]
-    if clash:
-        raise _refuse("patternProperties", f"declared properties {clash} also match pattern {pattern!r}")
-    out["patternProperties"] = {xgrammar_regex(pattern, dot_excludes_newline=False): nz.norm(sub)}
+
+
+def _key_regex(patterns: dict) -> str:
+    """One regex whose full matches each search-match some pattern: the pattern itself, or the
+    alternation of the patterns without their outer anchors."""
+    if len(patterns) == 1:
+        return xgrammar_regex(next(iter(patterns)), dot_excludes_newline=False)
+    parts = []
+    for pattern in patterns:
+        body = pattern[1:] if pattern.startswith("^") else pattern
+        body = body[:-1] if body.endswith("$") and not body.endswith("\\$") else body
+        if _INNER_ANCHOR.search(body):
+            raise _refuse("patternProperties", f"pattern {pattern!r} has anchors inside it; cannot combine it with other patterns")
+        parts.append(f"(?:{body})")
+    return xgrammar_regex("^(?:" + "|".join(parts) + ")$", dot_excludes_newline=False)
+
+
+_INNER_ANCHOR = re.compile(r"(?<!\\)[$^](?![^\[]*\])")  # an unescaped ^ or $ outside a character class
 
 
 def _property_names(nz: SchemaNormalizer, names: Any, props: dict, out: dict) -> None:

@@ -168,9 +168,7 @@ class SchemaNormalizer:
             if json_key(v) not in seen and self.accepts(s, v):
                 seen.add(json_key(v))
                 kept.append(v)
-        if not kept:
-            raise GrammarError("enum/const: no listed value satisfies the schema's other keywords", feature="enum")
-        return {"enum": kept}
+        return {"enum": kept} if kept else False  # none: nothing satisfies this subschema
 
     def alternatives(self, s: dict) -> Schema:
         """anyOf / oneOf: distribute the sibling keywords into each branch; oneOf must be provably disjoint."""
@@ -181,7 +179,7 @@ class SchemaNormalizer:
         branches = [self.merge(siblings, self.deref(b)) if siblings else self.prep(b) for b in s[key]]
         branches = [b for b in branches if b is not False]  # a branch nothing satisfies never matches
         if key == "oneOf":
-            self.check_disjoint(branches)
+            branches = self.exclusive(branches)
         out = [n for n in (self.norm(b) for b in branches) if n is not False]
         if not out:
             raise GrammarError(f"{key}: no branch can be satisfied", feature=key)
@@ -189,24 +187,68 @@ class SchemaNormalizer:
 
     # -- oneOf ---------------------------------------------------------------------------
 
-    def check_disjoint(self, branches: list[Schema]) -> None:
-        """oneOf == anyOf when no instance a branch can produce also validates another branch."""
+    def exclusive(self, branches: list[Schema]) -> list[Schema]:
+        """oneOf == anyOf over branches that each provably exclude every other branch. A branch
+        that does not is narrowed until it does (an optional property another branch requires
+        is never produced; a property whose values another branch rejects becomes required), or
+        left out; sound, since what a kept branch produces still matches it and only it."""
+        kept, first_overlap = [], None
         for i, bi in enumerate(branches):
-            for j, bj in enumerate(branches):
-                if i != j and not self.excludes(bi, bj):
-                    raise GrammarError(
-                        f"oneOf: branch {i} may also match branch {j}; only oneOf with provably disjoint "
-                        "branches (different types or enum values, a const discriminator property, or a "
-                        "property one branch requires and the other never produces) is supported",
-                        feature="oneOf",
-                    )
+            others = [bj for j, bj in enumerate(branches) if j != i]
+            narrowed = self.exclude_all(bi, others)
+            if narrowed is not None:
+                kept.append(narrowed)
+            elif first_overlap is None:
+                first_overlap = (i, next(j for j, bj in enumerate(branches) if j != i and not self.excludes(bi, bj)))
+        if not kept:
+            i, j = first_overlap
+            raise GrammarError(
+                f"oneOf: branch {i} may also match branch {j}; only oneOf with provably disjoint "
+                "branches (different types or enum values, a const discriminator property, or a "
+                "property one branch requires and the other never produces) is supported",
+                feature="oneOf",
+            )
+        return kept
 
-    def excludes(self, gen: Schema, other: Schema) -> bool:
+    def exclude_all(self, gen: Schema, others: list[Schema]) -> Schema | None:
+        """`gen`, or a narrowing of it, that every one of `others` rejects; None if not found."""
+        if all(self.excludes(gen, o) for o in others):
+            return gen
+        gen = self.deref(gen)
+        if not isinstance(gen, dict) or produced_types(gen) != {"object"} or any(
+                k in gen for k in ("anyOf", "oneOf", "patternProperties", "not", "if")):
+            return None
+        props, required = dict(gen.get("properties", {})), list(gen.get("required", []))
+        for other in others:
+            if self.excludes(gen, other):
+                continue
+            other = self.deref(other)
+            if not isinstance(other, dict):
+                return None
+            theirs = other.get("properties", {})
+            # a property whose values `other` rejects: require it (it must be satisfiable here)
+            key = next((n for n, sub in props.items() if n in theirs and self.excludes(sub, theirs[n])
+                        and self.deref(sub) is not False), None)
+            if key is not None:
+                required.append(key)
+                continue
+            # a property `other` requires and `gen` may leave out: never produce it (strict mode)
+            if gen.get("additionalProperties", False) is not False or "minProperties" in gen:
+                return None
+            name = next((n for n in other.get("required", []) if n not in required), None)
+            if name is None:
+                return None
+            props.pop(name, None)
+        narrowed = {**gen, "properties": props, "required": list(dict.fromkeys(required))}
+        narrowed = self.fixed(narrowed, self.parts(gen) + [narrowed])
+        return narrowed if all(self.excludes(narrowed, o) for o in others) else None
+
+    def excludes(self, gen: Schema, other: Schema, depth: int = 0) -> bool:
         """True when every instance `gen` (normalized) can produce is rejected by `other`."""
         gen, other = self.deref(gen), self.deref(other)
         if other is False or gen is False:
             return True
-        if gen is True or other is True:
+        if gen is True or other is True or depth > 8:
             return False
         if "enum" in gen or "const" in gen:
             values = [gen["const"]] if "const" in gen else gen["enum"]
@@ -216,15 +258,15 @@ class SchemaNormalizer:
             allowed = {json_type(v) for v in ([other["const"]] if "const" in other else other["enum"])}
         if allowed is not None and not _types_overlap(produced, allowed):
             return True
-        return produced <= {"object"} and (self._discriminated(gen, other) or _never_has_required(gen, other))
+        return produced <= {"object"} and (self._discriminated(gen, other, depth) or _never_has_required(gen, other))
 
-    def _discriminated(self, gen: dict, other: dict) -> bool:
-        """An object property `gen` requires whose enum/const values `other` declares disjoint ones for."""
-        for name in gen.get("required", []):
-            mine = self.deref(gen.get("properties", {}).get(name, True))
-            theirs = self.deref(other.get("properties", {}).get(name, True))
-            if isinstance(mine, dict) and isinstance(theirs, dict) and _finite(mine) and _finite(theirs):
-                if not {json_key(v) for v in _finite(mine)} & {json_key(v) for v in _finite(theirs)}:
+    def _discriminated(self, gen: dict, other: dict, depth: int) -> bool:
+        """A property whose values `other` rejects, and that `gen` requires or `other` requires
+        (either way, an instance of `gen` cannot both carry an acceptable value and satisfy `other`)."""
+        mine, theirs = gen.get("properties", {}), other.get("properties", {})
+        for name in dict.fromkeys([*gen.get("required", []), *other.get("required", [])]):
+            if name in mine and name in theirs and self.excludes(mine[name], theirs[name], depth + 1):
+                if name in gen.get("required", []) or not gen.get("patternProperties"):
                     return True
         return False
 
@@ -293,7 +335,7 @@ class SchemaNormalizer:
         """Does this raw subschema set a new base URI (which changes how $refs inside resolve)?"""
         if not isinstance(node, dict) or id(node) in self.origins:
             return False
-        value = node.get("$id", node.get("id") if self.draft.year == 4 else None)
+        value = node.get("id") if self.draft.year == 4 else node.get("$id")  # draft-04 spells it `id`
         return isinstance(value, str) and not value.startswith("#")
 
     def ref_target(self, ref: str) -> str:
