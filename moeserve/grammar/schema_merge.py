@@ -28,7 +28,7 @@ _NOTHING = object()  # a keyword pair no instance satisfies
 MAX_CROSS = 64  # anyOf x anyOf expands to at most this many branches
 _REFUSED_ANYWAY = {
     "not": "not", "if": "if/then/else", "then": "if/then/else", "else": "if/then/else",
-    "contains": "contains", "dependentSchemas": "dependentSchemas", "$dynamicRef": "$dynamicRef",
+    "contains": "contains", "$dynamicRef": "$dynamicRef",
     "$recursiveRef": "$recursiveRef",
 }  # fmt: skip
 
@@ -109,6 +109,10 @@ def _merge_keyword(key: str, va: Any, vb: Any, prep: Prep, merge: Merge) -> Any:
         return min(va, vb)
     if key == "multipleOf" and all(isinstance(v, int) and not isinstance(v, bool) for v in (va, vb)):
         return va * vb // math.gcd(va, vb)
+    if key == "dependentRequired":
+        return {n: list(dict.fromkeys([*va.get(n, []), *vb.get(n, [])])) for n in dict.fromkeys([*va, *vb])}
+    if key == "dependentSchemas":
+        return {n: {"allOf": [va[n], vb[n]]} if n in va and n in vb else va.get(n, vb.get(n)) for n in dict.fromkeys([*va, *vb])}
     if key == "uniqueItems":
         return bool(va or vb)
     if key == "anyOf" and len(va) * len(vb) <= MAX_CROSS:

@@ -132,23 +132,13 @@ def _narrow_not(s: dict) -> None:
 
 
 def _refuse_logic(s: dict) -> None:
-    """Keywords xgrammar ignores and we cannot rewrite."""
+    """Keywords xgrammar ignores and we cannot rewrite. (`if` and the dependency keywords are
+    rewritten before a node gets here: SchemaNormalizer.prep; met here, they are refused.)"""
     if "not" in s:
         raise _refuse("not", "negated schemas are not supported")
-    if "if" in s:
-        raise _refuse("if/then/else", "conditional schemas are not supported")
-    for key in ("$dynamicRef", "$recursiveRef"):
+    for key in ("if", "$dynamicRef", "$recursiveRef", "dependencies", "dependentRequired", "dependentSchemas"):
         if key in s:
-            raise _refuse(key, "dynamic references are not supported")
-    required = set(s.get("required", []))
-    for key in ("dependencies", "dependentRequired"):
-        deps = s.pop(key, {})
-        for name, then in deps.items():
-            # Satisfied whatever the instance is when every dependency is required anyway.
-            if not (isinstance(then, list) and set(then) <= required):
-                raise _refuse(key, f"the dependency of {name!r} is not supported (only when already required)")
-    if s.pop("dependentSchemas", None):
-        raise _refuse("dependentSchemas", "schema dependencies are not supported")
+            raise _refuse(key, "not supported here")
 
 
 def _numbers(s: dict, types: set[str], out: dict) -> None:

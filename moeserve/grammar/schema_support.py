@@ -12,9 +12,14 @@ with `minLength`/`maxLength`, ...). `prepare_json_schema` therefore
    (schema_merge.py), `oneOf` with provably disjoint branches becomes `anyOf`, `enum`/`const`
    values are filtered by the real validator against everything else the schema says,
    draft-04 boolean `exclusiveMinimum`, tuple `items`, non-integral bounds on integers,
-   `required` names not in `properties`, and a missing `type` is inferred from the keywords
-   (narrowing, so still sound);
-3. refuses the rest with a GrammarError naming the keyword (`feature`).
+   `required` names not in `properties`;
+3. narrows what it cannot rewrite exactly to a schema whose every instance still validates
+   (sound; some valid instances are never produced): a missing `type` is inferred from the
+   keywords, overlapping `oneOf` branches are narrowed or left out until each excludes the
+   others, `if`/`then`/`else` becomes the `then` case plus an `else` case the `if` rejects,
+   a dependency holds always, and patternProperties keys get every schema they may need
+   (schema_node.py);
+4. refuses the rest with a GrammarError naming the keyword (`feature`).
 
 Every node is rebuilt from the keywords it handles, so a keyword we do not know cannot slip
 through: it is refused by `schema_node.py`. All `$ref` targets are moved under a fresh `$defs`.
@@ -22,6 +27,7 @@ through: it is refused by `schema_node.py`. All `$ref` targets are moved under a
 
 from __future__ import annotations
 
+import math
 from typing import Any
 from urllib.parse import unquote
 
@@ -37,6 +43,7 @@ MAX_MERGES = 20_000  # merges can multiply (anyOf siblings x branches); bound th
 
 Schema = Any
 _DROPPED = ANNOTATIONS | {"$defs", "definitions"}
+_DEPENDENCIES = ("dependentRequired", "dependentSchemas")
 
 
 def prepare_json_schema(schema: Schema) -> Schema:
@@ -123,13 +130,96 @@ class SchemaNormalizer:
                 siblings = self.fixed({k: v for k, v in s.items() if k != "$ref"}, self.parts(s))
                 s = self.merge(self.deref(self.fixed({"$ref": s["$ref"]}, [])), siblings)
             elif "allOf" in s:
-                acc = self.deref(self.fixed({k: v for k, v in s.items() if k != "allOf"}, self.parts(s)))
+                rest, conds = self.split_conditional(self.fixed({k: v for k, v in s.items() if k != "allOf"}, self.parts(s)))
+                acc = self.deref(rest)
                 for branch in s["allOf"]:
+                    branch, cond = self.split_conditional(self.fixup(branch))
+                    conds += cond
                     acc = self.merge(acc, self.deref(branch))
-                s = acc
+                s = self.conditionals(acc, conds)
+            elif "if" in s:
+                rest, conds = self.split_conditional(s)
+                s = self.conditionals(self.deref(rest), conds)
+            elif "dependentRequired" in s or "dependentSchemas" in s:
+                s = self.dependencies(s)
             else:
                 return s
         return s
+
+    def split_conditional(self, s: Schema) -> tuple[Schema, list[dict]]:
+        """`s` without if/then/else, and the conditional ([] when there is none, or only an `if`)."""
+        if not isinstance(s, dict) or "if" not in s:
+            return s, []
+        rest = self.fixed({k: v for k, v in s.items() if k not in ("if", "then", "else")}, self.parts(s))
+        cond = {k: s[k] for k in ("if", "then", "else") if k in s}
+        return rest, [cond] if len(cond) > 1 else []
+
+    def conditionals(self, acc: Schema, conds: list[dict]) -> Schema:
+        """`acc` and every if/then/else in `conds`, narrowed to what we can enforce (sound).
+
+        `if` conditions that exclude each other (a const discriminator, as in most real schemas)
+        become one anyOf: per condition, that condition with its `then` and every other `else`.
+        Otherwise each one becomes anyOf [acc and if and then, a narrowing of acc and else that
+        the `if` rejects] (exclude_all), leaving out what is unsatisfiable or cannot be enforced.
+        """
+        if not conds or acc is False:
+            return acc
+        ifs = [self.deref(c["if"]) for c in conds]
+        if len(conds) > 1 and all(self.excludes(a, b) for a in ifs for b in ifs if a is not b):
+            options = []
+            for i, cond in enumerate(conds):
+                parts = [ifs[i], cond.get("then", True)] + [c.get("else", True) for c in conds if c is not cond]
+                options.append(self._merged(acc, parts))
+            return self._any_of([o for o in options if o is not None], acc)
+        for cond, test in zip(conds, ifs):
+            then = self._merged(acc, [test, cond.get("then", True)])
+            otherwise = self._merged(acc, [cond.get("else", True)])
+            if otherwise is not None:
+                otherwise = self.exclude_all(otherwise, [test])
+            acc = self._any_of([o for o in (then, otherwise) if o is not None], acc)
+        return acc
+
+    def _merged(self, acc: Schema, parts: list[Schema]) -> Schema | None:
+        """acc and all of `parts`; None when unsatisfiable or not enforceable."""
+        try:
+            for part in parts:
+                acc = self.merge(acc, self.deref(part))
+                if acc is False:
+                    return None
+        except GrammarError:
+            return None
+        return acc
+
+    def _any_of(self, options: list[Schema], origin: Schema) -> Schema:
+        if not options:
+            raise GrammarError("if/then/else: neither outcome of the condition can be enforced here", feature="if/then/else")
+        return options[0] if len(options) == 1 else self.fixed({"anyOf": options}, self.parts(origin))
+
+    def dependencies(self, s: dict) -> Schema:
+        """dependentRequired / dependentSchemas (draft-07's `dependencies`) made to hold always
+        (narrower, so sound): where the named property may appear, its dependency is merged into
+        the object, so it holds whether the property appears or not; where that leaves nothing
+        to produce, the property is never produced instead."""
+        acc: Schema = self.fixed({k: v for k, v in s.items() if k not in _DEPENDENCIES}, self.parts(s))
+        deps = [(name, {"required": list(then)}) for name, then in s.get("dependentRequired", {}).items()]
+        for name, then in [*deps, *s.get("dependentSchemas", {}).items()]:
+            if not _may_produce(acc, name):
+                continue
+            try:
+                merged = self.merge(acc, self.deref(then))
+            except GrammarError:
+                if name in acc.get("required", []):
+                    raise
+                merged = False
+            if merged is not False and len(set(merged.get("required", []))) > merged.get("maxProperties", math.inf):
+                merged = False
+            if merged is not False:
+                acc = merged
+            elif name in acc.get("required", []):
+                return False
+            else:
+                acc = self.fixed({**acc, "properties": {**acc.get("properties", {}), name: False}}, self.parts(acc))
+        return acc
 
     def deref(self, raw: Schema) -> Schema:
         """`prep`, then replace a bare `{"$ref": ...}` by its (prepped) target, for merging."""
@@ -229,6 +319,10 @@ class SchemaNormalizer:
             # a property whose values `other` rejects: require it (it must be satisfiable here)
             key = next((n for n, sub in props.items() if n in theirs and self.excludes(sub, theirs[n])
                         and self.deref(sub) is not False), None)
+            if key is None:  # or one whose listed values `other` rejects only some of: keep those
+                key = next((n for n, sub in props.items() if n in theirs and self._rejected_values(sub, theirs[n])), None)
+                if key is not None:
+                    props[key] = self.fixed({"enum": self._rejected_values(props[key], theirs[key])}, self.parts(self.deref(props[key])))
             if key is not None:
                 required.append(key)
                 continue
@@ -243,6 +337,12 @@ class SchemaNormalizer:
         narrowed = self.fixed(narrowed, self.parts(gen) + [narrowed])
         return narrowed if all(self.excludes(narrowed, o) for o in others) else None
 
+    def _rejected_values(self, gen: Schema, other: Schema) -> list:
+        """The enum/const values of `gen` that `other` rejects ([] unless `gen` lists values)."""
+        gen, other = self.deref(gen), self.deref(other)
+        values = _finite(gen) if isinstance(gen, dict) else None
+        return [v for v in values or [] if self.accepts(gen, v) and not self.accepts(other, v)]
+
     def excludes(self, gen: Schema, other: Schema, depth: int = 0) -> bool:
         """True when every instance `gen` (normalized) can produce is rejected by `other`."""
         gen, other = self.deref(gen), self.deref(other)
@@ -250,6 +350,11 @@ class SchemaNormalizer:
             return True
         if gen is True or other is True or depth > 8:
             return False
+        for key in ("anyOf", "oneOf"):  # every branch of `other` rejects, or none of `gen`'s produces
+            if key in other and all(self.excludes(gen, b, depth + 1) for b in other[key]):
+                return True
+            if key in gen and all(self.excludes(b, other, depth + 1) for b in gen[key]):
+                return True
         if "enum" in gen or "const" in gen:
             values = [gen["const"]] if "const" in gen else gen["enum"]
             return not any(self.accepts(gen, v) and self.accepts(other, v) for v in values)
@@ -295,6 +400,9 @@ class SchemaNormalizer:
             if "additionalItems" in s:
                 s["items"] = s.pop("additionalItems")
         s.pop("additionalItems", None)  # without tuple items it constrains nothing
+        for name, then in s.pop("dependencies", {}).items():  # draft-07 and older: both forms in one keyword
+            key = "dependentRequired" if isinstance(then, list) else "dependentSchemas"
+            s[key] = {**s.get(key, {}), name: then}
         self.fixed_of[id(raw)] = s
         return self.fixed(s, [raw])
 
@@ -346,6 +454,16 @@ class SchemaNormalizer:
             self.defs[name] = True  # placeholder while the target (which may refer back) is normalized
             self.defs[name] = self.norm(self.resolve(ref))
         return f"#/$defs/{self.def_names[ref]}"
+
+
+def _may_produce(s: dict, name: str) -> bool:
+    """May an instance of object node `s` carry property `name`, as we compile it (strict mode:
+    an undeclared name only through additionalProperties or patternProperties)?"""
+    props = s.get("properties", {})
+    if name in props:
+        return props[name] is not False
+    extra = s.get("additionalProperties", s.get("unevaluatedProperties"))
+    return name in s.get("required", []) or extra not in (None, False) or bool(s.get("patternProperties"))
 
 
 def _never_has_required(gen: dict, other: dict) -> bool:

@@ -57,7 +57,7 @@ def test_ignored_keywords(raw):
 
 
 def test_combinators_not_enforced(raw):
-    # workaround: schema_merge.py (allOf, siblings), SchemaNormalizer.check_disjoint (oneOf)
+    # workaround: schema_merge.py (allOf, siblings), SchemaNormalizer.exclusive (oneOf)
     both = {"allOf": [{"type": "integer"}, {"minimum": 3}]}
     assert raw_accepts(schema(raw, both), "2")
     siblings = {"type": "object", "properties": {"a": {"type": "integer"}}, "anyOf": [{"required": ["a"]}]}
