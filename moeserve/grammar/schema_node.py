@@ -195,10 +195,14 @@ def _strings(s: dict, types: set[str], out: dict) -> None:
 
 
 def _fold_lengths_into_pattern(kw: dict) -> None:
-    """Drop length bounds the pattern already implies; turn `^X*$`/`^X+$` plus bounds into `^X{m,n}$`.
+    """Drop length bounds the pattern already implies; turn `^PX*$`/`^PX+$` plus bounds into
+    `^PX{m,n}$` (P: any prefix without a top-level `|`, X: one character or class).
 
     xgrammar produces strings that fully match the pattern, so a bound that every full match
-    meets (the pattern's width, from Python's regex parser) constrains nothing more.
+    meets (the pattern's width, from Python's regex parser) constrains nothing more. The folded
+    repetition counts for P's shortest and longest matches, so every full match keeps the
+    bounds (narrower where P's width varies); its upper count is capped at MAX_FOLDED_REPEAT,
+    since xgrammar compiles a bounded repetition state by state (narrower again).
     """
     try:
         low, high = sre_parse.parse(kw["pattern"]).getwidth()
@@ -210,16 +214,33 @@ def _fold_lengths_into_pattern(kw: dict) -> None:
         kw.pop("maxLength")
     if "minLength" not in kw and "maxLength" not in kw:
         return
-    m = _STAR_PATTERN.fullmatch(kw["pattern"])
-    if m:
-        atom, plus = m.group(1), m.group(2) == "+"
-        lo = max(kw.pop("minLength", 0), 1 if plus else 0)
-        hi = kw.pop("maxLength", "")
-        kw["pattern"] = f"^{atom}{{{lo},{hi}}}$"
+    m = _TAIL_STAR_PATTERN.fullmatch(kw["pattern"])
+    if not m:
+        return
+    prefix, atom, plus = m.group(1), m.group(2), m.group(3) == "+"
+    try:
+        parsed = sre_parse.parse(prefix)
+        p_low, p_high = parsed.getwidth()
+    except (re.error, OverflowError, RecursionError):
+        return
+    if any(op is sre_parse.BRANCH for op, _ in parsed):
+        return
+    lo = max(kw.get("minLength", 0) - p_low, 1 if plus else 0)
+    hi = ""
+    if "maxLength" in kw:
+        if p_high >= sre_parse.MAXREPEAT:
+            return
+        hi = min(kw["maxLength"] - p_high, lo + MAX_FOLDED_REPEAT)
+        if hi < lo:
+            return
+    kw.pop("minLength", None)
+    kw.pop("maxLength", None)
+    kw["pattern"] = f"^{prefix}{atom}{{{lo},{hi}}}$"
 
 
-# One character class or escaped/plain character, repeated: ^[a-z0-9-]*$, ^\d+$, ^.*$
-_STAR_PATTERN = re.compile(r"\^(\[(?:\\.|[^\]\\])+\]|\\[dDwWsS]|\.|[A-Za-z0-9 _-])([*+])\$")
+MAX_FOLDED_REPEAT = 1024
+# A prefix, then one character class or escaped/plain character, repeated: ^ab[a-z0-9-]*$, ^\d+$
+_TAIL_STAR_PATTERN = re.compile(r"\^(.*?)(\[(?:\\.|[^\]\\])+\]|\\[dDwWsS]|\.|[A-Za-z0-9 _-])([*+])\$")
 
 
 def _arrays(nz: SchemaNormalizer, s: dict, types: set[str], out: dict) -> None:
