@@ -27,7 +27,7 @@ _UPPER_BOUNDS = ("maximum", "exclusiveMaximum", "maxLength", "maxItems", "maxPro
 _NOTHING = object()  # a keyword pair no instance satisfies
 MAX_CROSS = 64  # anyOf x anyOf expands to at most this many branches
 _REFUSED_ANYWAY = {
-    "not": "not", "if": "if/then/else", "then": "if/then/else", "else": "if/then/else",
+    "if": "if/then/else", "then": "if/then/else", "else": "if/then/else",
     "contains": "contains", "$dynamicRef": "$dynamicRef",
     "$recursiveRef": "$recursiveRef",
 }  # fmt: skip
@@ -113,6 +113,8 @@ def _merge_keyword(key: str, va: Any, vb: Any, prep: Prep, merge: Merge) -> Any:
         return {n: list(dict.fromkeys([*va.get(n, []), *vb.get(n, [])])) for n in dict.fromkeys([*va, *vb])}
     if key == "dependentSchemas":
         return {n: {"allOf": [va[n], vb[n]]} if n in va and n in vb else va.get(n, vb.get(n)) for n in dict.fromkeys([*va, *vb])}
+    if key == "not":  # not A and not B == not (A or B)
+        return {"anyOf": [va, vb]}
     if key == "uniqueItems":
         return bool(va or vb)
     if key == "anyOf" and len(va) * len(vb) <= MAX_CROSS:

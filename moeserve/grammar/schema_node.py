@@ -349,9 +349,10 @@ def _pattern_properties(nz: SchemaNormalizer, patterns: dict, declared: dict, re
     value: Any = subs[0]  # (one alone keeps its $ref: a recursive schema stays a reference)
     why = "no value satisfies them all"
     try:
-        for sub in subs[1:]:
-            value = nz.merge(nz.deref(value), nz.deref(sub))
-        value = nz.norm(value)
+        with nz.attempt():
+            for sub in subs[1:]:
+                value = nz.merge(nz.deref(value), nz.deref(sub))
+            value = nz.norm(value)
     except GrammarError as e:
         value, why = False, e.message
     if value is False and len(patterns) > 1 and not declared:  # nothing left to produce but {}

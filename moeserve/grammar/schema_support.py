@@ -28,6 +28,8 @@ through: it is refused by `schema_node.py`. All `$ref` targets are moved under a
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 from urllib.parse import unquote
 
@@ -142,6 +144,8 @@ class SchemaNormalizer:
                 s = self.conditionals(self.deref(rest), conds)
             elif "dependentRequired" in s or "dependentSchemas" in s:
                 s = self.dependencies(s)
+            elif "not" in s and (narrowed := self.negation(s)) is not None:
+                s = narrowed
             else:
                 return s
         return s
@@ -305,9 +309,27 @@ class SchemaNormalizer:
         if all(self.excludes(gen, o) for o in others):
             return gen
         gen = self.deref(gen)
-        if not isinstance(gen, dict) or produced_types(gen) != {"object"} or any(
-                k in gen for k in ("anyOf", "oneOf", "patternProperties", "not", "if")):
+        if not isinstance(gen, dict) or any(k in gen for k in ("anyOf", "oneOf", "patternProperties", "not", "if")):
             return None
+        types = produced_types(gen)
+        if _finite(gen) is not None:
+            kept = [v for v in _finite(gen) if self.accepts(gen, v) and not any(self.accepts(o, v) for o in others)]
+            narrowed = {"enum": kept} if kept else None
+        elif types == {"object"}:
+            narrowed = self._exclude_by_properties(gen, others)
+        elif types <= {"string"} or types <= {"integer", "number"}:
+            narrowed = self._exclude_values(gen, types, others)
+        else:
+            return None
+        if narrowed is None:
+            return None
+        narrowed = self.fixed(narrowed, self.parts(gen) + [narrowed])
+        return narrowed if all(self.excludes(narrowed, o) for o in others) else None
+
+    def _exclude_by_properties(self, gen: dict, others: list[Schema]) -> dict | None:
+        """Object `gen` narrowed so that each of `others` rejects it: a property whose values the
+        other rejects becomes required (its listed values cut to the rejected ones), or a property
+        the other requires is never produced."""
         props, required = dict(gen.get("properties", {})), list(gen.get("required", []))
         for other in others:
             if self.excludes(gen, other):
@@ -316,26 +338,55 @@ class SchemaNormalizer:
             if not isinstance(other, dict):
                 return None
             theirs = other.get("properties", {})
-            # a property whose values `other` rejects: require it (it must be satisfiable here)
             key = next((n for n, sub in props.items() if n in theirs and self.excludes(sub, theirs[n])
                         and self.deref(sub) is not False), None)
-            if key is None:  # or one whose listed values `other` rejects only some of: keep those
+            if key is None:
                 key = next((n for n, sub in props.items() if n in theirs and self._rejected_values(sub, theirs[n])), None)
                 if key is not None:
                     props[key] = self.fixed({"enum": self._rejected_values(props[key], theirs[key])}, self.parts(self.deref(props[key])))
             if key is not None:
                 required.append(key)
                 continue
-            # a property `other` requires and `gen` may leave out: never produce it (strict mode)
-            if gen.get("additionalProperties", False) is not False or "minProperties" in gen:
+            names = [n for n in other.get("required", []) if n not in required]
+            if not names or "minProperties" in gen or gen.get("additionalProperties", False) is not False:
+                return None  # (a false property next to additionalProperties cannot be compiled)
+            props[names[-1]] = False  # never produced, whatever is merged in later
+        return {**gen, "properties": props, "required": list(dict.fromkeys(required))}
+
+    def _exclude_values(self, gen: dict, types: set[str], others: list[Schema]) -> dict | None:
+        """String or number `gen` narrowed past every value `others` list: longer than the
+        longest string, above the largest number (below the smallest, if the maximum is in the way)."""
+        values = []
+        for other in others:
+            listed = _finite(self.deref(other)) if isinstance(self.deref(other), dict) else None
+            if listed is None:
                 return None
-            name = next((n for n in other.get("required", []) if n not in required), None)
-            if name is None:
+            values += [v for v in listed if json_type(v) in types or (json_type(v) in ("integer", "number") and types & {"integer", "number"})]
+        if not values:
+            return None
+        if types <= {"string"}:
+            longest = max(len(v) for v in values)
+            if gen.get("maxLength", math.inf) <= longest:
                 return None
-            props.pop(name, None)
-        narrowed = {**gen, "properties": props, "required": list(dict.fromkeys(required))}
-        narrowed = self.fixed(narrowed, self.parts(gen) + [narrowed])
-        return narrowed if all(self.excludes(narrowed, o) for o in others) else None
+            return {**gen, "minLength": max(gen.get("minLength", 0), longest + 1)}
+        low, high = max(values), min(values)
+        if gen.get("maximum", math.inf) > low and gen.get("exclusiveMaximum", math.inf) > low:
+            return {**gen, "exclusiveMinimum": max(gen.get("exclusiveMinimum", -math.inf), low)}
+        if gen.get("minimum", -math.inf) < high and gen.get("exclusiveMinimum", -math.inf) < high:
+            return {**gen, "exclusiveMaximum": min(gen.get("exclusiveMaximum", math.inf), high)}
+        return None
+
+    def negation(self, s: dict) -> Schema | None:
+        """`s` without its `not`, narrowed so that the negated schema rejects it (exclude_all);
+        None when no such narrowing is found (schema_node then tries its exact rewrites)."""
+        neg = self.deref(s["not"])
+        rest = self.fixed({k: v for k, v in s.items() if k != "not"}, self.parts(s))
+        if neg is False:
+            return rest
+        if neg is True or neg == {}:  # not {} matches nothing
+            return False
+        others = neg["anyOf"] if isinstance(neg, dict) and set(neg) == {"anyOf"} else [neg]
+        return self.exclude_all(rest, others)
 
     def _rejected_values(self, gen: Schema, other: Schema) -> list:
         """The enum/const values of `gen` that `other` rejects ([] unless `gen` lists values)."""
@@ -358,6 +409,8 @@ class SchemaNormalizer:
         if "enum" in gen or "const" in gen:
             values = [gen["const"]] if "const" in gen else gen["enum"]
             return not any(self.accepts(gen, v) and self.accepts(other, v) for v in values)
+        if _finite(other) is not None and not any(self.produces(gen, v) for v in _finite(other)):
+            return True
         produced, allowed = produced_types(gen), type_set(other)
         if allowed is None and ("enum" in other or "const" in other):
             allowed = {json_type(v) for v in ([other["const"]] if "const" in other else other["enum"])}
@@ -376,6 +429,11 @@ class SchemaNormalizer:
         return False
 
     # -- plumbing ------------------------------------------------------------------------
+
+    def produces(self, s: dict, value: Any) -> bool:
+        """May (fixed, plain) node `s` produce `value`? Its own keywords decide, as compiled (not
+        the raw schema it came from, which may say more: a `not` being narrowed away)."""
+        return self.validator.evolve(schema=s).is_valid(value)
 
     def accepts(self, s: Schema, value: Any) -> bool:
         """Does the raw schema behind fixed node `s` accept `value`? (the draft's own validator)"""
@@ -446,6 +504,17 @@ class SchemaNormalizer:
         value = node.get("id") if self.draft.year == 4 else node.get("$id")  # draft-04 spells it `id`
         return isinstance(value, str) and not value.startswith("#")
 
+    @contextmanager
+    def attempt(self) -> Iterator[None]:
+        """Normalization that may be abandoned with a GrammarError: the $defs it made go too (a
+        half-made one would stay a `true` placeholder that others then refer to)."""
+        defs, names = dict(self.defs), dict(self.def_names)
+        try:
+            yield
+        except GrammarError:
+            self.defs, self.def_names = defs, names
+            raise
+
     def ref_target(self, ref: str) -> str:
         """Our `$defs` pointer for `ref`, normalizing its target once (recursion-safe)."""
         if ref not in self.def_names:
@@ -457,24 +526,21 @@ class SchemaNormalizer:
 
 
 def _may_produce(s: dict, name: str) -> bool:
-    """May an instance of object node `s` carry property `name`, as we compile it (strict mode:
-    an undeclared name only through additionalProperties or patternProperties)?"""
+    """May an instance of object node `s` carry property `name` (as far as a later merge with
+    other schemas cannot change: only a false schema or additionalProperties false rule it out)?"""
     props = s.get("properties", {})
     if name in props:
         return props[name] is not False
-    extra = s.get("additionalProperties", s.get("unevaluatedProperties"))
-    return name in s.get("required", []) or extra not in (None, False) or bool(s.get("patternProperties"))
+    return s.get("additionalProperties") is not False or bool(s.get("patternProperties"))
 
 
 def _never_has_required(gen: dict, other: dict) -> bool:
-    """`other` requires a property `gen`'s outputs never contain: we compile in strict mode, so a
-    plain object node produces only its declared (and required) properties."""
+    """`other` requires a property `gen` never has, however `gen` is merged with other schemas
+    later: one `gen` declares false, or an undeclared one where additionalProperties is false."""
     if any(k in gen for k in ("anyOf", "oneOf", "patternProperties", "unevaluatedProperties")):
         return False
-    if gen.get("additionalProperties", False) is not False:
-        return False
-    produced = set(gen.get("properties", {})) | set(gen.get("required", []))
-    return any(name not in produced for name in other.get("required", []))
+    props, closed = gen.get("properties", {}), gen.get("additionalProperties") is False
+    return any(props.get(n) is False or (n not in props and closed) for n in other.get("required", []))
 
 
 def _finite(s: dict) -> list | None:
