@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from moeserve.grammar.errors import GrammarError
 from moeserve.grammar.formats import FORMAT_PATTERNS, SUPPORTED_FORMATS, UNSUPPORTED_FORMATS
-from moeserve.grammar.regex_compat import xgrammar_regex
+from moeserve.grammar.regex_compat import full_matches_never_search, xgrammar_regex
 from moeserve.grammar.schema_merge import type_set
 
 if TYPE_CHECKING:
@@ -276,13 +276,16 @@ def _objects(nz: SchemaNormalizer, s: dict, types: set[str], out: dict) -> bool:
     names = kw.get("propertyNames")
     declared = dict(kw.get("properties") or {})
     patterns = kw.get("patternProperties") or {}
-    key_value: Any = False  # the schema of pattern-named keys
     if patterns:
         if names is not None:
             raise _refuse("patternProperties", "patternProperties with propertyNames is not supported")
-        key_value = _pattern_properties(nz, patterns, declared, required)
-        if key_value is False:
-            patterns, extra = {}, False  # narrower: declared properties only
+        # Patterns no key can match two of keep their own schemas; others share one key regex.
+        disjoint = all(full_matches_never_search(p, q) for p in patterns for q in patterns if p != q)
+        groups = [{p: sub} for p, sub in patterns.items()] if disjoint else [patterns]
+        values = [(_key_regex(g), _pattern_properties(nz, g, declared, required)) for g in groups]
+        patterns = {regex: value for regex, value in values if value is not False}  # regex -> normalized schema
+        if not patterns:
+            extra = False  # narrower: declared properties only
     props: dict[str, Any] = {}
     for name, sub in declared.items():
         n = nz.norm(sub)
@@ -309,7 +312,7 @@ def _objects(nz: SchemaNormalizer, s: dict, types: set[str], out: dict) -> bool:
             raise _refuse("minProperties", f"minProperties {min_props} needs undeclared properties; duplicate keys could fake it")
         extra, patterns, names = False, {}, None  # narrower: declared properties only
     if patterns:
-        out["patternProperties"] = {_key_regex(patterns): key_value}
+        out["patternProperties"] = patterns
         extra = None  # xgrammar ignores additionalProperties next to patternProperties: narrower, sound
     if names is not None:
         _property_names(nz, names, props, out)

@@ -36,6 +36,7 @@ from urllib.parse import unquote
 import jsonschema
 
 from moeserve.grammar.errors import GrammarError
+from moeserve.grammar.regex_compat import class_outside, full_matches_never_search, regex_shape
 from moeserve.grammar.schema_drafts import ANNOTATIONS, Draft, schema_draft
 from moeserve.grammar.schema_merge import json_key, merge_schemas, type_set
 from moeserve.grammar.schema_node import json_type, normalize_node, produced_types
@@ -317,6 +318,8 @@ class SchemaNormalizer:
             narrowed = {"enum": kept} if kept else None
         elif types == {"object"}:
             narrowed = self._exclude_by_properties(gen, others)
+        elif types <= {"string"} and all("pattern" in o for o in map(self.deref, others) if isinstance(o, dict)):
+            narrowed = self._exclude_patterns(gen, others)
         elif types <= {"string"} or types <= {"integer", "number"}:
             narrowed = self._exclude_values(gen, types, others)
         else:
@@ -352,6 +355,20 @@ class SchemaNormalizer:
                 return None  # (a false property next to additionalProperties cannot be compiled)
             props[names[-1]] = False  # never produced, whatever is merged in later
         return {**gen, "properties": props, "required": list(dict.fromkeys(required))}
+
+    def _exclude_patterns(self, gen: dict, others: list[Schema]) -> dict | None:
+        """String `gen` (without a pattern or format of its own) narrowed to start with a
+        character no match of the others' patterns (anchored at the start) can start with."""
+        if "pattern" in gen or "format" in gen:
+            return None
+        starts = None
+        for other in map(self.deref, others):
+            shape = regex_shape(other["pattern"]) if isinstance(other, dict) else None
+            if shape is None or shape.first is None or not shape.anchored or shape.min_len == 0:
+                return None
+            starts = shape.first if starts is None else starts | shape.first
+        outside = class_outside(starts) if starts is not None else None
+        return None if outside is None else {**gen, "type": "string", "pattern": f"^{outside}.*$"}
 
     def _exclude_values(self, gen: dict, types: set[str], others: list[Schema]) -> dict | None:
         """String or number `gen` narrowed past every value `others` list: longer than the
@@ -416,6 +433,8 @@ class SchemaNormalizer:
             allowed = {json_type(v) for v in ([other["const"]] if "const" in other else other["enum"])}
         if allowed is not None and not _types_overlap(produced, allowed):
             return True
+        if produced == {"string"} and "pattern" in gen and "pattern" in other:
+            return full_matches_never_search(gen["pattern"], other["pattern"])
         return produced <= {"object"} and (self._discriminated(gen, other, depth) or _never_has_required(gen, other))
 
     def _discriminated(self, gen: dict, other: dict, depth: int) -> bool:

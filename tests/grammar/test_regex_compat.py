@@ -70,3 +70,45 @@ def test_invalid_regex_is_a_grammar_error(compiler):
     with pytest.raises(GrammarError, match="invalid regex") as info:
         compiler.compile(GrammarSpec.regex("a(b"))
     assert info.value.feature == "invalid-regex"
+
+
+# -- full_matches_never_search: checked against every short string over a small alphabet -------
+
+SHAPE_PATTERNS = [
+    r"^a$", r"^ab*$", r"^b+$", r"a", r"^\w$", r"_b", r"^(a|b)c$", r"^[ .-]+$", r"^[^ .-].*$", r"^u?int[0-9]*$",
+    r"^uint[0-9]*$", r"^x(\[[0-9]*\])*$", r"^[a-c]{2,3}$", r"^.{1,2}$", r"c$", r"^\s*a", r"^(?:ab|ba)", r"^$",
+]
+SHAPE_ALPHABET = ["a", "b", "c", "_", " ", ".", "u", "i", "n", "t", "1", "x", "[", "]", "\n"]
+
+
+def _strings(max_len: int):
+    for n in range(max_len + 1):
+        yield from ("".join(t) for t in itertools.product(SHAPE_ALPHABET, repeat=n))
+
+
+@pytest.fixture(scope="module")
+def short_strings() -> list[str]:
+    return list(_strings(4))
+
+
+def test_full_matches_never_search_is_never_wrong(short_strings):
+    from moeserve.grammar.regex_compat import full_matches_never_search
+
+    proved = 0
+    for full, search in itertools.product(SHAPE_PATTERNS, repeat=2):
+        if not full_matches_never_search(full, search):
+            continue
+        proved += 1
+        witness = next((s for s in short_strings if re.fullmatch(full, s) and re.search(search, s)), None)
+        assert witness is None, f"{full!r} / {search!r}: {witness!r} matches both"
+    assert proved >= 40  # the proof is not vacuous: it decides many of these pairs
+
+
+def test_full_matches_never_search_examples():
+    from moeserve.grammar.regex_compat import full_matches_never_search
+
+    assert full_matches_never_search(r"^u?int(8|16)?$", r"^address$")  # first characters differ
+    assert full_matches_never_search(r"^\w$", r"_meta")  # one character never holds five
+    assert full_matches_never_search(r"_meta", r"^\w$")
+    assert not full_matches_never_search(r"^tuple\[\]$", r"tuple")  # unanchored: may match anywhere
+    assert not full_matches_never_search(r"^(?i)a$", r"^A")  # case-insensitive: not decided
