@@ -37,19 +37,11 @@ from transformers import PreTrainedTokenizerBase
 
 from moeserve.grammar.errors import GrammarError, GrammarTimeoutError
 from moeserve.grammar.regex_compat import xgrammar_regex
-from moeserve.grammar.schema_support import prepare_json_schema
+from moeserve.grammar.schema_support import LLGUIDANCE_FEATURES, prepare_json_schema
 from moeserve.grammar.spec import GrammarSpec
 from moeserve.grammar.termination import ClosingPolicy, ClosingTables
 from moeserve.grammar.tokenizer_info import build_tokenizer_info
 from moeserve.grammar.utf8 import second_byte_rows
-
-# Refusals of the xgrammar path that llguidance enforces exactly and always lets finish (random
-# decodes of every JSONSchemaBench schema with these features end, and validate). Not here:
-# patternProperties (llguidance lets a key grow that no pattern can ever match, so a decode may
-# never end), and what llguidance refuses itself (not, oneOf, uniqueItems, if/then/else, ...).
-LLGUIDANCE_FEATURES = frozenset({"multipleOf", "length+pattern", "format+pattern", "format+length", "$ref:anchor",
-                                 "allOf:pattern", "minProperties"})
-
 
 @dataclass(frozen=True)
 class GrammarConfig:

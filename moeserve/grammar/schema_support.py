@@ -42,6 +42,13 @@ from moeserve.grammar.schema_merge import json_key, merge_schemas, type_set
 from moeserve.grammar.schema_node import json_type, normalize_node, produced_types
 
 MAX_DEPTH = 200  # nesting/ref-chain depth; real schemas stay far below, recursive tricks do not
+# Refusals of the xgrammar path that llguidance enforces exactly and always lets finish (random
+# decodes of every JSONSchemaBench schema with these features end, and validate). Not here:
+# patternProperties (llguidance lets a key grow that no pattern can ever match, so a decode may
+# never end), and what llguidance refuses itself (not, oneOf, uniqueItems, if/then/else, ...).
+LLGUIDANCE_FEATURES = frozenset({"multipleOf", "length+pattern", "format+pattern", "format+length", "$ref:anchor",
+                                 "allOf:pattern", "minProperties"})
+NUMERIC_SCAN, NUMERIC_WITNESSES = 20_000, 8  # numeric_witnesses: candidates tried, values kept
 MAX_MERGES = 20_000  # merges can multiply (anyOf siblings x branches); bound the work per schema
 
 Schema = Any
@@ -111,6 +118,32 @@ class SchemaNormalizer:
             self.depth -= 1
 
     def _norm(self, raw: Schema) -> Schema:
+        s = self.fixup(raw) if isinstance(raw, dict) else None
+        if s is None or not (type_set(s) or {"object"}) <= {"integer", "number"}:
+            return self._norm_exact(raw)
+        try:
+            with self.attempt():
+                return self._norm_exact(raw)
+        except GrammarError as e:
+            values = [] if e.feature in LLGUIDANCE_FEATURES else self.numeric_witnesses(s)  # (the compiler's 2nd backend)
+            if not values:
+                raise
+            return {"enum": values}
+
+    def numeric_witnesses(self, s: dict) -> list[int]:
+        """The last resort for a numeric subschema we cannot express (`not`/`oneOf` over
+        `multipleOf`, ...): the first few integers its validator accepts, counting up from its
+        lower bound (narrower, so sound)."""
+        low = max((b for b in (s.get("minimum"), s.get("exclusiveMinimum")) if isinstance(b, (int, float))), default=0)
+        found: list[int] = []
+        for v in range(math.floor(low), math.floor(low) + NUMERIC_SCAN):
+            if self.accepts(s, v):
+                found.append(v)
+                if len(found) == NUMERIC_WITNESSES:
+                    break
+        return found
+
+    def _norm_exact(self, raw: Schema) -> Schema:
         s = self.prep(raw)
         if isinstance(s, bool):
             return s
