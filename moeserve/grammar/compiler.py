@@ -43,6 +43,7 @@ from moeserve.grammar.termination import ClosingPolicy, ClosingTables
 from moeserve.grammar.tokenizer_info import build_tokenizer_info
 from moeserve.grammar.utf8 import second_byte_rows
 
+
 @dataclass(frozen=True)
 class GrammarConfig:
     """Limits and output style of grammar compilation (the gateway's part of the config)."""
