@@ -245,3 +245,74 @@ def class_outside(chars: CharSet) -> str | None:
     if chars.negated or any(ord(c) > 0xFFFF for c in chars.chars):
         return None
     return "[^" + "".join(f"\\u{ord(c):04x}" for c in sorted(chars.chars)) + "]"
+
+
+@functools.lru_cache(maxsize=1024)
+def finite_language(pattern: str, limit: int = 16) -> tuple[str, ...] | None:
+    """Every string that fully matches `pattern`, when there are at most `limit` (else None)."""
+    try:
+        parsed = sre_parse.parse(pattern)
+    except (re.error, OverflowError, RecursionError):
+        return None
+    if parsed.state.flags & re.IGNORECASE:
+        return None
+    items = list(parsed)
+    if items and tuple(items[0]) == (sre_c.AT, sre_c.AT_BEGINNING):
+        items = items[1:]
+    if items and tuple(items[-1]) == (sre_c.AT, sre_c.AT_END):
+        items = items[:-1]
+    strings = _language(items, limit)
+    return None if strings is None else tuple(sorted(s for s in strings if re.fullmatch(pattern, s)))
+
+
+def _language(items: list, limit: int) -> set[str] | None:
+    out = {""}
+    for op, av in items:
+        part = _language_of(op, av, limit)
+        if part is None:
+            return None
+        out = {a + b for a in out for b in part}
+        if len(out) > limit:
+            return None
+    return out
+
+
+def _language_of(op, av, limit: int) -> set[str] | None:
+    if op is sre_c.LITERAL:
+        return {chr(av)}
+    if op is sre_c.IN:
+        chars = set()
+        for kind, value in av:
+            if kind is sre_c.LITERAL:
+                chars.add(chr(value))
+            elif kind is sre_c.RANGE and value[1] - value[0] < limit:
+                chars.update(chr(c) for c in range(value[0], value[1] + 1))
+            else:
+                return None
+        return chars
+    if op is sre_c.SUBPATTERN:
+        return None if av[1] & re.IGNORECASE else _language(list(av[3]), limit)
+    if op is sre_c.BRANCH:
+        out: set[str] = set()
+        for alt in av[1]:
+            part = _language(list(alt), limit)
+            if part is None:
+                return None
+            out |= part
+        return out if len(out) <= limit else None
+    if op in (sre_c.MAX_REPEAT, sre_c.MIN_REPEAT) and av[1] <= limit:
+        low, high, sub = av
+        base = _language(list(sub), limit)
+        if base is None:
+            return None
+        out, layer = set(), {""}
+        for count in range(high + 1):
+            if count >= low:
+                out |= layer
+            if len(out) > limit:
+                return None
+            layer = {a + b for a in layer for b in base}
+            if len(layer) > limit * max(1, len(base)):
+                return None
+        return out
+    return None

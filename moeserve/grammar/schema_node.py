@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from moeserve.grammar.errors import GrammarError
 from moeserve.grammar.formats import FORMAT_PATTERNS, SUPPORTED_FORMATS, UNSUPPORTED_FORMATS
-from moeserve.grammar.regex_compat import full_matches_never_search, xgrammar_regex
+from moeserve.grammar.regex_compat import finite_language, full_matches_never_search, xgrammar_regex
 from moeserve.grammar.schema_merge import type_set
 
 if TYPE_CHECKING:
@@ -279,10 +279,14 @@ def _objects(nz: SchemaNormalizer, s: dict, types: set[str], out: dict) -> bool:
     if patterns:
         if names is not None:
             raise _refuse("patternProperties", "patternProperties with propertyNames is not supported")
+        for pattern in patterns:  # a pattern only a few names fully match: those names, declared
+            declared.update({name: True for name in finite_language(pattern) or () if name not in declared})
+        matching = _fold_patterns(nz, patterns, declared, required)
+        rest = {p: sub for p, sub in patterns.items() if finite_language(p) is None}
         # Patterns no key can match two of keep their own schemas; others share one key regex.
-        disjoint = all(full_matches_never_search(p, q) for p in patterns for q in patterns if p != q)
-        groups = [{p: sub} for p, sub in patterns.items()] if disjoint else [patterns]
-        values = [(_key_regex(g), _pattern_properties(nz, g, declared, required)) for g in groups]
+        disjoint = all(full_matches_never_search(p, q) for p in rest for q in rest if p != q)
+        groups = [{p: sub} for p, sub in rest.items()] if disjoint else [rest] if rest else []
+        values = [(_key_regex(g), _key_schema(nz, g, declared, matching)) for g in groups]
         patterns = {regex: value for regex, value in values if value is not False}  # regex -> normalized schema
         if not patterns:
             extra = False  # narrower: declared properties only
@@ -328,27 +332,30 @@ def _objects(nz: SchemaNormalizer, s: dict, types: set[str], out: dict) -> bool:
     return True
 
 
-def _pattern_properties(nz: SchemaNormalizer, patterns: dict, declared: dict, required: list) -> Any:
-    """Fold patternProperties into `declared` and return the one schema for pattern-named keys
-    normalized (False: produce none, narrower, unless there is nothing else to produce).
-
-    A declared (or required) name a pattern matches must satisfy that pattern's schema too, so
-    it is merged in. xgrammar produces keys that fully match one regex (a subset of the keys
-    that search-match, so sound) and gives each the same schema, and it may produce a declared
-    name that way, or repeat one: so that schema is every pattern's and every matching declared
-    name's at once. When no value satisfies them all, no pattern-named key is produced.
-    """
-    matching: dict[str, list] = {}
+def _fold_patterns(nz: SchemaNormalizer, patterns: dict, declared: dict, required: list) -> dict[str, list[str]]:
+    """Merge into each declared (or required) name the schemas of the patterns it matches;
+    returns name -> those patterns."""
+    matching: dict[str, list[str]] = {}
     for name in dict.fromkeys([*declared, *required]):
-        hits = [sub for pattern, sub in patterns.items() if _search(pattern, name)]
+        hits = [pattern for pattern in patterns if _search(pattern, name)]
         if hits:
             matching[name] = hits
-    for name, hits in matching.items():
-        merged = nz.deref(declared.get(name, True))
-        for sub in hits:
-            merged = nz.merge(merged, nz.deref(sub))
-        declared[name] = merged
-    subs = [*patterns.values(), *(declared[name] for name in matching)]
+            merged = nz.deref(declared.get(name, True))
+            for pattern in hits:
+                merged = nz.merge(merged, nz.deref(patterns[pattern]))
+            declared[name] = merged
+    return matching
+
+
+def _key_schema(nz: SchemaNormalizer, group: dict, declared: dict, matching: dict[str, list[str]]) -> Any:
+    """The one schema, normalized, of the keys one regex produces for the patterns in `group`
+    (False: produce none, narrower, unless there is nothing else to produce).
+
+    xgrammar produces keys that fully match the regex (a subset of the keys that search-match,
+    so sound) and gives each the same schema, and it may produce a declared name that way, or
+    repeat one: so that schema is every pattern's and every matching declared name's at once.
+    """
+    subs = [*group.values(), *(declared[name] for name, hits in matching.items() if set(hits) & set(group))]
     value: Any = subs[0]  # (one alone keeps its $ref: a recursive schema stays a reference)
     why = "no value satisfies them all"
     try:
@@ -358,7 +365,7 @@ def _pattern_properties(nz: SchemaNormalizer, patterns: dict, declared: dict, re
             value = nz.norm(value)
     except GrammarError as e:
         value, why = False, e.message
-    if value is False and len(patterns) > 1 and not declared:  # nothing left to produce but {}
+    if value is False and len(group) > 1 and not declared:  # nothing left to produce but {}
         raise _refuse("patternProperties", f"a key may match several of the patterns, and {why}")
     return value
 

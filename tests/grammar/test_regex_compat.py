@@ -112,3 +112,19 @@ def test_full_matches_never_search_examples():
     assert full_matches_never_search(r"_meta", r"^\w$")
     assert not full_matches_never_search(r"^tuple\[\]$", r"tuple")  # unanchored: may match anywhere
     assert not full_matches_never_search(r"^(?i)a$", r"^A")  # case-insensitive: not decided
+
+
+def test_finite_language_is_every_full_match(short_strings):
+    from moeserve.grammar.regex_compat import finite_language
+
+    decided = 0
+    for pattern in SHAPE_PATTERNS + [r"^[a-c]$", r"^(1|3|4)$", r"^ab?c{1,2}$", r"^x(y|z)?$"]:
+        language = finite_language(pattern)
+        if language is None:
+            continue
+        decided += 1
+        short = {s for s in short_strings if re.fullmatch(pattern, s)}
+        assert short <= set(language), f"{pattern!r}: {sorted(short - set(language))} missing"
+        assert all(re.fullmatch(pattern, s) for s in language)
+    assert decided >= 6
+    assert finite_language(r"^\w$") is None and finite_language(r"^a+$") is None  # too many / unbounded
