@@ -17,6 +17,7 @@ from fractions import Fraction
 from typing import Any
 
 from moeserve.grammar.errors import GrammarError
+from moeserve.grammar.regex_compat import finite_language, full_matches_never_search, regex_shape
 
 Schema = Any  # dict | bool, as parsed from JSON
 Prep = Callable[[Schema], Schema]  # resolves $ref / allOf / draft quirks at the top of a subschema
@@ -73,6 +74,14 @@ def merge_schemas(a: Schema, b: Schema, prep: Prep, merge: Merge | None = None) 
     if a is False or b is False:
         return False
     out = dict(a)
+    if "pattern" in a and "pattern" in b and a["pattern"] != b["pattern"]:
+        both = _pattern_intersection(a["pattern"], b["pattern"])
+        if both is not None:
+            if not both:
+                return False
+            out["enum"] = [v for v in out.get("enum", both) if v in both]
+            del out["pattern"]
+            b = {k: v for k, v in b.items() if k != "pattern"}
     if "properties" in a or "properties" in b:
         out["properties"] = _merge_properties(a, b, prep, merge)
     if a.get("patternProperties") or b.get("patternProperties"):
@@ -89,6 +98,26 @@ def merge_schemas(a: Schema, b: Schema, prep: Prep, merge: Merge | None = None) 
     if any(out.get("properties", {}).get(name) is False for name in out.get("required", [])):
         return False  # a required property no value satisfies
     return out
+
+
+def _pattern_intersection(p: str, q: str) -> list[str] | None:
+    """Strings matching both patterns, where that is decidable here: [] when none can (both
+    anchored at both ends, and their matches start differently or cannot share a length); the
+    strings an anchored pattern with a few matches has in common with the other (narrower: not
+    those strings with a final newline, which `$` also matches); else None."""
+    if full_matches_never_search(p, q) and full_matches_never_search(q, p) and _starts_anchored(p) and _starts_anchored(q):
+        return []
+    for mine, theirs in ((p, q), (q, p)):
+        language = finite_language(mine) if _starts_anchored(mine) else None
+        both = [s for s in language or () if re.search(theirs, s)]
+        if both:
+            return both
+    return None
+
+
+def _starts_anchored(pattern: str) -> bool:
+    shape = regex_shape(pattern)
+    return shape is not None and shape.anchored and shape.anchored_end and shape.min_len > 0
 
 
 def _merge_keyword(key: str, va: Any, vb: Any, prep: Prep, merge: Merge) -> Any:

@@ -510,6 +510,9 @@ class SchemaNormalizer:
             if "additionalItems" in s:
                 s["items"] = s.pop("additionalItems")
         s.pop("additionalItems", None)  # without tuple items it constrains nothing
+        for key in ("anyOf", "oneOf"):  # one alternative: that alternative
+            if isinstance(s.get(key), list) and len(s[key]) == 1:
+                s["allOf"] = [*s.get("allOf", []), *s.pop(key)]
         for name, then in s.pop("dependencies", {}).items():  # draft-07 and older: both forms in one keyword
             key = "dependentRequired" if isinstance(then, list) else "dependentSchemas"
             s[key] = {**s.get(key, {}), name: then}

@@ -128,3 +128,19 @@ def test_finite_language_is_every_full_match(short_strings):
         assert all(re.fullmatch(pattern, s) for s in language)
     assert decided >= 6
     assert finite_language(r"^\w$") is None and finite_language(r"^a+$") is None  # too many / unbounded
+
+
+def test_pattern_intersection_is_never_wrong(short_strings):
+    from moeserve.grammar.schema_merge import _pattern_intersection
+
+    decided = 0
+    for p, q in itertools.product(SHAPE_PATTERNS + [r"^(ab|cd)$", r"^(a|b|ab)$"], repeat=2):
+        both = _pattern_intersection(p, q)
+        if both is None:
+            continue
+        decided += 1
+        assert all(re.search(p, s) and re.search(q, s) for s in both), (p, q, both)
+        if not both:
+            witness = next((s for s in short_strings if re.search(p, s) and re.search(q, s)), None)
+            assert witness is None, f"{p!r} & {q!r}: {witness!r} matches both"
+    assert decided >= 20
