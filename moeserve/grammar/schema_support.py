@@ -28,6 +28,7 @@ through: it is refused by `schema_node.py`. All `$ref` targets are moved under a
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -36,7 +37,7 @@ from urllib.parse import unquote
 import jsonschema
 
 from moeserve.grammar.errors import GrammarError
-from moeserve.grammar.regex_compat import class_outside, full_matches_never_search, regex_shape
+from moeserve.grammar.regex_compat import class_outside, finite_language, full_matches_never_search, regex_shape
 from moeserve.grammar.schema_drafts import ANNOTATIONS, Draft, schema_draft
 from moeserve.grammar.schema_merge import json_key, merge_schemas, type_set
 from moeserve.grammar.schema_node import json_type, normalize_node, produced_types
@@ -95,7 +96,7 @@ class SchemaNormalizer:
     def run(self) -> Schema:
         body = self.norm(self.root, is_root=True)
         if body is False:
-            raise GrammarError("the schema accepts no value at all", feature="unsatisfiable")
+            raise GrammarError("the schema accepts no value at all, or none that this server can enforce", feature="unsatisfiable")
         if self.defs and isinstance(body, dict):
             body = {**body, "$defs": self.defs}
         return body
@@ -343,7 +344,7 @@ class SchemaNormalizer:
         if all(self.excludes(gen, o) for o in others):
             return gen
         gen = self.deref(gen)
-        if not isinstance(gen, dict) or any(k in gen for k in ("anyOf", "oneOf", "patternProperties", "not", "if")):
+        if not isinstance(gen, dict) or any(k in gen for k in ("anyOf", "oneOf", "not", "if")):
             return None
         types = produced_types(gen)
         if _finite(gen) is not None:
@@ -380,14 +381,36 @@ class SchemaNormalizer:
                 key = next((n for n, sub in props.items() if n in theirs and self._rejected_values(sub, theirs[n])), None)
                 if key is not None:
                     props[key] = self.fixed({"enum": self._rejected_values(props[key], theirs[key])}, self.parts(self.deref(props[key])))
+            if key is None:  # a name `other` forbids (propertyNames, a false patternProperty)
+                key = next((n for n in self._name_candidates(gen, other) if self._forbids_name(other, n)
+                            and _may_produce({**gen, "properties": props}, n)), None)
             if key is not None:
                 required.append(key)
                 continue
             names = [n for n in other.get("required", []) if n not in required]
-            if not names or "minProperties" in gen or gen.get("additionalProperties", False) is not False:
-                return None  # (a false property next to additionalProperties cannot be compiled)
+            patterns = gen.get("patternProperties") or {}
+            if (not names or "minProperties" in gen or gen.get("additionalProperties", False) is not False
+                    or any(finite_language(p) is None for p in patterns)):
+                return None  # (a false property next to what may produce it anyway cannot be compiled)
             props[names[-1]] = False  # never produced, whatever is merged in later
         return {**gen, "properties": props, "required": list(dict.fromkeys(required))}
+
+    def _name_candidates(self, gen: dict, other: dict) -> list[str]:
+        """Property names worth trying against `other`'s name rules: those `gen` declares,
+        requires or names by a pattern, and those `other`'s rules name."""
+        names = [*gen.get("properties", {}), *gen.get("required", [])]
+        for pattern in [*(gen.get("patternProperties") or {}), *(other.get("patternProperties") or {})]:
+            names += finite_language(pattern) or []
+        rule = self.deref(other.get("propertyNames", True))
+        if isinstance(rule, dict) and isinstance(self.deref(rule.get("not", True)), dict):
+            names += [v for v in _finite(self.deref(rule["not"])) or [] if isinstance(v, str)]
+        return list(dict.fromkeys(names))
+
+    def _forbids_name(self, other: dict, name: str) -> bool:
+        """Does `other` reject every object that has property `name`?"""
+        if "propertyNames" in other and not self.validator.evolve(schema=other["propertyNames"]).is_valid(name):
+            return True
+        return any(self.deref(sub) is False and re.search(p, name) for p, sub in (other.get("patternProperties") or {}).items())
 
     def _exclude_patterns(self, gen: dict, others: list[Schema]) -> dict | None:
         """String `gen` (without a pattern or format of its own) narrowed to start with a
@@ -435,8 +458,14 @@ class SchemaNormalizer:
             return rest
         if neg is True or neg == {}:  # not {} matches nothing
             return False
-        others = neg["anyOf"] if isinstance(neg, dict) and set(neg) == {"anyOf"} else [neg]
-        return self.exclude_all(rest, others)
+        others, flat = [neg], []
+        while others:  # not (A or (B or C)): excluded by each of A, B, C
+            o = self.deref(others.pop())
+            if isinstance(o, dict) and set(o) == {"anyOf"}:
+                others += o["anyOf"]
+            else:
+                flat.append(o)
+        return self.exclude_all(rest, flat)
 
     def _rejected_values(self, gen: Schema, other: Schema) -> list:
         """The enum/const values of `gen` that `other` rejects ([] unless `gen` lists values)."""
@@ -468,6 +497,8 @@ class SchemaNormalizer:
             return True
         if produced == {"string"} and "pattern" in gen and "pattern" in other:
             return full_matches_never_search(gen["pattern"], other["pattern"])
+        if produced <= {"object"} and any(self._forbids_name(other, n) for n in gen.get("required", [])):
+            return True
         return produced <= {"object"} and (self._discriminated(gen, other, depth) or _never_has_required(gen, other))
 
     def _discriminated(self, gen: dict, other: dict, depth: int) -> bool:
@@ -592,9 +623,9 @@ def _may_produce(s: dict, name: str) -> bool:
 def _never_has_required(gen: dict, other: dict) -> bool:
     """`other` requires a property `gen` never has, however `gen` is merged with other schemas
     later: one `gen` declares false, or an undeclared one where additionalProperties is false."""
-    if any(k in gen for k in ("anyOf", "oneOf", "patternProperties", "unevaluatedProperties")):
-        return False
-    props, closed = gen.get("properties", {}), gen.get("additionalProperties") is False
+    props = gen.get("properties", {})
+    open_ = any(k in gen for k in ("anyOf", "oneOf", "patternProperties", "unevaluatedProperties"))
+    closed = not open_ and gen.get("additionalProperties") is False
     return any(props.get(n) is False or (n not in props and closed) for n in other.get("required", []))
 
 
