@@ -15,6 +15,7 @@ from __future__ import annotations
 import datetime
 import json
 import re
+from fractions import Fraction
 from functools import lru_cache
 from typing import Any
 
@@ -45,7 +46,24 @@ def check_output(spec: GrammarSpec, text: str) -> str | None:
 @lru_cache(maxsize=64)
 def _validator(schema_text: str) -> jsonschema.protocols.Validator:
     schema = json.loads(schema_text)
-    return schema_draft(schema).validator(schema, format_checker=FORMAT_CHECKER)
+    cls = schema_draft(schema).validator
+    return _with_exact_multiple_of(cls)(schema, format_checker=FORMAT_CHECKER)
+
+
+@lru_cache(maxsize=8)
+def _with_exact_multiple_of(cls: type) -> type:
+    """`cls` whose multipleOf falls back to exact arithmetic where jsonschema's float division
+    overflows (an integer beyond 1e308 and a fractional step)."""
+    float_check = cls.VALIDATORS["multipleOf"]
+
+    def multiple_of(validator, step, instance, schema):
+        try:
+            yield from float_check(validator, step, instance, schema)
+        except OverflowError:
+            if Fraction(str(instance)) % Fraction(str(step)):
+                yield jsonschema.ValidationError(f"{instance!r} is not a multiple of {step}")
+
+    return jsonschema.validators.extend(cls, {"multipleOf": multiple_of})
 
 
 def _reject_constant(name: str) -> Any:

@@ -180,3 +180,13 @@ def test_every_accepted_format_produces_valid_strings(compiler, tokenizer, fmt):
         for budget in (4, 48, 160):
             out = random_decode(compiler, compiled, tokenizer, seed=seed, budget=budget)
             assert out.terminated and check_output(spec, out.text) is None, (fmt, out.text)
+
+
+def test_oracle_multiple_of_beyond_float_range():
+    """jsonschema divides as floats, which overflows past 1e308; the oracle still decides."""
+    from moeserve.grammar import GrammarSpec
+    from moeserve.grammar.oracle import check_output
+
+    big = "1" + "0" * 400
+    assert check_output(GrammarSpec.json_schema({"type": "number", "multipleOf": 0.5}), big) is None
+    assert "not a multiple" in check_output(GrammarSpec.json_schema({"type": "number", "multipleOf": 0.3}), big + "1")
