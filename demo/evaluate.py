@@ -1,14 +1,24 @@
-"""Held-out measures of the demo pair: perplexity, and the draft's greedy agreement with the target.
+"""Held-out measures of the demo pair: perplexity, the draft's greedy agreement with the target,
+and whether replies answer the question.
 
 Greedy agreement is the acceptance rate to expect from greedy speculative decoding: for each
 held-out prompt, the target writes its own greedy continuation; then both models read
 prompt + continuation in one teacher-forced pass, and we count the positions where the
 draft's argmax equals the target's argmax.
+
+Answering: held-out chats are cut before their last reply; the model's greedy reply is checked
+for the facts the reference reply states and the prompt or the menu fixes (order ids, rupee
+amounts, pin codes, time slots, and in JSON replies the status, total and slot), e.g. "What was
+the total?" must be answered with that order's total. `python -m demo.evaluate --model DIR`.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import math
+import re
+from collections import defaultdict
 
 import torch
 
@@ -52,3 +62,81 @@ def greedy_agreement(target: torch.nn.Module, draft: torch.nn.Module, prompts: l
         per_prompt.append(hit / n)
     return {"agreement": matches / max(positions, 1), "mean_per_prompt": sum(per_prompt) / max(len(per_prompt), 1),
             "positions": positions, "prompts": len(per_prompt)}
+
+
+FACT_PATTERNS = (r"ORD-\d{6}", r"₹\d(?:[\d,]*\d)?", r"(?<![\w-])\d{6}\b", r"\b\d{1,2}:\d{2} [ap]m\b",
+                 r'"(?:status|total|slot)": ?(?:"[^"]*"|\d+)')
+
+
+def facts(text: str) -> set[str]:
+    """The checkable facts a reply states (see the module docstring)."""
+    return {m.replace(" ", "") for p in FACT_PATTERNS for m in re.findall(p, text)}
+
+
+@torch.no_grad()
+def answering(model: torch.nn.Module, tokenizer, n: int = 200, max_new_tokens: int = 96,
+              stop_ids: list[int] | None = None) -> dict:
+    """Greedy replies to the first `n` held-out chats whose reference reply states facts: the
+    share of those facts the reply states (recall), and of replies stating all of them."""
+    from demo.corpus import iter_documents
+
+    model.eval()
+    found = total = right = replies = 0
+    by_kind: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    for sample in iter_documents("heldout"):
+        if replies == n:
+            break
+        if sample.messages is None or not facts(sample.messages[-1]["content"]):
+            continue
+        want = facts(sample.messages[-1]["content"])
+        ids = torch.tensor([tokenizer.apply_chat_template(sample.messages[:-1], add_generation_prompt=True,
+                                                          tokenize=True, return_dict=False)])
+        out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=stop_ids,
+                             pad_token_id=0, attention_mask=torch.ones_like(ids))
+        got = facts(tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
+        hit = len(want & got)
+        found, total, replies = found + hit, total + len(want), replies + 1
+        right += hit == len(want)
+        by_kind[sample.kind][0] += hit == len(want)
+        by_kind[sample.kind][1] += 1
+    return {"replies": replies, "fact_recall": found / max(total, 1), "all_facts_right": right / max(replies, 1),
+            "all_facts_right_by_kind": {k: round(a / b, 3) for k, (a, b) in sorted(by_kind.items())}}
+
+
+def answering_line(a: dict | None) -> str:
+    """The answering result as a TRAINING.md bullet ('' when not measured)."""
+    if not a:
+        return ""
+    kinds = ", ".join(f"{k} {100 * v:.0f}%" for k, v in a["all_facts_right_by_kind"].items())
+    return (f"- Answering, greedy, on {a['replies']} held-out chats whose reply states facts: **{100 * a['fact_recall']:.1f}%** "
+            f"of the facts stated (ids, amounts, pins, slots), **{100 * a['all_facts_right']:.1f}%** of replies with all "
+            f"of them ({kinds}).\n")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    ap = argparse.ArgumentParser(description="held-out answering of a demo checkpoint")
+    ap.add_argument("--model", default="checkpoints/demo-moe")
+    ap.add_argument("-n", type=int, default=200)
+    ap.add_argument("--update-report", metavar="DIR", help="add the result to DIR/training_report.json and TRAINING.md")
+    args = ap.parse_args(argv)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(args.model)
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    stop = GenerationConfig.from_pretrained(args.model).eos_token_id
+    report = answering(model, tokenizer, args.n, stop_ids=stop if isinstance(stop, list) else [stop])
+    print(json.dumps(report, indent=1))
+    if args.update_report:
+        from pathlib import Path
+
+        from demo.train import write_report
+
+        folder = Path(args.update_report)
+        full = json.loads((folder / "training_report.json").read_text())
+        write_report(folder, {**full, "answering": report})
+    return report
+
+
+if __name__ == "__main__":
+    main()

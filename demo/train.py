@@ -23,7 +23,7 @@ from transformers import GenerationConfig, LlamaForCausalLM, MixtralForCausalLM,
 from demo.balance import format_load, switch_balance
 from demo.chat_format import END, EOS
 from demo.corpus import iter_documents
-from demo.evaluate import greedy_agreement, perplexity
+from demo.evaluate import answering, answering_line, greedy_agreement, perplexity
 from demo.models import draft_config, parameter_counts, target_config
 from demo.tokenizer import save_tokenizer, train_tokenizer
 
@@ -152,7 +152,7 @@ Made by `python -m demo.train` (corpus: `demo/corpus.py`, tokenizer: `demo/token
 - Greedy agreement, draft vs target, on {report['agreement']['prompts']} held-out chat prompts x up to
   {report['agreement_new_tokens']} target-greedy tokens ({report['agreement']['positions']} positions): **{100 * report['agreement']['agreement']:.1f}%**
   (mean per prompt {100 * report['agreement']['mean_per_prompt']:.1f}%). This is the acceptance rate to expect from greedy speculative decoding.
-- Total wall time: {report['wall_seconds']:.0f} s.
+{answering_line(report.get('answering'))}- Total wall time: {report['wall_seconds']:.0f} s.
 """
     (out / "TRAINING.md").write_text(md)
 
@@ -213,6 +213,8 @@ def main(argv: list[str] | None = None) -> dict:
     n_new = 8 if quick else 32
     agreement = greedy_agreement(target, draft, heldout_prompts(tokenizer, 4 if quick else 64), n_new, stop_ids)
     print(f"held-out perplexity: target {t_ppl:.3f}, draft {d_ppl:.3f}; greedy agreement {100 * agreement['agreement']:.1f}%")
+    answers = answering(target, tokenizer, 8 if quick else 200, stop_ids=stop_ids)
+    print(answering_line(answers), end="")
 
     n = target.config.num_local_experts
     report = {
@@ -220,7 +222,7 @@ def main(argv: list[str] | None = None) -> dict:
         "tokenizer_size": len(tokenizer), "batch": batch, "seq_len": seq_len,
         "target": {"shape": shape_of(target.config), "params": t_params, "heldout_perplexity": t_ppl, "train": t_train},
         "draft": {"shape": shape_of(draft.config), "params": d_params, "heldout_perplexity": d_ppl, "train": d_train},
-        "compute_ratio": ratio, "agreement": agreement, "agreement_new_tokens": n_new,
+        "compute_ratio": ratio, "agreement": agreement, "agreement_new_tokens": n_new, "answering": answers,
         "final_balance": [n * sum(f * p for f, p in zip(fs, ps)) for fs, ps in t_train["final_expert_load"]],
         "wall_seconds": time.perf_counter() - start,
     }

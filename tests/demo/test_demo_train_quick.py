@@ -30,4 +30,5 @@ def test_quick_training_makes_loadable_pair(tmp_path):
     assert report["compute_ratio"] > 1
     saved = json.loads((tmp_path / "training_report.json").read_text())
     assert saved["target"]["params"]["total"] > saved["draft"]["params"]["total"]
-    assert (tmp_path / "TRAINING.md").exists()
+    assert report["answering"]["replies"] == 8 and 0 <= report["answering"]["fact_recall"] <= 1
+    assert "Answering, greedy" in (tmp_path / "TRAINING.md").read_text()
