@@ -98,37 +98,22 @@ def _refuse(feature: str, why: str) -> GrammarError:
 
 
 def _narrow_not(s: dict) -> None:
-    """Rewrite the `not` forms a narrower schema enforces (sound: every output still validates);
-    others stay and are refused:
-    - not {type: T}: the other types (exact, unless it would need "number but not integer");
-    - not {required: [a, ..., z]} (or an allOf of such): no property named z, and no
-      additional properties (narrower), unless z is required or patternProperties could name it."""
+    """not {type: T}: the other types (exact, unless it would need "number but not integer").
+    Other `not` forms are narrowed before a node gets here (SchemaNormalizer.negation) or refused."""
     neg = s.get("not")
-    if not isinstance(neg, dict):
+    if not isinstance(neg, dict) or set(neg) != {"type"}:
         return
-    if set(neg) == {"type"}:
-        excluded = set(neg["type"]) if isinstance(neg["type"], list) else {neg["type"]}
-        if "number" in excluded:
-            excluded.add("integer")
-        declared = type_set(s)
-        allowed = set(ALL_TYPES) if declared is None else set(declared)
-        if "integer" in excluded and "number" in allowed - excluded:
-            return  # "number but not integer" has no grammar here
-        allowed -= excluded
-        if allowed:
-            s["type"] = [t for t in ALL_TYPES if t in allowed]
-            del s["not"]
-        return
-    together = [neg] if set(neg) == {"required"} else neg.get("allOf", []) if set(neg) == {"allOf"} else []
-    if not together or not all(isinstance(b, dict) and set(b) == {"required"} for b in together):
-        return
-    names = [n for b in together for n in b["required"]]
-    if not names or names[-1] in s.get("required", []) or s.get("patternProperties"):
-        return
-    s["properties"] = {k: v for k, v in s.get("properties", {}).items() if k != names[-1]}
-    s["additionalProperties"] = False
-    s.pop("unevaluatedProperties", None)
-    del s["not"]
+    excluded = set(neg["type"]) if isinstance(neg["type"], list) else {neg["type"]}
+    if "number" in excluded:
+        excluded.add("integer")
+    declared = type_set(s)
+    allowed = set(ALL_TYPES) if declared is None else set(declared)
+    if "integer" in excluded and "number" in allowed - excluded:
+        return  # "number but not integer" has no grammar here
+    allowed -= excluded
+    if allowed:
+        s["type"] = [t for t in ALL_TYPES if t in allowed]
+        del s["not"]
 
 
 def _refuse_logic(s: dict) -> None:

@@ -389,9 +389,12 @@ class SchemaNormalizer:
                 continue
             names = [n for n in other.get("required", []) if n not in required]
             patterns = gen.get("patternProperties") or {}
-            if (not names or "minProperties" in gen or gen.get("additionalProperties", False) is not False
-                    or any(finite_language(p) is None for p in patterns)):
-                return None  # (a false property next to what may produce it anyway cannot be compiled)
+            if not names or "minProperties" in gen or any(finite_language(p) is None for p in patterns):
+                return None  # (a false property next to patterns that may produce it anyway cannot be compiled)
+            if gen.get("additionalProperties", False) is not False:
+                if not set(required) <= set(props):
+                    return None
+                gen = {**gen, "additionalProperties": False}  # narrower: declared properties only
             props[names[-1]] = False  # never produced, whatever is merged in later
         return {**gen, "properties": props, "required": list(dict.fromkeys(required))}
 

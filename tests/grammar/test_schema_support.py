@@ -133,10 +133,14 @@ OK = [
                                                                "additionalProperties": False,
                                                                "oneOf": [{"required": ["s"]}, {"required": ["u"]}]},
      [{"s": 1}, {"u": 1}], [{"s": 1, "u": 1}, {}]),
-    ("oneOf: overlapping branch left out", {"oneOf": [
+    ("oneOf open objects: each closed without what the other requires", {"oneOf": [
         {"type": "object", "properties": {"x": {}}, "required": ["x"], "additionalProperties": True},
+        {"type": "object", "properties": {"y": {}}, "required": ["y"], "additionalProperties": True},
+    ]}, [{"x": 1}, {"y": 1}], [{"x": 1, "y": 1}, {}]),
+    ("oneOf: a branch that cannot be narrowed is left out", {"oneOf": [
+        {"type": "object", "properties": {"x": {}}, "required": ["x"], "additionalProperties": True, "minProperties": 1},
         {"type": "object", "properties": {"y": {}}, "required": ["y"]},
-    ]}, [{"y": 1}], [{"x": 1}, {"x": 1, "y": 1}]),
+    ]}, [{"y": 1}], [{"x": 1, "y": 1}, {}]),
     ("oneOf by required properties", {"oneOf": [
         {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]},
         {"type": "object", "properties": {"y": {"type": "integer"}}, "required": ["y"]},
@@ -192,10 +196,6 @@ REFUSED = [
     ("uniqueItems", {"type": "array", "items": {"type": "integer"}, "uniqueItems": True, "minItems": 2}, "uniqueItems"),
     ("contains", {"type": "array", "contains": {"const": 5}}, "contains"),
     ("oneOf overlapping", {"oneOf": [{"type": "integer"}, {"type": "number"}]}, "oneOf"),
-    ("oneOf open objects", {"oneOf": [
-        {"type": "object", "properties": {"x": {}}, "required": ["x"], "additionalProperties": True},
-        {"type": "object", "properties": {"y": {}}, "required": ["y"], "additionalProperties": True},
-    ]}, "oneOf"),
     ("if/then/else with no outcome", {"if": {"type": "string"}, "then": False, "else": False}, "if/then/else"),
     ("unsupported format", {"type": "string", "format": "iri"}, "format:iri"),
     ("remote $ref", {"$ref": "https://example.com/s.json"}, "$ref:remote"),
