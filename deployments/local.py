@@ -16,14 +16,31 @@ from deployments.config import AppConfig
 
 SERVE_SHUTDOWN_S = 10.0  # how long Ctrl-C waits for Serve to drain before Ray is stopped
 
+# The demo asks what the demo pair was trained to answer (demo/corpus.py): an order's status,
+# from the order record in the system message, as one JSON object bound by a schema.
+DEMO_ORDER = {
+    "order_id": "ORD-482913", "customer": "Asha Rao",
+    "items": [{"sku": "CRB-201", "name": "Sourdough loaf", "qty": 2, "unit_price": 240},
+              {"sku": "CRB-301", "name": "Butter croissant", "qty": 4, "unit_price": 90}],
+    "total": 889, "currency": "INR", "status": "out_for_delivery",
+    "delivery": {"method": "home", "address": "42, Koregaon Park", "city": "Pune", "pin": "411001",
+                 "slot": "11:30 am", "fee": 49},
+}  # fmt: skip
+DEMO_MESSAGES = [
+    {"role": "system", "content": "You are Crumb's order API. Reply with one JSON object and nothing else.\n"
+                                  f"Order record: {json.dumps(DEMO_ORDER)}"},
+    {"role": "user", "content": "Status of ORD-482913?"},
+]
 DEMO_SCHEMA = {
     "type": "object",
     "properties": {
-        "item": {"type": "string", "maxLength": 24},
-        "quantity": {"type": "integer", "minimum": 1, "maximum": 24},
-        "pickup": {"enum": ["morning", "afternoon"]},
+        "order_id": {"type": "string", "pattern": "^ORD-[0-9]{6}$"},
+        "status": {"enum": ["placed", "baking", "ready_for_pickup", "out_for_delivery", "delivered", "cancelled"]},
+        "total": {"type": "integer", "minimum": 0},
+        "currency": {"const": "INR"},
+        "slot": {"type": "string", "maxLength": 10},
     },
-    "required": ["item", "quantity", "pickup"],
+    "required": ["order_id", "status", "total", "currency", "slot"],
     "additionalProperties": False,
 }
 
@@ -74,7 +91,7 @@ def demo_request(base_url: str, model: str) -> None:
 
     body = {
         "model": model,
-        "messages": [{"role": "user", "content": "I'd like to order two sourdough loaves for the morning."}],
+        "messages": DEMO_MESSAGES,
         "response_format": {"type": "json_schema", "json_schema": {"name": "order", "schema": DEMO_SCHEMA}},
         "max_tokens": 96,
         "temperature": 0,
