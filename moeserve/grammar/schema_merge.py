@@ -17,7 +17,7 @@ from fractions import Fraction
 from typing import Any
 
 from moeserve.grammar.errors import GrammarError
-from moeserve.grammar.regex_compat import finite_language, full_matches_never_search, regex_shape
+from moeserve.grammar.regex_facts import finite_language, full_matches_never_search, regex_shape
 
 Schema = Any  # dict | bool, as parsed from JSON
 Prep = Callable[[Schema], Schema]  # resolves $ref / allOf / draft quirks at the top of a subschema

@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 from moeserve.grammar.errors import GrammarError
 from moeserve.grammar.formats import FORMAT_PATTERNS, SUPPORTED_FORMATS, UNSUPPORTED_FORMATS
-from moeserve.grammar.regex_compat import finite_language, full_matches_never_search, xgrammar_regex
+from moeserve.grammar.regex_compat import xgrammar_regex
+from moeserve.grammar.regex_facts import finite_language, full_matches_never_search
 from moeserve.grammar.schema_merge import type_set
 
 if TYPE_CHECKING:

@@ -92,7 +92,7 @@ def short_strings() -> list[str]:
 
 
 def test_full_matches_never_search_is_never_wrong(short_strings):
-    from moeserve.grammar.regex_compat import full_matches_never_search
+    from moeserve.grammar.regex_facts import full_matches_never_search
 
     proved = 0
     for full, search in itertools.product(SHAPE_PATTERNS, repeat=2):
@@ -105,7 +105,7 @@ def test_full_matches_never_search_is_never_wrong(short_strings):
 
 
 def test_full_matches_never_search_examples():
-    from moeserve.grammar.regex_compat import full_matches_never_search
+    from moeserve.grammar.regex_facts import full_matches_never_search
 
     assert full_matches_never_search(r"^u?int(8|16)?$", r"^address$")  # first characters differ
     assert full_matches_never_search(r"^\w$", r"_meta")  # one character never holds five
@@ -115,7 +115,7 @@ def test_full_matches_never_search_examples():
 
 
 def test_finite_language_is_every_full_match(short_strings):
-    from moeserve.grammar.regex_compat import finite_language
+    from moeserve.grammar.regex_facts import finite_language
 
     decided = 0
     for pattern in SHAPE_PATTERNS + [r"^[a-c]$", r"^(1|3|4)$", r"^ab?c{1,2}$", r"^x(y|z)?$"]:

@@ -1,0 +1,363 @@
+"""Sound narrowings: what `SchemaNormalizer` does with keywords no backend enforces exactly.
+
+A narrowed schema accepts less than the original, and everything it accepts the original
+accepts too, so every output still validates (some valid instances are never produced).
+`Narrowing` is a part of `SchemaNormalizer` (schema_support.py) kept in its own file: it proves
+that one subschema excludes another (`excludes`), narrows one until the others exclude it
+(`exclude_all`: overlapping `oneOf` branches, `not`, the `else` of an `if`), and rewrites
+`if`/`then`/`else`, the dependency keywords and numeric subschemas nothing else expresses.
+
+Every proof uses only what stays true when the node is merged with sibling keywords later (a
+property is ruled out only when it is declared false or additionalProperties is false), since
+these rewrites run while subschemas are still being merged.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import TYPE_CHECKING, Any
+
+from moeserve.grammar.errors import GrammarError
+from moeserve.grammar.regex_facts import class_outside, finite_language, full_matches_never_search, regex_shape
+from moeserve.grammar.schema_merge import type_set
+from moeserve.grammar.schema_node import json_type, produced_types
+
+if TYPE_CHECKING:
+    from moeserve.grammar.schema_support import SchemaNormalizer as _Base
+else:
+    _Base = object
+
+Schema = Any
+NUMERIC_SCAN, NUMERIC_WITNESSES = 20_000, 8  # numeric_witnesses: candidates tried, values kept
+_DEPENDENCIES = ("dependentRequired", "dependentSchemas")
+
+
+class Narrowing(_Base):
+    """The narrowing half of SchemaNormalizer (which supplies deref, merge, fixed, parts,
+    accepts, validator)."""
+
+    def numeric_witnesses(self, s: dict) -> list[int]:
+        """The last resort for a numeric subschema we cannot express (`not`/`oneOf` over
+        `multipleOf`, ...): the first few integers its validator accepts, counting up from its
+        lower bound (narrower, so sound)."""
+        low = max((b for b in (s.get("minimum"), s.get("exclusiveMinimum")) if isinstance(b, (int, float))), default=0)
+        found: list[int] = []
+        for v in range(math.floor(low), math.floor(low) + NUMERIC_SCAN):
+            if self.accepts(s, v):
+                found.append(v)
+                if len(found) == NUMERIC_WITNESSES:
+                    break
+        return found
+
+
+    def split_conditional(self, s: Schema) -> tuple[Schema, list[dict]]:
+        """`s` without if/then/else, and the conditional ([] when there is none, or only an `if`)."""
+        if not isinstance(s, dict) or "if" not in s:
+            return s, []
+        rest = self.fixed({k: v for k, v in s.items() if k not in ("if", "then", "else")}, self.parts(s))
+        cond = {k: s[k] for k in ("if", "then", "else") if k in s}
+        return rest, [cond] if len(cond) > 1 else []
+
+    def conditionals(self, acc: Schema, conds: list[dict]) -> Schema:
+        """`acc` and every if/then/else in `conds`, narrowed to what we can enforce (sound).
+
+        `if` conditions that exclude each other (a const discriminator, as in most real schemas)
+        become one anyOf: per condition, that condition with its `then` and every other `else`.
+        Otherwise each one becomes anyOf [acc and if and then, a narrowing of acc and else that
+        the `if` rejects] (exclude_all), leaving out what is unsatisfiable or cannot be enforced.
+        """
+        if not conds or acc is False:
+            return acc
+        ifs = [self.deref(c["if"]) for c in conds]
+        if len(conds) > 1 and all(self.excludes(a, b) for a in ifs for b in ifs if a is not b):
+            options = []
+            for i, cond in enumerate(conds):
+                parts = [ifs[i], cond.get("then", True)] + [c.get("else", True) for c in conds if c is not cond]
+                options.append(self._merged(acc, parts))
+            return self._any_of([o for o in options if o is not None], acc)
+        for cond, test in zip(conds, ifs):
+            then = self._merged(acc, [test, cond.get("then", True)])
+            otherwise = self._merged(acc, [cond.get("else", True)])
+            if otherwise is not None:
+                otherwise = self.exclude_all(otherwise, [test])
+            acc = self._any_of([o for o in (then, otherwise) if o is not None], acc)
+        return acc
+
+    def _merged(self, acc: Schema, parts: list[Schema]) -> Schema | None:
+        """acc and all of `parts`; None when unsatisfiable or not enforceable."""
+        try:
+            for part in parts:
+                acc = self.merge(acc, self.deref(part))
+                if acc is False:
+                    return None
+        except GrammarError:
+            return None
+        return acc
+
+    def _any_of(self, options: list[Schema], origin: Schema) -> Schema:
+        if not options:
+            raise GrammarError("if/then/else: neither outcome of the condition can be enforced here", feature="if/then/else")
+        return options[0] if len(options) == 1 else self.fixed({"anyOf": options}, self.parts(origin))
+
+    def dependencies(self, s: dict) -> Schema:
+        """dependentRequired / dependentSchemas (draft-07's `dependencies`) made to hold always
+        (narrower, so sound): where the named property may appear, its dependency is merged into
+        the object, so it holds whether the property appears or not; where that leaves nothing
+        to produce, the property is never produced instead."""
+        acc: Schema = self.fixed({k: v for k, v in s.items() if k not in _DEPENDENCIES}, self.parts(s))
+        deps = [(name, {"required": list(then)}) for name, then in s.get("dependentRequired", {}).items()]
+        for name, then in [*deps, *s.get("dependentSchemas", {}).items()]:
+            if not _may_produce(acc, name):
+                continue
+            try:
+                merged = self.merge(acc, self.deref(then))
+            except GrammarError:
+                if name in acc.get("required", []):
+                    raise
+                merged = False
+            if merged is not False and len(set(merged.get("required", []))) > merged.get("maxProperties", math.inf):
+                merged = False
+            if merged is not False:
+                acc = merged
+            elif name in acc.get("required", []):
+                return False
+            else:
+                acc = self.fixed({**acc, "properties": {**acc.get("properties", {}), name: False}}, self.parts(acc))
+        return acc
+
+
+    # -- oneOf ---------------------------------------------------------------------------
+
+    def exclusive(self, branches: list[Schema]) -> list[Schema]:
+        """oneOf == anyOf over branches that each provably exclude every other branch. A branch
+        that does not is narrowed until it does (an optional property another branch requires
+        is never produced; a property whose values another branch rejects becomes required), or
+        left out; sound, since what a kept branch produces still matches it and only it."""
+        kept, first_overlap = [], None
+        for i, bi in enumerate(branches):
+            others = [bj for j, bj in enumerate(branches) if j != i]
+            narrowed = self.exclude_all(bi, others)
+            if narrowed is not None:
+                kept.append(narrowed)
+            elif first_overlap is None:
+                first_overlap = (i, next(j for j, bj in enumerate(branches) if j != i and not self.excludes(bi, bj)))
+        if not kept:
+            i, j = first_overlap
+            raise GrammarError(
+                f"oneOf: branch {i} may also match branch {j}; only oneOf with provably disjoint "
+                "branches (different types or enum values, a const discriminator property, or a "
+                "property one branch requires and the other never produces) is supported",
+                feature="oneOf",
+            )
+        return kept
+
+    def exclude_all(self, gen: Schema, others: list[Schema]) -> Schema | None:
+        """`gen`, or a narrowing of it, that every one of `others` rejects; None if not found."""
+        if all(self.excludes(gen, o) for o in others):
+            return gen
+        gen = self.deref(gen)
+        if not isinstance(gen, dict) or any(k in gen for k in ("anyOf", "oneOf", "not", "if")):
+            return None
+        types = produced_types(gen)
+        if _finite(gen) is not None:
+            kept = [v for v in _finite(gen) if self.accepts(gen, v) and not any(self.accepts(o, v) for o in others)]
+            narrowed = {"enum": kept} if kept else None
+        elif types == {"object"}:
+            narrowed = self._exclude_by_properties(gen, others)
+        elif types <= {"string"} and all("pattern" in o for o in map(self.deref, others) if isinstance(o, dict)):
+            narrowed = self._exclude_patterns(gen, others)
+        elif types <= {"string"} or types <= {"integer", "number"}:
+            narrowed = self._exclude_values(gen, types, others)
+        else:
+            return None
+        if narrowed is None:
+            return None
+        narrowed = self.fixed(narrowed, self.parts(gen) + [narrowed])
+        return narrowed if all(self.excludes(narrowed, o) for o in others) else None
+
+    def _exclude_by_properties(self, gen: dict, others: list[Schema]) -> dict | None:
+        """Object `gen` narrowed so that each of `others` rejects it: a property whose values the
+        other rejects becomes required (its listed values cut to the rejected ones), or a property
+        the other requires is never produced."""
+        props, required = dict(gen.get("properties", {})), list(gen.get("required", []))
+        for other in others:
+            if self.excludes(gen, other):
+                continue
+            other = self.deref(other)
+            if not isinstance(other, dict):
+                return None
+            theirs = other.get("properties", {})
+            key = next((n for n, sub in props.items() if n in theirs and self.excludes(sub, theirs[n])
+                        and self.deref(sub) is not False), None)
+            if key is None:
+                key = next((n for n, sub in props.items() if n in theirs and self._rejected_values(sub, theirs[n])), None)
+                if key is not None:
+                    props[key] = self.fixed({"enum": self._rejected_values(props[key], theirs[key])}, self.parts(self.deref(props[key])))
+            if key is None:  # a name `other` forbids (propertyNames, a false patternProperty)
+                key = next((n for n in self._name_candidates(gen, other) if self._forbids_name(other, n)
+                            and _may_produce({**gen, "properties": props}, n)), None)
+            if key is not None:
+                required.append(key)
+                continue
+            names = [n for n in other.get("required", []) if n not in required]
+            patterns = gen.get("patternProperties") or {}
+            if not names or "minProperties" in gen or any(finite_language(p) is None for p in patterns):
+                return None  # (a false property next to patterns that may produce it anyway cannot be compiled)
+            if gen.get("additionalProperties", False) is not False:
+                if not set(required) <= set(props):
+                    return None
+                gen = {**gen, "additionalProperties": False}  # narrower: declared properties only
+            props[names[-1]] = False  # never produced, whatever is merged in later
+        return {**gen, "properties": props, "required": list(dict.fromkeys(required))}
+
+    def _name_candidates(self, gen: dict, other: dict) -> list[str]:
+        """Property names worth trying against `other`'s name rules: those `gen` declares,
+        requires or names by a pattern, and those `other`'s rules name."""
+        names = [*gen.get("properties", {}), *gen.get("required", [])]
+        for pattern in [*(gen.get("patternProperties") or {}), *(other.get("patternProperties") or {})]:
+            names += finite_language(pattern) or []
+        rule = self.deref(other.get("propertyNames", True))
+        if isinstance(rule, dict) and isinstance(self.deref(rule.get("not", True)), dict):
+            names += [v for v in _finite(self.deref(rule["not"])) or [] if isinstance(v, str)]
+        return list(dict.fromkeys(names))
+
+    def _forbids_name(self, other: dict, name: str) -> bool:
+        """Does `other` reject every object that has property `name`?"""
+        if "propertyNames" in other and not self.validator.evolve(schema=other["propertyNames"]).is_valid(name):
+            return True
+        return any(self.deref(sub) is False and re.search(p, name) for p, sub in (other.get("patternProperties") or {}).items())
+
+    def _exclude_patterns(self, gen: dict, others: list[Schema]) -> dict | None:
+        """String `gen` (without a pattern or format of its own) narrowed to start with a
+        character no match of the others' patterns (anchored at the start) can start with."""
+        if "pattern" in gen or "format" in gen:
+            return None
+        starts = None
+        for other in map(self.deref, others):
+            shape = regex_shape(other["pattern"]) if isinstance(other, dict) else None
+            if shape is None or shape.first is None or not shape.anchored or shape.min_len == 0:
+                return None
+            starts = shape.first if starts is None else starts | shape.first
+        outside = class_outside(starts) if starts is not None else None
+        return None if outside is None else {**gen, "type": "string", "pattern": f"^{outside}.*$"}
+
+    def _exclude_values(self, gen: dict, types: set[str], others: list[Schema]) -> dict | None:
+        """String or number `gen` narrowed past every value `others` list: longer than the
+        longest string, above the largest number (below the smallest, if the maximum is in the way)."""
+        values = []
+        for other in others:
+            listed = _finite(self.deref(other)) if isinstance(self.deref(other), dict) else None
+            if listed is None:
+                return None
+            values += [v for v in listed if json_type(v) in types or (json_type(v) in ("integer", "number") and types & {"integer", "number"})]
+        if not values:
+            return None
+        if types <= {"string"}:
+            longest = max(len(v) for v in values)
+            if gen.get("maxLength", math.inf) <= longest:
+                return None
+            return {**gen, "minLength": max(gen.get("minLength", 0), longest + 1)}
+        low, high = max(values), min(values)
+        if gen.get("maximum", math.inf) > low and gen.get("exclusiveMaximum", math.inf) > low:
+            return {**gen, "exclusiveMinimum": max(gen.get("exclusiveMinimum", -math.inf), low)}
+        if gen.get("minimum", -math.inf) < high and gen.get("exclusiveMinimum", -math.inf) < high:
+            return {**gen, "exclusiveMaximum": min(gen.get("exclusiveMaximum", math.inf), high)}
+        return None
+
+    def negation(self, s: dict) -> Schema | None:
+        """`s` without its `not`, narrowed so that the negated schema rejects it (exclude_all);
+        None when no such narrowing is found (schema_node then tries its exact rewrites)."""
+        neg = self.deref(s["not"])
+        rest = self.fixed({k: v for k, v in s.items() if k != "not"}, self.parts(s))
+        if neg is False:
+            return rest
+        if neg is True or neg == {}:  # not {} matches nothing
+            return False
+        others, flat = [neg], []
+        while others:  # not (A or (B or C)): excluded by each of A, B, C
+            o = self.deref(others.pop())
+            if isinstance(o, dict) and set(o) == {"anyOf"}:
+                others += o["anyOf"]
+            else:
+                flat.append(o)
+        return self.exclude_all(rest, flat)
+
+    def _rejected_values(self, gen: Schema, other: Schema) -> list:
+        """The enum/const values of `gen` that `other` rejects ([] unless `gen` lists values)."""
+        gen, other = self.deref(gen), self.deref(other)
+        values = _finite(gen) if isinstance(gen, dict) else None
+        return [v for v in values or [] if self.accepts(gen, v) and not self.accepts(other, v)]
+
+    def excludes(self, gen: Schema, other: Schema, depth: int = 0) -> bool:
+        """True when every instance `gen` (normalized) can produce is rejected by `other`."""
+        gen, other = self.deref(gen), self.deref(other)
+        if other is False or gen is False:
+            return True
+        if gen is True or other is True or depth > 8:
+            return False
+        for key in ("anyOf", "oneOf"):  # every branch of `other` rejects, or none of `gen`'s produces
+            if key in other and all(self.excludes(gen, b, depth + 1) for b in other[key]):
+                return True
+            if key in gen and all(self.excludes(b, other, depth + 1) for b in gen[key]):
+                return True
+        if "enum" in gen or "const" in gen:
+            values = [gen["const"]] if "const" in gen else gen["enum"]
+            return not any(self.accepts(gen, v) and self.accepts(other, v) for v in values)
+        if _finite(other) is not None and not any(self.produces(gen, v) for v in _finite(other)):
+            return True
+        produced, allowed = produced_types(gen), type_set(other)
+        if allowed is None and ("enum" in other or "const" in other):
+            allowed = {json_type(v) for v in ([other["const"]] if "const" in other else other["enum"])}
+        if allowed is not None and not _types_overlap(produced, allowed):
+            return True
+        if produced == {"string"} and "pattern" in gen and "pattern" in other:
+            return full_matches_never_search(gen["pattern"], other["pattern"])
+        if produced <= {"object"} and any(self._forbids_name(other, n) for n in gen.get("required", [])):
+            return True
+        return produced <= {"object"} and (self._discriminated(gen, other, depth) or _never_has_required(gen, other))
+
+    def _discriminated(self, gen: dict, other: dict, depth: int) -> bool:
+        """A property whose values `other` rejects, and that `gen` requires or `other` requires
+        (either way, an instance of `gen` cannot both carry an acceptable value and satisfy `other`)."""
+        mine, theirs = gen.get("properties", {}), other.get("properties", {})
+        for name in dict.fromkeys([*gen.get("required", []), *other.get("required", [])]):
+            if name in mine and name in theirs and self.excludes(mine[name], theirs[name], depth + 1):
+                if name in gen.get("required", []) or not gen.get("patternProperties"):
+                    return True
+        return False
+
+
+    def produces(self, s: dict, value: Any) -> bool:
+        """May (fixed, plain) node `s` produce `value`? Its own keywords decide, as compiled (not
+        the raw schema it came from, which may say more: a `not` being narrowed away)."""
+        return self.validator.evolve(schema=s).is_valid(value)
+
+
+def _may_produce(s: dict, name: str) -> bool:
+    """May an instance of object node `s` carry property `name` (as far as a later merge with
+    other schemas cannot change: only a false schema or additionalProperties false rule it out)?"""
+    props = s.get("properties", {})
+    if name in props:
+        return props[name] is not False
+    return s.get("additionalProperties") is not False or bool(s.get("patternProperties"))
+
+
+def _never_has_required(gen: dict, other: dict) -> bool:
+    """`other` requires a property `gen` never has, however `gen` is merged with other schemas
+    later: one `gen` declares false, or an undeclared one where additionalProperties is false."""
+    props = gen.get("properties", {})
+    open_ = any(k in gen for k in ("anyOf", "oneOf", "patternProperties", "unevaluatedProperties"))
+    closed = not open_ and gen.get("additionalProperties") is False
+    return any(props.get(n) is False or (n not in props and closed) for n in other.get("required", []))
+
+
+def _finite(s: dict) -> list | None:
+    if "const" in s:
+        return [s["const"]]
+    return s.get("enum")
+
+
+def _types_overlap(produced: set[str], allowed: set[str]) -> bool:
+    numeric = {"integer", "number"}
+    return bool(produced & allowed) or bool(produced & numeric and allowed & numeric)
