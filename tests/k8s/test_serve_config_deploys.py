@@ -45,8 +45,9 @@ def test_embedded_serve_config_deploys_and_answers(tmp_path) -> None:
     with serve_app(build_from_config, proxy_location=config["proxy_location"]) as urls:
         base = urls["http"]
         r = httpx.post(f"{base}/v1/completions", timeout=60, json={
-            "model": args["model"]["name"], "prompt": "Do you have rye bread?", "max_tokens": 8, "temperature": 0})
+            "model": args["model"]["name"], "prompt": "Do you have rye bread?", "max_tokens": 8, "temperature": 0,
+            "ignore_eos": True})  # (a model may well end its reply at once; the deployment is what is tested)
         assert r.status_code == 200, r.text
         body = r.json()
-        assert body["choices"][0]["finish_reason"] in ("stop", "length")
-        assert 1 <= body["usage"]["completion_tokens"] <= 8
+        assert body["choices"][0]["finish_reason"] == "length"
+        assert body["usage"]["completion_tokens"] == 8
