@@ -11,6 +11,8 @@ import math
 import re
 from dataclasses import dataclass
 
+from moeserve.grammar.errors import GrammarError
+
 try:  # the regex parser behind `re`
     from re import _constants as sre_c
     from re import _parser as sre_parse
@@ -224,3 +226,11 @@ def _language_of(op, av, limit: int) -> set[str] | None:
                 return None
         return out
     return None
+
+
+def key_matches(pattern: str, name: str) -> bool:
+    """Does property name `name` match the patternProperties `pattern` (search, as validators read it)?"""
+    try:
+        return re.search(pattern, name) is not None
+    except re.error as e:
+        raise GrammarError(f"invalid regular expression {pattern!r}: {e}", feature="patternProperties") from None

@@ -17,7 +17,7 @@ from fractions import Fraction
 from typing import Any
 
 from moeserve.grammar.errors import GrammarError
-from moeserve.grammar.regex_facts import finite_language, full_matches_never_search, regex_shape
+from moeserve.grammar.regex_facts import finite_language, full_matches_never_search, key_matches, regex_shape
 
 Schema = Any  # dict | bool, as parsed from JSON
 Prep = Callable[[Schema], Schema]  # resolves $ref / allOf / draft quirks at the top of a subschema
@@ -186,7 +186,7 @@ def _property_schema(s: dict, name: str, prep: Prep, merge: Merge) -> Schema:
     """What object schema `s` requires of the value of property `name`."""
     if name in s.get("properties", {}):
         return prep(s["properties"][name])
-    hits = [prep(sub) for pattern, sub in (s.get("patternProperties") or {}).items() if _search(pattern, name)]
+    hits = [prep(sub) for pattern, sub in (s.get("patternProperties") or {}).items() if key_matches(pattern, name)]
     if not hits:
         return prep(s.get("additionalProperties", True))
     out = hits[0]
@@ -206,10 +206,3 @@ def _merge_patterns(a: dict, b: dict, prep: Prep, merge: Merge) -> dict:
             value = merge(prep(sub), rest)
             out[pattern] = merge(out[pattern], value) if pattern in out else value
     return out
-
-
-def _search(pattern: str, name: str) -> bool:
-    try:
-        return re.search(pattern, name) is not None
-    except re.error as e:
-        raise GrammarError(f"invalid regular expression {pattern!r}: {e}", feature="patternProperties") from None

@@ -15,11 +15,16 @@ these rewrites run while subschemas are still being merged.
 from __future__ import annotations
 
 import math
-import re
 from typing import TYPE_CHECKING, Any
 
 from moeserve.grammar.errors import GrammarError
-from moeserve.grammar.regex_facts import class_outside, finite_language, full_matches_never_search, regex_shape
+from moeserve.grammar.regex_facts import (
+    class_outside,
+    finite_language,
+    full_matches_never_search,
+    key_matches,
+    regex_shape,
+)
 from moeserve.grammar.schema_merge import type_set
 from moeserve.grammar.schema_node import json_type, produced_types
 
@@ -226,7 +231,7 @@ class Narrowing(_Base):
         """Does `other` reject every object that has property `name`?"""
         if "propertyNames" in other and not self.validator.evolve(schema=other["propertyNames"]).is_valid(name):
             return True
-        return any(self.deref(sub) is False and re.search(p, name) for p, sub in (other.get("patternProperties") or {}).items())
+        return any(self.deref(sub) is False and key_matches(p, name) for p, sub in (other.get("patternProperties") or {}).items())
 
     def _exclude_patterns(self, gen: dict, others: list[Schema]) -> dict | None:
         """String `gen` (without a pattern or format of its own) narrowed to start with a

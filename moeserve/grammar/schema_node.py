@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from moeserve.grammar.errors import GrammarError
 from moeserve.grammar.formats import FORMAT_PATTERNS, SUPPORTED_FORMATS, UNSUPPORTED_FORMATS
 from moeserve.grammar.regex_compat import xgrammar_regex
-from moeserve.grammar.regex_facts import finite_language, full_matches_never_search
+from moeserve.grammar.regex_facts import finite_language, full_matches_never_search, key_matches
 from moeserve.grammar.schema_merge import type_set
 
 if TYPE_CHECKING:
@@ -265,15 +265,7 @@ def _objects(nz: SchemaNormalizer, s: dict, types: set[str], out: dict) -> bool:
     if patterns:
         if names is not None:
             raise _refuse("patternProperties", "patternProperties with propertyNames is not supported")
-        for pattern in patterns:  # a pattern only a few names fully match: those names, declared
-            declared.update({name: True for name in finite_language(pattern) or () if name not in declared})
-        matching = _fold_patterns(nz, patterns, declared, required)
-        rest = {p: sub for p, sub in patterns.items() if finite_language(p) is None}
-        # Patterns no key can match two of keep their own schemas; others share one key regex.
-        disjoint = all(full_matches_never_search(p, q) for p in rest for q in rest if p != q)
-        groups = [{p: sub} for p, sub in rest.items()] if disjoint else [rest] if rest else []
-        values = [(_key_regex(g), _key_schema(nz, g, declared, matching)) for g in groups]
-        patterns = {regex: value for regex, value in values if value is not False}  # regex -> normalized schema
+        patterns = _pattern_keys(nz, patterns, declared, required)
         if not patterns:
             extra = False  # narrower: declared properties only
     props: dict[str, Any] = {}
@@ -318,12 +310,26 @@ def _objects(nz: SchemaNormalizer, s: dict, types: set[str], out: dict) -> bool:
     return True
 
 
+def _pattern_keys(nz: SchemaNormalizer, patterns: dict, declared: dict, required: list) -> dict[str, Any]:
+    """patternProperties as xgrammar gets them (key regex -> normalized schema), after folding
+    them into `declared`: a pattern only a few names fully match becomes those names, declared;
+    patterns no key can match two of keep their own schemas; the others share one key regex."""
+    for pattern in patterns:
+        declared.update({name: True for name in finite_language(pattern) or () if name not in declared})
+    matching = _fold_patterns(nz, patterns, declared, required)
+    rest = {p: sub for p, sub in patterns.items() if finite_language(p) is None}
+    disjoint = all(full_matches_never_search(p, q) for p in rest for q in rest if p != q)
+    groups = [{p: sub} for p, sub in rest.items()] if disjoint else [rest] if rest else []
+    values = [(_key_regex(g), _key_schema(nz, g, declared, matching)) for g in groups]
+    return {regex: value for regex, value in values if value is not False}
+
+
 def _fold_patterns(nz: SchemaNormalizer, patterns: dict, declared: dict, required: list) -> dict[str, list[str]]:
     """Merge into each declared (or required) name the schemas of the patterns it matches;
     returns name -> those patterns."""
     matching: dict[str, list[str]] = {}
     for name in dict.fromkeys([*declared, *required]):
-        hits = [pattern for pattern in patterns if _search(pattern, name)]
+        hits = [pattern for pattern in patterns if key_matches(pattern, name)]
         if hits:
             matching[name] = hits
             merged = nz.deref(declared.get(name, True))
@@ -354,14 +360,6 @@ def _key_schema(nz: SchemaNormalizer, group: dict, declared: dict, matching: dic
     if value is False and len(group) > 1 and not declared:  # nothing left to produce but {}
         raise _refuse("patternProperties", f"a key may match several of the patterns, and {why}")
     return value
-
-
-def _search(pattern: str, name: str) -> bool:
-    """Does `name` match the JSON-Schema `pattern` (search semantics, as the validator reads it)?"""
-    try:
-        return re.search(pattern, name) is not None
-    except re.error as e:
-        raise _refuse("patternProperties", f"invalid regular expression {pattern!r}: {e}") from None
 
 
 def _key_regex(patterns: dict) -> str:
