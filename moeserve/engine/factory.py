@@ -153,8 +153,13 @@ def build_engine(cfg: EngineConfig, runner=None, proposer=None) -> LLMEngine:
         else:
             runner = ModelRunner(model, cfg.max_num_seqs, cfg.max_model_len, compile=cfg.compile)
     if getattr(runner, "compiled", None) is not None:
-        verify = (cfg.num_spec_tokens + 1,) if proposer is not None else ()
-        seconds = runner.compiled.warm_up((1, *verify))
+        # passes of several positions: verify passes, and the short prefill after a prefix-cache hit
+        # (one shape-generic graph serves 2..MAX_QUERY positions; compiling it on first use stalls a request)
+        if proposer is not None:
+            multi = (cfg.num_spec_tokens + 1,)
+        else:
+            multi = (2,) if getattr(runner, "prefix_caching", False) else ()
+        seconds = runner.compiled.warm_up((1, *multi))
         logging.getLogger(__name__).info("model step compiled in %.1f s", seconds)
     spec = SpecConfig(num_tokens=cfg.num_spec_tokens if proposer is not None else 0, adaptive=cfg.adaptive_k,
                       disable_by_batch_size=cfg.spec_disable_by_batch_size)
