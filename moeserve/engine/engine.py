@@ -56,7 +56,8 @@ class LLMEngine:
         # the KV budget reserves room for each sequence's draft tokens
         self.scheduler = Scheduler(replace(cfg, lookahead=max(cfg.lookahead, self.spec.num_tokens if proposer else 0)))
         if adaptive is None and self.spec.adaptive and proposer is not None:
-            adaptive = AdaptiveK(AdaptiveKConfig(k_max=self.spec.num_tokens, probe_budget=0.05), PRIOR_COSTS)
+            adaptive = AdaptiveK(AdaptiveKConfig(k_max=self.spec.num_tokens, probe_budget=0.05, explore_every=32),
+                                 PRIOR_COSTS)
         self.adaptive = adaptive
         self.step_costs = StepCostMeter()
         self.sampler = Sampler()
@@ -236,21 +237,23 @@ class LLMEngine:
         if 0 < self.spec.disable_by_batch_size <= len(seqs):
             self.num_spec_disabled_steps += 1
             return [[] for _ in seqs]
+        ks = self.adaptive.choose_batch([s.seq_id for s in seqs]) if self.adaptive else [self.spec.num_tokens] * len(seqs)
         requests = []
-        for s in seqs:
-            k = self.adaptive.choose_k(s.seq_id) if self.adaptive else self.spec.num_tokens
+        for s, k in zip(seqs, ks):
             room = min(s.params.max_tokens - len(s.output_ids), self.scheduler.cfg.max_model_len - s.num_tokens) - 1
             requests.append(ProposalRequest(s.seq_id, s.token_ids, max(0, min(k, room)), s.params))
         self._last_proposals = self.proposer.propose(requests)
         return [list(p.token_ids) for p in self._last_proposals]
 
     def _measure(self, num_rows: int, width: int, draft_s: float, target_s: float) -> None:
-        """Step times -> the cost model adaptive k optimises, refit every spec.refit_every steps."""
+        """Step times -> the cost model adaptive k optimises for this batch size, refit every
+        spec.refit_every steps of its bucket."""
         if self.adaptive is None:
             return
         self.step_costs.record(num_rows, width, draft_s, target_s)
-        if self.step_costs.num_recorded % self.spec.refit_every == 0:
-            self.adaptive.set_costs(self.step_costs.fit(self.adaptive.costs))
+        if self.step_costs.num_recorded_at(num_rows) % self.spec.refit_every == 0:
+            prior = self.adaptive.costs_for(num_rows)  # the bucket's, or its nearest neighbour's
+            self.adaptive.set_costs(self.step_costs.fit(prior, num_rows), num_rows)
 
     def _verify(self, seqs: list[Sequence], logits: torch.Tensor, proposals: list[list[int]]) -> SpecOutput:
         k = max(len(p) for p in proposals)

@@ -4,6 +4,12 @@ If each draft token is accepted with probability alpha (given the ones before it
 drafting k tokens yields (1 - alpha^(k+1)) / (1 - alpha) tokens per target pass in
 expectation. Drafting costs time, though: the draft runs k steps and the target scores
 k + 1 positions instead of 1. AdaptiveK picks the k that maximises tokens per second.
+
+What a position costs depends on the batch: at one row a pass is nearly all fixed cost, so
+verifying k + 1 positions is almost free; at 32 rows the pass is already busy, and k + 1
+positions cost nearly k + 1 times as much. So the costs are measured and kept per batch-size
+bucket (1, 2-3, 4-7, 8-15, ...), and a batch's k comes from its own bucket's costs: speculation
+stops by itself where it stops paying, instead of at a fixed batch size.
 """
 
 from __future__ import annotations
@@ -71,6 +77,9 @@ class AdaptiveKConfig:
     probe_budget: when set, probes are also spaced so that they cost at most this fraction
         of the plain steps between them (a draft behind a 15 ms network hop probes every
         ~75 plain 4 ms steps at 0.05, not every probe_every).
+    explore_every: while a batch-size bucket drafts, every this many of its steps is plain
+        (k = 0), so its costs are measured at two widths and the slope of a position is known
+        (0: never).
     """
 
     k_max: int = 8
@@ -80,6 +89,7 @@ class AdaptiveKConfig:
     probe_every: int = 16
     pool_decay: float = 0.99
     probe_budget: float | None = None
+    explore_every: int = 0
 
     def __post_init__(self) -> None:
         if self.k_max < 0:
@@ -93,6 +103,8 @@ class AdaptiveKConfig:
             raise ValueError(f"prior_weight must be > 0, got {self.prior_weight}")
         if self.probe_every < 1:
             raise ValueError(f"probe_every must be >= 1, got {self.probe_every}")
+        if self.explore_every < 0:
+            raise ValueError(f"explore_every must be >= 0, got {self.explore_every}")
         if self.probe_budget is not None and not 0.0 < self.probe_budget <= 1.0:
             raise ValueError(f"probe_budget must lie in (0, 1] or be None, got {self.probe_budget}")
 
@@ -103,7 +115,6 @@ class _Acceptance:
     def __init__(self, alpha: float, weight: float) -> None:
         self.accepted = alpha * weight
         self.trials = weight
-        self.steps_at_zero = 0
 
     @property
     def alpha(self) -> float:
@@ -118,58 +129,100 @@ class _Acceptance:
         self.trials = decay * self.trials + trials
 
 
-class AdaptiveK:
-    """Per-sequence k from a running acceptance rate and the measured costs.
+def bucket(num_rows: int) -> int:
+    """The batch-size bucket of num_rows: 1, 2-3, 4-7, 8-15, ... are buckets 1, 2, 3, 4, ..."""
+    return max(1, num_rows).bit_length()
 
-    Per step: `choose_k(seq_id)` before proposing, `observe(seq_id, proposed, accepted)`
-    after verification, `on_finished(seq_id)` when the sequence ends. `set_costs` takes
-    the engine's refitted cost model whenever it has one.
+
+class AdaptiveK:
+    """k for a batch from its rows' running acceptance rates and the costs measured at its size.
+
+    Per step: `choose_batch(seq_ids)` (or `choose_k(seq_id)` for a batch of one) before
+    proposing, `observe(seq_id, proposed, accepted)` after verification, `on_finished(seq_id)`
+    when the sequence ends. `set_costs` takes the engine's refitted cost model for a bucket
+    (or the default, used where a bucket has none and no other bucket is known).
     """
 
     def __init__(self, config: AdaptiveKConfig, costs: CostModel) -> None:
         self.config = config
         self.costs = costs
+        self._bucket_costs: dict[int, CostModel] = {}
         self._pool = _Acceptance(config.prior_alpha, config.prior_weight)
         self._seqs: dict[str, _Acceptance] = {}
+        self._steps_at_zero: dict[int, int] = {}  # per bucket: consecutive plain steps
+        self._steps_drafting: dict[int, int] = {}  # per bucket: consecutive drafting steps
 
-    def set_costs(self, costs: CostModel) -> None:
-        """Replaces the cost model (the engine re-measures as load changes)."""
-        self.costs = costs
+    def set_costs(self, costs: CostModel, num_rows: int | None = None) -> None:
+        """Replaces the cost model of num_rows' bucket (None: the default)."""
+        if num_rows is None:
+            self.costs = costs
+        else:
+            self._bucket_costs[bucket(num_rows)] = costs
+
+    def costs_for(self, num_rows: int) -> CostModel:
+        """The costs of num_rows' bucket, else of the nearest bucket measured, else the default."""
+        if not self._bucket_costs:
+            return self.costs
+        b = bucket(num_rows)
+        return self._bucket_costs[min(self._bucket_costs, key=lambda k: (abs(k - b), k))]
 
     def alpha(self, seq_id: str) -> float:
         """The sequence's running acceptance estimate (the pool's for unknown ids)."""
         state = self._seqs.get(seq_id)
         return (state or self._pool).alpha
 
-    def best_k(self, alpha: float) -> int:
+    def best_k(self, alpha: float, costs: CostModel | None = None) -> int:
         """argmax over k in [0, k_max] of expected tokens per second; ties go to smaller k."""
+        return self.best_batch_k([alpha], costs)
+
+    def best_batch_k(self, alphas: list[float], costs: CostModel | None = None) -> int:
+        """The one k for a batch whose rows accept with these alphas: the target pass is as wide
+        as its widest row, so every row pays for k + 1 positions. argmax over k of the batch's
+        expected tokens per second; ties go to smaller k."""
+        costs = costs or self.costs
         best, best_rate = 0, 0.0
         for k in range(self.config.k_max + 1):
-            rate = expected_tokens_per_pass(alpha, k) / self.costs.step_cost(k)
+            rate = sum(expected_tokens_per_pass(a, k) for a in alphas) / costs.step_cost(k)
             if rate > best_rate * (1.0 + 1e-9):
                 best, best_rate = k, rate
         return best
 
-    def choose_k(self, seq_id: str) -> int:
-        """k for this sequence's next step; 0 means decode without speculation."""
-        state = self._state(seq_id)
-        k = self.best_k(state.alpha)
-        if k == 0 and self.config.k_max > 0:
-            state.steps_at_zero += 1
-            if state.steps_at_zero >= self.probe_interval():
-                state.steps_at_zero = 0
-                return 1
-        else:
-            state.steps_at_zero = 0
-        return k
+    def choose_batch(self, seq_ids: list[str]) -> list[int]:
+        """k for each row of this step's batch; 0 means decode it without speculation.
 
-    def probe_interval(self) -> int:
+        When no row drafts, every probe interval all rows draft one token (a probe), so
+        acceptance and the cost of drafting at this batch size stay measured; while rows
+        draft, every explore_every-th step is plain, so the cost of a plain pass does too."""
+        n = len(seq_ids)
+        b, costs = bucket(n), self.costs_for(n)
+        ks = [self.best_batch_k([self._state(s).alpha for s in seq_ids], costs)] * n
+        if self.config.k_max == 0 or n == 0:
+            return ks
+        if ks[0] == 0:
+            self._steps_drafting[b] = 0
+            self._steps_at_zero[b] = self._steps_at_zero.get(b, 0) + 1
+            if self._steps_at_zero[b] >= self.probe_interval(n):
+                self._steps_at_zero[b] = 0
+                return [1] * n
+            return ks
+        self._steps_at_zero[b] = 0
+        self._steps_drafting[b] = self._steps_drafting.get(b, 0) + 1
+        if self.config.explore_every and self._steps_drafting[b] % self.config.explore_every == 0:
+            return [0] * n
+        return ks
+
+    def choose_k(self, seq_id: str) -> int:
+        """k for this sequence's next step as a batch of one."""
+        return self.choose_batch([seq_id])[0]
+
+    def probe_interval(self, num_rows: int = 1) -> int:
         """Plain steps between probes: probe_every, or more when a probe is dear (probe_budget)."""
         every = self.config.probe_every
         if self.config.probe_budget is None:
             return every
-        extra = self.costs.step_cost(1) - self.costs.step_cost(0)  # what one probe adds to a step
-        return max(every, math.ceil(extra / (self.config.probe_budget * self.costs.step_cost(0))))
+        costs = self.costs_for(num_rows)
+        extra = costs.step_cost(1) - costs.step_cost(0)  # what one probe adds to a step
+        return max(every, math.ceil(extra / (self.config.probe_budget * costs.step_cost(0))))
 
     def observe(self, seq_id: str, num_proposed: int, num_accepted: int) -> None:
         """Records one verification: num_proposed drafted (what the proposer actually

@@ -8,7 +8,8 @@ Per sequence of a B-row batch whose widest row drafts K tokens:
 - drafting runs K sequential draft forwards (the first also catches up), so
   draft_s / B ~ draft_base_s + draft_per_token_s * K.
 
-`fit` solves both lines by least squares over a window of recent steps. When the window
+`fit` solves both lines by least squares over a window of recent steps of one batch-size
+bucket (the per-row costs at 1 row and at 32 differ several-fold; adaptive.bucket). When the window
 holds one width only (fixed k, no plain steps), a slope cannot be measured; the prior's
 slope is kept and only the intercept is fitted. One-off stalls (a draft deployment's channel
 being set up, a long prefill of a new sequence, a pause of the process) would set the costs
@@ -21,7 +22,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from moeserve.spec.adaptive import CostModel
+from moeserve.spec.adaptive import CostModel, bucket
 
 OUTLIER = 4.0  # a step this many times the median (per row) is a one-off, not the cost of drafting
 
@@ -46,27 +47,41 @@ class StepTiming:
 
 
 class StepCostMeter:
-    """A window of recent step timings and the cost model they imply."""
+    """A window of recent step timings per batch-size bucket, and the cost model they imply."""
 
     def __init__(self, window: int = 256) -> None:
         if window < 2:
             raise ValueError(f"window must be >= 2, got {window}")
-        self._steps: deque[StepTiming] = deque(maxlen=window)
+        self.window = window
+        self._steps: dict[int, deque[StepTiming]] = {}
+        self._counts: dict[int, int] = {}
         self.num_recorded = 0
 
     def record(self, num_rows: int, width: int, draft_s: float, target_s: float) -> None:
         """Adds one decode step (width 0 for a step without drafts)."""
-        self._steps.append(StepTiming(num_rows, width, draft_s, target_s))
+        step = StepTiming(num_rows, width, draft_s, target_s)
+        b = bucket(num_rows)
+        self._steps.setdefault(b, deque(maxlen=self.window)).append(step)
+        self._counts[b] = self._counts.get(b, 0) + 1
         self.num_recorded += 1
 
-    def fit(self, prior: CostModel = PRIOR_COSTS) -> CostModel:
-        """Per-sequence costs from the window; the prior where the window says nothing."""
-        steps = _typical(list(self._steps), lambda s: s.target_s / s.num_rows)
+    def num_recorded_at(self, num_rows: int) -> int:
+        """Steps recorded so far in num_rows' bucket."""
+        return self._counts.get(bucket(num_rows), 0)
+
+    def fit(self, prior: CostModel = PRIOR_COSTS, num_rows: int | None = None) -> CostModel:
+        """Per-sequence costs from num_rows' bucket (None: every step in the windows); the
+        prior where the window says nothing."""
+        if num_rows is None:
+            window = [s for steps in self._steps.values() for s in steps]
+        else:
+            window = list(self._steps.get(bucket(num_rows), ()))
+        steps = _typical(window, lambda s: s.target_s / s.num_rows)
         target = _fit_line(
             [s.width + 1 for s in steps], [s.target_s / s.num_rows for s in steps],
             (prior.target_base_s, prior.target_per_token_s),
         )
-        drafted = _typical([s for s in self._steps if s.width > 0], lambda s: s.draft_s / s.num_rows)
+        drafted = _typical([s for s in window if s.width > 0], lambda s: s.draft_s / s.num_rows)
         draft = _fit_line(
             [s.width for s in drafted], [s.draft_s / s.num_rows for s in drafted],
             (prior.draft_base_s, prior.draft_per_token_s),

@@ -106,3 +106,54 @@ def test_bad_config_is_rejected() -> None:
     for kwargs in ({"k_max": -1}, {"decay": 0.0}, {"prior_alpha": 2.0}, {"prior_weight": 0.0}, {"probe_every": 0}):
         with pytest.raises(ValueError):
             AdaptiveKConfig(**kwargs)
+
+
+# A busy batch: the pass is mostly per-position work, so k + 1 positions cost nearly k + 1 passes.
+BUSY_BATCH = CostModel(target_base_s=0.1e-3, target_per_token_s=0.6e-3, draft_per_token_s=0.3e-3)
+
+
+def test_each_batch_size_bucket_chooses_from_its_own_costs() -> None:
+    """Cheap positions at one row, dear ones at 32 rows: the same sequences draft alone and not
+    in the big batch (no fixed disable-by-batch-size needed); buckets are 1, 2-3, 4-7, ..."""
+    adaptive = AdaptiveK(AdaptiveKConfig(k_max=8, prior_alpha=0.8, probe_every=1000), CHEAP_DRAFT)
+    adaptive.set_costs(CHEAP_DRAFT, num_rows=1)
+    adaptive.set_costs(BUSY_BATCH, num_rows=32)
+    batch = [f"s{i}" for i in range(32)]
+    assert adaptive.choose_batch(batch) == [0] * 32
+    assert adaptive.choose_batch(batch[:1])[0] >= 4
+    assert adaptive.costs_for(40) == BUSY_BATCH  # 32-63: one bucket
+    assert adaptive.costs_for(20) == BUSY_BATCH  # 16-31: unmeasured, the nearest measured bucket
+    assert adaptive.costs_for(2) == CHEAP_DRAFT
+    for rows, rate in ((1, CHEAP_DRAFT), (32, BUSY_BATCH)):  # the choice is the argmax at that bucket
+        k = adaptive.best_k(0.8, rate)
+        best = max(range(9), key=lambda j: (expected_tokens_per_pass(0.8, j) / rate.step_cost(j), -j))
+        assert k == best
+
+
+def test_a_batch_probes_together_and_explores_plain_steps() -> None:
+    """No row drafts: every probe interval all rows draft one token at once (one wider pass, not
+    one per sequence). Rows draft: every explore_every-th step is plain, to measure a plain pass."""
+    quiet = AdaptiveK(AdaptiveKConfig(k_max=4, probe_every=3, prior_alpha=0.0), DEAR_DRAFT)
+    rows = ["a", "b", "c"]
+    assert [quiet.choose_batch(rows) for _ in range(6)] == [[0] * 3, [0] * 3, [1] * 3] * 2
+    busy = AdaptiveK(AdaptiveKConfig(k_max=4, prior_alpha=0.9, explore_every=4), CHEAP_DRAFT)
+    steps = [busy.choose_batch(rows) for _ in range(8)]
+    assert [max(s) for s in steps].count(0) == 2 and steps[3] == steps[7] == [0] * 3
+    assert min(steps[0]) > 0
+
+
+def test_a_batch_drafts_one_k_chosen_for_all_its_rows() -> None:
+    """The pass is as wide as the widest row, so k is the argmax of the batch's summed expected
+    tokens over the step cost (brute force here), not each row's own best: one eager row does not
+    make 31 reluctant ones pay for 9 positions."""
+    import random
+
+    rng = random.Random(0)
+    adaptive = AdaptiveK(AdaptiveKConfig(k_max=8), CHEAP_DRAFT)
+    for costs in (CHEAP_DRAFT, DEAR_DRAFT, BUSY_BATCH):
+        for _ in range(50):
+            alphas = [rng.random() for _ in range(rng.randint(1, 32))]
+            rate = [sum(expected_tokens_per_pass(a, k) for a in alphas) / costs.step_cost(k) for k in range(9)]
+            assert adaptive.best_batch_k(alphas, costs) == max(range(9), key=lambda k: (rate[k], -k))
+    middling = CostModel(target_base_s=1e-3, target_per_token_s=0.4e-3, draft_per_token_s=0.2e-3)
+    assert adaptive.best_k(0.99, middling) > 0 and adaptive.best_batch_k([0.99] + [0.05] * 31, middling) == 0

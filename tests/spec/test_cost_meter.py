@@ -75,3 +75,22 @@ def test_a_one_off_stall_does_not_set_the_costs():
     fit = meter.fit()
     assert fit.draft_base_s == pytest.approx(truth.draft_base_s, rel=1e-6, abs=1e-9)
     assert fit.draft_per_token_s == pytest.approx(truth.draft_per_token_s, rel=1e-6)
+
+
+def test_each_batch_size_bucket_is_fitted_on_its_own_steps():
+    """One row: a pass is mostly fixed cost; 32 rows: mostly per-position. Each bucket's fit
+    recovers its own line; the pooled fit (num_rows None) is neither."""
+    alone = CostModel(target_base_s=4e-3, target_per_token_s=1e-4, draft_per_token_s=1e-3, draft_base_s=2e-4)
+    busy = CostModel(target_base_s=2e-4, target_per_token_s=5e-4, draft_per_token_s=2e-4, draft_base_s=1e-5)
+    meter = StepCostMeter()
+    for i in range(60):
+        _record(meter, alone, rows=1, width=i % 5)
+        _record(meter, busy, rows=32 + i % 8, width=i % 3)
+    assert meter.num_recorded_at(1) == 60 and meter.num_recorded_at(39) == 60 and meter.num_recorded_at(8) == 0
+    for rows, truth in ((1, alone), (35, busy)):
+        fit = meter.fit(PRIOR_COSTS, num_rows=rows)
+        for name in ("target_base_s", "target_per_token_s", "draft_per_token_s", "draft_base_s"):
+            assert getattr(fit, name) == pytest.approx(getattr(truth, name), rel=1e-6, abs=1e-9)
+    assert meter.fit(PRIOR_COSTS, num_rows=8) == PRIOR_COSTS  # a bucket never measured: the prior
+    pooled = meter.fit(PRIOR_COSTS)
+    assert pooled.target_base_s != pytest.approx(alone.target_base_s)

@@ -1,0 +1,111 @@
+"""Does speculation pay at every batch size? The demo pair, in-process draft, batch 1..32.
+
+For each batch size B and prompt set (formulaic held-out demo chats, free-form requests), side
+by side in one run, interleaved round by round: no speculation; the draft with a fixed k; the
+same with speculation paused from `disable_by_batch_size` sequences (the old static rule); and
+adaptive k, chosen per batch-size bucket from measured step costs and acceptance (the
+utility rule, moeserve/spec/adaptive.py). Greedy, so every case writes the same tokens; ratios
+are medians of per-round ratios against no speculation.
+
+    python -m bench.spec_batch_sweep [--quick] [--rounds R] [--batches 1,2,4,8,16,32]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import torch  # noqa: E402
+
+from bench import report, workloads  # noqa: E402
+from bench.prompts import formulaic, free_form  # noqa: E402
+from bench.timing import interleaved, summarize  # noqa: E402
+from model_shards import load_checkpoint  # noqa: E402
+from moeserve.engine import LLMEngine, ModelRunner, SchedulerConfig, SpecConfig  # noqa: E402
+from moeserve.engine.factory import demo_checkpoint  # noqa: E402
+from moeserve.spec.draft_model import DraftModelProposer  # noqa: E402
+from moeserve.tokenizer import load_tokenizer  # noqa: E402
+
+NONE = "no speculation"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.spec_batch_sweep", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="two batch sizes, fewer tokens and rounds")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--batches", default="1,2,4,8,16,32")
+    ap.add_argument("--new-tokens", type=int, default=96)
+    ap.add_argument("--k", type=int, default=4, help="draft tokens per step of the fixed-k cases (adaptive: at most 8)")
+    ap.add_argument("--disable-by-batch-size", type=int, default=12, help="the static rule's threshold")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--target", default=demo_checkpoint("demo-moe"))
+    ap.add_argument("--draft", default=demo_checkpoint("demo-draft"))
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.rounds, args.batches, args.new_tokens = 2, "1,8", 32
+    batches = [int(b) for b in args.batches.split(",")]
+    torch.set_num_threads(args.threads)
+    env = report.environment(args.threads)
+    tokenizer = load_tokenizer(args.target)
+    target, draft = load_checkpoint(args.target), load_checkpoint(args.draft)
+    sets = {"formulaic": formulaic(tokenizer, max(batches)), "free-form": free_form(tokenizer, max(batches))}
+    k, off = args.k, args.disable_by_batch_size
+
+    def case(prompts, batch: int, spec: SpecConfig | None):
+        proposer = None if spec is None else DraftModelProposer(draft, batch, 1024)
+        engine = LLMEngine(ModelRunner(target, batch, 1024), tokenizer, SchedulerConfig(batch, 1 << 16, 1024),
+                           proposer=proposer, spec=spec or SpecConfig(num_tokens=0))
+        return workloads.ours(engine, prompts, args.new_tokens, batch, stop_at_eos=False)
+
+    rows = []
+    for name, prompts in sets.items():
+        for batch in batches:
+            ps = prompts[:batch]
+            cases = {
+                NONE: case(ps, batch, None),
+                f"k={k}": case(ps, batch, SpecConfig(num_tokens=k)),
+                f"k={k}, off from {off} rows": case(ps, batch, SpecConfig(num_tokens=k, disable_by_batch_size=off)),
+                "adaptive k<=8": case(ps, batch, SpecConfig(num_tokens=8, adaptive=True)),
+            }
+            summary = summarize(interleaved(cases, args.rounds, desc=f"{name} batch {batch}"), NONE)
+            rows.append({"prompts": name, "batch": batch, **{c: summary[c]["median_ratio"] for c in cases if c != NONE},
+                         "tokens/s, no speculation": summary[NONE]["median_tokens_per_s"]})
+            print({key: round(v, 3) if isinstance(v, float) else v for key, v in rows[-1].items()})
+
+    cols = [c for c in rows[0] if c not in ("prompts", "batch")]
+    table = ["| prompts | batch | " + " | ".join(cols) + " |", "|---|---|" + "---|" * len(cols)]
+    table += [f"| {r['prompts']} | {r['batch']} | " + " | ".join(f"{r[c]:.2f}" for c in cols) + " |" for r in rows]
+    worst = {c: min(r[c] for r in rows) for c in cols[:-1]}
+    md = "\n".join([
+        "# Speculation by batch size", "",
+        f"`python -m bench.spec_batch_sweep`: demo pair, draft in-process, greedy, {args.new_tokens} new tokens per "
+        f"prompt (EOS ignored), {args.rounds} interleaved rounds; ratios are tokens/s against no speculation at the "
+        f"same batch (median of per-round ratios). torch threads: {args.threads}.", "",
+        *table, "",
+        "Worst row per rule: " + ", ".join(f"{c} {v:.2f}x" for c, v in worst.items()) + ".", "",
+        f"![ratio by batch]({'spec_batch_sweep-quick' if args.quick else 'spec_batch_sweep'}-ratio.png)", ""])
+    fig, axes = plt.subplots(1, len(sets), figsize=(5 * len(sets), 3.6), sharey=True)
+    for ax, name in zip(axes, sets):
+        mine = [r for r in rows if r["prompts"] == name]
+        for c in cols[:-1]:
+            ax.plot([r["batch"] for r in mine], [r[c] for r in mine], marker="o", label=c)
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.axhline(0.97, color="grey", lw=0.8, ls=":")
+        ax.set_xscale("log", base=2)
+        ax.set_title(name)
+        ax.set_xlabel("batch (sequences)")
+    axes[0].set_ylabel("tokens/s vs no speculation")
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    data = {"bench": "spec_batch_sweep", "setup": report.portable(vars(args)), "environment": env, "rows": rows}
+    name = "spec_batch_sweep-quick" if args.quick else "spec_batch_sweep"
+    for path in report.write(name, data, md, {"ratio": fig}):
+        print("wrote", path.relative_to(report.REPORTS.parent.parent))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
