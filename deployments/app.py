@@ -31,6 +31,7 @@ from ray.serve import Application
 from deployments.config import AppConfig, resolve_path
 from deployments.engine_server import EngineServer
 from deployments.gateway import Gateway
+from moeserve.engine.factory import EngineConfig
 
 APP_NAME = "moeserve"
 
@@ -58,7 +59,7 @@ def _bind_draft(cfg: AppConfig) -> Application | None:
     the engine drafts in its own process (the default: even a direct actor call per step,
     ~1.5 ms here, is half a decode step) or does not use the draft model."""
     s = cfg.speculative
-    if s.draft != "model" or s.placement != "deployment":
+    if s.placement != "deployment" or EngineConfig.from_app(cfg).speculation != "model":  # "auto" resolved
         return None
     from deployments.draft import DraftServerConfig, bind_draft
 

@@ -101,7 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="start the app (gateway + engine) on a local Ray; Ctrl-C stops it")
     s.add_argument("--config", help="YAML: an app config, or a Serve config (default: built-in defaults)")
     s.add_argument("--shards", type=int, help="expert-parallel shards per engine replica")
-    s.add_argument("--draft", choices=("model", "ngram", "none", "draft"), help="speculative proposer")
+    s.add_argument("--draft", choices=("auto", "model", "ngram", "none", "draft"),
+                   help="speculative proposer (default auto: the draft model if it shares the target's tokenizer)")
     s.add_argument("--model", help="target checkpoint folder (default: checkpoints/demo-moe)")
     s.add_argument("--max-num-seqs", type=int, help="running batch of one engine replica (engine.max_num_seqs)")
     s.add_argument("--max-model-len", type=int, help="context length, prompt and output (engine.max_model_len)")

@@ -93,18 +93,21 @@ class EngineSection(_Section):
 
 
 class SpeculativeSection(_Section):
-    draft: Literal["none", "ngram", "model"] = "ngram"  # model: the dense draft checkpoint
+    # model: the dense draft checkpoint (draft_path); ngram: prompt lookup; auto: the draft model
+    # when it shares the target's tokenizer (the demo pair), else prompt lookup
+    draft: Literal["auto", "none", "ngram", "model"] = "auto"
     draft_path: str | None = "checkpoints/demo-draft"
-    num_tokens: int = Field(4, ge=1, le=16)
-    adaptive: bool = False  # choose k per sequence from its acceptance rate and measured step costs
+    num_tokens: int = Field(8, ge=1, le=16)  # k, or with adaptive the most k may be
+    # k (at most num_tokens) chosen each step for the batch from its rows' acceptance rates and
+    # the step costs measured at that batch size; 0 where speculation does not pay (e.g. a big batch)
+    adaptive: bool = True
     # model draft: in the engine's process, or its own Serve deployment (one call per engine step)
     placement: Literal["in_process", "deployment"] = "in_process"
     draft_replicas: int = Field(1, ge=1)
-    # No speculation while this many sequences run (0: never): a full batch keeps the model busy
-    # and verifying k + 1 positions per row then costs almost k + 1 plain steps.
-    # Measured on the demo pair (formulaic prompts, 64 tokens, vs no speculation): draft model
-    # 1.11x at batch 4, 1.14x at 8, 0.91x at 16.
-    disable_by_batch_size: int = Field(12, ge=0)
+    # No speculation while this many sequences run (0: never), whatever adaptive k measures.
+    # Off by default: adaptive k stops drafting by itself where it stops paying (bench/spec_batch_sweep.py:
+    # on the demo pair it stayed >= 1.0x no speculation at batch 1..32, where this cut-off at 12 gave 0.93x).
+    disable_by_batch_size: int = Field(0, ge=0)
 
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}

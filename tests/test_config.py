@@ -139,3 +139,15 @@ def test_a_runner_handed_in_keeps_its_own_cache_accounting():
     assert cfg.kv_cache == "paged"
     engine = build_engine(cfg, runner=ModelRunner(load_checkpoint(cfg.model), 2, 64))
     assert (engine.scheduler.cfg.block_size, engine.scheduler.cfg.share_prefill) == (1, False)
+
+
+def test_auto_speculation_drafts_with_the_draft_model_only_when_it_shares_the_tokenizer(tmp_path):
+    """auto (the default): the demo pair shares one tokenizer, so the draft model; a target with
+    another tokenizer (or a draft folder that is missing) falls back to prompt lookup."""
+    assert EngineConfig().speculation == "model"
+    other = tmp_path / "other-model"
+    other.mkdir()
+    (other / "tokenizer.json").write_text('{"model": {"type": "BPE", "vocab": {}}}')
+    assert EngineConfig(model=str(other)).speculation == "ngram"
+    assert EngineConfig(draft_model=str(tmp_path / "missing")).speculation == "ngram"
+    assert EngineConfig(speculation="ngram").speculation == "ngram"  # an explicit choice stands

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -32,7 +33,7 @@ class EngineConfig:
 
     model: str = ""  # checkpoint folder of the target; default: the demo MoE
     draft_model: str = ""  # checkpoint folder of the draft; default: the demo draft
-    speculation: str = default_of(SpeculativeSection, "draft")  # none | ngram | model
+    speculation: str = default_of(SpeculativeSection, "draft")  # none | ngram | model | auto (resolved here)
     num_spec_tokens: int = default_of(SpeculativeSection, "num_tokens")
     adaptive_k: bool = default_of(SpeculativeSection, "adaptive")
     spec_disable_by_batch_size: int = default_of(SpeculativeSection, "disable_by_batch_size")
@@ -56,6 +57,8 @@ class EngineConfig:
             object.__setattr__(self, "draft_model", resolve_path(default_of(SpeculativeSection, "draft_path")))
         if self.speculation == "draft":  # the older name of "model"
             object.__setattr__(self, "speculation", "model")
+        if self.speculation == "auto":
+            object.__setattr__(self, "speculation", "model" if same_tokenizer(self.model, self.draft_model) else "ngram")
         if self.speculation not in SPECULATION:
             raise ValueError(f"speculation: must be one of {SPECULATION}, got {self.speculation!r}")
         if self.dtype not in DTYPES:
@@ -119,6 +122,12 @@ class EngineConfig:
             lookahead=lookahead, block_size=self.block_size if self.kv_cache == "paged" else 1,
             share_prefill=self.kv_cache == "paged" and self.prefix_caching,
         )
+
+
+def same_tokenizer(model: str, draft: str) -> bool:
+    """Whether the draft checkpoint folder exists and tokenizes exactly as the target's."""
+    files = [Path(folder) / "tokenizer.json" for folder in (model, draft)]
+    return all(f.is_file() for f in files) and files[0].read_bytes() == files[1].read_bytes()
 
 
 def build_proposer(cfg: EngineConfig):

@@ -26,8 +26,9 @@ def test_shipped_serve_config_is_valid_and_deliberate():
     # the engine replica admits exactly what its own admission control queues
     assert cfg.deployments.engine.max_ongoing_requests == cfg.engine.max_num_seqs + cfg.engine.max_queued_requests
     assert AppConfig.from_dict({"config": "deployments/serve_config.yaml"}) == cfg
-    # speculation pauses before the batch fills (it stops paying at ~16 rows)
-    assert 0 < engine.engine.spec_disable_by_batch_size <= cfg.engine.max_num_seqs
+    # the demo pair's draft in the engine's process, k chosen where it pays (no static cut-off)
+    assert engine.engine.speculation == "model" and engine.engine.adaptive_k
+    assert engine.engine.spec_disable_by_batch_size == 0 and engine.engine.num_spec_tokens == 8
 
 
 def test_overrides_and_errors():

@@ -125,7 +125,7 @@ def test_each_batch_size_bucket_chooses_from_its_own_costs() -> None:
     assert adaptive.costs_for(20) == BUSY_BATCH  # 16-31: unmeasured, the nearest measured bucket
     assert adaptive.costs_for(2) == CHEAP_DRAFT
     for rows, rate in ((1, CHEAP_DRAFT), (32, BUSY_BATCH)):  # the choice is the argmax at that bucket
-        k = adaptive.best_k(0.8, rate)
+        k = adaptive.best_k(0.8, adaptive.costs_for(rows))
         best = max(range(9), key=lambda j: (expected_tokens_per_pass(0.8, j) / rate.step_cost(j), -j))
         assert k == best
 
