@@ -135,32 +135,45 @@ class StructuredOutput:
     def cut_and_fill(self, seqs: Seq[Sequence], proposals: list[Proposal]) -> list[Proposal]:
         """Cut each constrained row's proposal at its first refused draft token (keeping it when
         the draft sampled it), then fill rows b * P + j for j = 0..k, with P = 1 + the widest
-        proposal after cutting."""
+        proposal after cutting.
+
+        With jump-forward, a deterministic proposal is also cut before the first draft token after
+        which the grammar forces text: decoding without drafts would emit that token and then the
+        forced tokens, never a token the target chose there (whose split of the forced text may
+        differ), so verification stops where the forced text starts and greedy output stays exactly
+        the same with and without speculation. A sampled proposal is never cut by its values except
+        at a refusal (a cut that depends on what the draft drew would bias the output)."""
         cut = list(proposals)
         for b, seq in enumerate(seqs):
             draft = cut[b].token_ids
             if seq.grammar is None or not draft:
                 continue
-            ok = self._grammar_prefix(seq.grammar.matcher, draft)
+            probs = cut[b].probs
+            ok, refused = self._grammar_prefix(seq.grammar.matcher, draft, stop_at_forced=probs is None)
             if ok < len(draft):
-                probs = cut[b].probs
-                keep = ok if probs is None else ok + 1  # a sampled refusal is rejected by the rule
+                keep = ok + 1 if refused and probs is not None else ok  # a sampled refusal is rejected by the rule
                 cut[b] = Proposal(list(draft[:keep]), None if probs is None else probs[:keep])
         self._fill(seqs, cut)
         return cut
 
-    def _grammar_prefix(self, matcher: GrammarMatcher, draft: Seq[int]) -> int:
-        """How many leading draft tokens the grammar accepts (matcher left unchanged). Each token
-        is checked against the filled mask first: xgrammar logs a warning for every refused token."""
+    def _grammar_prefix(self, matcher: GrammarMatcher, draft: Seq[int], stop_at_forced: bool) -> tuple[int, bool]:
+        """(n, refused): the leading draft tokens to keep, and whether the one after them is refused
+        by the grammar (else: the grammar forces text after it, or the draft ends). The matcher is
+        left unchanged. Each token is checked against the filled mask first: xgrammar logs a
+        warning for every refused token."""
         row = self._bitmask[-1:]  # [1, W] scratch, filled again by _fill afterwards
-        ok = 0
+        ok, stepped, refused = 0, 0, False
         for t in draft:
             matcher.fill_bitmask(row, 0)
             if not (int(row[0, t // 32]) >> (t % 32)) & 1 or not matcher.accept_token(t):
+                refused = True
+                break
+            stepped += 1
+            if stop_at_forced and self.cfg.jump_forward and matcher.forced_tokens():  # plain: t, then forced tokens
                 break
             ok += 1
-        matcher.rollback(ok)
-        return ok
+        matcher.rollback(stepped)
+        return ok, refused
 
     def _fill(self, seqs: Seq[Sequence], proposals: list[Proposal] | None) -> bool:
         self._rows, self._close = [], []

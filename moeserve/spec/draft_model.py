@@ -46,10 +46,11 @@ from model_shards import CausalLM, StepBatch
 from model_shards.paged_kv import OutOfBlocks
 from moeserve.engine.model_runner import Row, forward_last
 from moeserve.engine.paged_runner import PagedRunner
+from moeserve.grammar.bitmask import allocate_bitmask, apply_bitmask
 from moeserve.sampler import Sampler, keyed_sample, random_sample
 from moeserve.sampling_params import SamplingParams
 from moeserve.spec.draft_decoder import DenseDecodeStep
-from moeserve.spec.proposer import Proposal, ProposalRequest, Proposer
+from moeserve.spec.proposer import DraftGrammar, Proposal, ProposalRequest, Proposer
 
 
 class DraftInterrupted(Exception):
@@ -75,6 +76,7 @@ class _Row:
     k: int
     start: int  # tokens of `tokens` already in the draft cache (after rollback)
     params: SamplingParams | None  # None: propose the argmax
+    grammar: DraftGrammar | None = None  # masks the draft's own distribution at each draft step
 
 
 @dataclass(frozen=True)
@@ -212,7 +214,7 @@ class DraftModelProposer(Proposer):
             if not hypothetical:
                 state.seen = len(tokens)
             params = None if self.greedy or req.params is None or req.params.greedy else req.params
-            rows.append(_Row(i, req.seq_id, tokens, k, start, params))
+            rows.append(_Row(i, req.seq_id, tokens, k, start, params, req.grammar))
         return rows
 
     def _catch_up(self, rows: list[_Row], batch: _Batch) -> torch.Tensor:
@@ -246,22 +248,33 @@ class DraftModelProposer(Proposer):
         out = torch.empty(len(rows), width, dtype=torch.long, device=self.device)  # [B, K]
         probs = torch.empty(len(sampled), width, logits.shape[-1]) if sampled else None  # [S, K, V]
         second = torch.zeros_like(out) if self.track_runner_up and logits.shape[-1] > 1 else None
-        for j in range(width):
-            n = active[j]
-            if j and interrupted is not None and interrupted():
-                raise DraftInterrupted
-            if j:  # feed draft j-1 (0-based) at position len + j - 1
-                positions = batch.lengths[:n] + (j - 1)  # [n]
-                tk = batch.max_len[n - 1] + j
-                logits = self._step(out[:n, j - 1], batch.tables[:n], positions, tk, batch.ragged[n - 1])
-            out[:n, j] = logits.argmax(dim=-1)  # [n]
-            if second is not None:
-                second[:n, j] = logits.scatter(1, out[:n, j, None], float("-inf")).argmax(dim=-1)
-            if sampled:
-                s = bisect_left(sampled, n)  # sampling rows among the first n
-                if s:
-                    self._sample(rows, sampled[:s], logits, j, out, probs)
+        masks = _GrammarMasks(rows, logits.shape[-1])
+        try:
+            for j in range(width):
+                n = active[j]
+                if j and interrupted is not None and interrupted():
+                    raise DraftInterrupted
+                if j:  # feed draft j-1 (0-based) at position len + j - 1
+                    positions = batch.lengths[:n] + (j - 1)  # [n]
+                    tk = batch.max_len[n - 1] + j
+                    logits = self._step(out[:n, j - 1], batch.tables[:n], positions, tk, batch.ragged[n - 1])
+                masks.apply(logits, out, j)
+                self._pick(rows, logits, j, out, probs, second, sampled)
+        finally:
+            masks.rollback()
         return out, probs, second
+
+    def _pick(self, rows: list[_Row], logits: torch.Tensor, j: int, out: torch.Tensor, probs: torch.Tensor | None,
+              second: torch.Tensor | None, sampled: list[int]) -> None:
+        """Draft j of the first n = len(logits) rows: the argmax, or a draw for sampling rows."""
+        n = logits.shape[0]
+        out[:n, j] = logits.argmax(dim=-1)  # [n]
+        if second is not None:
+            second[:n, j] = logits.scatter(1, out[:n, j, None], float("-inf")).argmax(dim=-1)
+        if sampled:
+            s = bisect_left(sampled, n)  # sampling rows among the first n
+            if s:
+                self._sample(rows, sampled[:s], logits, j, out, probs)
 
     def _step(
         self, tokens: torch.Tensor, tables: torch.Tensor, positions: torch.Tensor, tk: int, ragged: bool = True
@@ -311,6 +324,53 @@ class DraftModelProposer(Proposer):
         self.on_finished(min(idle)[1])
         self.num_evictions += 1
         return True
+
+
+class _GrammarMasks:
+    """The constrained rows' grammar masks on the draft's own logits, draft step by draft step.
+
+    Before draft j of a constrained row, its matcher accepts draft j - 1 and fills the row's
+    mask, which is applied to the draft's logits (so the argmax, the draw and the sampled q all
+    come from the masked distribution); `rollback` returns every matcher to where it stood. A
+    row whose matcher refuses a token (its output is complete and the draft stepped past the
+    stop token) is left unmasked from there: the target refuses those drafts anyway."""
+
+    def __init__(self, rows: list[_Row], vocab: int) -> None:
+        # a grammar over another vocabulary size (a draft with a padded head) cannot mask these logits
+        self.rows = [b for b, r in enumerate(rows) if r.grammar is not None and _vocab_of(r.grammar, vocab) == vocab]
+        self.grammars = [rows[b].grammar for b in self.rows]
+        self.accepted = [0] * len(self.rows)
+        self.live = [True] * len(self.rows)
+        self.bitmask = allocate_bitmask(len(self.rows), vocab) if self.rows else None
+
+    def apply(self, logits: torch.Tensor, out: torch.Tensor, j: int) -> None:
+        """Masks draft j's logits [n, V] for the constrained rows among the first n."""
+        masked = []
+        for i, (b, g) in enumerate(zip(self.rows, self.grammars)):
+            if b >= logits.shape[0] or not self.live[i]:
+                continue
+            if j:
+                if not g.accept_token(int(out[b, j - 1])):
+                    self.live[i] = False
+                    continue
+                self.accepted[i] += 1
+            g.fill_bitmask(self.bitmask, i)
+            masked.append((i, b))
+        if masked:
+            words = self.bitmask[[i for i, _ in masked]]  # [m, W]
+            rows = [b for _, b in masked]
+            sub = logits[rows]
+            apply_bitmask(sub, words)
+            logits[rows] = sub
+
+    def rollback(self) -> None:
+        for g, n in zip(self.grammars, self.accepted):
+            g.rollback(n)
+
+
+def _vocab_of(grammar: DraftGrammar, default: int) -> int:
+    compiled = getattr(grammar, "compiled", None)
+    return getattr(compiled, "vocab_size", default)
 
 
 def _common_prefix(cached: list[int], tokens: list[int], hint: int) -> int:

@@ -15,11 +15,22 @@ import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import Tensor
 
 from moeserve.sampling_params import SamplingParams
+
+
+class DraftGrammar(Protocol):
+    """What a proposer may do with a request's grammar matcher (moeserve.grammar.GrammarMatcher)."""
+
+    def fill_bitmask(self, bitmask: Tensor, row: int = 0) -> None: ...
+
+    def accept_token(self, token_id: int) -> bool: ...
+
+    def rollback(self, num_tokens: int) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -32,12 +43,17 @@ class ProposalRequest:
     params: the request's sampling parameters. A draft model that samples uses them for
         its own q (temperature, top-k, top-p as the target applies them to p), which is
         what keeps acceptance high; None (or greedy params) asks for deterministic drafts.
+    grammar: the request's grammar matcher, standing at the end of token_ids (in-process
+        proposers only; never sent to a draft deployment). A draft model drafts from its own
+        masked distribution with it, so it proposes only tokens the grammar allows, and a
+        sampled draft's q is masked as the target's p is. The proposer leaves it where it was.
     """
 
     seq_id: str
     token_ids: Sequence[int]
     num_tokens: int
     params: SamplingParams | None = None
+    grammar: DraftGrammar | None = None
 
     def __post_init__(self) -> None:
         if self.num_tokens < 0:

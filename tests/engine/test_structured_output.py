@@ -198,3 +198,43 @@ def test_a_refused_sampled_draft_is_rejected_by_the_rule_not_resampled(tiny):
         out = rejection.sample(sampler.probs(logits, [seq.params]), ids, probs, n)
         counts[out.token_ids[0][0]] += 1
     assert chisquare([counts[a], counts[b]], [10_000, 10_000]).pvalue > 1e-3, counts
+
+
+class NoGrammarDraft(Proposer):
+    """The same draft model, not shown the grammar (what a draft deployment sees)."""
+
+    def __init__(self, inner: Proposer) -> None:
+        self.inner = inner
+
+    def propose(self, requests: list[ProposalRequest]) -> list[Proposal]:
+        return self.inner.propose([ProposalRequest(r.seq_id, r.token_ids, r.num_tokens, r.params) for r in requests])
+
+    def on_finished(self, seq_id: str) -> None:
+        self.inner.on_finished(seq_id)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_draft_model_drafts_from_its_own_masked_distribution(tiny, temperature):
+    """The target as its own draft: shown the grammar, it masks its own distribution as the target
+    masks p, so (greedy) every draft is the target's masked argmax, or (sampled) q equals the
+    masked p, and nearly every draft is accepted (the rest: where the target steers toward closing
+    the output before max_tokens); not shown it, the draft proposes tokens the grammar refuses,
+    which are cut before verification, so a pass yields fewer tokens. Greedy output stays exactly
+    plain decoding's; the matchers end where they were (every output replays through its grammar)."""
+    from moeserve.spec.draft_model import DraftModelProposer
+
+    folder, tokenizer, compiler = tiny
+    jobs = [(p, SamplingParams(max_tokens=60, temperature=temperature, seed=None), compiler.compile(s))
+            for p in PROMPTS[:2] for s in (SPECS["json_schema"], SPECS["regex"], SPECS["ebnf"])]
+    rates, per_pass, outputs = {}, {}, {}
+    for shown in (True, False):
+        draft = DraftModelProposer(load_checkpoint(folder), 8, 512, greedy=temperature == 0.0)
+        engine = make_engine(folder, tokenizer, proposer=draft if shown else NoGrammarDraft(draft), k=4,
+                             kv_cache="paged")
+        outputs[shown] = run(engine, jobs)
+        rates[shown], per_pass[shown] = engine.spec_metrics.acceptance_rate, engine.spec_metrics.tokens_per_pass
+        for spec, (tokens, text, reason) in zip([j[2].spec for j in jobs], outputs[shown]):
+            assert_accepted(spec, compiler, tokens, text, reason)
+    assert rates[True] > 0.75 and per_pass[True] > per_pass[False] + 0.5, (rates, per_pass)
+    if temperature == 0.0:
+        assert [t for t, _, _ in outputs[True]] == [t for t, _, _ in run(make_engine(folder, tokenizer), jobs)]
