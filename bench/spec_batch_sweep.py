@@ -1,7 +1,8 @@
 """Does speculation pay at every batch size? The demo pair, in-process draft, batch 1..32.
 
-For each batch size B and prompt set (formulaic held-out demo chats, free-form requests), side
-by side in one run, interleaved round by round: no speculation; the draft with a fixed k; the
+For each batch size B and prompt set (formulaic held-out demo chats, free-form requests, and the
+formulaic chats constrained to the demo's JSON schema), side by side in one run, interleaved
+round by round: no speculation; the draft with a fixed k; the
 same with speculation paused from `disable_by_batch_size` sequences (the old static rule); and
 adaptive k, chosen per batch-size bucket from measured step costs and acceptance (the
 utility rule, moeserve/spec/adaptive.py). Greedy, so every case writes the same tokens; ratios
@@ -23,9 +24,11 @@ import torch  # noqa: E402
 from bench import report, workloads  # noqa: E402
 from bench.prompts import formulaic, free_form  # noqa: E402
 from bench.timing import interleaved, summarize  # noqa: E402
+from deployments.local import DEMO_SCHEMA  # noqa: E402
 from model_shards import load_checkpoint  # noqa: E402
 from moeserve.engine import LLMEngine, ModelRunner, SchedulerConfig, SpecConfig  # noqa: E402
 from moeserve.engine.factory import demo_checkpoint  # noqa: E402
+from moeserve.grammar import GrammarCompiler, GrammarSpec  # noqa: E402
 from moeserve.spec.draft_model import DraftModelProposer  # noqa: E402
 from moeserve.tokenizer import load_tokenizer  # noqa: E402
 
@@ -51,24 +54,28 @@ def main(argv: list[str] | None = None) -> int:
     env = report.environment(args.threads)
     tokenizer = load_tokenizer(args.target)
     target, draft = load_checkpoint(args.target), load_checkpoint(args.draft)
-    sets = {"formulaic": formulaic(tokenizer, max(batches)), "free-form": free_form(tokenizer, max(batches))}
+    schema = GrammarCompiler(tokenizer, target.config.vocab_size).compile(GrammarSpec.json_schema(DEMO_SCHEMA))
+    sets = {"formulaic": (formulaic(tokenizer, max(batches)), None),
+            "free-form": (free_form(tokenizer, max(batches)), None),
+            "formulaic, JSON schema": (formulaic(tokenizer, max(batches)), schema)}
     k, off = args.k, args.disable_by_batch_size
 
-    def case(prompts, batch: int, spec: SpecConfig | None):
+    def case(prompts, batch: int, spec: SpecConfig | None, grammar):
         proposer = None if spec is None else DraftModelProposer(draft, batch, 1024)
         engine = LLMEngine(ModelRunner(target, batch, 1024), tokenizer, SchedulerConfig(batch, 1 << 16, 1024),
                            proposer=proposer, spec=spec or SpecConfig(num_tokens=0))
-        return workloads.ours(engine, prompts, args.new_tokens, batch, stop_at_eos=False)
+        return workloads.ours(engine, prompts, args.new_tokens, batch, stop_at_eos=False, grammar=grammar)
 
     rows = []
-    for name, prompts in sets.items():
+    for name, (prompts, grammar) in sets.items():
         for batch in batches:
             ps = prompts[:batch]
             cases = {
-                NONE: case(ps, batch, None),
-                f"k={k}": case(ps, batch, SpecConfig(num_tokens=k)),
-                f"k={k}, off from {off} rows": case(ps, batch, SpecConfig(num_tokens=k, disable_by_batch_size=off)),
-                "adaptive k<=8": case(ps, batch, SpecConfig(num_tokens=8, adaptive=True)),
+                NONE: case(ps, batch, None, grammar),
+                f"k={k}": case(ps, batch, SpecConfig(num_tokens=k), grammar),
+                f"k={k}, off from {off} rows": case(ps, batch, SpecConfig(num_tokens=k, disable_by_batch_size=off),
+                                                    grammar),
+                "adaptive k<=8": case(ps, batch, SpecConfig(num_tokens=8, adaptive=True), grammar),
             }
             summary = summarize(interleaved(cases, args.rounds, desc=f"{name} batch {batch}"), NONE)
             rows.append({"prompts": name, "batch": batch, **{c: summary[c]["median_ratio"] for c in cases if c != NONE},
@@ -87,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         *table, "",
         "Worst row per rule: " + ", ".join(f"{c} {v:.2f}x" for c, v in worst.items()) + ".", "",
         f"![ratio by batch]({'spec_batch_sweep-quick' if args.quick else 'spec_batch_sweep'}-ratio.png)", ""])
-    fig, axes = plt.subplots(1, len(sets), figsize=(5 * len(sets), 3.6), sharey=True)
+    fig, axes = plt.subplots(1, len(sets), figsize=(4.5 * len(sets), 3.6), sharey=True)
     for ax, name in zip(axes, sets):
         mine = [r for r in rows if r["prompts"] == name]
         for c in cols[:-1]:

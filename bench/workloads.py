@@ -23,9 +23,11 @@ def greedy(new_tokens: int, stop_at_eos: bool = False) -> SamplingParams:
     return SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=not stop_at_eos)
 
 
-def ours(engine: LLMEngine, prompts: list[list[int]], new_tokens: int, batch: int, stop_at_eos: bool = False) -> Case:
-    """Our engine: prompts in groups of `batch`. extra: this run's speculation metrics and the
-    time split into prefill (each group's first step) and decode steps."""
+def ours(engine: LLMEngine, prompts: list[list[int]], new_tokens: int, batch: int, stop_at_eos: bool = False,
+         grammar=None) -> Case:
+    """Our engine: prompts in groups of `batch` (each constrained by `grammar`, a CompiledGrammar,
+    when given: then a reply ends where its grammar completes). extra: this run's speculation
+    metrics and the time split into prefill (each group's first step) and decode steps."""
     params = greedy(new_tokens, stop_at_eos)
 
     def case() -> tuple[int, dict]:
@@ -33,7 +35,7 @@ def ours(engine: LLMEngine, prompts: list[list[int]], new_tokens: int, batch: in
         tokens, prefill_s, decode_s, decode_steps = 0, 0.0, 0.0, 0
         for i in range(0, len(prompts), batch):
             for p in prompts[i : i + batch]:
-                engine.add_request(p, params)
+                engine.add_request(p, params, grammar=grammar)
             t0 = time.perf_counter()
             tokens += sum(len(o.new_token_ids) for o in engine.step())  # prefill: the whole group at once
             prefill_s += time.perf_counter() - t0
