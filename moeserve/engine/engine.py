@@ -205,6 +205,7 @@ class LLMEngine:
         seqs = batch.seqs
         t0 = time.perf_counter()
         proposals = self._propose(seqs)
+        drafted = [len(p) for p in proposals]  # before the grammar's cuts: a cut draft counts as rejected
         if any(proposals):  # drafts the grammar refuses are cut; masks for all k+1 positions filled
             self._last_proposals = self.structured.cut_and_fill(seqs, self._last_proposals)
             proposals = [list(p.token_ids) for p in self._last_proposals]
@@ -223,10 +224,10 @@ class LLMEngine:
         self._record_logprobs(seqs, logits, out.token_ids)  # the target's verify pass
         accepted = out.num_accepted.tolist()
         self._record_trace(seqs, out.token_ids, [n - 1 for n in fed], accepted)
-        for s, a, p, n in zip(seqs, accepted, proposals, fed):
+        for s, a, d, n in zip(seqs, accepted, drafted, fed):
             s.num_cached += n + a  # the fed tokens + accepted drafts; rejected ones are rolled back
             if self.adaptive is not None:
-                self.adaptive.observe(s.seq_id, len(p), a)
+                self.adaptive.observe(s.seq_id, d, a)
         self.spec_metrics.record([len(p) for p in proposals], accepted, t1 - t0, t2 - t1)
         self._measure(len(seqs), max(map(len, proposals)), t1 - t0, t2 - t1)
         return out.token_ids
