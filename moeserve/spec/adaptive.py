@@ -129,6 +129,9 @@ class _Acceptance:
         self.trials = decay * self.trials + trials
 
 
+MAX_PROBE_SCALE = 16  # a bucket where drafting never pays probes at most every 16 probe intervals
+
+
 def bucket(num_rows: int) -> int:
     """The batch-size bucket of num_rows: 1, 2-3, 4-7, 8-15, ... are buckets 1, 2, 3, 4, ..."""
     return max(1, num_rows).bit_length()
@@ -151,6 +154,8 @@ class AdaptiveK:
         self._seqs: dict[str, _Acceptance] = {}
         self._steps_at_zero: dict[int, int] = {}  # per bucket: consecutive plain steps
         self._steps_drafting: dict[int, int] = {}  # per bucket: consecutive drafting steps
+        self._probe_scale: dict[int, int] = {}  # per bucket: probes that did not win k back stretch the interval
+        self._probed: set[int] = set()  # buckets whose last step was a probe
 
     def set_costs(self, costs: CostModel, num_rows: int | None = None) -> None:
         """Replaces the cost model of num_rows' bucket (None: the default)."""
@@ -191,7 +196,8 @@ class AdaptiveK:
         """k for each row of this step's batch; 0 means decode it without speculation.
 
         When no row drafts, every probe interval all rows draft one token (a probe), so
-        acceptance and the cost of drafting at this batch size stay measured; while rows
+        acceptance and the cost of drafting at this batch size stay measured (each probe that
+        does not win k back doubles the bucket's interval, up to MAX_PROBE_SCALE); while rows
         draft, every explore_every-th step is plain, so the cost of a plain pass does too."""
         n = len(seq_ids)
         b, costs = bucket(n), self.costs_for(n)
@@ -200,11 +206,17 @@ class AdaptiveK:
             return ks
         if ks[0] == 0:
             self._steps_drafting[b] = 0
+            if b in self._probed:  # the probe did not win k back: wait longer for the next one
+                self._probed.discard(b)
+                self._probe_scale[b] = min(MAX_PROBE_SCALE, 2 * self._probe_scale.get(b, 1))
             self._steps_at_zero[b] = self._steps_at_zero.get(b, 0) + 1
-            if self._steps_at_zero[b] >= self.probe_interval(n):
+            if self._steps_at_zero[b] >= self.probe_interval(n) * self._probe_scale.get(b, 1):
                 self._steps_at_zero[b] = 0
+                self._probed.add(b)
                 return [1] * n
             return ks
+        self._probed.discard(b)
+        self._probe_scale[b] = 1
         self._steps_at_zero[b] = 0
         d = self._steps_drafting[b] = self._steps_drafting.get(b, 0) + 1
         every = self.config.explore_every

@@ -82,7 +82,8 @@ def test_alpha_counts_only_tried_drafts() -> None:
 
 def test_zero_k_probes_again() -> None:
     adaptive = AdaptiveK(AdaptiveKConfig(k_max=4, probe_every=3, prior_alpha=0.0), DEAR_DRAFT)
-    assert [adaptive.choose_k("s") for _ in range(6)] == [0, 0, 1, 0, 0, 1]
+    # a probe that does not win k back doubles the wait for the next (test_probes_that_do_not_pay_back_off)
+    assert [adaptive.choose_k("s") for _ in range(9)] == [0, 0, 1, 0, 0, 0, 0, 0, 1]
 
 
 def test_new_sequence_starts_from_pool_alpha() -> None:
@@ -135,7 +136,7 @@ def test_a_batch_probes_together_and_explores_plain_steps() -> None:
     one per sequence). Rows draft: every explore_every-th step is plain, to measure a plain pass."""
     quiet = AdaptiveK(AdaptiveKConfig(k_max=4, probe_every=3, prior_alpha=0.0), DEAR_DRAFT)
     rows = ["a", "b", "c"]
-    assert [quiet.choose_batch(rows) for _ in range(6)] == [[0] * 3, [0] * 3, [1] * 3] * 2
+    assert [quiet.choose_batch(rows) for _ in range(9)] == [[0] * 3, [0] * 3, [1] * 3] + [[0] * 3] * 5 + [[1] * 3]
     busy = AdaptiveK(AdaptiveKConfig(k_max=4, prior_alpha=0.9, explore_every=32), CHEAP_DRAFT)
     steps = [busy.choose_batch(rows) for _ in range(100)]
     plain = [i + 1 for i, s in enumerate(steps) if s == [0] * 3]  # early in a bucket, then every 32
@@ -157,3 +158,15 @@ def test_a_batch_drafts_one_k_chosen_for_all_its_rows() -> None:
             assert adaptive.best_batch_k(alphas, costs) == max(range(9), key=lambda k: (rate[k], -k))
     middling = CostModel(target_base_s=1e-3, target_per_token_s=0.4e-3, draft_per_token_s=0.2e-3)
     assert adaptive.best_k(0.99, middling) > 0 and adaptive.best_batch_k([0.99] + [0.05] * 31, middling) == 0
+
+
+def test_probes_that_do_not_pay_back_off() -> None:
+    """Each probe after which k stays 0 doubles the bucket's interval (3, 6, 12, ... steps, up to
+    16 intervals); a probe that wins k back resets it."""
+    adaptive = AdaptiveK(AdaptiveKConfig(k_max=4, probe_every=3, prior_alpha=0.0), DEAR_DRAFT)
+    probes = [i for i in range(200) if adaptive.choose_k("s") == 1]
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert gaps[:5] == [6, 12, 24, 48, 48], gaps  # the first probe comes after 3 plain steps
+    for _ in range(50):  # the text turned formulaic: the next probe pays and resets the interval
+        adaptive.observe("s", 4, 4)
+    assert adaptive.choose_k("s") > 0
