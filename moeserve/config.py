@@ -105,8 +105,8 @@ class SpeculativeSection(_Section):
     placement: Literal["in_process", "deployment"] = "in_process"
     draft_replicas: int = Field(1, ge=1)
     # No speculation while this many sequences run (0: never), whatever adaptive k measures.
-    # Off by default: adaptive k stops drafting by itself where it stops paying (bench/spec_batch_sweep.py:
-    # on the demo pair it stayed >= 1.0x no speculation at batch 1..32, where this cut-off at 12 gave 0.93x).
+    # Off by default: adaptive k drafts where it pays at each batch size (bench/spec_batch_sweep.py, demo
+    # pair: at 16-32 rows adaptive k ran 1.10-1.69x no speculation, where a cut-off at 12 gave 1.02-1.08x).
     disable_by_batch_size: int = Field(0, ge=0)
 
 
