@@ -46,10 +46,10 @@ from model_shards import CausalLM, StepBatch
 from model_shards.paged_kv import OutOfBlocks
 from moeserve.engine.model_runner import Row, forward_last
 from moeserve.engine.paged_runner import PagedRunner
-from moeserve.grammar.bitmask import allocate_bitmask, apply_bitmask
 from moeserve.sampler import Sampler, keyed_sample, random_sample
 from moeserve.sampling_params import SamplingParams
 from moeserve.spec.draft_decoder import DenseDecodeStep
+from moeserve.spec.draft_masks import GrammarMasks
 from moeserve.spec.proposer import DraftGrammar, Proposal, ProposalRequest, Proposer
 
 
@@ -248,7 +248,7 @@ class DraftModelProposer(Proposer):
         out = torch.empty(len(rows), width, dtype=torch.long, device=self.device)  # [B, K]
         probs = torch.empty(len(sampled), width, logits.shape[-1]) if sampled else None  # [S, K, V]
         second = torch.zeros_like(out) if self.track_runner_up and logits.shape[-1] > 1 else None
-        masks = _GrammarMasks(rows, logits.shape[-1])
+        masks = GrammarMasks([r.grammar for r in rows], logits.shape[-1])
         try:
             for j in range(width):
                 n = active[j]
@@ -324,53 +324,6 @@ class DraftModelProposer(Proposer):
         self.on_finished(min(idle)[1])
         self.num_evictions += 1
         return True
-
-
-class _GrammarMasks:
-    """The constrained rows' grammar masks on the draft's own logits, draft step by draft step.
-
-    Before draft j of a constrained row, its matcher accepts draft j - 1 and fills the row's
-    mask, which is applied to the draft's logits (so the argmax, the draw and the sampled q all
-    come from the masked distribution); `rollback` returns every matcher to where it stood. A
-    row whose matcher refuses a token (its output is complete and the draft stepped past the
-    stop token) is left unmasked from there: the target refuses those drafts anyway."""
-
-    def __init__(self, rows: list[_Row], vocab: int) -> None:
-        # a grammar over another vocabulary size (a draft with a padded head) cannot mask these logits
-        self.rows = [b for b, r in enumerate(rows) if r.grammar is not None and _vocab_of(r.grammar, vocab) == vocab]
-        self.grammars = [rows[b].grammar for b in self.rows]
-        self.accepted = [0] * len(self.rows)
-        self.live = [True] * len(self.rows)
-        self.bitmask = allocate_bitmask(len(self.rows), vocab) if self.rows else None
-
-    def apply(self, logits: torch.Tensor, out: torch.Tensor, j: int) -> None:
-        """Masks draft j's logits [n, V] for the constrained rows among the first n."""
-        masked = []
-        for i, (b, g) in enumerate(zip(self.rows, self.grammars)):
-            if b >= logits.shape[0] or not self.live[i]:
-                continue
-            if j:
-                if not g.accept_token(int(out[b, j - 1])):
-                    self.live[i] = False
-                    continue
-                self.accepted[i] += 1
-            g.fill_bitmask(self.bitmask, i)
-            masked.append((i, b))
-        if masked:
-            words = self.bitmask[[i for i, _ in masked]]  # [m, W]
-            rows = [b for _, b in masked]
-            sub = logits[rows]
-            apply_bitmask(sub, words)
-            logits[rows] = sub
-
-    def rollback(self) -> None:
-        for g, n in zip(self.grammars, self.accepted):
-            g.rollback(n)
-
-
-def _vocab_of(grammar: DraftGrammar, default: int) -> int:
-    compiled = getattr(grammar, "compiled", None)
-    return getattr(compiled, "vocab_size", default)
 
 
 def _common_prefix(cached: list[int], tokens: list[int], hint: int) -> int:

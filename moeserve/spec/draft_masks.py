@@ -1,0 +1,62 @@
+"""Grammar masks on a draft model's own logits, draft step by draft step.
+
+A draft that sees the request's grammar proposes only tokens the grammar allows (and a sampled
+draft's q is masked as the target's p is), instead of proposing tokens the engine then cuts.
+Shapes: n rows drafting this step, V the draft's vocabulary, W = ceil(V / 32) bitmask words.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moeserve.grammar.bitmask import allocate_bitmask, apply_bitmask
+from moeserve.spec.proposer import DraftGrammar
+
+
+class GrammarMasks:
+    """The constrained rows' grammar masks on the draft's own logits, draft step by draft step.
+
+    Before draft j of a constrained row, its matcher accepts draft j - 1 and fills the row's
+    mask, which is applied to the draft's logits (so the argmax, the draw and the sampled q all
+    come from the masked distribution); `rollback` returns every matcher to where it stood. A
+    row whose matcher refuses a token (its output is complete and the draft stepped past the
+    stop token) is left unmasked from there: the target refuses those drafts anyway."""
+
+    def __init__(self, grammars: list[DraftGrammar | None], vocab: int) -> None:
+        """grammars: each drafting row's matcher (None: unconstrained); vocab: the draft's logits width."""
+        # a grammar over another vocabulary size (a draft with a padded head) cannot mask these logits
+        self.rows = [b for b, g in enumerate(grammars) if g is not None and _vocab_of(g, vocab) == vocab]
+        self.grammars = [grammars[b] for b in self.rows]
+        self.accepted = [0] * len(self.rows)
+        self.live = [True] * len(self.rows)
+        self.bitmask = allocate_bitmask(len(self.rows), vocab) if self.rows else None
+
+    def apply(self, logits: torch.Tensor, out: torch.Tensor, j: int) -> None:
+        """Masks draft j's logits [n, V] in place for the constrained rows among the first n; out [B, K]:
+        the drafts so far (draft j - 1 is what each matcher accepts first)."""
+        masked = []
+        for i, (b, g) in enumerate(zip(self.rows, self.grammars)):
+            if b >= logits.shape[0] or not self.live[i]:
+                continue
+            if j:
+                if not g.accept_token(int(out[b, j - 1])):
+                    self.live[i] = False
+                    continue
+                self.accepted[i] += 1
+            g.fill_bitmask(self.bitmask, i)
+            masked.append((i, b))
+        if masked:
+            words = self.bitmask[[i for i, _ in masked]]  # [m, W]
+            rows = [b for _, b in masked]
+            sub = logits[rows]
+            apply_bitmask(sub, words)
+            logits[rows] = sub
+
+    def rollback(self) -> None:
+        for g, n in zip(self.grammars, self.accepted):
+            g.rollback(n)
+
+
+def _vocab_of(grammar: DraftGrammar, default: int) -> int:
+    compiled = getattr(grammar, "compiled", None)
+    return getattr(compiled, "vocab_size", default)
