@@ -14,8 +14,9 @@ flow does not depend on tensor values. This pass is the eager forward rewritten 
   the rows' block tables (padding to the scratch block) and attention reads one gather of the
   rows' blocks; the cache tensors are inputs of the graph, so they may grow between calls;
 - each token runs through its top-k experts as a gather-multiply-sum that inductor fuses into
-  one reduction loading the routed experts' weights by index (`_routed_moe`): no data-dependent
-  shapes, exact for capacity "none";
+  one reduction loading the routed experts' weights by index (no data-dependent shapes), or,
+  where that would read more expert weights than there are and they do not fit the caches,
+  through every expert as one dense matmul weighted by the gates (`_moe`); exact for capacity "none";
 - rows, on the CPU: one graph for a batch of one (torch specialises size-1 dimensions; the
   single stream is the latency that matters most) and one shape-generic graph for 2..64 rows,
   each for T = 1 (decode) and T = k + 1 (verify);
@@ -50,6 +51,9 @@ from router_service.gating import Gates, topk_gate
 logger = logging.getLogger(__name__)
 
 MAX_ROWS = 64  # larger batches: eager
+# A layer's experts up to this size are read routed at any batch (they stay in the CPU's caches:
+# demo MoE, 3 MiB); larger ones (Mixtral-8x7B: 2.8 GB a layer) only while N * K <= E.
+ROUTED_MAX_EXPERT_BYTES = 16 << 20
 MAX_QUERY = 16  # decode (1) and verify (k + 1 <= 17) positions
 CAPTURE_SIZES = (1, 2, 4, 8, 16, 32, 64)  # static graphs: rows padded to the next of these
 MIN_KEYS = 128  # static graphs: keys read, padded to a power of two from here
@@ -159,7 +163,7 @@ class CompiledStep:
                                     None if kv is None else kv[i])
             h = layer.post_attention_layernorm(x).reshape(b * t, -1)  # [B*T, D]
             if layer.is_sparse:
-                out, g = _routed_moe(layer.mlp, h)
+                out, g = _moe(layer.mlp, h)
                 gates.append((g.weights, g.expert_ids, g.probs))
             else:
                 out = layer.mlp(h)
@@ -247,19 +251,41 @@ def _contiguous(slots: list[int]) -> bool:
     return slots == list(range(slots[0], slots[0] + len(slots)))
 
 
-def _routed_moe(block, x: torch.Tensor) -> tuple[torch.Tensor, Gates]:
-    """The MoE block on [N, D] tokens: each token through its top-k experts only.
-
-    Written as gather-multiply-sum, which inductor fuses into one reduction per projection that
-    loads the routed experts' rows by index: no copy of the gathered weights and no data-dependent
-    shapes, and a token reads K experts, not E. On the demo MoE (CPU, 1 thread) this graph ran a
-    decode step 2.1x faster at 1 row and 1.9x at 16 than running every token through every expert
-    as one dense matmul (which did E/K times the arithmetic and read every expert per row)."""
+def _moe(block, x: torch.Tensor) -> tuple[torch.Tensor, Gates]:
+    """The MoE block on [N, D] tokens, exact for capacity "none": routed (each token through its
+    top-k experts) when that reads no more expert weights than running every token through every
+    expert (N * K <= E), or when a layer's experts are small enough to stay in the caches
+    (ROUTED_MAX_EXPERT_BYTES); else dense."""
     g = topk_gate(block.gate(x), block.gate_cfg)  # weights, expert_ids [N, K]; probs [N, E]
     e = block.experts
-    gate, up = (e.gate_up_proj[g.expert_ids] * x[:, None, None, :]).sum(-1).chunk(2, dim=-1)  # [N, K, I] x2
-    y = (e.down_proj[g.expert_ids] * (F.silu(gate) * up)[:, :, None, :]).sum(-1)  # [N, K, D]
-    out = (g.weights.to(x.dtype)[..., None] * y).sum(1)  # [N, D]
+    n, k = g.expert_ids.shape
+    weight_bytes = (e.gate_up_proj.numel() + e.down_proj.numel()) * e.gate_up_proj.element_size()
+    if n * k <= e.num_local or weight_bytes <= ROUTED_MAX_EXPERT_BYTES:
+        out = _routed_experts(e, x, g)
+    else:
+        out = _dense_experts(e, x, g)
     if block.shared_expert is not None:
         out = out + torch.sigmoid(block.shared_expert_gate(x)) * block.shared_expert(x)
     return out, g
+
+
+def _routed_experts(e, x: torch.Tensor, g: Gates) -> torch.Tensor:
+    """[N, D]: each token through its top-k experts, as gather-multiply-sums that inductor fuses
+    into one reduction per projection loading the routed experts' rows by index (no copy of the
+    gathered weights, no data-dependent shapes). A route reads its expert's weights: from the
+    caches when they fit there (the demo MoE's decode graph ran 2.1x faster at 1 row and 1.9x at
+    16 than dense), from memory once per route otherwise."""
+    gate, up = (e.gate_up_proj[g.expert_ids] * x[:, None, None, :]).sum(-1).chunk(2, dim=-1)  # [N, K, I] x2
+    y = (e.down_proj[g.expert_ids] * (F.silu(gate) * up)[:, :, None, :]).sum(-1)  # [N, K, D]
+    return (g.weights.to(x.dtype)[..., None] * y).sum(1)  # [N, D]
+
+
+def _dense_experts(e, x: torch.Tensor, g: Gates) -> torch.Tensor:
+    """[N, D]: every token through every local expert, combined by the top-k gate weights (zero
+    elsewhere): E / K times the arithmetic, but each expert's weights read once, by one matmul
+    against the stacked weights (a view, no copy) and one batched one."""
+    n, d = x.shape
+    w = x.new_zeros(n, e.num_local).scatter(1, g.expert_ids, g.weights.to(x.dtype))  # [N, E]
+    gate, up = F.linear(x, e.gate_up_proj.view(-1, d)).view(n, e.num_local, -1).chunk(2, dim=-1)  # [N, E, I] x2
+    y = torch.bmm((F.silu(gate) * up).transpose(0, 1), e.down_proj.transpose(1, 2))  # [E, N, D]
+    return torch.einsum("ne,end->nd", w, y)  # [N, D]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model_shards import load_checkpoint
+from model_shards import compiled_step, load_checkpoint
 from model_shards.compiled_step import CompiledStep
 from model_shards.kv_cache import StepBatch
 from moeserve.engine import LLMEngine, ModelRunner, SpecConfig
@@ -35,10 +35,14 @@ def prefill(model, cache, lengths: list[int]) -> None:
     model(ids, cache, StepBatch.build(list(range(len(lengths))), [0] * len(lengths), lengths), logits="last")
 
 
+@pytest.mark.parametrize("experts", ["routed", "dense"])
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "llama"])
-def test_the_graph_computes_the_eager_forward(tmp_path, family):
+def test_the_graph_computes_the_eager_forward(tmp_path, family, experts, monkeypatch):
     """The rewritten pass (traced by dynamo, run without inductor) for every family: shared
-    experts, dense layers, q/k norms, qkv clipping; decode rows and verify rows, ragged."""
+    experts, dense layers, q/k norms, qkv clipping; decode rows and verify rows, ragged. Experts
+    routed always (small experts), or dense wherever N * K > E (as for experts too big for the caches)."""
+    if experts == "dense":
+        monkeypatch.setattr(compiled_step, "ROUTED_MAX_EXPERT_BYTES", 0)
     save_tiny(family, tmp_path)
     model = load_checkpoint(tmp_path)
     torch.manual_seed(0)
