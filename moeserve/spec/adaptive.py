@@ -200,11 +200,11 @@ class AdaptiveK:
         does not win k back doubles the bucket's interval, up to MAX_PROBE_SCALE); while rows
         draft, every explore_every-th step is plain, so the cost of a plain pass does too."""
         n = len(seq_ids)
-        b, costs = bucket(n), self.costs_for(n)
-        ks = [self.best_batch_k([self._state(s).alpha for s in seq_ids], costs)] * n
+        b = bucket(n)
+        k = self.best_batch_k([self._state(s).alpha for s in seq_ids], self.costs_for(n))
         if self.config.k_max == 0 or n == 0:
-            return ks
-        if ks[0] == 0:
+            return [k] * n
+        if k == 0:
             self._steps_drafting[b] = 0
             if b in self._probed:  # the probe did not win k back: wait longer for the next one
                 self._probed.discard(b)
@@ -214,7 +214,7 @@ class AdaptiveK:
                 self._steps_at_zero[b] = 0
                 self._probed.add(b)
                 return [1] * n
-            return ks
+            return [0] * n
         self._probed.discard(b)
         self._probe_scale[b] = 1
         self._steps_at_zero[b] = 0
@@ -222,9 +222,9 @@ class AdaptiveK:
         every = self.config.explore_every
         # plain steps at drafting steps 4, 8, 16, ... up to explore_every, then every explore_every:
         # a new bucket measures a plain pass early, before its first refits
-        if every and (d % every == 0 or (d < every and d >= 4 and d & (d - 1) == 0)):
+        if every and (d % every == 0 or (4 <= d < every and d & (d - 1) == 0)):
             return [0] * n
-        return ks
+        return [k] * n
 
     def choose_k(self, seq_id: str) -> int:
         """k for this sequence's next step as a batch of one."""

@@ -54,8 +54,7 @@ class StepCostMeter:
             raise ValueError(f"window must be >= 2, got {window}")
         self.window = window
         self._steps: dict[int, deque[StepTiming]] = {}
-        self._counts: dict[int, int] = {}
-        self.num_recorded = 0
+        self._counts: dict[int, int] = {}  # per bucket: steps recorded so far (the windows keep the last `window`)
 
     def record(self, num_rows: int, width: int, draft_s: float, target_s: float) -> None:
         """Adds one decode step (width 0 for a step without drafts)."""
@@ -63,7 +62,11 @@ class StepCostMeter:
         b = bucket(num_rows)
         self._steps.setdefault(b, deque(maxlen=self.window)).append(step)
         self._counts[b] = self._counts.get(b, 0) + 1
-        self.num_recorded += 1
+
+    @property
+    def num_recorded(self) -> int:
+        """Steps recorded so far, all buckets."""
+        return sum(self._counts.values())
 
     def num_recorded_at(self, num_rows: int) -> int:
         """Steps recorded so far in num_rows' bucket."""

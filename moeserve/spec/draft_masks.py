@@ -29,7 +29,7 @@ class GrammarMasks:
         self.grammars = [grammars[b] for b in self.rows]
         self.accepted = [0] * len(self.rows)
         self.live = [True] * len(self.rows)
-        self.bitmask = allocate_bitmask(len(self.rows), vocab) if self.rows else None
+        self.bitmask = allocate_bitmask(len(grammars), vocab) if self.rows else None  # row b: drafting row b
 
     def apply(self, logits: torch.Tensor, out: torch.Tensor, j: int) -> None:
         """Masks draft j's logits [n, V] in place for the constrained rows among the first n; out [B, K]:
@@ -43,14 +43,10 @@ class GrammarMasks:
                     self.live[i] = False
                     continue
                 self.accepted[i] += 1
-            g.fill_bitmask(self.bitmask, i)
-            masked.append((i, b))
+            g.fill_bitmask(self.bitmask, b)
+            masked.append(b)
         if masked:
-            words = self.bitmask[[i for i, _ in masked]]  # [m, W]
-            rows = [b for _, b in masked]
-            sub = logits[rows]
-            apply_bitmask(sub, words)
-            logits[rows] = sub
+            apply_bitmask(logits, self.bitmask, masked)
 
     def rollback(self) -> None:
         for g, n in zip(self.grammars, self.accepted):
