@@ -63,6 +63,24 @@ def test_the_graph_computes_the_eager_forward(tmp_path, family, experts, monkeyp
         torch.testing.assert_close(graph_cache.k[layer][:, :, :16], eager_cache.k[layer][:, :, :16])
 
 
+@pytest.mark.parametrize("experts", ["small", "large"])
+def test_warm_up_compiles_every_graph_a_batch_needs(tmp_path, experts, monkeypatch):
+    """After `warm_up`, decode batches of any size up to the cache's slots run without compiling:
+    small experts take one graph for 2+ rows (the size test must not guard on N); experts too big
+    for the caches take a routed graph up to E / K tokens and a dense one past it, both warmed."""
+    if experts == "large":
+        monkeypatch.setattr(compiled_step, "ROUTED_MAX_EXPERT_BYTES", 0)
+    save_tiny("mixtral", tmp_path)
+    model = load_checkpoint(tmp_path)
+    step = CompiledStep(model, model.make_cache(SLOTS, MAX_LEN), backend="eager")
+    step.warm_up((1,))
+    compiled = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    assert compiled == (2 if experts == "small" else 3)
+    for rows in range(1, SLOTS + 1):
+        step(torch.ones(rows, 1, dtype=torch.long), list(range(rows)), [5] * rows, [1] * rows)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == compiled
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     return save_tiny_checkpoint(tmp_path_factory.mktemp("tiny-moe"))
