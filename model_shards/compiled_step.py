@@ -79,7 +79,10 @@ class CompiledStep:
         if self.static and self.paged:
             raise ValueError("static graphs need the slot cache (a paged cache's tensors move when it grows)")
         if not self.static:
-            self._graph = torch.compile(self._forward, dynamic=True, backend=backend)
+            # the C++ wrapper calls the kernels without the Python one's per-buffer checks and views
+            # (the demo MoE: 1.10x at 1 row, where a step is ~0.7 ms; 1.02x at 16)
+            options = {"cpp_wrapper": True} if backend == "inductor" else None
+            self._graph = torch.compile(self._forward, dynamic=True, backend=backend, options=options)
             return
         # a graph per bucket: more than dynamo's default recompile limit (past it, it runs eagerly)
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
