@@ -72,6 +72,9 @@ class CompiledStep:
         self.model, self.cache = model, cache
         self.paged = isinstance(cache, PagedKVCache)
         self.num_calls = 0
+        # no "duck sizing": a batch that happens to equal a model dimension must not become a guard
+        # (one context object: making one per call costs ~20 us)
+        self._no_duck_sizing = torch.fx.experimental._config.patch(use_duck_shape=False)
         on_gpu = model.lm_head.weight.device.type == "cuda"
         # a graph per variant (rows, query length, cache kind): more than dynamo's default limit (past it, eager)
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
@@ -117,7 +120,7 @@ class CompiledStep:
         ids = ids.clone()  # an inference tensor, like every other input: one set of guards
         as_long = lambda v: torch.tensor(v, dtype=torch.long, device=ids.device)  # noqa: E731
         if self.paged:
-            with torch.fx.experimental._config.patch(use_duck_shape=False):
+            with self._no_duck_sizing:
                 logits, gates = self._graph(ids, slots, None, as_long(start), as_long(q_lens), 0, self.cache.kv)
             self._count(gates, q_lens, t)
             return logits
@@ -127,8 +130,7 @@ class CompiledStep:
             ids = torch.cat([ids, ids.new_zeros(rows - b, t)])
             slots, start, q_lens = slots + [slots[0]] * (rows - b), start + [0] * (rows - b), q_lens + [0] * (rows - b)
             tk = min(self.cache.max_len, max(MIN_KEYS, 1 << (tk - 1).bit_length()))
-        # no "duck sizing": a batch that happens to equal a model dimension must not become a guard
-        with torch.fx.experimental._config.patch(use_duck_shape=False):
+        with self._no_duck_sizing:
             # slots first, first + 1, ...: attention reads views (static graphs gather their padded rows)
             first = None if self.static or not _contiguous(slots) else slots[0]
             logits, gates = self._graph(ids, as_long(slots), first, as_long(start), as_long(q_lens), tk)

@@ -239,6 +239,8 @@ class LLMEngine:
             self.num_spec_disabled_steps += 1
             return [[] for _ in seqs]
         ks = self.adaptive.choose_batch([s.seq_id for s in seqs]) if self.adaptive else [self.spec.num_tokens] * len(seqs)
+        if not any(ks):  # a plain step: no proposer call (it would draft nothing)
+            return [[] for _ in seqs]
         requests = []
         for s, k in zip(seqs, ks):
             room = min(s.params.max_tokens - len(s.output_ids), self.scheduler.cfg.max_model_len - s.num_tokens) - 1
@@ -249,11 +251,14 @@ class LLMEngine:
 
     def _measure(self, num_rows: int, width: int, draft_s: float, target_s: float) -> None:
         """Step times -> the cost model adaptive k optimises for this batch size, refit every
-        spec.refit_every steps of its bucket."""
+        spec.refit_every steps of its bucket, and at its 4th and 8th, ... before that (a new
+        bucket drafts on the prior's guess until its first refit: under a grammar that guess
+        cost a third of a 16-step run)."""
         if self.adaptive is None:
             return
         self.step_costs.record(num_rows, width, draft_s, target_s)
-        if self.step_costs.num_recorded_at(num_rows) % self.spec.refit_every == 0:
+        n, every = self.step_costs.num_recorded_at(num_rows), self.spec.refit_every
+        if n % every == 0 or (4 <= n < every and n & (n - 1) == 0):
             prior = self.adaptive.costs_for(num_rows)  # the bucket's, or its nearest neighbour's
             self.adaptive.set_costs(self.step_costs.fit(prior, num_rows), num_rows)
 

@@ -186,8 +186,12 @@ class AdaptiveK:
         expected tokens per second; ties go to smaller k."""
         costs = costs or self.costs
         best, best_rate = 0, 0.0
+        tokens, powers = float(len(alphas)), [1.0] * len(alphas)  # at k: sum of 1 + a + ... + a^k; a^k
         for k in range(self.config.k_max + 1):
-            rate = sum(expected_tokens_per_pass(a, k) for a in alphas) / costs.step_cost(k)
+            if k:  # expected_tokens_per_pass summed over the rows, incrementally (this runs every step)
+                powers = [p * a for p, a in zip(powers, alphas)]
+                tokens += sum(powers)
+            rate = tokens / costs.step_cost(k)
             if rate > best_rate * (1.0 + 1e-9):
                 best, best_rate = k, rate
         return best
