@@ -36,11 +36,17 @@ class Attention(nn.Module):
         self.clip_qkv = cfg.clip_qkv
 
     def project(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+        qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """This step's queries [B, H, T, Dh], keys and values [B, Hkv, T, Dh] (rotary applied)."""
+        """This step's queries [B, H, T, Dh], keys and values [B, Hkv, T, Dh] (rotary applied).
+        qkv: the three projections' weights (and biases) stacked (`stacked_qkv`): one matmul."""
         b, t, _ = x.shape
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # [B, T, H*Dh], [B, T, Hkv*Dh] x2
+        if qkv is None:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # [B, T, H*Dh], [B, T, Hkv*Dh] x2
+        else:
+            kv_dim = self.num_kv_heads * self.head_dim
+            q, k, v = F.linear(x, *qkv).split((self.num_heads * self.head_dim, kv_dim, kv_dim), dim=-1)
         if self.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)
         if self.clip_qkv is not None:
@@ -51,6 +57,12 @@ class Attention(nn.Module):
         if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
         return apply_rotary(q.transpose(1, 2), *rope), apply_rotary(k.transpose(1, 2), *rope), v
+
+    def stacked_qkv(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """q, k and v projections' weights [(H + 2 Hkv) * Dh, D] and biases, stacked (a copy)."""
+        projections = (self.q_proj, self.k_proj, self.v_proj)
+        bias = None if self.q_proj.bias is None else torch.cat([p.bias.detach() for p in projections])
+        return torch.cat([p.weight.detach() for p in projections]), bias
 
     def forward(
         self,
