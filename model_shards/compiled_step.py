@@ -197,7 +197,7 @@ class CompiledStep:
             flat.index_copy_(2, write, new)
             if t == 1:  # decode: keys and values loaded by index inside fused reductions, never copied
                 return attn.o_proj(_indexed_attention(q, flat, keys_at, values_at, mask))
-            read = paged.index_select(2, slots.reshape(-1)).view(two, heads, b, -1, dh)  # [2, Hkv, B, nb*Bs, Dh]
+            read = _gather_blocks(paged, slots.reshape(-1)).view(two, heads, b, -1, dh)  # [2, Hkv, B, nb*Bs, Dh]
             out = F.scaled_dot_product_attention(q, read[0].transpose(0, 1), read[1].transpose(0, 1), attn_mask=mask,
                                                  enable_gqa=True)  # [B, H, T, Dh]
             return attn.o_proj(out.transpose(1, 2).reshape(b, t, -1))
@@ -238,6 +238,20 @@ def _materialize(x: torch.Tensor) -> torch.Tensor:
 @_materialize.register_fake
 def _(x: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(x)
+
+
+@torch.library.custom_op("moeserve::gather_blocks", mutates_args=())
+def _gather_blocks(paged: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """paged [2, Hkv, N, Bs, Dh] -> its blocks `blocks` [M] in order, [2, Hkv, M, Bs, Dh]: aten's
+    index_select, a block-sized copy each, where inductor's own gather computes an index per
+    element (the demo MoE's verify pass at 16 rows, side by side: 1.28x at 2 positions, 1.17x at 5)."""
+    return paged.index_select(2, blocks)
+
+
+@_gather_blocks.register_fake
+def _(paged: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    two, heads, _, bs, dh = paged.shape
+    return paged.new_empty(two, heads, blocks.shape[0], bs, dh)
 
 
 def _paged_indices(slots: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor, bs: int) -> tuple[torch.Tensor, ...]:
