@@ -212,13 +212,17 @@ def _chat_delivery(rng: random.Random) -> list[dict[str, str]]:
 
 
 def _chat_json_order(rng: random.Random) -> list[dict[str, str]]:
-    """The assistant answers with a JSON object: a new order built from the request, or a status lookup."""
+    """The assistant answers with a JSON object: a new order built from the request (without the total, which the
+    shop computes), or a status lookup copied from the order record."""
     order = _order_record(rng, status="placed")
     if rng.random() < 0.5:
         d = order["delivery"]
         where = f"pickup at {d['store']}" if d["method"] == "pickup" else f"deliver to {d['address']}, {d['city']} {d['pin']}"
         ask = f"New order for {order['customer']}: {_items_phrase(order['items'])}; {where} at {d['slot']}."
-        answer = order
+        # the reply is the order as asked, with the menu's SKUs and unit prices; the shop's system adds
+        # up the total and the delivery fee, which are arithmetic, not facts a reply can copy or recall
+        answer = {k: v for k, v in order.items() if k != "total"}
+        answer["delivery"] = {k: v for k, v in d.items() if k != "fee"}
         system = JSON_PROMPT + f"\nNext order_id: {order['order_id']}"
     else:
         order["status"] = rng.choice(ORDER_STATUSES)

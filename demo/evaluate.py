@@ -7,9 +7,10 @@ prompt + continuation in one teacher-forced pass, and we count the positions whe
 draft's argmax equals the target's argmax.
 
 Answering: held-out chats are cut before their last reply; the model's greedy reply is checked
-for the facts the reference reply states and the prompt or the menu fixes (order ids, rupee
-amounts, pin codes, time slots, and in JSON replies the status, total and slot), e.g. "What was
-the total?" must be answered with that order's total. `python -m demo.evaluate --model DIR`.
+for the facts the reference reply states and the prompt or the menu fixes: order ids, SKUs, rupee
+amounts, pin codes, time slots, store names, the customer's name, "quantity x product", and in
+JSON replies the status, total, slot, customer, SKUs and quantities. E.g. "What was the total?"
+must be answered with that order's total, and "Where is my order?" with its items and store. `python -m demo.evaluate --model DIR`.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import re
 from collections import defaultdict
 
 import torch
+
+from demo.bakery import FIRST_NAMES, PRODUCTS, STORES
 
 # shapes: B sequences, T positions, V vocabulary
 
@@ -64,8 +67,14 @@ def greedy_agreement(target: torch.nn.Module, draft: torch.nn.Module, prompts: l
             "positions": positions, "prompts": len(per_prompt)}
 
 
-FACT_PATTERNS = (r"ORD-\d{6}", r"₹\d(?:[\d,]*\d)?", r"(?<![\w-])\d{6}\b", r"\b\d{1,2}:\d{2} [ap]m\b",
-                 r'"(?:status|total|slot)": ?(?:"[^"]*"|\d+)')
+_ONE_OF = "|".join
+FACT_PATTERNS = (
+    r"ORD-\d{6}", r"CRB-\d{3}", r"₹\d(?:[\d,]*\d)?", r"(?<![\w-])\d{6}\b", r"\b\d{1,2}:\d{2} [ap]m\b",
+    rf"\b(?:{_ONE_OF(re.escape(s.name) for s in STORES)})\b",  # which store
+    rf"(?:Hi|welcome,) (?:{_ONE_OF(FIRST_NAMES)})!",  # whose order
+    rf"\b\d x (?:{_ONE_OF(re.escape(p.name) for p in PRODUCTS)})",  # what was ordered, and how many
+    r'"(?:status|total|slot|customer|sku|qty)": ?(?:"[^"]*"|\d+)',  # the fields of a JSON reply
+)
 
 
 def facts(text: str) -> set[str]:
@@ -74,7 +83,7 @@ def facts(text: str) -> set[str]:
 
 
 @torch.no_grad()
-def answering(model: torch.nn.Module, tokenizer, n: int = 200, max_new_tokens: int = 96,
+def answering(model: torch.nn.Module, tokenizer, n: int = 200, max_new_tokens: int = 320,
               stop_ids: list[int] | None = None) -> dict:
     """Greedy replies to the first `n` held-out chats whose reference reply states facts: the
     share of those facts the reply states (recall), and of replies stating all of them."""
@@ -97,8 +106,11 @@ def answering(model: torch.nn.Module, tokenizer, n: int = 200, max_new_tokens: i
         hit = len(want & got)
         found, total, replies = found + hit, total + len(want), replies + 1
         right += hit == len(want)
-        by_kind[sample.kind][0] += hit == len(want)
-        by_kind[sample.kind][1] += 1
+        kind = sample.kind
+        if kind == "json_answer":
+            kind += " (status)" if "Order record:" in sample.messages[0]["content"] else " (new order)"
+        by_kind[kind][0] += hit == len(want)
+        by_kind[kind][1] += 1
     return {"replies": replies, "fact_recall": found / max(total, 1), "all_facts_right": right / max(replies, 1),
             "all_facts_right_by_kind": {k: round(a / b, 3) for k, (a, b) in sorted(by_kind.items())}}
 
@@ -109,15 +121,17 @@ def answering_line(a: dict | None) -> str:
         return ""
     kinds = ", ".join(f"{k} {100 * v:.0f}%" for k, v in a["all_facts_right_by_kind"].items())
     return (f"- Answering, greedy, on {a['replies']} held-out chats whose reply states facts: **{100 * a['fact_recall']:.1f}%** "
-            f"of the facts stated (ids, amounts, pins, slots), **{100 * a['all_facts_right']:.1f}%** of replies with all "
+            f"of the facts stated (ids, SKUs, amounts, pins, slots, stores, names, items), **{100 * a['all_facts_right']:.1f}%** of replies with all "
             f"of them ({kinds}).\n")
 
 
 def main(argv: list[str] | None = None) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-    ap = argparse.ArgumentParser(description="held-out answering of a demo checkpoint")
+    ap = argparse.ArgumentParser(description="held-out measures of a demo checkpoint (answering; with --draft also "
+                                             "perplexity of both models and their greedy agreement)")
     ap.add_argument("--model", default="checkpoints/demo-moe")
+    ap.add_argument("--draft", metavar="DIR", help="a draft checkpoint to measure beside the model")
     ap.add_argument("-n", type=int, default=200)
     ap.add_argument("--update-report", metavar="DIR", help="add the result to DIR/training_report.json and TRAINING.md")
     args = ap.parse_args(argv)
@@ -125,7 +139,15 @@ def main(argv: list[str] | None = None) -> dict:
     model = AutoModelForCausalLM.from_pretrained(args.model)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     stop = GenerationConfig.from_pretrained(args.model).eos_token_id
-    report = answering(model, tokenizer, args.n, stop_ids=stop if isinstance(stop, list) else [stop])
+    stop_ids = stop if isinstance(stop, list) else [stop]
+    report = {"answering": answering(model, tokenizer, args.n, stop_ids=stop_ids)}
+    if args.draft:
+        from demo.train import heldout_prompts, heldout_rows
+
+        draft = AutoModelForCausalLM.from_pretrained(args.draft)
+        heldout = heldout_rows(tokenizer)
+        report["perplexity"] = {"target": perplexity(model, heldout), "draft": perplexity(draft, heldout)}
+        report["agreement"] = greedy_agreement(model, draft, heldout_prompts(tokenizer, 64), 32, stop_ids)
     print(json.dumps(report, indent=1))
     if args.update_report:
         from pathlib import Path
@@ -134,7 +156,7 @@ def main(argv: list[str] | None = None) -> dict:
 
         folder = Path(args.update_report)
         full = json.loads((folder / "training_report.json").read_text())
-        write_report(folder, {**full, "answering": report})
+        write_report(folder, {**full, "answering": report["answering"]})
     return report
 
 

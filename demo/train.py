@@ -31,14 +31,34 @@ from demo.tokenizer import save_tokenizer, train_tokenizer
 
 
 def packed_batches(tokenizer: PreTrainedTokenizerFast, split: str, batch: int, seq_len: int) -> Iterator[torch.Tensor]:
-    """Endless [B, T] batches of documents concatenated end to end (each ends with EOS), cut every T tokens."""
+    """Endless [B, T] batches in which every document starts inside the row that holds its beginning.
+
+    A row takes whole documents (each ends with EOS) while they fit, then the first tokens of
+    the next one, which starts the following row again from its first token. So no row begins
+    mid-document: a reply is never trained without the order record or question it answers
+    (a plain cut every T tokens did that to most order chats, which are longer than 256 tokens).
+    """
     docs = iter_documents(split)
-    buffer: list[int] = []
+    pending: list[int] | None = None
     while True:
-        while len(buffer) < batch * seq_len:
-            buffer.extend(tokenizer.encode(next(docs).text))
-        chunk, buffer = buffer[:batch * seq_len], buffer[batch * seq_len:]
-        yield torch.tensor(chunk).view(batch, seq_len)  # [B, T]
+        rows = []
+        for _ in range(batch):
+            row: list[int] = []
+            while len(row) < seq_len:
+                doc = pending if pending is not None else tokenizer.encode(next(docs).text)
+                pending = None
+                room = seq_len - len(row)
+                if len(doc) > room:
+                    pending = doc if len(doc) <= seq_len else doc[room:]  # a document longer than a row continues
+                    doc = doc[:room]
+                row.extend(doc)
+            rows.append(row)
+        yield torch.tensor(rows)  # [B, T]
+
+
+def heldout_rows(tokenizer: PreTrainedTokenizerFast, rows: int = 192, seq_len: int = 512) -> torch.Tensor:
+    """The held-out perplexity set: the first ``rows`` packed rows of the held-out split, [rows, seq_len]."""
+    return next(packed_batches(tokenizer, "heldout", rows, seq_len))
 
 
 def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
@@ -125,6 +145,18 @@ def save(model: torch.nn.Module, tokenizer: PreTrainedTokenizerFast, folder: Pat
     save_tokenizer(tokenizer, folder)
 
 
+def lineage_line(report: dict) -> str:
+    """Training rows and, for a continued pair, the runs before this one (a TRAINING.md bullet)."""
+    line = (f"- Rows of {report['batch']} x {report['seq_len']} tokens, each starting at a document's first token; "
+            f"peak learning rate {report.get('peak_lr', {}).get('target', 2e-3):g} (target), "
+            f"{report.get('peak_lr', {}).get('draft', 3e-3):g} (draft).\n")
+    for run in report.get("continued_from", []):
+        t, d = run["target"], run["draft"]
+        line += (f"- Continued from an earlier run: target {t['steps']} x {t['tokens_per_step']} tokens, draft "
+                 f"{d['steps']} x {d['tokens_per_step']} tokens, sequence length {run['seq_len']}.\n")
+    return line
+
+
 def write_report(out: Path, report: dict) -> None:
     (out / "training_report.json").write_text(json.dumps(report, indent=2) + "\n")
     t, d = report["target"], report["draft"]
@@ -152,9 +184,18 @@ Made by `python -m demo.train` (corpus: `demo/corpus.py`, tokenizer: `demo/token
 - Greedy agreement, draft vs target, on {report['agreement']['prompts']} held-out chat prompts x up to
   {report['agreement_new_tokens']} target-greedy tokens ({report['agreement']['positions']} positions): **{100 * report['agreement']['agreement']:.1f}%**
   (mean per prompt {100 * report['agreement']['mean_per_prompt']:.1f}%). This is the acceptance rate to expect from greedy speculative decoding.
-{answering_line(report.get('answering'))}- Total wall time: {report['wall_seconds']:.0f} s.
+{answering_line(report.get('answering'))}{lineage_line(report)}- Total wall time: {report['wall_seconds']:.0f} s.
 """
     (out / "TRAINING.md").write_text(md)
+
+
+def _lineage(earlier: dict | None) -> list[dict]:
+    """Every earlier run this pair continues, oldest first: steps, tokens per step and sequence length of each."""
+    if earlier is None:
+        return []
+    run = {part: {"steps": earlier[part]["train"]["steps"], "tokens_per_step": earlier[part]["train"]["tokens_per_step"]}
+           for part in ("target", "draft")}
+    return [*earlier.get("continued_from", []), {**run, "seq_len": earlier["seq_len"]}]
 
 
 def shape_of(cfg) -> str:
@@ -171,8 +212,13 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--quick", action="store_true", help="a minuscule pair for a few steps (tests)")
     ap.add_argument("--moe-minutes", type=float, default=12.0)
     ap.add_argument("--draft-minutes", type=float, default=4.0)
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq-len", type=int, default=512, help="every demo document fits in 512 tokens")
+    ap.add_argument("--moe-lr", type=float, default=2e-3, help="peak learning rate of the target")
+    ap.add_argument("--draft-lr", type=float, default=3e-3, help="peak learning rate of the draft")
+    ap.add_argument("--init-from", metavar="DIR",
+                    help="continue training the pair in DIR (its demo-moe/, demo-draft/ and tokenizer) instead of "
+                         "starting from random weights")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args(argv)
@@ -186,25 +232,35 @@ def main(argv: list[str] | None = None) -> dict:
     batch, seq_len = (4, 64) if quick else (args.batch, args.seq_len)
     moe_steps, draft_steps, budget_moe, budget_draft = (30, 30, 0, 0) if quick else (100_000, 100_000, args.moe_minutes * 60, args.draft_minutes * 60)
 
-    tokenizer = train_tokenizer(vocab_size=512 if quick else 2048, n_docs=300 if quick else 4000)
+    earlier = None
+    if args.init_from:
+        src = Path(args.init_from)
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(src / "demo-moe")
+        earlier = json.loads((src / "training_report.json").read_text())
+    else:
+        tokenizer = train_tokenizer(vocab_size=512 if quick else 2048, n_docs=300 if quick else 4000)
     vocab = 64 * math.ceil(len(tokenizer) / 64)  # padded to a multiple of 64 (rows past the tokenizer are never targets)
     stop_ids = [tokenizer.convert_tokens_to_ids(END), tokenizer.convert_tokens_to_ids(EOS)]
-    heldout = torch.cat([b for _, b in zip(range(2 if quick else 12), packed_batches(tokenizer, "heldout", batch, seq_len))])
+    heldout = heldout_rows(tokenizer, 8 if quick else 192, seq_len)
     alpha = 0.02
 
-    torch.manual_seed(args.seed)
-    target = MixtralForCausalLM(target_config(vocab, quick))
-    torch.manual_seed(args.seed + 1)
-    draft = LlamaForCausalLM(draft_config(vocab, quick))
+    if args.init_from:
+        target = MixtralForCausalLM.from_pretrained(src / "demo-moe")
+        draft = LlamaForCausalLM.from_pretrained(src / "demo-draft")
+    else:
+        torch.manual_seed(args.seed)
+        target = MixtralForCausalLM(target_config(vocab, quick))
+        torch.manual_seed(args.seed + 1)
+        draft = LlamaForCausalLM(draft_config(vocab, quick))
     t_params, d_params = parameter_counts(target), parameter_counts(draft)
     ratio = t_params["active_per_token"] / d_params["active_per_token"]
     print(f"target: {t_params['total']:,} params, {t_params['active_per_token']:,} active per token; "
           f"draft: {d_params['total']:,} params, {d_params['active_per_token']:,} active; compute ratio {ratio:.2f}x")
 
     t_train = train_model(target, packed_batches(tokenizer, "train", batch, seq_len), name="demo-moe", budget_s=budget_moe,
-                          peak_lr=2e-3, max_steps=moe_steps, alpha=alpha, log_every=10 if quick else 100)
+                          peak_lr=args.moe_lr, max_steps=moe_steps, alpha=alpha, log_every=10 if quick else 100)
     d_train = train_model(draft, packed_batches(tokenizer, "train", batch, seq_len), name="demo-draft",
-                          budget_s=budget_draft, peak_lr=3e-3, max_steps=draft_steps)
+                          budget_s=budget_draft, peak_lr=args.draft_lr, max_steps=draft_steps)
 
     # save before the (slow) evaluation, so a crash there loses no training
     save(target, tokenizer, out / "demo-moe", stop_ids)
@@ -224,7 +280,8 @@ def main(argv: list[str] | None = None) -> dict:
         "draft": {"shape": shape_of(draft.config), "params": d_params, "heldout_perplexity": d_ppl, "train": d_train},
         "compute_ratio": ratio, "agreement": agreement, "agreement_new_tokens": n_new, "answering": answers,
         "final_balance": [n * sum(f * p for f, p in zip(fs, ps)) for fs, ps in t_train["final_expert_load"]],
-        "wall_seconds": time.perf_counter() - start,
+        "wall_seconds": time.perf_counter() - start, "peak_lr": {"target": args.moe_lr, "draft": args.draft_lr},
+        "continued_from": _lineage(earlier),
     }
     write_report(out, report)
     return report

@@ -1,5 +1,6 @@
 """The demo tokenizer round-trips text exactly, keeps special tokens whole, and renders the chat template."""
 
+import itertools
 import json
 
 import pytest
@@ -55,3 +56,25 @@ def test_chat_template_renders(tokenizer):
     assert text.endswith("<|assistant|>\n")
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
     assert tokenizer.decode(ids) == text
+
+
+def test_packed_rows_start_at_a_document_and_hold_whole_documents(tokenizer):
+    from demo.corpus import iter_documents
+    from demo.train import packed_batches
+
+    docs = iter_documents("train")
+    expected = [tokenizer.encode(next(docs).text) for _ in range(200)]
+    assert max(map(len, expected)) <= 1024  # this small vocabulary's documents all fit a row
+    rows = [row.tolist() for batch in itertools.islice(packed_batches(tokenizer, "train", 4, 1024), 5) for row in batch]
+    i = 0  # the next document the stream should show
+    for row in rows:
+        at = 0
+        while at < len(row):
+            doc = expected[i]
+            piece = row[at:at + len(doc)]
+            assert piece == doc[:len(piece)]  # every document starts where a row or the document before it ends
+            if len(piece) < len(doc):  # the row's tail: the next row starts this document again
+                assert at + len(piece) == len(row)
+                break
+            at, i = at + len(doc), i + 1
+    assert i > 20

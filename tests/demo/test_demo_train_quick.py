@@ -32,3 +32,17 @@ def test_quick_training_makes_loadable_pair(tmp_path):
     assert saved["target"]["params"]["total"] > saved["draft"]["params"]["total"]
     assert report["answering"]["replies"] == 8 and 0 <= report["answering"]["fact_recall"] <= 1
     assert "Answering, greedy" in (tmp_path / "TRAINING.md").read_text()
+
+
+def test_training_continues_from_a_saved_pair(tmp_path):
+    first, second = tmp_path / "first", tmp_path / "second"
+    main(["--quick", "--out", str(first), "--threads", "1"])
+    report = main(["--quick", "--out", str(second), "--threads", "1", "--init-from", str(first)])
+    # same tokenizer, and the weights start where the first run ended: its first loss is the first run's last
+    assert (second / "demo-moe" / "tokenizer.json").read_text() == (first / "demo-moe" / "tokenizer.json").read_text()
+    before = json.loads((first / "training_report.json").read_text())
+    for part in ("target", "draft"):
+        assert report[part]["train"]["loss_first"] < before[part]["train"]["loss_first"] - 0.1, part
+    assert report["continued_from"] == [{"target": {"steps": 30, "tokens_per_step": 256},
+                                         "draft": {"steps": 30, "tokens_per_step": 256}, "seq_len": 64}]
+    assert "Continued from an earlier run" in (second / "TRAINING.md").read_text()
