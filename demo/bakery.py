@@ -66,6 +66,12 @@ STORES: tuple[Store, ...] = (
     Store("Crumb Park Street", "Kolkata", "700016", "9:00 am", "10:00 pm", "9:00 am to 10:00 pm"),
 )
 
+# pin codes Crumb does not deliver to, by their first two digits, and the store nearest to them
+UNSERVED_PIN_PREFIXES: dict[str, str] = {
+    "12": "Crumb Hauz Khas", "38": "Crumb Bandra West", "45": "Crumb Kothrud", "68": "Crumb Adyar",
+    "80": "Crumb Park Street",
+}
+
 FIRST_NAMES: tuple[str, ...] = (
     "Meera", "Arjun", "Priya", "Ravi", "Aditi", "Rohan", "Sneha", "Vikram", "Ananya", "Kabir",
     "Lakshmi", "Karthik", "Divya", "Suresh", "Fatima", "Imran", "Sunita", "Rahul", "Pooja", "Anil",

@@ -24,6 +24,7 @@ from demo.bakery import (
     ORDER_STATUSES,
     PRODUCTS,
     STORES,
+    UNSERVED_PIN_PREFIXES,
     Product,
     Store,
 )
@@ -202,9 +203,11 @@ def _chat_delivery(rng: random.Random) -> list[dict[str, str]]:
         reply = (f"Yes, {s.pin} is served by {s.name}, {s.city}. Delivery costs {rupees(DELIVERY_FEE)} and is free "
                  f"on orders of {rupees(FREE_DELIVERY_FROM)} or more.")
     else:
-        pin = f"{rng.choice(('12', '38', '45', '68', '80'))}{rng.randint(1000, 9999)}"
+        prefix = rng.choice(tuple(UNSERVED_PIN_PREFIXES))
+        pin = f"{prefix}{rng.randint(1000, 9999)}"
+        nearest = next(store for store in STORES if store.name == UNSERVED_PIN_PREFIXES[prefix])
         ask = f"Do you deliver to {pin}?"
-        reply = (f"Sorry, we do not deliver to {pin} yet. Our nearest store is {s.name}, {s.city}, "
+        reply = (f"Sorry, we do not deliver to {pin} yet. Our nearest store is {nearest.name}, {nearest.city}, "
                  "and you can pick up your order there.")
     return [{"role": "system", "content": rng.choice(SUPPORT_PROMPTS)},
             {"role": "user", "content": f"{rng.choice(GREETINGS)}, {ask}"},

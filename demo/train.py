@@ -21,7 +21,7 @@ from tqdm import tqdm
 from transformers import GenerationConfig, LlamaForCausalLM, MixtralForCausalLM, PreTrainedTokenizerFast
 
 from demo.balance import format_load, switch_balance
-from demo.chat_format import END, EOS
+from demo.chat_format import ASSISTANT, END, EOS, SYSTEM, USER
 from demo.corpus import iter_documents
 from demo.evaluate import answering, answering_line, greedy_agreement, perplexity
 from demo.models import draft_config, parameter_counts, target_config
@@ -69,9 +69,30 @@ def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+def token_weights(ids: torch.Tensor, markers: dict[str, int], reply_weight: float) -> torch.Tensor:
+    """[B, T] loss weights: ``reply_weight`` for the tokens of assistant replies (up to and including
+    their <|end|>), 1 elsewhere. Rows start at a document's first token, so a row's first reply
+    marker opens its first reply. markers: the ids of the system, user, assistant and end tokens."""
+    if reply_weight == 1.0:
+        return torch.ones(ids.shape, dtype=torch.float32)
+    pos = torch.arange(ids.shape[1]).expand_as(ids)  # [B, T]
+
+    def last_before(mask: torch.Tensor) -> torch.Tensor:  # [B, T] position of the latest marker before each token
+        seen = torch.where(mask, pos, -1).cummax(dim=1).values
+        return torch.nn.functional.pad(seen[:, :-1], (1, 0), value=-1)
+
+    opened = last_before(ids == markers["assistant"])
+    closed = last_before((ids == markers["system"]) | (ids == markers["user"]) | (ids == markers["end"]))
+    in_reply = opened > closed
+    return torch.where(in_reply, reply_weight, 1.0)
+
+
 def train_model(model: torch.nn.Module, batches: Iterator[torch.Tensor], *, name: str, budget_s: float, peak_lr: float,
-                max_steps: int, alpha: float = 0.0, log_every: int = 100, warmup: int = 30) -> dict:
-    """Train for ``budget_s`` seconds' worth of steps (capped at ``max_steps``); return loss curve and speed."""
+                max_steps: int, markers: dict[str, int], reply_weight: float = 1.0, alpha: float = 0.0,
+                log_every: int = 100, warmup: int = 30) -> dict:
+    """Train for ``budget_s`` seconds' worth of steps (capped at ``max_steps``); return loss curve and speed.
+    The loss weighs reply tokens ``reply_weight`` times the others (token_weights); the losses reported
+    are the plain mean cross-entropy."""
     is_moe = alpha > 0
     opt = torch.optim.AdamW(model.parameters(), lr=peak_lr, betas=(0.9, 0.95), weight_decay=0.1)
     model.train()
@@ -85,8 +106,11 @@ def train_model(model: torch.nn.Module, batches: Iterator[torch.Tensor], *, name
             group["lr"] = lr_at(step, total, peak_lr, warmup)
         out = model(input_ids=ids, use_cache=False, output_router_logits=is_moe)
         logits = out.logits[:, :-1]  # [B, T-1, V]
-        ce = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
-        loss = ce
+        per_token = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1),
+                                                      reduction="none")  # [B * (T-1)]
+        ce = per_token.mean()
+        weights = token_weights(ids, markers, reply_weight)[:, 1:].reshape(-1)  # [B * (T-1)]
+        loss = (per_token * weights).sum() / weights.sum()
         if is_moe:
             balance, loads = switch_balance(out.router_logits, model.config.num_experts_per_tok)
             loss = ce + alpha * balance
@@ -149,11 +173,13 @@ def lineage_line(report: dict) -> str:
     """Training rows and, for a continued pair, the runs before this one (a TRAINING.md bullet)."""
     line = (f"- Rows of {report['batch']} x {report['seq_len']} tokens, each starting at a document's first token; "
             f"peak learning rate {report.get('peak_lr', {}).get('target', 2e-3):g} (target), "
-            f"{report.get('peak_lr', {}).get('draft', 3e-3):g} (draft).\n")
+            f"{report.get('peak_lr', {}).get('draft', 3e-3):g} (draft); reply tokens weigh "
+            f"{report.get('reply_weight', 1.0):g}x in the loss.\n")
     for run in report.get("continued_from", []):
         t, d = run["target"], run["draft"]
         line += (f"- Continued from an earlier run: target {t['steps']} x {t['tokens_per_step']} tokens, draft "
-                 f"{d['steps']} x {d['tokens_per_step']} tokens, sequence length {run['seq_len']}.\n")
+                 f"{d['steps']} x {d['tokens_per_step']} tokens, sequence length {run['seq_len']}, reply weight "
+                 f"{run['reply_weight']:g}.\n")
     return line
 
 
@@ -195,7 +221,8 @@ def _lineage(earlier: dict | None) -> list[dict]:
         return []
     run = {part: {"steps": earlier[part]["train"]["steps"], "tokens_per_step": earlier[part]["train"]["tokens_per_step"]}
            for part in ("target", "draft")}
-    return [*earlier.get("continued_from", []), {**run, "seq_len": earlier["seq_len"]}]
+    return [*earlier.get("continued_from", []),
+            {**run, "seq_len": earlier["seq_len"], "reply_weight": earlier.get("reply_weight", 1.0)}]
 
 
 def shape_of(cfg) -> str:
@@ -216,6 +243,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--seq-len", type=int, default=512, help="every demo document fits in 512 tokens")
     ap.add_argument("--moe-lr", type=float, default=2e-3, help="peak learning rate of the target")
     ap.add_argument("--draft-lr", type=float, default=3e-3, help="peak learning rate of the draft")
+    ap.add_argument("--reply-weight", type=float, default=4.0,
+                    help="loss weight of assistant reply tokens against 1 for the rest (prompts, records)")
     ap.add_argument("--init-from", metavar="DIR",
                     help="continue training the pair in DIR (its demo-moe/, demo-draft/ and tokenizer) instead of "
                          "starting from random weights")
@@ -257,10 +286,14 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"target: {t_params['total']:,} params, {t_params['active_per_token']:,} active per token; "
           f"draft: {d_params['total']:,} params, {d_params['active_per_token']:,} active; compute ratio {ratio:.2f}x")
 
+    markers = {role: tokenizer.convert_tokens_to_ids(tok) for role, tok in
+               (("system", SYSTEM), ("user", USER), ("assistant", ASSISTANT), ("end", END))}
+    weighting = {"markers": markers, "reply_weight": args.reply_weight}
     t_train = train_model(target, packed_batches(tokenizer, "train", batch, seq_len), name="demo-moe", budget_s=budget_moe,
-                          peak_lr=args.moe_lr, max_steps=moe_steps, alpha=alpha, log_every=10 if quick else 100)
+                          peak_lr=args.moe_lr, max_steps=moe_steps, alpha=alpha, log_every=10 if quick else 100,
+                          **weighting)
     d_train = train_model(draft, packed_batches(tokenizer, "train", batch, seq_len), name="demo-draft",
-                          budget_s=budget_draft, peak_lr=args.draft_lr, max_steps=draft_steps)
+                          budget_s=budget_draft, peak_lr=args.draft_lr, max_steps=draft_steps, **weighting)
 
     # save before the (slow) evaluation, so a crash there loses no training
     save(target, tokenizer, out / "demo-moe", stop_ids)
@@ -281,6 +314,7 @@ def main(argv: list[str] | None = None) -> dict:
         "compute_ratio": ratio, "agreement": agreement, "agreement_new_tokens": n_new, "answering": answers,
         "final_balance": [n * sum(f * p for f, p in zip(fs, ps)) for fs, ps in t_train["final_expert_load"]],
         "wall_seconds": time.perf_counter() - start, "peak_lr": {"target": args.moe_lr, "draft": args.draft_lr},
+        "reply_weight": args.reply_weight,
         "continued_from": _lineage(earlier),
     }
     write_report(out, report)

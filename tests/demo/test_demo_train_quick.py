@@ -44,5 +44,17 @@ def test_training_continues_from_a_saved_pair(tmp_path):
     for part in ("target", "draft"):
         assert report[part]["train"]["loss_first"] < before[part]["train"]["loss_first"] - 0.1, part
     assert report["continued_from"] == [{"target": {"steps": 30, "tokens_per_step": 256},
-                                         "draft": {"steps": 30, "tokens_per_step": 256}, "seq_len": 64}]
+                                         "draft": {"steps": 30, "tokens_per_step": 256}, "seq_len": 64,
+                                         "reply_weight": 4.0}]
     assert "Continued from an earlier run" in (second / "TRAINING.md").read_text()
+
+
+def test_token_weights_mark_reply_tokens_and_their_end():
+    from demo.train import token_weights
+
+    markers = {"system": 1, "user": 2, "assistant": 3, "end": 4}
+    #                     sys  a  end  user b  end  asst c  d  end  eos  user e
+    ids = torch.tensor([[1, 10, 4, 2, 11, 4, 3, 12, 13, 4, 0, 2, 14]])
+    w = token_weights(ids, markers, 5.0)
+    assert w.tolist() == [[1, 1, 1, 1, 1, 1, 1, 5, 5, 5, 1, 1, 1]]
+    assert token_weights(ids, markers, 1.0).eq(1).all()
