@@ -30,6 +30,15 @@ def train_tokenizer(vocab_size: int = 2048, n_docs: int = 4000) -> PreTrainedTok
         show_progress=False,
     )
     tok.train_from_iterator(corpus_text("train", n_docs), trainer=trainer)
+    return _wrap(tok)
+
+
+def load_tokenizer(folder: str | Path) -> PreTrainedTokenizerFast:
+    """The tokenizer a saved demo checkpoint uses (its tokenizer.json), wrapped as train_tokenizer wraps it."""
+    return _wrap(Tokenizer.from_file(str(Path(folder) / "tokenizer.json")))
+
+
+def _wrap(tok: Tokenizer) -> PreTrainedTokenizerFast:
     wrapped = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token=EOS,

@@ -25,7 +25,7 @@ from demo.chat_format import ASSISTANT, END, EOS, SYSTEM, USER
 from demo.corpus import iter_documents
 from demo.evaluate import answering, answering_line, greedy_agreement, perplexity
 from demo.models import draft_config, parameter_counts, target_config
-from demo.tokenizer import save_tokenizer, train_tokenizer
+from demo.tokenizer import load_tokenizer, save_tokenizer, train_tokenizer
 
 # shapes: B batch, T sequence length, V vocabulary
 
@@ -264,7 +264,7 @@ def main(argv: list[str] | None = None) -> dict:
     earlier = None
     if args.init_from:
         src = Path(args.init_from)
-        tokenizer = PreTrainedTokenizerFast.from_pretrained(src / "demo-moe")
+        tokenizer = load_tokenizer(src / "demo-moe")
         earlier = json.loads((src / "training_report.json").read_text())
     else:
         tokenizer = train_tokenizer(vocab_size=512 if quick else 2048, n_docs=300 if quick else 4000)

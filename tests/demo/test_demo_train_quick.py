@@ -39,7 +39,8 @@ def test_training_continues_from_a_saved_pair(tmp_path):
     main(["--quick", "--out", str(first), "--threads", "1"])
     report = main(["--quick", "--out", str(second), "--threads", "1", "--init-from", str(first)])
     # same tokenizer, and the weights start where the first run ended: its first loss is the first run's last
-    assert (second / "demo-moe" / "tokenizer.json").read_text() == (first / "demo-moe" / "tokenizer.json").read_text()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (second / "demo-moe" / name).read_text() == (first / "demo-moe" / name).read_text()
     before = json.loads((first / "training_report.json").read_text())
     for part in ("target", "draft"):
         assert report[part]["train"]["loss_first"] < before[part]["train"]["loss_first"] - 0.1, part
