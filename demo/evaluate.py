@@ -10,7 +10,8 @@ Answering: held-out chats are cut before their last reply; the model's greedy re
 for the facts the reference reply states and the prompt or the menu fixes: order ids, SKUs, rupee
 amounts, pin codes, time slots, store names, the customer's name, "quantity x product", and in
 JSON replies the status, total, slot, customer, SKUs and quantities. E.g. "What was the total?"
-must be answered with that order's total, and "Where is my order?" with its items and store. `python -m demo.evaluate --model DIR`.
+must be answered with that order's total, and "Where is my order?" with its items and store.
+`python -m demo.evaluate --model DIR [--draft DIR]`.
 """
 
 from __future__ import annotations
@@ -67,12 +68,11 @@ def greedy_agreement(target: torch.nn.Module, draft: torch.nn.Module, prompts: l
             "positions": positions, "prompts": len(per_prompt)}
 
 
-_ONE_OF = "|".join
 FACT_PATTERNS = (
     r"ORD-\d{6}", r"CRB-\d{3}", r"₹\d(?:[\d,]*\d)?", r"(?<![\w-])\d{6}\b", r"\b\d{1,2}:\d{2} [ap]m\b",
-    rf"\b(?:{_ONE_OF(re.escape(s.name) for s in STORES)})\b",  # which store
-    rf"(?:Hi|welcome,) (?:{_ONE_OF(FIRST_NAMES)})!",  # whose order
-    rf"\b\d x (?:{_ONE_OF(re.escape(p.name) for p in PRODUCTS)})",  # what was ordered, and how many
+    rf"\b(?:{'|'.join(re.escape(s.name) for s in STORES)})\b",  # which store
+    rf"(?:Hi|welcome,) (?:{'|'.join(FIRST_NAMES)})!",  # whose order
+    rf"\b\d x (?:{'|'.join(re.escape(p.name) for p in PRODUCTS)})",  # what was ordered, and how many
     r'"(?:status|total|slot|customer|sku|qty)": ?(?:"[^"]*"|\d+)',  # the fields of a JSON reply
 )
 

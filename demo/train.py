@@ -179,7 +179,7 @@ def lineage_line(report: dict) -> str:
         t, d = run["target"], run["draft"]
         line += (f"- Continued from an earlier run: target {t['steps']} x {t['tokens_per_step']} tokens, draft "
                  f"{d['steps']} x {d['tokens_per_step']} tokens, sequence length {run['seq_len']}, reply weight "
-                 f"{run['reply_weight']:g}.\n")
+                 f"{run.get('reply_weight', 1.0):g}.\n")
     return line
 
 
