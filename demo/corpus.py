@@ -125,21 +125,43 @@ def _chat_order_status(rng: random.Random) -> list[dict[str, str]]:
     return msgs
 
 
+def _mention(rng: random.Random, p: Product) -> str:
+    """The product as a customer writes it: its menu name, without the size, or that in lower case."""
+    short = p.name.split(" (")[0]
+    return rng.choice((p.name, short, short.lower()))
+
+
+def _support(rng: random.Random, question: str, reply: str) -> list[dict[str, str]]:
+    """A one-question support chat; a fifth of them come without a system prompt, as a bare API call would."""
+    chat = [{"role": "user", "content": question}, {"role": "assistant", "content": reply}]
+    if rng.random() < 0.2:
+        return chat
+    return [{"role": "system", "content": rng.choice(SUPPORT_PROMPTS)}, *chat]
+
+
+def _chat_price(rng: random.Random) -> list[dict[str, str]]:
+    p = rng.choice(PRODUCTS)
+    m = _mention(rng, p)
+    ask = rng.choice((f"Do you have {m} today? What does it cost?", f"How much is the {m}?",
+                      f"What is the price of {m}?", f"Is {m} available today?", f"{m} price?"))
+    reply = f"Yes, we have the {p.name} ({p.sku}) today. It costs {rupees(p.unit_price)}."
+    return _support(rng, f"{rng.choice(GREETINGS)}. {ask}" if rng.random() < 0.5 else ask, reply)
+
+
 def _chat_allergens(rng: random.Random) -> list[dict[str, str]]:
     p = rng.choice(PRODUCTS)
+    m = _mention(rng, p)
     allergen = rng.choice(("nuts", "eggs", "dairy", "gluten", "sesame", "soy"))
     if rng.random() < 0.5:
-        ask = rng.choice((f"Does the {p.name} contain {allergen}?", f"Is there any {allergen} in the {p.name}?"))
+        ask = rng.choice((f"Does the {m} contain {allergen}?", f"Is there any {allergen} in the {m}?"))
         has = allergen in p.allergens
         reply = (f"Yes, the {p.name} ({p.sku}) contains {allergen}. " if has else
                  f"No, the {p.name} ({p.sku}) has no {allergen}. ") + f"Its allergens are: {', '.join(p.allergens)}."
     else:
-        ask = rng.choice((f"Is the {p.name} eggless?", f"My mother is vegetarian and avoids eggs. Can she eat the {p.name}?"))
+        ask = rng.choice((f"Is the {m} eggless?", f"My mother is vegetarian and avoids eggs. Can she eat the {m}?"))
         reply = (f"Yes, the {p.name} is 100% eggless. " if p.eggless else f"Sorry, the {p.name} contains eggs. ") \
             + f"It costs {rupees(p.unit_price)}."
-    return [{"role": "system", "content": rng.choice(SUPPORT_PROMPTS)},
-            {"role": "user", "content": f"{rng.choice(GREETINGS)}. {ask}"},
-            {"role": "assistant", "content": reply}]
+    return _support(rng, f"{rng.choice(GREETINGS)}. {ask}", reply)
 
 
 def _chat_opening_hours(rng: random.Random) -> list[dict[str, str]]:
@@ -153,9 +175,7 @@ def _chat_opening_hours(rng: random.Random) -> list[dict[str, str]]:
         reply = f"{s.name}, {s.city} is closed on Sunday. It is open from {s.opens} to {s.closes} on other days."
     else:
         reply = f"On Sunday {s.name}, {s.city} is open from {s.sunday}."
-    return [{"role": "system", "content": rng.choice(SUPPORT_PROMPTS)},
-            {"role": "user", "content": ask},
-            {"role": "assistant", "content": reply}]
+    return _support(rng, ask, reply)
 
 
 def _chat_custom_cake(rng: random.Random) -> list[dict[str, str]]:
@@ -174,9 +194,7 @@ def _chat_custom_cake(rng: random.Random) -> list[dict[str, str]]:
     if "How much" in ask:
         reply = (f"A {kg} kg {flavour} cake costs {rupees(kg * per_kg)} ({rupees(per_kg)} per kg). "
                  f"Please order at least 48 hours before {date}; a message on the cake is free.")
-    return [{"role": "system", "content": rng.choice(SUPPORT_PROMPTS)},
-            {"role": "user", "content": f"{rng.choice(GREETINGS)}! {ask}"},
-            {"role": "assistant", "content": reply}]
+    return _support(rng, f"{rng.choice(GREETINGS)}! {ask}", reply)
 
 
 def _chat_refund(rng: random.Random) -> list[dict[str, str]]:
@@ -209,9 +227,7 @@ def _chat_delivery(rng: random.Random) -> list[dict[str, str]]:
         ask = f"Do you deliver to {pin}?"
         reply = (f"Sorry, we do not deliver to {pin} yet. Our nearest store is {nearest.name}, {nearest.city}, "
                  "and you can pick up your order there.")
-    return [{"role": "system", "content": rng.choice(SUPPORT_PROMPTS)},
-            {"role": "user", "content": f"{rng.choice(GREETINGS)}, {ask}"},
-            {"role": "assistant", "content": reply}]
+    return _support(rng, f"{rng.choice(GREETINGS)}, {ask}", reply)
 
 
 def _chat_json_order(rng: random.Random) -> list[dict[str, str]]:
@@ -240,6 +256,7 @@ def _chat_json_order(rng: random.Random) -> list[dict[str, str]]:
 CHAT_KINDS = {
     "order_status": (_chat_order_status, 0.22),
     "allergens": (_chat_allergens, 0.12),
+    "price": (_chat_price, 0.10),
     "opening_hours": (_chat_opening_hours, 0.10),
     "custom_cake": (_chat_custom_cake, 0.10),
     "refund": (_chat_refund, 0.10),

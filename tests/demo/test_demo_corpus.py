@@ -34,7 +34,7 @@ def test_documents_are_well_formed():
                 reply = json.loads(sample.messages[-1]["content"])
                 if "customer" in reply:  # a new order: no total or fee, which are the shop's arithmetic
                     assert "total" not in reply and "fee" not in reply["delivery"] and reply["status"] == "placed"
-    assert {"order_status", "allergens", "opening_hours", "custom_cake", "refund", "delivery", "json_answer",
+    assert {"order_status", "allergens", "price", "opening_hours", "custom_cake", "refund", "delivery", "json_answer",
             "order_record"} <= kinds
 
 
