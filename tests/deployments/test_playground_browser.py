@@ -93,3 +93,17 @@ def test_a_schema_gives_valid_json(page):
     assert page.locator("#json .ok").text_content() == "valid JSON"
     jsonschema.validate(json.loads(page.text_content("#json pre")), SCHEMA)
     assert page.locator("#output span.forced").count() > 0  # the grammar forced the keys
+
+
+def test_a_system_prompt_goes_before_the_prompt(page):
+    page.fill("#system", "You are Crumb's order API.")
+    try:
+        with page.expect_request("**/v1/chat/completions") as request:
+            send(page, "Status of ORD-482913?")
+    finally:
+        page.fill("#system", "")
+    assert json.loads(request.value.post_data)["messages"] == [
+        {"role": "system", "content": "You are Crumb's order API."}, {"role": "user", "content": "Status of ORD-482913?"}]
+    with page.expect_request("**/v1/chat/completions") as request:
+        send(page, "Hi")
+    assert json.loads(request.value.post_data)["messages"] == [{"role": "user", "content": "Hi"}]
