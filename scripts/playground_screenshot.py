@@ -5,7 +5,7 @@
 Serves the demo pair in this process (gateway + engine, the draft model in-process), opens
 /playground in Debian's chromium (Playwright), asks the demo's question (the order record in
 the system prompt, the answer bound by the demo's JSON schema), waits for the answer and the
-live panels, and saves the page.
+live panels, colours the tokens by their experts at the last layer, and saves the page.
 """
 
 from __future__ import annotations
@@ -58,6 +58,7 @@ def main() -> None:
             page.click("#send")
             page.wait_for_function("document.getElementById('status').textContent.includes('tokens in')",
                                    timeout=120_000)
+            page.select_option("#layer", index=page.locator("#layer option").count() - 1)
             time.sleep(3)  # the live panels poll /metrics and /admin/experts
             page.screenshot(path=args.out, full_page=True)
             print(page.text_content("#json pre"))
