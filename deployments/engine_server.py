@@ -101,7 +101,7 @@ class EngineServer:
         if compiler is None and engine.tokenizer is not None:
             from moeserve.grammar import GrammarCompiler
 
-            compiler = GrammarCompiler(engine.tokenizer, engine.runner.vocab_size)
+            compiler = GrammarCompiler(engine.tokenizer, engine.runner.vocab_size, config=self.config.engine.grammar)
         group = self.shard_group
         core = EngineCore(engine, compiler, recover=self._reform if group else None,
                           expert_load=group.collect_stats if group else None,

@@ -177,8 +177,9 @@ class Gateway:
 
     async def experts(self, world_size: int = 2) -> Response:
         """Admin: expert load merged over every engine replica (from the router-service actor)
-        and the placement it proposes for a shard group of `world_size` ranks; before any
-        engine has reported, empty statistics and the contiguous placement."""
+        and the placement it proposes for a shard group of `world_size` ranks. Without the actor
+        (no Ray, or no engine has reported yet): this gateway's engine's own counters, and the
+        contiguous placement."""
         import ray
 
         from deployments.router_actor import RouterService, find_router_actor
@@ -191,6 +192,12 @@ class Gateway:
             cfg = ModelConfig.from_file(self.config.model_path)
             empty = RouterService(cfg.num_layers, max(cfg.num_experts, 1))
             summary, placement = empty.summary(), empty.placement(world_size)
+            try:
+                own = (await self.frontend.engine.stats()).get("experts")
+            except Exception:  # statistics answer even when the engine does not
+                own = None
+            if own and any(layer["tokens"] for layer in own):
+                summary |= {"sources": ["this replica"], "layers": own}
         else:
             try:
                 summary = await actor.summary.remote()

@@ -146,6 +146,24 @@ class ShardsSection(_Section):
     replacement_min_gain: float = Field(0.1, gt=0, lt=1)
 
 
+class GrammarSection(_Section):
+    """Structured output (moeserve/grammar/compiler.py's GrammarConfig)."""
+
+    # How JSON under a schema is written: "spaced" {"a": 1, "b": 2} as json.dumps and most models
+    # write it, or "compact" {"a":1,"b":2}. Set it to the style the model learned: a model made to
+    # write the other style answers worse (the demo pair learned spaced JSON).
+    json_style: Literal["spaced", "compact"] = "spaced"
+    compile_timeout_s: float = Field(10.0, gt=0)  # a grammar compiling longer than this is refused (400)
+    max_spec_chars: int = Field(256 * 1024, ge=1)  # longest schema, regex or grammar accepted
+
+    def grammar_config(self) -> Any:
+        from moeserve.grammar import GrammarConfig
+
+        separators = (", ", ": ") if self.json_style == "spaced" else (",", ":")
+        return GrammarConfig(separators=separators, compile_timeout_s=self.compile_timeout_s,
+                             max_spec_chars=self.max_spec_chars)
+
+
 class GatewaySection(_Section):
     grpc_port: int | None = Field(9000, ge=0, le=65535)  # None or 0: no gRPC
     grpc_host: str = "0.0.0.0"
@@ -251,6 +269,7 @@ class AppConfig(_Section):
     speculative: SpeculativeSection = Field(default_factory=SpeculativeSection)
     shards: ShardsSection = Field(default_factory=ShardsSection)
     routing: RoutingSection = Field(default_factory=RoutingSection)
+    grammar: GrammarSection = Field(default_factory=GrammarSection)
     gateway: GatewaySection = Field(default_factory=GatewaySection)
     deployments: DeploymentsSection = Field(default_factory=DeploymentsSection)
 

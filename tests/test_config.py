@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 
 from moeserve.cli import build_parser, serve_config
 from moeserve.config import AppConfig, EngineSection, SpeculativeSection, resolve_path
@@ -65,6 +66,21 @@ def test_the_shipped_yaml_states_the_defaults():
     shipped = AppConfig.load(PROJECT_ROOT / "deployments" / "serve_config.yaml")
     assert shipped.engine == AppConfig().engine and shipped.speculative == AppConfig().speculative
     assert EngineConfig.from_app(shipped) == EngineConfig()
+
+
+def test_the_json_style_reaches_the_grammar_compiler():
+    from moeserve.engine.core_client import build_core
+
+    compact = AppConfig.from_dict({"grammar": {"json_style": "compact", "max_spec_chars": 4096}})
+    config = EngineConfig.from_app(compact)
+    assert (config.grammar.separators, config.grammar.max_spec_chars) == ((",", ":"), 4096)
+    assert EngineConfig().grammar.separators == (", ", ": ")  # the default: spaced, as the demo pair writes
+    threads = torch.get_num_threads()  # build_core sets the core process's threads
+    try:
+        core = build_core((dataclasses.replace(config, speculation="none"), 1))
+    finally:
+        torch.set_num_threads(threads)
+    assert core.compiler.config == config.grammar
 
 
 def test_relative_paths_resolve_beside_the_file_first(tmp_path):

@@ -265,7 +265,7 @@ def build_core(spec: Any) -> EngineCore:
     # unset: leave a core to the serving processes (the replica, the gateway, Serve's proxy)
     torch.set_num_threads(torch_threads or max(1, torch.get_num_threads() - 1))
     engine = build_engine(engine_config)
-    return EngineCore(engine, GrammarCompiler(engine.tokenizer, engine.runner.vocab_size))
+    return EngineCore(engine, GrammarCompiler(engine.tokenizer, engine.runner.vocab_size, config=engine_config.grammar))
 
 
 def main(fd: int) -> None:

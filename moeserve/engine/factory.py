@@ -16,6 +16,7 @@ from moeserve.engine.engine import LLMEngine
 from moeserve.engine.model_runner import ModelRunner
 from moeserve.engine.paged_runner import PagedRunner
 from moeserve.engine.scheduler import SchedulerConfig
+from moeserve.grammar.compiler import GrammarConfig
 from moeserve.spec.config import SpecConfig
 
 SPECULATION = ("none", "ngram", "model")
@@ -49,6 +50,7 @@ class EngineConfig:
     device: str = default_of(EngineSection, "device")  # auto | cpu | cuda
     compile: bool = default_of(EngineSection, "compile")
     routing: RoutingConfig = field(default_factory=RoutingConfig)  # expert capacity and overflow
+    grammar: GrammarConfig = field(default_factory=GrammarConfig)  # structured output: JSON style, limits
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -96,6 +98,7 @@ class EngineConfig:
             device=e.device,
             compile=e.compile,
             routing=RoutingConfig(**cfg.routing.model_dump()),
+            grammar=cfg.grammar.grammar_config(),
         )
 
     @property

@@ -59,7 +59,7 @@ class GrammarConfig:
     # Compact JSON: no whitespace at all between tokens. A weak model given `any_whitespace`
     # spends tokens on spaces and newlines (a random model almost never stops); compact output
     # is also what json.dumps(separators=(",", ":")) gives. (", ", ": ") is the spaced style.
-    separators: tuple[str, str] = (",", ":")
+    separators: tuple[str, str] = (", ", ": ")
 
     def __post_init__(self) -> None:
         for name in ("max_threads", "max_compiles_in_flight", "cache_size", "cache_max_bytes", "max_spec_chars"):

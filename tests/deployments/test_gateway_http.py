@@ -464,14 +464,21 @@ def test_stop_strings_and_seed(gateway):
     assert seeded[0].choices[0].text == seeded[1].choices[0].text
 
 
-def test_admin_experts_answers_before_any_traffic(gateway):
-    """No engine has reported yet (no router-service actor): 200 with empty statistics and the
-    contiguous placement, not a 503."""
-    r = asyncio.run(_get(gateway, "/admin/experts?world_size=2"))
-    assert r.status_code == 200, r.text
-    body = r.json()
-    assert body["sources"] == [] and body["layers"] and all(layer["tokens"] == 0 for layer in body["layers"])
-    ranks = body["placement"]["rank_experts"]
+def test_admin_experts_answers_without_the_router_service(gateway):
+    """No router-service actor (no Ray): 200 with this engine's own counters and the contiguous
+    placement, not a 503."""
+    async def main():
+        async with http(gateway) as h:
+            before = await h.get("/admin/experts?world_size=2")
+            await h.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "The bakery", "max_tokens": 4})
+            return before, await h.get("/admin/experts?world_size=2"), await gateway.frontend.engine.stats()
+
+    before, after, stats = asyncio.run(main())
+    assert before.status_code == after.status_code == 200, after.text
+    tokens = [sum(layer["tokens"] for layer in r.json()["layers"]) for r in (before, after)]
+    assert tokens[1] > tokens[0] and after.json()["sources"] == ["this replica"]
+    assert after.json()["layers"] == stats["experts"]
+    ranks = after.json()["placement"]["rank_experts"]
     assert len(ranks) == 2 and sorted(e for rank in ranks for e in rank) == list(range(4))
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from moeserve.grammar import GrammarCompiler
+from moeserve.grammar import GrammarCompiler, GrammarConfig
 from tests.grammar.tiny_tokenizer import MODEL_VOCAB, build_tiny_tokenizer
 
 
@@ -15,6 +15,7 @@ def tokenizer():
 
 @pytest.fixture(scope="session")
 def compiler(tokenizer):
-    c = GrammarCompiler(tokenizer, vocab_size=MODEL_VOCAB)
+    # compact JSON, as the cases here are written; the default (spaced) has its own test
+    c = GrammarCompiler(tokenizer, vocab_size=MODEL_VOCAB, config=GrammarConfig(separators=(",", ":")))
     yield c
     c.close()

@@ -134,6 +134,19 @@ def test_config_is_validated():
         GrammarConfig(separators=(";", "="))
 
 
+def test_json_is_written_in_the_configured_style(tokenizer):
+    schema = GrammarSpec.json_schema({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}},
+                                      "required": ["a", "b"], "additionalProperties": False})
+    for config, good, bad in ((GrammarConfig(), '{"a": 1, "b": "x"}', '{"a":1,"b":"x"}'),
+                              (GrammarConfig(separators=(",", ":")), '{"a":1,"b":"x"}', '{"a": 1, "b": "x"}')):
+        compiler = GrammarCompiler(tokenizer, MODEL_VOCAB, config=config)
+        for text, ok in ((good, True), (bad, False)):
+            matcher = GrammarMatcher(compiler.compile(schema))
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            assert (matcher.accept_tokens(ids) == len(ids) and matcher.is_completed()) is ok, (config.separators, text)
+        compiler.close()
+
+
 def test_vocab_padding_and_special_tokens_never_allowed(compiler, tokenizer):
     assert compiler.vocab_size == MODEL_VOCAB > len(tokenizer)
     for spec in (GrammarSpec.json_schema({"type": "string"}), GrammarSpec.regex(".*")):
