@@ -266,11 +266,20 @@ CHAT_KINDS = {
 RECORD_WEIGHT = 0.15  # bare JSON order records, one per document
 
 
-def sample_document(rng: random.Random) -> Sample:
-    """Draw one document; chats render through the chat format and every document ends with EOS."""
-    kinds = [*CHAT_KINDS, "order_record"]
-    weights = [w for _, w in CHAT_KINDS.values()] + [RECORD_WEIGHT]
-    kind = rng.choices(kinds, weights)[0]
+def kind_weights(overrides: dict[str, float] | None = None) -> dict[str, float]:
+    """How often each kind of document is drawn: the corpus' own mix, with `overrides` by kind."""
+    weights = {kind: w for kind, (_, w) in CHAT_KINDS.items()} | {"order_record": RECORD_WEIGHT}
+    unknown = set(overrides or {}) - set(weights)
+    if unknown:
+        raise ValueError(f"unknown document kinds {sorted(unknown)}; expected some of {sorted(weights)}")
+    return weights | (overrides or {})
+
+
+def sample_document(rng: random.Random, weights: dict[str, float] | None = None) -> Sample:
+    """Draw one document (kinds by `weights`, default `kind_weights()`); chats render through the
+    chat format and every document ends with EOS."""
+    weights = weights or kind_weights()
+    kind = rng.choices(list(weights), list(weights.values()))[0]
     if kind == "order_record":
         record = _order_record(rng)
         return Sample(kind, None, json.dumps(record, indent=rng.choice((None, 2))) + EOS)
@@ -278,13 +287,16 @@ def sample_document(rng: random.Random) -> Sample:
     return Sample(kind, messages, render(messages) + EOS)
 
 
-def iter_documents(split: str = "train", seed: int | None = None) -> Iterator[Sample]:
-    """Endless, deterministic stream of documents for ``split`` ('train' or 'heldout')."""
+def iter_documents(split: str = "train", seed: int | None = None,
+                   weights: dict[str, float] | None = None) -> Iterator[Sample]:
+    """Endless, deterministic stream of documents for ``split`` ('train' or 'heldout'), kinds drawn
+    by ``weights`` (`kind_weights`)."""
     if split not in SPLIT_SEEDS:
         raise ValueError(f"unknown split {split!r}; expected one of {sorted(SPLIT_SEEDS)}")
     rng = random.Random(SPLIT_SEEDS[split] if seed is None else seed)
+    weights = weights or kind_weights()
     while True:
-        yield sample_document(rng)
+        yield sample_document(rng, weights)
 
 
 def corpus_text(split: str, n_docs: int) -> list[str]:

@@ -22,7 +22,7 @@ from transformers import GenerationConfig, LlamaForCausalLM, MixtralForCausalLM,
 
 from demo.balance import format_load, switch_balance
 from demo.chat_format import ASSISTANT, END, EOS, SYSTEM, USER
-from demo.corpus import iter_documents
+from demo.corpus import iter_documents, kind_weights
 from demo.evaluate import answering, answering_line, greedy_agreement, perplexity
 from demo.models import draft_config, parameter_counts, target_config
 from demo.tokenizer import load_tokenizer, save_tokenizer, train_tokenizer
@@ -30,15 +30,17 @@ from demo.tokenizer import load_tokenizer, save_tokenizer, train_tokenizer
 # shapes: B batch, T sequence length, V vocabulary
 
 
-def packed_batches(tokenizer: PreTrainedTokenizerFast, split: str, batch: int, seq_len: int) -> Iterator[torch.Tensor]:
+def packed_batches(tokenizer: PreTrainedTokenizerFast, split: str, batch: int, seq_len: int, *,
+                   seed: int | None = None, weights: dict[str, float] | None = None) -> Iterator[torch.Tensor]:
     """Endless [B, T] batches in which every document starts inside the row that holds its beginning.
 
     A row takes whole documents (each ends with EOS) while they fit, then the first tokens of
     the next one, which starts the following row again from its first token. So no row begins
     mid-document: a reply is never trained without the order record or question it answers
     (a plain cut every T tokens did that to most order chats, which are longer than 256 tokens).
+    `seed` and `weights` go to `iter_documents`.
     """
-    docs = iter_documents(split)
+    docs = iter_documents(split, seed, weights)
     pending: list[int] | None = None
     while True:
         rows = []
@@ -232,6 +234,19 @@ def shape_of(cfg) -> str:
     return s + f"intermediate {cfg.intermediate_size}"
 
 
+def _kind_weights(text: str) -> dict[str, float]:
+    """'order_status=0.4,price=0.2' -> {'order_status': 0.4, 'price': 0.2}, kinds checked."""
+    try:
+        weights = {kind.strip(): float(w) for kind, w in (part.split("=") for part in text.split(","))}
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected KIND=WEIGHT,...") from None
+    try:
+        kind_weights(weights)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return weights
+
+
 def main(argv: list[str] | None = None) -> dict:
     """Train, evaluate and save the demo pair; returns the report dict."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -248,7 +263,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--init-from", metavar="DIR",
                     help="continue training the pair in DIR (its demo-moe/, demo-draft/ and tokenizer) instead of "
                          "starting from random weights")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--kind-weights", type=_kind_weights, default=None, metavar="KIND=W,...",
+                    help="how often each kind of training document is drawn, e.g. order_status=0.4 (demo/corpus.py's "
+                         "kind_weights; the held-out set keeps the corpus' own mix)")
+    ap.add_argument("--seed", type=int, default=0, help="0: the corpus' training stream; others: another stream")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args(argv)
 
@@ -289,10 +307,12 @@ def main(argv: list[str] | None = None) -> dict:
     markers = {role: tokenizer.convert_tokens_to_ids(tok) for role, tok in
                (("system", SYSTEM), ("user", USER), ("assistant", ASSISTANT), ("end", END))}
     weighting = {"markers": markers, "reply_weight": args.reply_weight}
-    t_train = train_model(target, packed_batches(tokenizer, "train", batch, seq_len), name="demo-moe", budget_s=budget_moe,
+    # seed 0: the corpus' own training stream; another seed, another stream (fresh documents for a continued run)
+    stream = {"seed": None if args.seed == 0 else f"train-{args.seed}", "weights": kind_weights(args.kind_weights)}
+    t_train = train_model(target, packed_batches(tokenizer, "train", batch, seq_len, **stream), name="demo-moe", budget_s=budget_moe,
                           peak_lr=args.moe_lr, max_steps=moe_steps, alpha=alpha, log_every=10 if quick else 100,
                           **weighting)
-    d_train = train_model(draft, packed_batches(tokenizer, "train", batch, seq_len), name="demo-draft",
+    d_train = train_model(draft, packed_batches(tokenizer, "train", batch, seq_len, **stream), name="demo-draft",
                           budget_s=budget_draft, peak_lr=args.draft_lr, max_steps=draft_steps, **weighting)
 
     # save before the (slow) evaluation, so a crash there loses no training
@@ -314,7 +334,7 @@ def main(argv: list[str] | None = None) -> dict:
         "compute_ratio": ratio, "agreement": agreement, "agreement_new_tokens": n_new, "answering": answers,
         "final_balance": [n * sum(f * p for f, p in zip(fs, ps)) for fs, ps in t_train["final_expert_load"]],
         "wall_seconds": time.perf_counter() - start, "peak_lr": {"target": args.moe_lr, "draft": args.draft_lr},
-        "reply_weight": args.reply_weight,
+        "reply_weight": args.reply_weight, "kind_weights": stream["weights"],
         "continued_from": _lineage(earlier),
     }
     write_report(out, report)

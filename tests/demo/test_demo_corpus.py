@@ -41,3 +41,18 @@ def test_documents_are_well_formed():
 def test_variety():
     docs = corpus_text("train", 1000)
     assert len(set(docs)) > 950
+
+
+def test_kind_weights_shift_the_mix_and_refuse_unknown_kinds():
+    from collections import Counter
+
+    import pytest
+
+    from demo.corpus import kind_weights
+
+    default = Counter(next(it).kind for it in [iter_documents("train")] for _ in range(2000))
+    focused = iter_documents("train", weights=kind_weights({"price": 5.0}))
+    shifted = Counter(next(focused).kind for _ in range(2000))
+    assert default["price"] / 2000 < 0.15 and shifted["price"] / 2000 > 0.7  # 5 / (5 + 0.90 + 0.15) = 0.83
+    with pytest.raises(ValueError, match="unknown document kinds"):
+        kind_weights({"pricing": 1.0})
