@@ -1,11 +1,13 @@
 """Expert parallelism on this machine: a decode step split into attention, gating, dispatch,
 experts and combine for W = 1 and W = 2 shard processes, the all-to-all share of a step, and
-decode throughput W = 2 vs W = 1 at a fixed batch.
+decode throughput W = 2 vs W = 1 at a fixed batch; with --compile, each W also with every
+rank's passes compiled between its collectives (model_shards/compiled_shard.py).
 
-    python -m bench.expert_parallel [--checkpoint DIR] [--batch 16] [--steps 32] [--runs 3] [--worlds 1 2 4]
+    python -m bench.expert_parallel [--checkpoint DIR] [--batch 16] [--steps 32] [--runs 3] [--worlds 1 2 4] [--compile]
 
-Runs alternate W = 1 and W = 2 and report medians. The phase split is measured on rank 0;
-with W = 2, dispatch and combine include waiting for the other rank (that is the cost).
+Runs alternate the configurations and report medians. The phase split is measured on rank 0;
+with W = 2, dispatch and combine include waiting for the other rank (that is the cost). In a
+compiled run attention and gating are inside the graphs, so they count as "other".
 """
 
 from __future__ import annotations
@@ -32,11 +34,13 @@ from moeserve.sampling_params import SamplingParams  # noqa: E402
 PHASES = ["attention", "gating", "dispatch", "experts", "combine"]
 
 
-def one_run(checkpoint: str, world: int, batch: int, steps: int, prompt_len: int, seed: int) -> dict:
+def one_run(checkpoint: str, world: int, batch: int, steps: int, prompt_len: int, seed: int,
+            compile: bool = False) -> dict:
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(10, 1000, (prompt_len,), generator=g).tolist() for _ in range(batch)]
     params = SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True)
-    with LocalShardGroup(checkpoint, world, max_num_seqs=batch, max_model_len=prompt_len + steps + 8) as runner:
+    with LocalShardGroup(checkpoint, world, max_num_seqs=batch, max_model_len=prompt_len + steps + 8,
+                         compile=compile) as runner:
         engine = LLMEngine(runner)
         for p in prompts:
             engine.add_request(p, params)
@@ -64,32 +68,39 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="one short run each")
     ap.add_argument("--worlds", type=int, nargs="+", default=[1, 2], help="shard counts (the first is the baseline)")
+    ap.add_argument("--compile", action="store_true", help="each W also compiled (compiling is not timed)")
     args = ap.parse_args()
     if args.quick:
         args.runs, args.steps = 1, 8
     torch.set_num_threads(1)  # one core per rank: W = 2 uses both cores, W = 1 one of them
-    results: dict[int, list[dict]] = {w: [] for w in args.worlds}
-    for run in tqdm(range(args.runs), desc=f"runs (W={', '.join(map(str, args.worlds))} alternating)"):
-        for world in args.worlds:
-            results[world].append(one_run(args.checkpoint, world, args.batch, args.steps, args.prompt_len, run))
+    configs = {f"W={w}": (w, False) for w in args.worlds}
+    if args.compile:
+        configs |= {f"W={w} compiled": (w, True) for w in args.worlds}
+    results: dict[str, list[dict]] = {name: [] for name in configs}
+    for run in tqdm(range(args.runs), desc=f"runs ({', '.join(configs)} alternating)"):
+        for name, (world, compiled) in configs.items():
+            results[name].append(one_run(args.checkpoint, world, args.batch, args.steps, args.prompt_len, run, compiled))
 
     summary = {}
-    for world, runs in results.items():
-        summary[world] = {
+    for name, runs in results.items():
+        summary[name] = {
             "step_ms": statistics.median([r["step_ms"] for r in runs]),
             "tokens_per_s": statistics.median([r["tokens_per_s"] for r in runs]),
             "phases_ms": {k: statistics.median([r["phases_ms"][k] for r in runs]) for k in PHASES + ["other"]},
         }
-        a2a = summary[world]["phases_ms"]["dispatch"] + summary[world]["phases_ms"]["combine"]
-        summary[world]["dispatch_combine_share"] = a2a / summary[world]["step_ms"]
-    worlds, base = args.worlds, args.worlds[0]
-    ratios = {w: summary[w]["tokens_per_s"] / summary[base]["tokens_per_s"] for w in worlds[1:]}
+        a2a = summary[name]["phases_ms"]["dispatch"] + summary[name]["phases_ms"]["combine"]
+        summary[name]["dispatch_combine_share"] = a2a / summary[name]["step_ms"]
+    worlds, base = list(configs), next(iter(configs))
+    ratios = {f"{w}/{base}": summary[w]["tokens_per_s"] / summary[base]["tokens_per_s"] for w in worlds[1:]}
+    if args.compile:
+        ratios |= {f"W={w} compiled/W={w}": summary[f"W={w} compiled"]["tokens_per_s"] / summary[f"W={w}"]["tokens_per_s"]
+                   for w in args.worlds}
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
     left = [0.0] * len(worlds)
     for name in PHASES + ["other"]:
         vals = [summary[w]["phases_ms"][name] for w in worlds]
-        ax.barh([f"W={w}" for w in worlds], vals, left=left, label=name)
+        ax.barh(worlds, vals, left=left, label=name)
         left = [a + b for a, b in zip(left, vals)]
     ax.set_xlabel(f"ms per decode step (batch {args.batch})")
     ax.legend(fontsize=7, ncol=3)
@@ -99,7 +110,7 @@ def main() -> None:
         "# Expert parallelism: decode step split and throughput\n",
         f"Checkpoint `{args.checkpoint.split('/')[-1]}`, batch {args.batch}, prompt {args.prompt_len} tokens, "
         f"{args.steps} decode steps, median of {args.runs} alternating runs, 1 thread per rank.\n",
-        "| phase (ms/step, rank 0) | " + " | ".join(f"W={w}" for w in worlds) + " |",
+        "| phase (ms/step, rank 0) | " + " | ".join(worlds) + " |",
         "|---|" + "---|" * len(worlds),
     ]
     for name in PHASES + ["other"]:
@@ -108,16 +119,16 @@ def main() -> None:
         "| **step** | " + " | ".join(f"**{summary[w]['step_ms']:.2f}**" for w in worlds) + " |",
         "",
         "- dispatch + combine share of a step: " + ", ".join(
-            f"W={w} {summary[w]['dispatch_combine_share']:.1%}" for w in worlds)
+            f"{w} {summary[w]['dispatch_combine_share']:.1%}" for w in worlds)
         + " (with W > 1: the all-to-all and waiting for the other ranks)",
-        "- decode throughput: " + ", ".join(f"W={w} {summary[w]['tokens_per_s']:.0f} tokens/s" for w in worlds)
-        + "; " + ", ".join(f"**W={w}/W={base} = {r:.2f}x**" for w, r in ratios.items()),
+        "- decode throughput: " + ", ".join(f"{w} {summary[w]['tokens_per_s']:.0f} tokens/s" for w in worlds)
+        + "; " + ", ".join(f"**{name} = {r:.2f}x**" for name, r in ratios.items()),
         "",
         "![phases](expert_parallel-phases.png)",
     ]
     args.checkpoint = args.checkpoint.split("/")[-1]
     data = {"environment": environment(1), "args": vars(args), "summary": summary,
-            "ratios": {f"W={w}/W={base}": r for w, r in ratios.items()}, "runs": results}
+            "ratios": ratios, "runs": results}
     paths = write("expert_parallel", data, "\n".join(lines), {"phases": fig})
     print("\n".join(lines))
     print(f"report: {paths[1]}")

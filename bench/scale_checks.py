@@ -192,9 +192,10 @@ def checks() -> list[list]:
         ep = json.loads((REPORTS / "expert_parallel.json").read_text())
         batch, context = ep["args"]["batch"], ep["args"]["prompt_len"] + ep["args"]["steps"] // 2
         profile = json.loads(CPU_PROFILE.read_text())
-        hw = fit_overhead(Hardware(**profile["hardware"]), ep["summary"]["1"]["step_ms"], batch, context)  # W = 1 only
-        for world, s in sorted(ep["summary"].items(), key=lambda kv: int(kv[0])):
-            pred = predict_cpu(hw, int(world), batch, context, profile["a2a_latency_us_by_ranks"].get(world))
+        eager = {int(k.removeprefix("W=")): v for k, v in ep["summary"].items() if "compiled" not in k}  # by W
+        hw = fit_overhead(Hardware(**profile["hardware"]), eager[1]["step_ms"], batch, context)  # W = 1 only
+        for world, s in sorted(eager.items()):
+            pred = predict_cpu(hw, world, batch, context, profile["a2a_latency_us_by_ranks"].get(str(world)))
             rows.append([f"this CPU, demo MoE, W={world}, batch {ep['args']['batch']}: ms per step", pred["step_ms"],
                          s["step_ms"], _err(pred["step_ms"], s["step_ms"]), "bench/reports/expert_parallel.md"])
     h800 = HARDWARE["h800"]

@@ -79,7 +79,7 @@ def load_engine(cfg: EngineServerConfig, proposer: Any = None) -> tuple[LLMEngin
     per_rank = -(-cfg.engine.max_num_seqs // cfg.num_shards)  # sequences are spread over the ranks
     group_cfg = ShardGroupConfig(
         cfg.engine.model, world_size=cfg.num_shards, max_num_seqs=per_rank, max_model_len=cfg.engine.max_model_len,
-        block_size=cfg.engine.block_size, prefix_caching=cfg.engine.prefix_caching, routing=cfg.engine.routing, dtype=cfg.engine.dtype, strategy=cfg.shard_strategy,
+        block_size=cfg.engine.block_size, prefix_caching=cfg.engine.prefix_caching, compile=cfg.engine.compile, routing=cfg.engine.routing, dtype=cfg.engine.dtype, strategy=cfg.shard_strategy,
         gpus_per_shard=cfg.gpus_per_shard,
     )  # fmt: skip
     if cfg.engine.device != "auto" and resolve_device(cfg.engine.device) != group_cfg.device:

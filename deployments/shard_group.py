@@ -39,6 +39,7 @@ class ShardGroupConfig:
     max_model_len: int = 1024
     block_size: int = 16  # each rank's paged KV cache
     prefix_caching: bool = True
+    compile: bool = False  # each rank's decode and verify passes compiled between its collectives
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     dtype: str = "auto"  # every rank's weights and KV cache (auto: bfloat16 on a GPU, float32 on the CPU)
     strategy: str = "PACK"  # PACK: one machine; SPREAD: across nodes on a cluster
@@ -82,7 +83,7 @@ class ShardActor:
         model = _join_and_load(self.cfg, self.placement, self.rank, self.master)
         self.stats = model.enable_stats()
         worker = ShardWorker(model, self.rank, self.cfg.world_size, self.cfg.max_num_seqs, self.cfg.max_model_len,
-                             self.cfg.block_size)
+                             self.cfg.block_size, self.cfg.compile)
         self.thread = threading.Thread(target=self._loop, args=(worker,), daemon=True)
         self.thread.start()
         return {"rank": self.rank, "experts": list(self.placement.rank_experts[self.rank]),
@@ -142,7 +143,7 @@ class ShardGroup:
                             "loaded_bytes": model.loaded_bytes}]
         self.shard_info += ray.get(started, timeout=cfg.start_timeout_s)
         self.runner = ShardedRunner(model, world, cfg.max_num_seqs, cfg.max_model_len, cfg.block_size,
-                                    cfg.prefix_caching)
+                                    cfg.prefix_caching, cfg.compile)
         self.generation += 1
         log.info("shard group %d formed: %s", self.generation, self.shard_info)
         return self.runner

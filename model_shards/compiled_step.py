@@ -166,11 +166,7 @@ class CompiledStep:
     def _forward(self, ids, slots, first: int | None, start, q_lens, tk: int, kv=None) -> tuple[torch.Tensor, list[tuple]]:
         m = self.model.model
         b, t = ids.shape
-        x = m.embed_tokens(ids)  # [B, T, D]
-        steps = torch.arange(t, device=ids.device)
-        pos = start[:, None] + steps  # [B, T]
-        valid = steps[None, :] < q_lens[:, None]  # [B, T]
-        rope = m.rotary(pos, x.dtype)
+        x, rope, pos, valid = pass_inputs(self.model, ids, start, q_lens)
         paged = None if kv is None else _paged_indices(slots, pos, valid, kv[0].shape[3])
         gates = []
         for i, layer in enumerate(m.layers):
@@ -186,21 +182,12 @@ class CompiledStep:
         return self.model.lm_logits(m.norm(x)), gates  # [B, T, V]
 
     def _attention(self, attn, x, rope, layer: int, slots, first: int | None, pos, valid, tk: int,
-                   paged: torch.Tensor | None = None) -> torch.Tensor:
+                   paged: tuple | None = None) -> torch.Tensor:
+        qkv = None if self._qkv is None else self._qkv[layer]
+        if paged is not None:
+            return paged_attention(attn, qkv, x, rope, slots, paged)
         b, t, _ = x.shape
-        q, k, v = attn.project(x, rope, None if self._qkv is None else self._qkv[layer])  # [B, H, T, Dh], [B, Hkv, T, Dh] x2
-        if paged is not None:  # [2, Hkv, N, Bs, Dh]; slots: block tables [B, nb]
-            paged, write, keys_at, values_at, mask = paged
-            two, heads, n, bs, dh = paged.shape
-            new = torch.stack((k, v)).transpose(1, 2).reshape(two, heads, b * t, dh)  # [2, Hkv, B*T, Dh]
-            flat = paged.view(two, heads, n * bs, dh)
-            flat.index_copy_(2, write, new)
-            if t == 1:  # decode: keys and values loaded by index inside fused reductions, never copied
-                return attn.o_proj(_indexed_attention(q, flat, keys_at, values_at, mask))
-            read = _gather_blocks(paged, slots.reshape(-1)).view(two, heads, b, -1, dh)  # [2, Hkv, B, nb*Bs, Dh]
-            out = F.scaled_dot_product_attention(q, read[0].transpose(0, 1), read[1].transpose(0, 1), attn_mask=mask,
-                                                 enable_gqa=True)  # [B, H, T, Dh]
-            return attn.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+        q, k, v = attn.project(x, rope, qkv)  # [B, H, T, Dh], [B, Hkv, T, Dh] x2
         mask = (torch.arange(tk, device=x.device)[None, None, :] <= pos[:, :, None])[:, None]  # [B, 1, T, Tk]
         keys, values = self.cache.k[layer], self.cache.v[layer]  # [S, Hkv, Tmax + 1, Dh]
         write = torch.where(valid, pos, self.cache.max_len)  # [B, T]; padding -> scratch column
@@ -226,6 +213,37 @@ class CompiledStep:
         keep = torch.tensor(keep, device=gates[0][0].device)  # [N_valid]
         for block, (weights, expert_ids, probs) in zip(blocks, gates):
             block.stats.update(block.layer_idx, Gates(weights[keep], expert_ids[keep], probs[keep]))
+
+
+def pass_inputs(model: CausalLM, ids: torch.Tensor, start: torch.Tensor, q_lens: torch.Tensor) -> tuple:
+    """Inside a graph: the embedded tokens [B, T, D], their rotary embedding, positions [B, T] and
+    which are real tokens [B, T] (row b holds q_lens[b] tokens from position start[b])."""
+    m = model.model
+    x = m.embed_tokens(ids)  # [B, T, D]
+    steps = torch.arange(ids.shape[1], device=ids.device)
+    pos = start[:, None] + steps  # [B, T]
+    valid = steps[None, :] < q_lens[:, None]  # [B, T]
+    return x, m.rotary(pos, x.dtype), pos, valid
+
+
+def paged_attention(attn, qkv: torch.Tensor | None, x: torch.Tensor, rope, tables: torch.Tensor,
+                    paged: tuple) -> torch.Tensor:
+    """One layer's attention over a paged cache, inside a graph: x [B, T, D], the rows' block tables
+    [B, nb], paged = (the layer's cache [2, Hkv, N, Bs, Dh], *`_paged_indices`) -> [B, T, D].
+    Writes this pass's keys and values first. `qkv`: the layer's stacked q/k/v weights, or None."""
+    b, t, _ = x.shape
+    q, k, v = attn.project(x, rope, qkv)  # [B, H, T, Dh], [B, Hkv, T, Dh] x2
+    cache, write, keys_at, values_at, mask = paged
+    two, heads, n, bs, dh = cache.shape
+    new = torch.stack((k, v)).transpose(1, 2).reshape(two, heads, b * t, dh)  # [2, Hkv, B*T, Dh]
+    flat = cache.view(two, heads, n * bs, dh)
+    flat.index_copy_(2, write, new)
+    if t == 1:  # decode: keys and values loaded by index inside fused reductions, never copied
+        return attn.o_proj(_indexed_attention(q, flat, keys_at, values_at, mask))
+    read = _gather_blocks(cache, tables.reshape(-1)).view(two, heads, b, -1, dh)  # [2, Hkv, B, nb*Bs, Dh]
+    out = F.scaled_dot_product_attention(q, read[0].transpose(0, 1), read[1].transpose(0, 1), attn_mask=mask,
+                                         enable_gqa=True)  # [B, H, T, Dh]
+    return attn.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 
 @torch.library.custom_op("moeserve::materialize", mutates_args=())

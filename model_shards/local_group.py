@@ -52,13 +52,13 @@ def rank_device(device: str, rank: int) -> torch.device:
 
 
 def _follower(checkpoint, placement, rank, world, master, max_num_seqs, max_model_len, block_size, routing,
-              threads, device, dtype) -> None:
+              threads, device, dtype, compile) -> None:
     torch.set_num_threads(threads)
     dev = rank_device(device, rank)
     init_shard_group(rank, world, master, device=dev)
     model = load_shard(checkpoint, placement, rank, routing, resolve_dtype(dtype, dev), dev)
     try:
-        ShardWorker(model, rank, world, max_num_seqs, max_model_len, block_size).serve_forever()
+        ShardWorker(model, rank, world, max_num_seqs, max_model_len, block_size, compile).serve_forever()
     finally:
         dist.destroy_process_group()
 
@@ -79,6 +79,7 @@ class LocalShardGroup:
         threads_per_rank: int = 1,
         device: str = "cpu",
         dtype: str = "auto",
+        compile: bool = False,
     ) -> None:
         from model_shards.config import ModelConfig
 
@@ -87,20 +88,20 @@ class LocalShardGroup:
         if self.placement.world_size != world_size:
             raise ValueError(f"placement is for {self.placement.world_size} ranks, not {world_size}")
         self.args = (checkpoint, self.placement, world_size, max_num_seqs, max_model_len, block_size, routing,
-                     threads_per_rank, device, dtype)
+                     threads_per_rank, device, dtype, compile)
         self.prefix_caching = prefix_caching
         self.runner: ShardedRunner | None = None
         self.procs: list = []
 
     def __enter__(self) -> ShardedRunner:
-        checkpoint, placement, world, max_num_seqs, max_model_len, block_size, routing, threads, device, dtype = self.args
+        checkpoint, placement, world, max_num_seqs, max_model_len, block_size, routing, threads, device, dtype, compile = self.args
         master = f"127.0.0.1:{free_port()}"
         ctx = mp.get_context("spawn")
         self.procs = [
             ctx.Process(
                 target=_follower,
                 args=(checkpoint, placement, r, world, master, max_num_seqs, max_model_len, block_size, routing, threads,
-                      device, dtype),
+                      device, dtype, compile),
                 daemon=True,
             )
             for r in range(1, world)
@@ -110,7 +111,7 @@ class LocalShardGroup:
         dev = rank_device(device, 0)
         init_shard_group(0, world, master, device=dev)
         model = load_shard(checkpoint, placement, 0, routing, resolve_dtype(dtype, dev), dev)
-        self.runner = ShardedRunner(model, world, max_num_seqs, max_model_len, block_size, self.prefix_caching)
+        self.runner = ShardedRunner(model, world, max_num_seqs, max_model_len, block_size, self.prefix_caching, compile)
         return self.runner
 
     def __exit__(self, *exc) -> None:

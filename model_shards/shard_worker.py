@@ -83,7 +83,7 @@ class _Shard:
     """What every rank does with a step message."""
 
     def __init__(self, model: CausalLM, rank: int, world_size: int, max_num_seqs: int, max_model_len: int,
-                 block_size: int = 16) -> None:
+                 block_size: int = 16, compile: bool = False) -> None:
         self.model, self.rank, self.world_size = model, rank, world_size
         self.device = model.device
         self.block_size = block_size
@@ -91,6 +91,12 @@ class _Shard:
         cfg, w = model.config, model.lm_head.weight
         self.cache = PagedKVCache(cfg.num_layers, self.num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
                                   w.dtype, w.device, initial_blocks=INITIAL_BLOCKS)
+        self.compiled = None  # decode and verify passes compiled between the collectives (compiled_shard.py)
+        if compile:
+            from model_shards.compiled_shard import CompiledShardStep
+
+            self.compiled = CompiledShardStep(model, self.cache)
+            self.compiled.warm_up()  # this rank's graphs alone: they hold no collective
 
     def place(self, placement: Placement) -> None:
         """Hold `placement`'s experts for this rank from now on (every rank does this together)."""
@@ -114,9 +120,13 @@ class _Shard:
         if len(mine):
             self.cache.reserve(int(tables.max()) + 1)
             self.cache.copy_blocks([(src, dst) for _, src, dst in copies[copies[:, 0] == self.rank].tolist()])
-            batch = StepBatch(slots=mine[:, 0], start=mine[:, 1], q_lens=mine[:, 2], block_table=tables,
-                              block_size=self.block_size)
-            h = self.model.hidden_states(ids, self.cache, batch, last_only=bool(last_only))  # [Br, T', D]
+            start, q_lens = mine[:, 1], mine[:, 2]
+            if self.compiled is not None and bool((start > 0).all()) and self.compiled.accepts(len(mine), tq):
+                h = self.compiled.hidden_states(*(v.contiguous() for v in (ids, tables, start, q_lens)), bool(last_only))
+            else:
+                batch = StepBatch(slots=mine[:, 0], start=start, q_lens=q_lens, block_table=tables,
+                                  block_size=self.block_size)
+                h = self.model.hidden_states(ids, self.cache, batch, last_only=bool(last_only))  # [Br, T', D]
         else:
             h = self.model.hidden_states(ids, last_only=bool(last_only))
         counts = torch.bincount(rows[:, 0], minlength=self.world_size)
@@ -167,8 +177,8 @@ class ShardedRunner(_Shard):
     within BALANCE_SLACK sequences of the least busy one."""
 
     def __init__(self, model: CausalLM, world_size: int, max_num_seqs: int, max_model_len: int,
-                 block_size: int = 16, prefix_caching: bool = True) -> None:
-        super().__init__(model, 0, world_size, max_num_seqs, max_model_len, block_size)
+                 block_size: int = 16, prefix_caching: bool = True, compile: bool = False) -> None:
+        super().__init__(model, 0, world_size, max_num_seqs, max_model_len, block_size, compile)
         self.max_model_len = max_model_len
         self.per_rank = max_num_seqs
         self.prefix_caching = prefix_caching
