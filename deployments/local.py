@@ -1,16 +1,21 @@
 """`moeserve serve`: an embedded local Ray, the app deployed on it, URLs printed, Ctrl-C stops it.
+And `gateway_in_thread`: the gateway and an engine in this process, no Ray (browser tests, the
+playground screenshot).
 
 Kept out of moeserve/cli.py so that the CLI module never imports Ray until `serve` runs.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from typing import Any
 
 from deployments.config import AppConfig
 
@@ -110,3 +115,29 @@ def demo_request(base_url: str, model: str) -> None:
                 sys.stdout.write(choice["delta"].get("content") or "")
                 sys.stdout.flush()
     print("\n")
+
+
+@contextlib.contextmanager
+def gateway_in_thread(engine: Any, model_name: str, model_path: str, max_model_len: int) -> Iterator[str]:
+    """The gateway's HTTP app on a free local port (uvicorn on a thread) over `engine` (an LLMEngine,
+    run by an in-process EngineServer); yields its base URL, stops both on exit."""
+    import uvicorn
+
+    from deployments.engine_server import EngineServer, EngineServerConfig
+    from deployments.gateway import Gateway, GatewayConfig
+    from model_shards.local_group import free_port
+
+    server = EngineServer(EngineServerConfig(), engine=engine)
+    gateway = Gateway(server, GatewayConfig(model_name=model_name, model_path=model_path, max_model_len=max_model_len))
+    port = free_port()
+    http = uvicorn.Server(uvicorn.Config(gateway.http_app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=http.run, daemon=True)
+    thread.start()
+    while not http.started:
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        http.should_exit = True
+        thread.join(10)
+        server.shutdown()

@@ -28,8 +28,9 @@ flow does not depend on tensor values. This pass is the eager forward rewritten 
   start-up, the rest on first use (inductor's on-disk cache makes a restart cheaper). Static
   graphs need the slot cache (a paged cache's tensors move when it grows).
 
-Prefill (long, ragged prompts), capacity limits other than "none", and expert-parallel
-shards keep the eager path (`CompiledStep.accepts`). The router's choices come back with
+Prefill (long, ragged prompts) and capacity limits other than "none" keep the eager path
+(`CompiledStep.accepts`); expert-parallel ranks compile between their collectives
+(model_shards/compiled_shard.py). The router's choices come back with
 the logits so the expert-load statistics still count every real token (never padding).
 """
 

@@ -13,17 +13,12 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import threading
 import time
 
-import uvicorn
 from playwright.sync_api import sync_playwright
 
-from deployments.engine_server import EngineServer, EngineServerConfig
-from deployments.gateway import Gateway, GatewayConfig
-from deployments.local import DEMO_MESSAGES, DEMO_SCHEMA
+from deployments.local import DEMO_MESSAGES, DEMO_SCHEMA, gateway_in_thread
 from model_shards import load_checkpoint
-from model_shards.local_group import free_port
 from moeserve.engine import LLMEngine, SpecConfig
 from moeserve.engine.factory import demo_checkpoint
 from moeserve.engine.paged_runner import PagedRunner
@@ -38,34 +33,22 @@ def main() -> None:
     target, draft = demo_checkpoint("demo-moe"), demo_checkpoint("demo-draft")
     engine = LLMEngine(PagedRunner(load_checkpoint(target), 4, 1024, num_blocks=512), load_tokenizer(target),
                        proposer=DraftModelProposer(load_checkpoint(draft), 4, 1024), spec=SpecConfig(num_tokens=4))
-    server = EngineServer(EngineServerConfig(), engine=engine)
-    gateway = Gateway(server, GatewayConfig(model_name="demo-moe", model_path=target, max_model_len=1024))
-    port = free_port()
-    http = uvicorn.Server(uvicorn.Config(gateway.http_app, host="127.0.0.1", port=port, log_level="warning"))
-    threading.Thread(target=http.run, daemon=True).start()
-    while not http.started:
-        time.sleep(0.05)
-    try:
-        with sync_playwright() as p:
-            browser = p.chromium.launch(executable_path=shutil.which("chromium") or shutil.which("chromium-browser"),
-                                        args=["--no-sandbox"])
-            page = browser.new_page(viewport={"width": 1280, "height": 860})
-            page.goto(f"http://127.0.0.1:{port}/playground")
-            page.fill("#system", DEMO_MESSAGES[0]["content"])
-            page.fill("#prompt", DEMO_MESSAGES[1]["content"])
-            page.fill("#max_tokens", "96")
-            page.fill("#schema", json.dumps(DEMO_SCHEMA))
-            page.click("#send")
-            page.wait_for_function("document.getElementById('status').textContent.includes('tokens in')",
-                                   timeout=120_000)
-            page.select_option("#layer", index=page.locator("#layer option").count() - 1)
-            time.sleep(3)  # the live panels poll /metrics and /admin/experts
-            page.screenshot(path=args.out, full_page=True)
-            print(page.text_content("#json pre"))
-            browser.close()
-    finally:
-        http.should_exit = True
-        server.shutdown()
+    with gateway_in_thread(engine, "demo-moe", target, 1024) as url, sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=shutil.which("chromium") or shutil.which("chromium-browser"),
+                                    args=["--no-sandbox"])
+        page = browser.new_page(viewport={"width": 1280, "height": 860})
+        page.goto(f"{url}/playground")
+        page.fill("#system", DEMO_MESSAGES[0]["content"])
+        page.fill("#prompt", DEMO_MESSAGES[1]["content"])
+        page.fill("#max_tokens", "96")
+        page.fill("#schema", json.dumps(DEMO_SCHEMA))
+        page.click("#send")
+        page.wait_for_function("document.getElementById('status').textContent.includes('tokens in')", timeout=120_000)
+        page.select_option("#layer", index=page.locator("#layer option").count() - 1)
+        time.sleep(3)  # the live panels poll /metrics and /admin/experts
+        page.screenshot(path=args.out, full_page=True)
+        print(page.text_content("#json pre"))
+        browser.close()
     print(f"wrote {args.out}")
 
 

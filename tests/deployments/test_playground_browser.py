@@ -6,16 +6,12 @@ from __future__ import annotations
 
 import json
 import shutil
-import threading
-import time
 
 import jsonschema
 import pytest
 
-from deployments.engine_server import EngineServer, EngineServerConfig
-from deployments.gateway import Gateway, GatewayConfig
+from deployments.local import gateway_in_thread
 from model_shards import load_checkpoint
-from model_shards.local_group import free_port
 from moeserve.engine import LLMEngine, SpecConfig
 from moeserve.engine.paged_runner import PagedRunner
 from moeserve.spec.ngram import NgramProposer
@@ -32,23 +28,11 @@ SCHEMA = {"type": "object", "properties": {"item": {"type": "string", "maxLength
 
 @pytest.fixture(scope="module")
 def url(tmp_path_factory):
-    import uvicorn
-
     folder = save_tiny_checkpoint(tmp_path_factory.mktemp("tiny-moe"))
     engine = LLMEngine(PagedRunner(load_checkpoint(folder), 4, 256, num_blocks=128), load_tokenizer(folder),
                        proposer=NgramProposer(), spec=SpecConfig(num_tokens=3))
-    server = EngineServer(EngineServerConfig(), engine=engine)
-    gw = Gateway(server, GatewayConfig(model_name=MODEL_NAME, model_path=str(folder), max_model_len=256))
-    port = free_port()
-    http = uvicorn.Server(uvicorn.Config(gw.http_app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=http.run, daemon=True)
-    thread.start()
-    while not http.started:
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}"
-    http.should_exit = True
-    thread.join(10)
-    server.shutdown()
+    with gateway_in_thread(engine, MODEL_NAME, str(folder), 256) as base:
+        yield base
 
 
 @pytest.fixture(scope="module")
