@@ -116,4 +116,3 @@ class CompiledShardStep:
         if block.shared_expert is not None:
             shared = torch.sigmoid(block.shared_expert_gate(h)) * block.shared_expert(h)
         return x, h, (g.weights, g.expert_ids, g.probs, shared)
-
