@@ -139,6 +139,8 @@ class RemoteDraftProposer(Proposer):
         self._retry_at = 0.0
         self._finished: deque[str] = deque(maxlen=100_000)  # the server's LRU covers any overflow
         self.num_calls = 0
+        self.num_proposals = 0  # rows answered with drafts
+        self.num_predraft_hits = 0  # of them, drafted ahead while the target verified (Proposal.predrafted)
         self.num_fallback_steps = 0  # steps decoded without drafts because of the deployment
         self.num_timeouts = 0
         self.num_errors = 0
@@ -169,6 +171,8 @@ class RemoteDraftProposer(Proposer):
             self.num_errors += 1
             return self._fail(empty, finished, f"{type(e).__name__}: {e}")
         self._pause_s = self.backoff_s
+        self.num_proposals += sum(1 for p in got if p.token_ids)
+        self.num_predraft_hits += sum(1 for p in got if p.predrafted)
         by_id = dict(zip((r.seq_id for r in asked), got))
         return [by_id.get(r.seq_id, p) for r, p in zip(requests, empty)]
 
@@ -207,13 +211,19 @@ class RemoteDraftProposer(Proposer):
         """Queued; sent with the next call (no Serve call of its own)."""
         self._finished.append(seq_id)
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, float]:
+        """Counters for /metrics (`moeserve_engine{name="draft_..."}`): calls, rows answered from a
+        pre-draft and their share, steps decoded without drafts, and time steps waited for drafts."""
         return {
             "calls": self.num_calls,
+            "proposals": self.num_proposals,
+            "predraft_hits": self.num_predraft_hits,
+            "predraft_hit_rate": self.num_predraft_hits / max(self.num_proposals, 1),
             "fallback_steps": self.num_fallback_steps,
             "timeouts": self.num_timeouts,
             "errors": self.num_errors,
-            "draft_wait_s": self.draft_wait_s,
+            "wait_s": self.draft_wait_s,
+            "wait_s_per_call": self.draft_wait_s / max(self.num_calls, 1),
         }
 
     def _fail(self, empty: list[Proposal], finished: list[str], why: str) -> list[Proposal]:

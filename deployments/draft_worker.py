@@ -104,7 +104,7 @@ class DraftWorker:
                     continue
                 tokens = ahead.get(tuple(r.token_ids))
                 if tokens:  # fewer than asked for when k grew since (adaptive k): still drafts for free
-                    out[i] = Proposal(tokens[: r.num_tokens])
+                    out[i] = Proposal(tokens[: r.num_tokens], predrafted=True)
                     self.num_predraft_hits += 1
                 else:
                     self.num_predraft_misses += 1

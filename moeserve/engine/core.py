@@ -271,6 +271,8 @@ class EngineCore:
             "step_errors": self.counters["step_errors"],
             "expert_replacements": self.counters["expert_replacements"],
             "spec": eng.spec_metrics.to_dict() if eng.proposer is not None else {},
+            # a draft deployment's own counters: pre-draft hit rate, time waited for drafts, fallbacks
+            "draft": eng.proposer.stats() if hasattr(eng.proposer, "stats") else {},
             "spec_disabled_steps": eng.num_spec_disabled_steps,
             "grammar_guard_refusals": eng.num_guard_refusals,
             "grammar_cache": self.compiler.cache_info() if self.compiler is not None else {},

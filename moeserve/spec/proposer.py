@@ -67,10 +67,13 @@ class Proposal:
     probs: [k, V] the draft distributions the tokens were sampled from, or None when the
         proposal is deterministic (prompt lookup, greedy draft), which the rejection
         sampler treats as one-hot q.
+    predrafted: drafted ahead, while the target verified the step before (a draft
+        deployment's pre-draft that guessed this step's history), so no one waited for it.
     """
 
     token_ids: list[int]
     probs: Tensor | None = None  # [k, V]
+    predrafted: bool = False
 
     def __post_init__(self) -> None:
         if self.probs is not None and (self.probs.dim() != 2 or self.probs.shape[0] != len(self.token_ids)):

@@ -176,8 +176,27 @@ def test_remote_proposer_falls_back_backs_off_and_recovers():
     assert [r.num_tokens for r in handle.calls[-1].requests] == [2]  # rows asking for nothing are not sent
     assert handle.calls[-1].finished == [f"{proposer.session}/gone"]  # resent after the failed call
     stats = proposer.stats()
-    assert stats.pop("draft_wait_s") >= 0
-    assert stats == {"calls": 3, "fallback_steps": 3, "timeouts": 1, "errors": 1}
+    assert stats.pop("wait_s") >= 0 and stats.pop("wait_s_per_call") >= 0
+    assert stats == {"calls": 3, "proposals": 1, "predraft_hits": 0, "predraft_hit_rate": 0.0, "fallback_steps": 3,
+                     "timeouts": 1, "errors": 1}
+
+
+def test_the_draft_deployments_counters_reach_metrics(ckpts):
+    """The engine core reports its proposer's counters (pre-draft hits, time waited for drafts,
+    fallbacks), and /metrics shows them as moeserve_engine{name="draft_..."}."""
+    from deployments.metrics import GatewayMetrics
+    from moeserve.engine.core import EngineCore
+    from moeserve.spec import Proposal
+
+    target, _, _ = ckpts
+    handle = _FakeHandle([[Proposal([7, 8], predrafted=True), Proposal([9])]])
+    proposer = RemoteDraftProposer(handle, timeout_s=1.0, direct=False)
+    proposer.propose([ProposalRequest("a", [1, 2], 2), ProposalRequest("b", [3], 1)])
+    stats = EngineCore(make_engine(target, proposer, k=2)).stats()["draft"]
+    assert (stats["calls"], stats["proposals"], stats["predraft_hits"], stats["predraft_hit_rate"]) == (1, 2, 1, 0.5)
+    text = GatewayMetrics().render({"draft": stats}).decode()
+    assert 'moeserve_engine{name="draft_predraft_hit_rate"} 0.5' in text
+    assert 'moeserve_engine{name="draft_wait_s_per_call"}' in text
 
 
 # ---- through Serve -----------------------------------------------------------------------------
@@ -211,6 +230,10 @@ def test_a_draft_that_is_always_right_is_answered_from_its_predrafts(ray_cluster
     assert engine.spec_metrics.alpha == 1.0
     stats = handle.options(method_name="stats", session_id=proposer.session).remote().result(timeout_s=30)
     assert stats["predraft_hits"] >= proposer.num_calls // 2, stats
+    # the engine's side counts the same hits, for /metrics (moeserve_engine{name="draft_predraft_hit_rate"})
+    mine = proposer.stats()
+    assert mine["predraft_hits"] == stats["predraft_hits"] and mine["proposals"] >= proposer.num_calls
+    assert mine["predraft_hit_rate"] == mine["predraft_hits"] / mine["proposals"] > 0
     serve.delete("draft-same")
 
 
