@@ -11,8 +11,9 @@ module is an input of that graph, not a constant, so every layer runs the same g
 per kind of pass: one row or several, decode or verify).
 
 As in the eager pass, only real tokens reach the router's statistics, the recorded routing and
-the all-to-all (padding positions of a verify pass are left out). Prefill, capacity limits
-other than "none" and a rank with no rows this step run eagerly (`accepts`).
+the all-to-all (padding positions of a verify pass are left out): after the graph, the layer's
+own `MoEBlock.after_gating` runs. Prefill, capacity limits other than "none" and a rank with no
+rows this step run eagerly (`accepts`).
 """
 
 from __future__ import annotations
@@ -80,21 +81,15 @@ class CompiledShardStep:
         return x  # [B, T, D]
 
     def _moe(self, block: nn.Module, h: torch.Tensor, route: tuple, real: torch.Tensor | None) -> torch.Tensor:
-        """The eager rest of an MoE layer for this rank's tokens h [N, D]: statistics, dispatch
-        (the all-to-all), combine and the shared expert. Returns [N, D] (zeros at padding)."""
+        """The eager rest of an MoE layer for this rank's tokens h [N, D] (`MoEBlock.after_gating`:
+        statistics, the all-to-all, combine, the shared expert), over the real tokens only.
+        Returns [N, D] (zeros at padding)."""
         weights, expert_ids, probs, shared = route
-        n = h.shape[0]
-        if real is not None:
-            h, weights, expert_ids, probs = h[real], weights[real], expert_ids[real], probs[real]
-            shared = None if shared is None else shared[real]
-        if block.stats is not None:
-            block.stats.update(block.layer_idx, Gates(weights, expert_ids, probs))
-        if block.trace is not None:
-            block.trace.append((block.layer_idx, expert_ids, weights))
-        out = block.dispatch(h, expert_ids, weights, block.experts)  # [N_real, D]
-        if shared is not None:
-            out = out + shared
-        return out if real is None else out.new_zeros(n, out.shape[-1]).index_copy_(0, real, out)
+        if real is None:
+            return block.after_gating(h, Gates(weights, expert_ids, probs), shared)
+        out = block.after_gating(h[real], Gates(weights[real], expert_ids[real], probs[real]),
+                                 None if shared is None else shared[real])  # [N_real, D]
+        return out.new_zeros(h.shape[0], out.shape[-1]).index_copy_(0, real, out)
 
     # ---- the graphs ------------------------------------------------------------------------
     def _head_fn(self, ids, tables, start, q_lens, bs: int):
@@ -112,7 +107,5 @@ class CompiledShardStep:
             return x + layer.mlp(h).view(b, t, -1), h, None
         block = layer.mlp
         g = topk_gate(block.gate(h), block.gate_cfg)
-        shared = None
-        if block.shared_expert is not None:
-            shared = torch.sigmoid(block.shared_expert_gate(h)) * block.shared_expert(h)
+        shared = None if block.shared_expert is None else block.shared_out(h)
         return x, h, (g.weights, g.expert_ids, g.probs, shared)

@@ -330,7 +330,7 @@ def _moe(block, x: torch.Tensor) -> tuple[torch.Tensor, Gates]:
     else:
         out = _dense_experts(e, x, g)
     if block.shared_expert is not None:
-        out = out + torch.sigmoid(block.shared_expert_gate(x)) * block.shared_expert(x)
+        out = out + block.shared_out(x)
     return out, g
 
 

@@ -18,7 +18,7 @@ from model_shards.experts import LocalExperts
 from model_shards.layers import MLP
 from model_shards.profiling import phase
 from router_service.capacity import apply_capacity, expert_capacity
-from router_service.gating import GateConfig, topk_gate
+from router_service.gating import GateConfig, Gates, topk_gate
 from router_service.stats import ExpertLoadStats
 
 
@@ -67,6 +67,17 @@ class MoEBlock(nn.Module):
         """x: [N, D] -> [N, D]."""
         with phase("gating"):
             gates = topk_gate(self.gate(x), self.gate_cfg)  # weights, expert_ids [N, K]; probs [N, E]
+        return self.after_gating(x, gates, None if self.shared_expert is None else self.shared_out(x))
+
+    def shared_out(self, x: torch.Tensor) -> torch.Tensor:
+        """The shared expert's gated output for x [N, D] (only where the model has one)."""
+        return torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+
+    def after_gating(self, x: torch.Tensor, gates: Gates, shared: torch.Tensor | None) -> torch.Tensor:
+        """Everything after the router, for x [N, D] and its gates: capacity, load statistics,
+        recorded routing, dispatch and combine, plus the shared expert's output. (A compiled
+        expert-parallel pass gates in its graph and calls this eagerly: model_shards/compiled_shard.py.)"""
+        with phase("gating"):
             routed = None
             expert_ids, weights = gates.expert_ids, gates.weights
             if self.routing.overflow != "none":
@@ -81,6 +92,4 @@ class MoEBlock(nn.Module):
             if self.trace is not None:
                 self.trace.append((self.layer_idx, expert_ids, weights))
         out = self.dispatch(x, expert_ids, weights, self.experts)  # [N, D]
-        if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out
+        return out if shared is None else out + shared
