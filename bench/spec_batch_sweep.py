@@ -41,6 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--batches", default="1,2,4,8,16,32")
     ap.add_argument("--new-tokens", type=int, default=96)
+    ap.add_argument("--min-prompts", type=int, default=8,
+                    help="prompts per timed run at least (in groups of the batch): one 96-token reply is ~50 ms")
     ap.add_argument("--k", type=int, default=4, help="draft tokens per step of the fixed-k cases (adaptive: at most 8)")
     ap.add_argument("--disable-by-batch-size", type=int, default=12, help="the static rule's threshold")
     ap.add_argument("--threads", type=int, default=1)
@@ -48,16 +50,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--draft", default=demo_checkpoint("demo-draft"))
     args = ap.parse_args(argv)
     if args.quick:
-        args.rounds, args.batches, args.new_tokens = 2, "1,8", 32
+        args.rounds, args.batches, args.new_tokens, args.min_prompts = 2, "1,8", 32, 1
     batches = [int(b) for b in args.batches.split(",")]
+    num_prompts = max(batches + [args.min_prompts])
     torch.set_num_threads(args.threads)
     env = report.environment(args.threads)
     tokenizer = load_tokenizer(args.target)
     target, draft = load_checkpoint(args.target), load_checkpoint(args.draft)
     schema = GrammarCompiler(tokenizer, target.config.vocab_size).compile(GrammarSpec.json_schema(DEMO_SCHEMA))
-    sets = {"formulaic": (formulaic(tokenizer, max(batches)), None),
-            "free-form": (free_form(tokenizer, max(batches)), None),
-            "formulaic, JSON schema": (formulaic(tokenizer, max(batches)), schema)}
+    sets = {"formulaic": (formulaic(tokenizer, num_prompts), None),
+            "free-form": (free_form(tokenizer, num_prompts), None),
+            "formulaic, JSON schema": (formulaic(tokenizer, num_prompts), schema)}
     k, off = args.k, args.disable_by_batch_size
 
     def case(prompts, batch: int, spec: SpecConfig | None, grammar):
@@ -69,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for name, (prompts, grammar) in sets.items():
         for batch in batches:
-            ps = prompts[:batch]
+            ps = prompts[: max(batch, args.min_prompts // batch * batch)]  # whole groups of `batch`
             cases = {
                 NONE: case(ps, batch, None, grammar),
                 f"k={k}": case(ps, batch, SpecConfig(num_tokens=k), grammar),
@@ -89,8 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     md = "\n".join([
         "# Speculation by batch size", "",
         f"`python -m bench.spec_batch_sweep`: demo pair, draft in-process, greedy, {args.new_tokens} new tokens per "
-        f"prompt (EOS ignored), {args.rounds} interleaved rounds; ratios are tokens/s against no speculation at the "
-        f"same batch (median of per-round ratios). torch threads: {args.threads}.", "",
+        f"prompt (EOS ignored), at least {args.min_prompts} prompts per run in groups of the batch, "
+        f"{args.rounds} interleaved rounds; ratios are tokens/s against no speculation at the same batch "
+        f"(median of per-round ratios). torch threads: {args.threads}.", "",
         *table, "",
         "Worst row per rule: " + ", ".join(f"{c} {v:.2f}x" for c, v in worst.items()) + ".", "",
         f"![ratio by batch]({'spec_batch_sweep-quick' if args.quick else 'spec_batch_sweep'}-ratio.png)", ""])

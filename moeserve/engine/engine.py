@@ -245,7 +245,8 @@ class LLMEngine:
         for s, k in zip(seqs, ks):
             room = min(s.params.max_tokens - len(s.output_ids), self.scheduler.cfg.max_model_len - s.num_tokens) - 1
             grammar = None if s.grammar is None else s.grammar.matcher
-            requests.append(ProposalRequest(s.seq_id, s.token_ids, max(0, min(k, room)), s.params, grammar))
+            requests.append(ProposalRequest(s.seq_id, s.token_ids, max(0, min(k, room)), s.params, grammar,
+                                            stop_at_forced=self.structured.cfg.jump_forward))
         self._last_proposals = self.proposer.propose(requests)
         return [list(p.token_ids) for p in self._last_proposals]
 

@@ -68,10 +68,11 @@ class AdaptiveKConfig:
     """How AdaptiveK chooses k.
 
     k_max: the largest k offered.
-    decay: weight a sequence's running acceptance estimate keeps per observation (an EMA
+    decay: weight a sequence's own acceptance evidence keeps per step (an EMA
         over accepted and tried counts).
-    prior_alpha, prior_weight: the belief before any observation, as pseudo-trials; a new
-        sequence starts from the pool's running alpha (all sequences, EMA with pool_decay).
+    prior_alpha, prior_weight: the belief before any observation, as pseudo-trials. A sequence's
+        estimate leans on the pool's running alpha (all sequences, EMA with pool_decay) by
+        prior_weight pseudo-trials, so a new one starts there and an idle one drifts back there.
     probe_every: after this many steps at k = 0, draft one token anyway, so a sequence
         whose text turned formulaic can win k back.
     probe_budget: when set, probes are also spaced so that they cost at most this fraction
@@ -110,23 +111,33 @@ class AdaptiveKConfig:
 
 
 class _Acceptance:
-    """Decayed counts of draft tokens accepted and of acceptance trials."""
+    """Decayed counts of draft tokens accepted and of acceptance trials.
 
-    def __init__(self, alpha: float, weight: float) -> None:
-        self.accepted = alpha * weight
-        self.trials = weight
+    A sequence's estimate leans on a prior (the pool's running alpha) by `weight` pseudo-trials,
+    and its own evidence ages by `decay` at every step, drafting or not: what a stretch of text
+    said about acceptance fades as the text moves on. So a sequence that stopped drafting after a
+    run of rejections drifts back to the pool's alpha and drafts again, instead of keeping k = 0
+    on the word of five old rejections until a probe."""
 
-    @property
-    def alpha(self) -> float:
-        return self.accepted / self.trials
+    def __init__(self, accepted: float = 0.0, trials: float = 0.0) -> None:
+        self.accepted = accepted
+        self.trials = trials
+
+    def alpha(self, prior: float, weight: float) -> float:
+        return (self.accepted + prior * weight) / (self.trials + weight)
+
+    def age(self, decay: float) -> None:
+        self.accepted *= decay
+        self.trials *= decay
 
     def update(self, num_proposed: int, num_accepted: int, decay: float) -> None:
         # Each accepted token is a trial that succeeded; the first rejection is one that
         # failed; drafts after it were never tried. Counting them as failures (accepted /
         # proposed) would underestimate alpha, and the formula would then disagree.
         trials = num_accepted + (1 if num_accepted < num_proposed else 0)
-        self.accepted = decay * self.accepted + num_accepted
-        self.trials = decay * self.trials + trials
+        self.age(decay)
+        self.accepted += num_accepted
+        self.trials += trials
 
 
 MAX_PROBE_SCALE = 16  # a bucket where drafting never pays probes at most every 16 probe intervals
@@ -150,7 +161,7 @@ class AdaptiveK:
         self.config = config
         self.costs = costs
         self._bucket_costs: dict[int, CostModel] = {}
-        self._pool = _Acceptance(config.prior_alpha, config.prior_weight)
+        self._pool = _Acceptance()
         self._seqs: dict[str, _Acceptance] = {}
         self._steps_at_zero: dict[int, int] = {}  # per bucket: consecutive plain steps
         self._steps_drafting: dict[int, int] = {}  # per bucket: consecutive drafting steps
@@ -173,8 +184,7 @@ class AdaptiveK:
 
     def alpha(self, seq_id: str) -> float:
         """The sequence's running acceptance estimate (the pool's for unknown ids)."""
-        state = self._seqs.get(seq_id)
-        return (state or self._pool).alpha
+        return self._alpha(self._seqs.get(seq_id))
 
     def best_k(self, alpha: float, costs: CostModel | None = None) -> int:
         """argmax over k in [0, k_max] of expected tokens per second; ties go to smaller k."""
@@ -205,7 +215,8 @@ class AdaptiveK:
         draft, every explore_every-th step is plain, so the cost of a plain pass does too."""
         n = len(seq_ids)
         b = bucket(n)
-        k = self.best_batch_k([self._state(s).alpha for s in seq_ids], self.costs_for(n))
+        states = [self._state(s) for s in seq_ids]
+        k = self.best_batch_k([self._alpha(s) for s in states], self.costs_for(n))
         if self.config.k_max == 0 or n == 0:
             return [k] * n
         if k == 0:
@@ -218,6 +229,8 @@ class AdaptiveK:
                 self._steps_at_zero[b] = 0
                 self._probed.add(b)
                 return [1] * n
+            for state in states:  # a plain step: the rows' evidence ages toward the pool's alpha
+                state.age(self.config.decay)
             return [0] * n
         self._probed.discard(b)
         self._probe_scale[b] = 1
@@ -257,8 +270,14 @@ class AdaptiveK:
         """Forgets the sequence."""
         self._seqs.pop(seq_id, None)
 
+    def _alpha(self, state: _Acceptance | None) -> float:
+        """A sequence's estimate (None: the pool's), leaning on the pool's alpha, which leans on
+        the configured prior."""
+        pool = self._pool.alpha(self.config.prior_alpha, self.config.prior_weight)
+        return pool if state is None else state.alpha(pool, self.config.prior_weight)
+
     def _state(self, seq_id: str) -> _Acceptance:
         state = self._seqs.get(seq_id)
         if state is None:
-            state = self._seqs[seq_id] = _Acceptance(self._pool.alpha, self.config.prior_weight)
+            state = self._seqs[seq_id] = _Acceptance()
         return state

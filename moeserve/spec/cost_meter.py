@@ -10,8 +10,12 @@ Per sequence of a B-row batch whose widest row drafts K tokens:
 
 `fit` solves both lines by least squares over a window of recent steps of one batch-size
 bucket (the per-row costs at 1 row and at 32 differ several-fold; adaptive.bucket). When the window
-holds one width only (fixed k, no plain steps), a slope cannot be measured; the prior's
-slope is kept and only the intercept is fitted. One-off stalls (a draft deployment's channel
+holds one width only, a slope cannot be measured. For the target pass (fixed k, no plain
+steps) the prior's slope is kept and only the intercept is fitted. For drafting, the whole time
+is counted per draft token: keeping the prior's slope there let one degenerate fit (slope 0, so
+k = 8 looked free) keep every later step at k = 8, where the split was never measured again;
+counted per token, wider k look dearer, adaptive k tries narrower ones, and two widths measure
+the split. One-off stalls (a draft deployment's channel
 being set up, a long prefill of a new sequence, a pause of the process) would set the costs
 for the next hundred steps, so steps more than OUTLIER times the window's median per-row time
 are left out of each fit.
@@ -87,7 +91,7 @@ class StepCostMeter:
         drafted = _typical([s for s in window if s.width > 0], lambda s: s.draft_s / s.num_rows)
         draft = _fit_line(
             [s.width for s in drafted], [s.draft_s / s.num_rows for s in drafted],
-            (prior.draft_base_s, prior.draft_per_token_s),
+            (prior.draft_base_s, prior.draft_per_token_s), through_origin=True,
         )
         base, per_token = target
         if base + per_token <= 0:  # a target pass must cost something
@@ -104,14 +108,18 @@ def _typical(steps: list[StepTiming], per_row) -> list[StepTiming]:
     return [s for s in steps if per_row(s) <= limit]
 
 
-def _fit_line(xs: list[int], ys: list[float], prior: tuple[float, float]) -> tuple[float, float]:
-    """(intercept, slope) of y ~ a + b x by least squares, both clamped at >= 0."""
+def _fit_line(xs: list[int], ys: list[float], prior: tuple[float, float],
+              through_origin: bool = False) -> tuple[float, float]:
+    """(intercept, slope) of y ~ a + b x by least squares, both clamped at >= 0. With one x only:
+    the prior's slope, or (through_origin, x > 0) the line through the origin."""
     if not xs:
         return prior
     n = len(xs)
     mx, my = sum(xs) / n, sum(ys) / n
     sxx = sum((x - mx) ** 2 for x in xs)
-    if sxx < 1e-9:  # one width only: keep the prior's slope
+    if sxx < 1e-9 and through_origin and mx > 0:
+        return 0.0, my / mx
+    if sxx < 1e-9:
         slope = prior[1]
     else:
         slope = max(0.0, sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx)

@@ -20,15 +20,23 @@ class GrammarMasks:
     mask, which is applied to the draft's logits (so the argmax, the draw and the sampled q all
     come from the masked distribution); `rollback` returns every matcher to where it stood. A
     row whose matcher refuses a token (its output is complete and the draft stepped past the
-    stop token) is left unmasked from there: the target refuses those drafts anyway."""
+    stop token) is left unmasked from there: the target refuses those drafts anyway.
 
-    def __init__(self, grammars: list[DraftGrammar | None], vocab: int) -> None:
-        """grammars: each drafting row's matcher (None: unconstrained); vocab: the draft's logits width."""
+    A row that stops at forced text (`stop_at_forced`) ends before the first draft after which
+    its grammar forces text, or after the draft that completes its output (the stop token):
+    `ends[b]` is its proposal's length then, and it is no longer masked (its later drafts are
+    dropped)."""
+
+    def __init__(self, grammars: list[DraftGrammar | None], vocab: int, stop_at_forced: list[bool] | None = None) -> None:
+        """grammars: each drafting row's matcher (None: unconstrained); vocab: the draft's logits
+        width; stop_at_forced: per row, whether it ends where its grammar forces text."""
         # a grammar over another vocabulary size (a draft with a padded head) cannot mask these logits
         self.rows = [b for b, g in enumerate(grammars) if g is not None and _vocab_of(g, vocab) == vocab]
         self.grammars = [grammars[b] for b in self.rows]
+        self.stop_at_forced = [bool(stop_at_forced and stop_at_forced[b]) for b in self.rows]
         self.accepted = [0] * len(self.rows)
         self.live = [True] * len(self.rows)
+        self.ends: dict[int, int] = {}
         self.bitmask = allocate_bitmask(len(grammars), vocab) if self.rows else None  # row b: drafting row b
 
     def apply(self, logits: torch.Tensor, out: torch.Tensor, j: int) -> None:
@@ -43,10 +51,41 @@ class GrammarMasks:
                     self.live[i] = False
                     continue
                 self.accepted[i] += 1
+                if self._ends_after(i, b, j - 1):
+                    continue
             g.fill_bitmask(self.bitmask, b)
             masked.append(b)
         if masked:
             apply_bitmask(logits, self.bitmask, masked)
+
+    def end_last(self, out: torch.Tensor, ks: list[int]) -> None:
+        """After the last draft step: a row that stops at forced text also ends before its last
+        draft (out[b, ks[b] - 1], which no later step accepted) when text is forced after it."""
+        for i, (b, g) in enumerate(zip(self.rows, self.grammars)):
+            if not (self.stop_at_forced[i] and self.live[i]) or not g.accept_token(int(out[b, ks[b] - 1])):
+                continue
+            self.accepted[i] += 1
+            self._ends_after(i, b, ks[b] - 1)
+
+    def _ends_after(self, i: int, b: int, pos: int) -> bool:
+        """Whether row b (the i-th constrained row), its matcher having just accepted draft `pos`,
+        ends there: after its stop token (drafts past a completed output are refused), or before
+        that draft when the grammar forces text after it."""
+        g = self.grammars[i]
+        if not self.stop_at_forced[i]:
+            return False
+        if g.is_terminated():
+            self.ends[b] = pos + 1
+        elif g.forced_tokens():
+            self.ends[b] = pos
+        else:
+            return False
+        self.live[i] = False
+        return True
+
+    def all_ended(self, n: int) -> bool:
+        """Whether each of the first n rows has ended at forced text."""
+        return all(b in self.ends for b in range(n))
 
     def rollback(self) -> None:
         for g, n in zip(self.grammars, self.accepted):

@@ -77,6 +77,7 @@ class _Row:
     start: int  # tokens of `tokens` already in the draft cache (after rollback)
     params: SamplingParams | None  # None: propose the argmax
     grammar: DraftGrammar | None = None  # masks the draft's own distribution at each draft step
+    stop_at_forced: bool = False  # ProposalRequest.stop_at_forced
 
 
 @dataclass(frozen=True)
@@ -169,16 +170,16 @@ class DraftModelProposer(Proposer):
             return proposals
         rows.sort(key=lambda r: -r.k)  # the rows still drafting stay a prefix
         batch = _Batch.of(rows, self.runner.block_tables([r.seq_id for r in rows]))
-        tokens, probs, second = self._draft(rows, batch, self._catch_up(rows, batch), interrupted)  # [B, K] ...
+        tokens, probs, second, ends = self._draft(rows, batch, self._catch_up(rows, batch), interrupted)  # [B, K] ...
         if second is not None:
             self.runner_up = {r.seq_id: alt[: r.k] for r, alt in zip(rows, second.tolist())}
         sampled = 0
-        for r, row in zip(rows, tokens.tolist()):
+        for b, (r, row) in enumerate(zip(rows, tokens.tolist())):
             q = None
             if r.params is not None:
                 q = probs[sampled, : r.k].clone()  # [k, V] a copy, so pickling it sends k rows only
                 sampled += 1
-            proposals[r.index] = Proposal(row[: r.k], q)
+            proposals[r.index] = Proposal(row[: ends.get(b, r.k)], q)
             state = self._seqs[r.seq_id]
             state.cached = r.tokens + row[: r.k - 1]  # the last draft was sampled, never fed
             self.runner.manager.record(r.seq_id, state.cached)
@@ -214,7 +215,7 @@ class DraftModelProposer(Proposer):
             if not hypothetical:
                 state.seen = len(tokens)
             params = None if self.greedy or req.params is None or req.params.greedy else req.params
-            rows.append(_Row(i, req.seq_id, tokens, k, start, params, req.grammar))
+            rows.append(_Row(i, req.seq_id, tokens, k, start, params, req.grammar, req.stop_at_forced))
         return rows
 
     def _catch_up(self, rows: list[_Row], batch: _Batch) -> torch.Tensor:
@@ -237,10 +238,11 @@ class DraftModelProposer(Proposer):
 
     def _draft(
         self, rows: list[_Row], batch: _Batch, logits: torch.Tensor, interrupted: Callable[[], bool] | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, dict[int, int]]:
         """Draft tokens [B, K]; for sampling rows, their q [S, K, V]; with `track_runner_up`, the
         draft's second choice at each position [B, K] (what pre-drafting guesses the target's
-        correction to be when it rejects that draft)."""
+        correction to be when it rejects that draft); the rows that ended early at text their
+        grammar forces, with their proposal's length."""
         width = rows[0].k
         neg_k = [-r.k for r in rows]  # ascending
         active = [bisect_left(neg_k, -j) for j in range(width)]  # rows with k > j: they need draft j
@@ -248,7 +250,9 @@ class DraftModelProposer(Proposer):
         out = torch.empty(len(rows), width, dtype=torch.long, device=self.device)  # [B, K]
         probs = torch.empty(len(sampled), width, logits.shape[-1]) if sampled else None  # [S, K, V]
         second = torch.zeros_like(out) if self.track_runner_up and logits.shape[-1] > 1 else None
-        masks = GrammarMasks([r.grammar for r in rows], logits.shape[-1])
+        # a sampled row never ends by its values: a cut that depends on what the draft drew biases the output
+        masks = GrammarMasks([r.grammar for r in rows], logits.shape[-1],
+                             [r.stop_at_forced and r.params is None for r in rows])
         try:
             for j in range(width):
                 n = active[j]
@@ -259,10 +263,14 @@ class DraftModelProposer(Proposer):
                     tk = batch.max_len[n - 1] + j
                     logits = self._step(out[:n, j - 1], batch.tables[:n], positions, tk, batch.ragged[n - 1])
                 masks.apply(logits, out, j)
+                if masks.all_ended(n):  # every row still drafting stopped at forced text
+                    break
                 self._pick(rows, logits, j, out, probs, second, sampled)
+            else:
+                masks.end_last(out, [r.k for r in rows])
         finally:
             masks.rollback()
-        return out, probs, second
+        return out, probs, second, masks.ends
 
     def _pick(self, rows: list[_Row], logits: torch.Tensor, j: int, out: torch.Tensor, probs: torch.Tensor | None,
               second: torch.Tensor | None, sampled: list[int]) -> None:

@@ -32,6 +32,10 @@ class DraftGrammar(Protocol):
 
     def rollback(self, num_tokens: int) -> None: ...
 
+    def forced_tokens(self) -> list[int]: ...
+
+    def is_terminated(self) -> bool: ...
+
 
 @dataclass(frozen=True)
 class ProposalRequest:
@@ -47,6 +51,11 @@ class ProposalRequest:
         proposers only; never sent to a draft deployment). A draft model drafts from its own
         masked distribution with it, so it proposes only tokens the grammar allows, and a
         sampled draft's q is masked as the target's p is. The proposer leaves it where it was.
+    stop_at_forced: with a grammar, a deterministic proposal ends before the first draft token
+        after which the grammar forces text: the engine's jump-forward emits the forced text
+        without the model, and the engine cuts a proposal there anyway (so drafting past that
+        point is wasted draft steps and a wider verify pass). It also ends after the stop
+        token that completes the output.
     """
 
     seq_id: str
@@ -54,6 +63,7 @@ class ProposalRequest:
     num_tokens: int
     params: SamplingParams | None = None
     grammar: DraftGrammar | None = None
+    stop_at_forced: bool = False
 
     def __post_init__(self) -> None:
         if self.num_tokens < 0:

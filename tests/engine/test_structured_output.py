@@ -238,3 +238,42 @@ def test_a_draft_model_drafts_from_its_own_masked_distribution(tiny, temperature
     assert rates[True] > 0.75 and per_pass[True] > per_pass[False] + 0.5, (rates, per_pass)
     if temperature == 0.0:
         assert [t for t, _, _ in outputs[True]] == [t for t, _, _ in run(make_engine(folder, tokenizer), jobs)]
+
+
+class CountingDraft(Proposer):
+    """Counts the draft tokens a proposer returns (before the engine cuts any); `stop_at_forced`
+    overrides what the engine asks for."""
+
+    def __init__(self, inner: Proposer, stop_at_forced: bool) -> None:
+        self.inner, self.stop_at_forced, self.num_proposed = inner, stop_at_forced, 0
+
+    def propose(self, requests: list[ProposalRequest]) -> list[Proposal]:
+        out = self.inner.propose([ProposalRequest(r.seq_id, r.token_ids, r.num_tokens, r.params, r.grammar,
+                                                  stop_at_forced=self.stop_at_forced) for r in requests])
+        self.num_proposed += sum(len(p.token_ids) for p in out)
+        return out
+
+    def on_finished(self, seq_id: str) -> None:
+        self.inner.on_finished(seq_id)
+
+
+def test_a_greedy_draft_ends_where_the_grammar_forces_text(tiny):
+    """With jump-forward, the engine cuts a deterministic proposal before the first draft after
+    which the grammar forces text (plain decoding emits that token, then the forced text). A draft
+    asked to stop there (`stop_at_forced`, what the engine asks) ends its proposal at that point
+    itself: with the target as its own draft, no drafted token is cut, where a draft that drafts on
+    has some cut; output stays exactly plain decoding's."""
+    from moeserve.spec.draft_model import DraftModelProposer
+
+    folder, tokenizer, compiler = tiny
+    jobs = [(p, SamplingParams(max_tokens=60, temperature=0.0), compiler.compile(SPECS["json_schema"]))
+            for p in PROMPTS]
+    plain = run(make_engine(folder, tokenizer), jobs)
+    cut = {}
+    for stop in (True, False):
+        draft = CountingDraft(DraftModelProposer(load_checkpoint(folder), 8, 512), stop)
+        engine = make_engine(folder, tokenizer, proposer=draft, k=4, kv_cache="paged")
+        assert [t for t, _, _ in run(engine, jobs)] == [t for t, _, _ in plain]
+        assert engine.structured.num_forced_tokens > 0 and engine.spec_metrics.num_draft_tokens > 0
+        cut[stop] = draft.num_proposed - engine.spec_metrics.num_draft_tokens
+    assert cut[True] == 0 and cut[False] > 0, cut

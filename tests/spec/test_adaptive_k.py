@@ -64,9 +64,30 @@ def test_per_sequence_acceptance_drives_k() -> None:
         adaptive.observe("formulaic", num_proposed=4, num_accepted=4)
         adaptive.observe("free-form", num_proposed=4, num_accepted=0)
     assert adaptive.alpha("formulaic") > 0.95
-    assert adaptive.alpha("free-form") < 0.05
+    # its own evidence (~5 recent trials) against 2 pseudo-trials at the pool's alpha (~0.8)
+    assert adaptive.alpha("free-form") < 0.25
     assert adaptive.choose_k("formulaic") >= 6
     assert adaptive.choose_k("free-form") == 0
+
+
+def test_a_sequence_that_stopped_drafting_drifts_back_to_the_pool() -> None:
+    """Rejections put a sequence at k = 0, where it learns nothing new; its old evidence ages at
+    every plain step, so within a few steps it drafts again at the pool's alpha (the text moved
+    on), long before a probe (probe_every=1000 here)."""
+    costs = CostModel(target_base_s=1.3e-3, target_per_token_s=0.06e-3, draft_per_token_s=0.1e-3,
+                      draft_base_s=0.5e-3)  # the demo pair, about
+    adaptive = AdaptiveK(AdaptiveKConfig(k_max=8, probe_every=1000), costs)
+    for _ in range(200):
+        adaptive.observe("pool", 8, 6)
+    for _ in range(4):
+        adaptive.observe("s", 2, 0)
+    stopped = adaptive.alpha("s")
+    assert adaptive.choose_k("s") == 0
+    plain = 1
+    while adaptive.choose_k("s") == 0:
+        plain += 1
+        assert plain < 10
+    assert stopped < adaptive.alpha("s") < adaptive.alpha("new")
 
 
 def test_alpha_counts_only_tried_drafts() -> None:

@@ -24,14 +24,17 @@ def test_fit_recovers_linear_costs():
         assert getattr(fit, name) == pytest.approx(getattr(truth, name), rel=1e-6, abs=1e-9)
 
 
-def test_one_width_only_keeps_the_prior_slopes():
+def test_one_width_only_keeps_the_target_slope_and_counts_drafting_per_token():
     meter = StepCostMeter()
     for _ in range(10):
         meter.record(2, 4, draft_s=2 * 5e-3, target_s=2 * 6e-3)
     fit = meter.fit(PRIOR_COSTS)
     assert fit.target_per_token_s == PRIOR_COSTS.target_per_token_s
     assert fit.target_base_s + 5 * fit.target_per_token_s == pytest.approx(6e-3)
-    assert fit.draft_base_s + 4 * fit.draft_per_token_s == pytest.approx(5e-3)
+    assert (fit.draft_base_s, fit.draft_per_token_s) == (0.0, pytest.approx(5e-3 / 4))
+    # a prior whose draft slope is 0 (k = 8 free) does not survive a fit at one width
+    free = CostModel(target_base_s=1e-3, target_per_token_s=1e-4, draft_per_token_s=0.0, draft_base_s=1e-3)
+    assert meter.fit(free).draft_per_token_s == pytest.approx(5e-3 / 4)
     assert StepCostMeter().fit(PRIOR_COSTS) == PRIOR_COSTS  # nothing measured: the prior
 
 
