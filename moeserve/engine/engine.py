@@ -26,7 +26,7 @@ from moeserve.grammar import CompiledGrammar
 from moeserve.sampler import Sampler
 from moeserve.sampling_params import SamplingParams, TokenLogprob, TokenTrace
 from moeserve.sequence import RequestOutput, Sequence
-from moeserve.spec.adaptive import AdaptiveK, AdaptiveKConfig
+from moeserve.spec.adaptive import AdaptiveK, AdaptiveKConfig, PayGuard, bucket
 from moeserve.spec.config import SpecConfig
 from moeserve.spec.cost_meter import PRIOR_COSTS, StepCostMeter
 from moeserve.spec.metrics import SpecMetrics
@@ -59,6 +59,8 @@ class LLMEngine:
             adaptive = AdaptiveK(AdaptiveKConfig(k_max=self.spec.num_tokens, probe_budget=0.05, explore_every=32),
                                  PRIOR_COSTS)
         self.adaptive = adaptive
+        self.pay_guard = PayGuard() if adaptive is not None else None  # adaptive k's check against realized rates
+        self._drafted = False  # whether this step's decode verified drafts
         self.step_costs = StepCostMeter()
         self.sampler = Sampler()
         self.rejection = RejectionSampler()
@@ -132,6 +134,7 @@ class LLMEngine:
         self._record_routing(any(s.params.trace_experts for s in batch.seqs))
         for seq in batch.preempted:
             self._release(seq)
+        t0 = time.perf_counter()
         try:
             if batch.is_prefill:
                 for seq in batch.seqs:  # a paged runner may hold a prefix already (prefix caching)
@@ -141,7 +144,16 @@ class LLMEngine:
                 new_tokens = self._decode(batch)
         except Exception as e:  # nothing was emitted: the step's requests can run it again (requeue)
             raise StepError([s.seq_id for s in batch.seqs]) from e
-        return [self._postprocess(seq, toks) for seq, toks in zip(batch.seqs, new_tokens)]
+        outputs = [self._postprocess(seq, toks) for seq, toks in zip(batch.seqs, new_tokens)]
+        if self.pay_guard is not None and not batch.is_prefill:
+            self.pay_guard.record(self._guard_key(batch.seqs), self._drafted,
+                                  sum(len(o.new_token_ids) for o in outputs), time.perf_counter() - t0)
+        return outputs
+
+    @staticmethod
+    def _guard_key(seqs: list[Sequence]) -> tuple[int, bool]:
+        """PayGuard's key: the batch-size bucket, and whether a row is constrained by a grammar."""
+        return bucket(len(seqs)), any(s.grammar is not None for s in seqs)
 
     def requeue(self, request_ids: Seq[str]) -> None:
         """Put running requests back in front of the queue: their KV cache and draft state are
@@ -205,6 +217,7 @@ class LLMEngine:
         seqs = batch.seqs
         t0 = time.perf_counter()
         proposals = self._propose(seqs)
+        self._drafted = any(proposals)
         drafted = [len(p) for p in proposals]  # before the grammar's cuts: a cut draft counts as rejected
         if any(proposals):  # drafts the grammar refuses are cut; masks for all k+1 positions filled
             self._last_proposals = self.structured.cut_and_fill(seqs, self._last_proposals)
@@ -241,6 +254,8 @@ class LLMEngine:
         ks = self.adaptive.choose_batch([s.seq_id for s in seqs]) if self.adaptive else [self.spec.num_tokens] * len(seqs)
         if not any(ks):  # a plain step: no proposer call (it would draft nothing)
             return [[] for _ in seqs]
+        if self.pay_guard is not None and not self.pay_guard.allows(self._guard_key(seqs)):
+            return [[] for _ in seqs]  # drafting has not paid at this batch size, as realized
         requests = []
         for s, k in zip(seqs, ks):
             room = min(s.params.max_tokens - len(s.output_ids), self.scheduler.cfg.max_model_len - s.num_tokens) - 1

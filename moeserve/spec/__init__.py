@@ -11,11 +11,12 @@ with. What the engine imports:
   imported on demand because it loads the model stack; its lean one-token decode step is
   in draft_decoder.py).
 - `StepCostMeter` — measured step times, refit into the CostModel adaptive k uses.
-- `AdaptiveK`, `AdaptiveKConfig`, `CostModel` — per-sequence choice of k.
+- `AdaptiveK`, `AdaptiveKConfig`, `CostModel` — per-sequence choice of k; `PayGuard` — drafting
+  refused where it has not paid, as realized.
 - `SpecMetrics` — acceptance rate, tokens per pass, and the formula next to it.
 """
 
-from moeserve.spec.adaptive import AdaptiveK, AdaptiveKConfig, CostModel, expected_tokens_per_pass
+from moeserve.spec.adaptive import AdaptiveK, AdaptiveKConfig, CostModel, PayGuard, expected_tokens_per_pass
 from moeserve.spec.cost_meter import StepCostMeter
 from moeserve.spec.metrics import SpecMetrics
 from moeserve.spec.ngram import NgramProposer
@@ -33,6 +34,7 @@ from moeserve.spec.rejection_sampler import RejectionSampler, SpecOutput
 __all__ = [
     "AdaptiveK",
     "AdaptiveKConfig",
+    "PayGuard",
     "CostModel",
     "NgramProposer",
     "Proposal",

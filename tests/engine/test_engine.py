@@ -245,3 +245,52 @@ def _run_with_logprobs(engine: LLMEngine, ps: list[list[int]], params: SamplingP
             out[o.request_id][0].extend(o.new_token_ids)
             out[o.request_id][1].extend(o.logprobs)
     return [out[rid] for rid in ids]
+
+
+class SlowPerfectDraft(Proposer):
+    """Proposes the known greedy continuation (every draft accepted), taking `delay_s` per call."""
+
+    def __init__(self, continuations: dict[tuple, list[int]], delay_s: float) -> None:
+        self.continuations, self.delay_s = continuations, delay_s
+
+    def propose(self, requests: list[ProposalRequest]) -> list[Proposal]:
+        import time
+
+        time.sleep(self.delay_s)
+        out = []
+        for r in requests:
+            for prompt, cont in self.continuations.items():
+                if tuple(r.token_ids[: len(prompt)]) == prompt:
+                    done = len(r.token_ids) - len(prompt)
+                    out.append(Proposal(cont[done : done + r.num_tokens]))
+        return out
+
+    def on_finished(self, seq_id: str) -> None:
+        pass
+
+
+def test_drafting_that_does_not_pay_as_realized_is_refused(tiny):
+    """Adaptive k's cost model believes drafting is free (never refit here); the draft is perfect
+    but takes 30 ms a call, far more than the 2 tokens per pass it buys: the engine's PayGuard
+    measures whole steps, with and without drafts, and stops drafting. The same draft without
+    the delay keeps drafting (2 tokens per step). Output is plain decoding's either way."""
+    from moeserve.spec import AdaptiveK, AdaptiveKConfig, CostModel
+
+    folder, _ = tiny
+    ps = prompts(2, seed=3)
+    params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    plain = [o.token_ids for o in make_engine(folder).generate(ps, params)]
+    continuations = {tuple(p): o for p, o in zip(ps, plain)}
+    drafted = {}
+    for delay in (0.03, 0.0):
+        runner = ModelRunner(load_checkpoint(folder), max_num_seqs=8, max_model_len=128)
+        free = CostModel(target_base_s=1e-3, target_per_token_s=1e-6, draft_per_token_s=1e-6)
+        engine = LLMEngine(runner, proposer=SlowPerfectDraft(continuations, delay),
+                           spec=SpecConfig(num_tokens=1, adaptive=True, refit_every=10**6),
+                           adaptive=AdaptiveK(AdaptiveKConfig(k_max=1), free))
+        assert [o.token_ids for o in engine.generate([ps[0]], params)] == [plain[0]]
+        before = engine.spec_metrics.num_seq_passes
+        assert [o.token_ids for o in engine.generate([ps[1]], params)] == [plain[1]]
+        drafted[delay] = engine.spec_metrics.num_seq_passes - before  # steps that drafted, second request
+    # slow: at most one recheck's min_steps (8) drafting steps in the second request's ~60 steps
+    assert drafted[0.03] <= engine.pay_guard.min_steps and drafted[0.0] >= 25, drafted

@@ -191,3 +191,31 @@ def test_probes_that_do_not_pay_back_off() -> None:
     for _ in range(50):  # the text turned formulaic: the next probe pays and resets the interval
         adaptive.observe("s", 4, 4)
     assert adaptive.choose_k("s") > 0
+
+
+def test_pay_guard_refuses_drafting_that_has_not_paid_and_rechecks():
+    """Realized tokens per second with and without drafts, per key: drafting is refused where it
+    emitted fewer per second; every `recheck` refused steps (doubling) it is measured afresh."""
+    from moeserve.spec import PayGuard
+
+    guard = PayGuard(decay=1.0, min_steps=2, recheck=4)
+    key = (1, True)
+    assert guard.allows(key)  # nothing measured: allowed
+    for _ in range(2):
+        guard.record(key, True, 3, 0.010)  # 300 tokens/s with drafts
+    assert not guard.allows(key)  # drafting measured, plain not yet: a plain step to measure it
+    for _ in range(2):
+        guard.record(key, False, 2, 0.005)  # 400 tokens/s without (jump-forward: 2 per step)
+    assert guard.rates(key) == (pytest.approx(400), pytest.approx(300))
+    decisions = [guard.allows(key) for _ in range(12)]
+    assert decisions == [False, False, False, True] + [True] * 8  # the 4th refusal rechecks: measured afresh
+    assert guard.num_refused == 4
+    for _ in range(2):
+        guard.record(key, True, 3, 0.010)  # still 300/s: refused again, now for 8 steps
+    assert [guard.allows(key) for _ in range(8)] == [False] * 7 + [True]
+    for _ in range(2):
+        guard.record(key, True, 6, 0.010)  # 600/s: drafting pays now
+    assert guard.allows(key) and guard.allows(key)
+    assert guard.allows((2, True))  # other keys are their own
+    with pytest.raises(ValueError):
+        PayGuard(min_steps=0)
