@@ -181,7 +181,8 @@ class DraftModelProposer(Proposer):
                 sampled += 1
             proposals[r.index] = Proposal(row[: ends.get(b, r.k)], q)
             state = self._seqs[r.seq_id]
-            state.cached = r.tokens + row[: r.k - 1]  # the last draft was sampled, never fed
+            fed = row[: r.k - 1]  # the last draft was sampled, never fed; -1: not drafted (ended early)
+            state.cached = r.tokens + (fed[: fed.index(-1)] if -1 in fed else fed)
             self.runner.manager.record(r.seq_id, state.cached)
             self.runner.manager.commit(r.seq_id, len(r.tokens))  # its full blocks: findable by other sequences
         return proposals
@@ -247,7 +248,7 @@ class DraftModelProposer(Proposer):
         neg_k = [-r.k for r in rows]  # ascending
         active = [bisect_left(neg_k, -j) for j in range(width)]  # rows with k > j: they need draft j
         sampled = [b for b, r in enumerate(rows) if r.params is not None]
-        out = torch.empty(len(rows), width, dtype=torch.long, device=self.device)  # [B, K]
+        out = torch.full((len(rows), width), -1, dtype=torch.long, device=self.device)  # [B, K]; -1: not drafted
         probs = torch.empty(len(sampled), width, logits.shape[-1]) if sampled else None  # [S, K, V]
         second = torch.zeros_like(out) if self.track_runner_up and logits.shape[-1] > 1 else None
         # a sampled row never ends by its values: a cut that depends on what the draft drew biases the output
