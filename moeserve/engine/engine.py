@@ -26,10 +26,11 @@ from moeserve.grammar import CompiledGrammar
 from moeserve.sampler import Sampler
 from moeserve.sampling_params import SamplingParams, TokenLogprob, TokenTrace
 from moeserve.sequence import RequestOutput, Sequence
-from moeserve.spec.adaptive import AdaptiveK, AdaptiveKConfig, PayGuard, bucket
+from moeserve.spec.adaptive import AdaptiveK, AdaptiveKConfig, bucket
 from moeserve.spec.config import SpecConfig
 from moeserve.spec.cost_meter import PRIOR_COSTS, StepCostMeter
 from moeserve.spec.metrics import SpecMetrics
+from moeserve.spec.pay_guard import PayGuard
 from moeserve.spec.proposer import ProposalRequest, Proposer, pad_proposals
 from moeserve.spec.rejection_sampler import RejectionSampler, SpecOutput
 from moeserve.spec.verify import verify, verify_window

@@ -16,10 +16,11 @@ with. What the engine imports:
 - `SpecMetrics` — acceptance rate, tokens per pass, and the formula next to it.
 """
 
-from moeserve.spec.adaptive import AdaptiveK, AdaptiveKConfig, CostModel, PayGuard, expected_tokens_per_pass
+from moeserve.spec.adaptive import AdaptiveK, AdaptiveKConfig, CostModel, expected_tokens_per_pass
 from moeserve.spec.cost_meter import StepCostMeter
 from moeserve.spec.metrics import SpecMetrics
 from moeserve.spec.ngram import NgramProposer
+from moeserve.spec.pay_guard import PayGuard
 from moeserve.spec.proposer import (
     Proposal,
     ProposalRequest,
