@@ -74,6 +74,10 @@ def serve_locally(cfg: AppConfig, *, host: str, http_port: int, num_cpus: int, d
         print("Ctrl-C to stop.", flush=True)
         if demo:
             demo_request(f"http://{shown}:{http_port}", cfg.model.name)
+        # From here Ctrl-C only sets the event: a KeyboardInterrupt raised inside Event.wait can
+        # leave its lock broken when a second SIGINT follows (`timeout` signals the process and
+        # its group), and the stop would end in a traceback.
+        signal.signal(signal.SIGINT, lambda *_: stop.set())
         while not stop.wait(1.0):
             pass
     except KeyboardInterrupt:
