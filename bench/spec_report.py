@@ -28,6 +28,16 @@ def spec_medians(runs: dict[str, list[Run]]) -> dict[str, dict[str, float]]:
     return out
 
 
+def draft_medians(runs: dict[str, list[Run]]) -> dict[str, dict[str, float]]:
+    """Per draft-deployment case: median pre-draft hit rate, wait per call (ms) and fallback steps."""
+    out = {}
+    for name, rs in runs.items():
+        drafts = [r.extra["draft"] for r in rs if "draft" in r.extra]
+        if drafts:
+            out[name] = {key: statistics.median(d[key] for d in drafts) for key in drafts[0]}
+    return out
+
+
 def step_costs(runs: dict[str, list[Run]], baseline: str) -> dict[str, dict[str, float]]:
     """Where a decode step's time goes, per case (medians over runs, milliseconds):
     draft and target (verify) time per step from the engine's own timers, the rest of the
@@ -69,6 +79,9 @@ def console(results: dict[str, Any], args: argparse.Namespace) -> str:
         for name, row in res["summary"].items():
             spec = res["spec"].get(name)
             extra = f"  alpha {spec['alpha']:.2f}, tokens/pass {spec['tokens_per_pass']:.2f}" if spec else ""
+            draft = res.get("draft", {}).get(name)
+            if draft:
+                extra += f", pre-draft hits {draft['predraft_hit_rate']:.0%}, wait {draft['wait_ms_per_call']:.2f} ms/call"
             ratio = f"{row['median_ratio']:.2f}x" if "median_ratio" in row else "1.00x"
             lines.append(f"  {name:34s} {row['median_tokens_per_s']:7.1f} tokens/s  {ratio:>6s}{extra}")
         lines.append(f"  transformers assisted / transformers: {res['transformers assisted / transformers']:.2f}x")
@@ -94,7 +107,14 @@ def _compare_table(res: dict[str, Any]) -> str:
         rows.append([name, row["median_tokens_per_s"], row.get("median_ratio", 1.0),
                      spec.get("alpha", "-"), spec.get("tokens_per_pass", "-"),
                      spec.get("predicted_tokens_per_pass", "-")])
-    return markdown_table(["case", "tokens/s (median)", "vs no speculation", "alpha", "tokens/pass", "formula"], rows)
+    table = markdown_table(["case", "tokens/s (median)", "vs no speculation", "alpha", "tokens/pass", "formula"], rows)
+    drafts = res.get("draft", {})
+    if not drafts:
+        return table
+    rows = [[name, d["predraft_hit_rate"], d["wait_ms_per_call"], d["fallback_steps"]] for name, d in drafts.items()]
+    return table + "\n\nDraft deployment (medians per run): rows answered from a pre-draft, time a step waited for " \
+        "its drafts, steps decoded without drafts.\n\n" + markdown_table(
+            ["case", "pre-draft hit rate", "draft wait ms / call", "fallback steps"], rows)
 
 
 def _steps_table(res: dict[str, Any]) -> str:

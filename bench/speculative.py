@@ -104,7 +104,7 @@ def compare(b: Bench, prompts: list[list[int]], label: str) -> dict:
     cases[f"transformers + assistant k={k}"] = b.hf(prompts, assistant=b.hf_draft)
     runs = interleaved(cases, b.args.rounds, desc=f"compare {label}")
     out = {"summary": summarize(runs, NONE), "spec": spec_report.spec_medians(runs),
-           "steps": spec_report.step_costs(runs, NONE)}
+           "steps": spec_report.step_costs(runs, NONE), "draft": spec_report.draft_medians(runs)}
     out["transformers assisted / transformers"] = paired_ratio(runs, f"transformers + assistant k={k}", "transformers")
     out["ours no speculation / transformers"] = paired_ratio(runs, NONE, "transformers")
     return out
@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.speculative", description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer prompts, tokens, rounds and k values")
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--prompts", type=int, default=4, help="prompts per set at batch 1")
+    ap.add_argument("--prompts", type=int, default=8, help="prompts per set at batch 1")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=128, help="at most this many tokens per prompt")
     ap.add_argument("--ignore-eos", dest="stop_at_eos", action="store_false",

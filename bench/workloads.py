@@ -27,11 +27,15 @@ def ours(engine: LLMEngine, prompts: list[list[int]], new_tokens: int, batch: in
          grammar=None) -> Case:
     """Our engine: prompts in groups of `batch` (each constrained by `grammar`, a CompiledGrammar,
     when given: then a reply ends where its grammar completes). extra: this run's speculation
-    metrics and the time split into prefill (each group's first step) and decode steps."""
+    metrics, the time split into prefill (each group's first step) and decode steps, and with a
+    draft deployment its pre-draft hit rate, wait per call and fallback steps."""
     params = greedy(new_tokens, stop_at_eos)
+
+    stats = getattr(engine.proposer, "stats", None)  # a draft deployment's counters (pre-draft hits, waits)
 
     def case() -> tuple[int, dict]:
         engine.spec_metrics = SpecMetrics()  # this run's only
+        before = stats() if stats else None
         tokens, prefill_s, decode_s, decode_steps = 0, 0.0, 0.0, 0
         for i in range(0, len(prompts), batch):
             for p in prompts[i : i + batch]:
@@ -48,6 +52,12 @@ def ours(engine: LLMEngine, prompts: list[list[int]], new_tokens: int, batch: in
                  "decode_tokens": tokens - len(prompts)}
         if engine.proposer is not None:
             extra["spec"] = engine.spec_metrics.to_dict()
+        if stats:
+            after = stats()
+            calls, proposals = after["calls"] - before["calls"], after["proposals"] - before["proposals"]
+            extra["draft"] = {"predraft_hit_rate": (after["predraft_hits"] - before["predraft_hits"]) / max(proposals, 1),
+                              "wait_ms_per_call": 1e3 * (after["wait_s"] - before["wait_s"]) / max(calls, 1),
+                              "fallback_steps": after["fallback_steps"] - before["fallback_steps"]}
         return tokens, extra
 
     return case

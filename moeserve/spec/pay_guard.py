@@ -49,9 +49,15 @@ class PayGuard:
         self._refused: dict[tuple, int] = {}  # key -> refused steps since the last recheck
         self._scale: dict[tuple, int] = {}  # key -> recheck interval multiplier
         self.num_refused = 0
+        self._warm = False  # whether a step with drafts was seen (the first is left out)
 
     def record(self, key: tuple, drafted: bool, tokens: int, seconds: float) -> None:
-        """One decode step at `key`: whether it drafted, tokens it emitted, its seconds."""
+        """One decode step at `key`: whether it drafted, tokens it emitted, its seconds. The
+        first step with drafts of the guard's life is left out: it pays one-off set-up (a draft
+        deployment's data channel, set up through Ray on first use, costs tens of plain steps)."""
+        if drafted and not self._warm:
+            self._warm = True
+            return
         self._rates.setdefault(key, (_Rate(), _Rate()))[drafted].add(tokens, seconds, self.decay)
 
     def allows(self, key: tuple) -> bool:

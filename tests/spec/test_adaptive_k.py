@@ -201,6 +201,7 @@ def test_pay_guard_refuses_drafting_that_has_not_paid_and_rechecks():
     guard = PayGuard(decay=1.0, min_steps=2, recheck=4)
     key = (1, True)
     assert guard.allows(key)  # nothing measured: allowed
+    guard.record(key, True, 1, 0.5)  # the first step with drafts (a channel's set-up): left out
     for _ in range(2):
         guard.record(key, True, 3, 0.010)  # 300 tokens/s with drafts
     assert not guard.allows(key)  # drafting measured, plain not yet: a plain step to measure it
