@@ -119,9 +119,8 @@ class _Acceptance:
     run of rejections drifts back to the pool's alpha and drafts again, instead of keeping k = 0
     on the word of five old rejections until a probe."""
 
-    def __init__(self, accepted: float = 0.0, trials: float = 0.0) -> None:
-        self.accepted = accepted
-        self.trials = trials
+    def __init__(self) -> None:
+        self.accepted = self.trials = 0.0
 
     def alpha(self, prior: float, weight: float) -> float:
         return (self.accepted + prior * weight) / (self.trials + weight)

@@ -36,9 +36,9 @@ class PayGuard:
     first draft prefills its prompt on the draft model, a one-off the fit leaves out. When steps
     with drafts have emitted fewer tokens per second than plain steps (both measured, min_steps
     each; a key that has drafted min_steps steps and has fewer plain ones runs plain steps
-    until it has them), drafting is refused at that key. Every `recheck` refused steps (doubling after each
-    recheck that does not pay, up to 16 times) the drafting side is forgotten, so the next
-    min_steps steps draft again and are measured afresh.
+    until it has them), drafting is refused at that key. Every `recheck` refused steps
+    (doubling after each recheck that does not pay, up to 16 times) the drafting side is
+    forgotten, so the next min_steps steps draft again and are measured afresh.
     """
 
     def __init__(self, decay: float = 0.97, min_steps: int = 8, recheck: int = 64) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -254,8 +256,6 @@ class SlowPerfectDraft(Proposer):
         self.continuations, self.delay_s = continuations, delay_s
 
     def propose(self, requests: list[ProposalRequest]) -> list[Proposal]:
-        import time
-
         time.sleep(self.delay_s)
         out = []
         for r in requests:
