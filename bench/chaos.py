@@ -62,13 +62,14 @@ MAX_TOKENS = 40
 WHOLE_WITHIN_S = 120.0  # give up measuring recovery after this
 
 # What an operator kills, by process title (Ray names its workers "ray::<actor class>", Serve
-# replicas "ray::ServeReplica:<app>:<deployment>"); the engine core is `python -m ...core_client`.
+# replicas "ray::ServeReplica:<app>:<deployment>"); the engine core is `python -m ...core_client`,
+# a draft replica's worker `python -m deployments.draft_worker`.
 TARGETS = {
     "engine core": "moeserve.engine.core_client",
     "engine replica": "ray::ServeReplica:moeserve:engine",
     "gateway replica": "ray::ServeReplica:moeserve:gateway",
     "shard actor": "ray::ShardActor",
-    "draft worker": "ray::DraftWorker",
+    "draft worker": "deployments.draft_worker",
 }
 TWO_GATEWAYS = {"gateway": {"autoscaling": {"min_replicas": 2, "max_replicas": 2, "target_ongoing_requests": 64}}}
 STACKS: dict[str, dict[str, Any]] = {

@@ -141,7 +141,9 @@ def render(results: dict[str, Any], args: argparse.Namespace, env: dict, name: s
         + f". {args.rounds} interleaved rounds, medians; 'vs no speculation' is "
         f"the median of per-round ratios. Batch 1 runs {args.prompts} prompts one after another. torch threads: "
         f"{args.threads}; load average at start {env['load_average_at_start'][0]:.1f} on {env['cpu_count']} "
-        "cores (a shared machine: absolute numbers move, ratios measured side by side move less).",
+        "cores (a shared machine: absolute numbers move, ratios measured side by side move less). "
+        + (f"CPUs pinned: the draft deployment's worker on CPU {args.draft_cpus[0]}, the engine on the others."
+           if getattr(args, "draft_cpus", None) else "CPU placement left to the OS."),
         "",
     ]
     for label, res in results["compare"].items():

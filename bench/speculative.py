@@ -69,7 +69,8 @@ class Bench:
         from deployments.draft import DraftServerConfig, bind_draft
 
         ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-        cfg = DraftServerConfig(model_path=self.args.draft, max_num_seqs=16, max_model_len=1024, torch_threads=1)
+        cfg = DraftServerConfig(model_path=self.args.draft, max_num_seqs=16, max_model_len=1024, torch_threads=1,
+                                cpus=self.args.draft_cpus)
         self.draft_handle = serve.run(bind_draft(cfg), name="bench-draft", route_prefix=None)
 
     def remote_drafter(self, direct: bool = True):
@@ -134,6 +135,14 @@ def batched(b: Bench, prompts: list[list[int]]) -> dict:
             "steps": spec_report.step_costs(runs, NONE)}
 
 
+def split_cpus() -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """(this process's CPUs, the draft worker's): the last CPU for the draft deployment's worker,
+    the others for the engine that runs every case, in-process drafts included. Ray's own
+    processes are started before this process is pinned, so they stay free to run anywhere."""
+    cpus = sorted(os.sched_getaffinity(0))
+    return (tuple(cpus[:-1]), (cpus[-1],)) if len(cpus) >= 2 else None
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.speculative", description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer prompts, tokens, rounds and k values")
@@ -150,7 +159,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--target", default=demo_checkpoint("demo-moe"))
     ap.add_argument("--draft", default=demo_checkpoint("demo-draft"))
     ap.add_argument("--name", default=None)
+    ap.add_argument("--pin", action="store_true",
+                    help="with 2+ CPUs: the draft deployment's worker on the last CPU, and this process, whose "
+                         "engine runs every case, on the others (default: placement left to the OS)")
     args = ap.parse_args(argv)
+    split = split_cpus() if args.pin else None
+    args.draft_cpus = split[1] if split else None
     if args.quick:
         args.rounds, args.prompts, args.batch, args.new_tokens, args.sweep = 2, 2, 4, 48, "2,4"
     args.sweep = [int(k) for k in str(args.sweep).split(",")]
@@ -161,6 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if not args.no_serve:
             b.start_draft_deployment()
+        if split:
+            os.sched_setaffinity(0, split[0])
         sets = {"formulaic": formulaic(b.tokenizer, max(args.prompts, args.batch)), "free-form": free_form(
             b.tokenizer, args.prompts)}
         results = {

@@ -1,12 +1,13 @@
 """The draft model as its own Serve deployment, and the engine-side proposer that calls it.
 
-    engine step --one message per step, whole batch, on a socket--> DraftWorker (owned by a
-                                                                    DraftServer replica)
+    engine step --one message per step, whole batch, on a socket--> DraftWorker (a child
+                                                                    process of a DraftServer
+                                                                    replica)
 
 The user's design has "a separate draft-model deployment" propose tokens. Each replica of
-the deployment owns one `DraftWorker` actor on its own node, which holds the model; the
-engine asks the deployment once (a Serve call) for its replica's worker and the worker once
-(an actor call) for its data channel, then sends every step's call on that channel
+the deployment runs one `DraftWorker`, which holds the model, in a child process of its own
+(deployments/draft_worker.py `DraftProcess`); the engine asks the deployment once (a Serve
+call) for its replica's data channel, then sends every step's call on that channel
 (deployments/draft_channel.py). A Serve call costs ~4.5 ms here and an actor call ~1.5 ms
 against a decode step of ~3 ms, so the transport decides whether drafting pays at all
 (bench/reports/speculative.md). The per-step call carries every sequence of the step at once
@@ -22,17 +23,19 @@ prefix or rebuilds by prefilling (DraftModelProposer compares token ids every st
 Sequence ids are prefixed with the engine's session id, so two engines never share a draft
 cache entry.
 
-Lifetime and failure: the worker shares its replica's fate (an actor dies with its owner),
-and the replica's health check pings it, so Serve replaces a replica whose worker died.
-When a call times out, fails, or the deployment is gone, `RemoteDraftProposer` returns no
-drafts for that step (the engine decodes without speculation, exact all the same), forgets
-a worker that failed, and backs off before trying again (asking the deployment for a
-worker anew), doubling the pause up to a limit.
+Lifetime and failure: the worker process exits with its replica, and the replica starts a
+new one when it dies; the health check pings it, so Serve replaces a replica whose worker
+cannot come back. When a call times out, fails, or the deployment is gone,
+`RemoteDraftProposer` returns no drafts for that step (the engine decodes without
+speculation, exact all the same), drops its connection, and backs off before trying again
+(asking the deployment for the channel anew), doubling the pause up to a limit.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import threading
 import time
 import uuid
 from collections import deque
@@ -42,7 +45,7 @@ from ray import serve
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
-from deployments.draft_worker import DraftCall, DraftServerConfig, DraftWorker
+from deployments.draft_worker import DraftCall, DraftProcess, DraftServerConfig
 from moeserve.spec.proposer import Proposal, ProposalRequest, Proposer
 
 log = logging.getLogger(__name__)
@@ -51,36 +54,52 @@ STICKY_ROUTER = "ray.serve.experimental.consistent_hash_router.ConsistentHashRou
 
 
 class DraftServer:
-    """A draft replica: starts one DraftWorker actor on this replica's node and answers with it.
-
-    The worker reserves no CPU of its own: the replica's reservation (`ray_actor_options`)
-    covers it, since the replica itself only waits. It is not detached, so it dies with the
-    replica.
+    """A draft replica: runs a DraftWorker in a child process (`DraftProcess`) and tells
+    engines where its data channel is. The replica itself only supervises and waits, so its
+    reservation (`ray_actor_options`) is the worker's: the child runs on the replica's node,
+    with its CPUs (and its GPU, `CUDA_VISIBLE_DEVICES` being inherited).
     """
 
     def __init__(self, config: DraftServerConfig) -> None:
-        import ray
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+        self._process = DraftProcess(config)  # the model is loaded before the replica reports ready
+        self._client: Any = None  # this replica's own connection, for Serve-call proposals
+        self._client_to: Any = None
+        self._client_lock = threading.Lock()
 
-        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-        self._worker = ray.remote(DraftWorker).options(num_cpus=0, scheduling_strategy=here).remote(config)
-        ray.get(self._worker.ping.remote())  # the model is loaded before the replica reports ready
-
-    def worker(self) -> Any:
-        """The ActorHandle of this replica's worker: engines call it directly every step."""
-        return self._worker
+    async def channel(self) -> tuple[tuple[str, int], bytes]:
+        """The address and secret of the worker's data channel: engines send every step's call
+        there, not through Serve or Ray. Waits briefly while a dead worker is being restarted."""
+        return await asyncio.to_thread(self._process.channel, 5.0)
 
     async def propose(self, call: DraftCall) -> list[Proposal]:
-        """Proposals through Serve (one Serve call per step; RemoteDraftProposer(direct=False))."""
-        return await self._worker.propose.remote(call)
+        """Proposals through Serve (one Serve call per step; RemoteDraftProposer(direct=False)),
+        passed on over this replica's own connection to the worker."""
+        return await asyncio.to_thread(self._propose, call)
+
+    def _propose(self, call: DraftCall) -> list[Proposal]:
+        from deployments.draft_channel import ChannelClient
+
+        with self._client_lock:
+            address, key = self._process.channel(30.0)
+            if self._client is None or self._client_to != address:
+                self._client, self._client_to = ChannelClient(address, key), address
+            try:
+                return self._client.call(call, 30.0)
+            except Exception:
+                self._client.close()
+                self._client = None
+                raise
 
     async def stats(self) -> dict[str, Any]:
         """This replica's worker's counters (a Serve call reaches the session's replica when sticky)."""
-        return await self._worker.stats.remote()
+        return await asyncio.to_thread(self._process.stats)
 
     async def check_health(self) -> None:
-        """Serve's health-check hook: a replica whose worker died is unhealthy and gets replaced."""
-        await self._worker.ping.remote()
+        """Serve's health-check hook: a replica whose worker cannot be restarted gets replaced."""
+        await asyncio.to_thread(self._process.check)
+
+    def __del__(self) -> None:
+        self._process.close()
 
 
 def bind_draft(
@@ -113,7 +132,8 @@ class RemoteDraftProposer(Proposer):
         each further failure up to max_backoff_s; a success resets it.
     sticky: route every Serve call of this engine to one replica (its session id).
     direct: talk to the replica's DraftWorker over its data channel (default: one socket message
-        each way per step, set up once through Ray), not through a Serve call per step.
+        each way per step, its address asked of the deployment once), not through a Serve call
+        per step.
     """
 
     def __init__(
@@ -130,9 +150,8 @@ class RemoteDraftProposer(Proposer):
         self.session = uuid.uuid4().hex[:12]
         routing = {"session_id": self.session} if sticky else {}
         self.handle = handle.options(method_name="propose", **routing)
-        self.worker_handle = handle.options(method_name="worker", **routing) if direct else None
-        self._worker: Any = None  # the replica's DraftWorker once asked for (direct)
-        self._client: Any = None  # the data channel to it (direct)
+        self.channel_handle = handle.options(method_name="channel", **routing) if direct else None
+        self._client: Any = None  # the data channel to the replica's worker (direct)
         self.draft_wait_s = 0.0  # time steps spent waiting for drafts
         self.timeout_s, self.backoff_s, self.max_backoff_s = timeout_s, backoff_s, max_backoff_s
         self._pause_s = backoff_s
@@ -179,32 +198,25 @@ class RemoteDraftProposer(Proposer):
     def _call(self, call: DraftCall) -> list[Proposal]:
         t0 = time.perf_counter()
         try:
-            if self.worker_handle is None:
+            if self.channel_handle is None:
                 return self.handle.remote(call).result(timeout_s=self.timeout_s)
             return self._over_channel(call)
         finally:
             self.draft_wait_s += time.perf_counter() - t0
 
     def _over_channel(self, call: DraftCall) -> list[Proposal]:
-        """The worker's data channel, set up through Ray on first use (and after a failure)."""
+        """The worker's data channel, its address asked of the deployment (one Serve call) on
+        first use and after a failure."""
         if self._client is None:
-            import ray
-
             from deployments.draft_channel import ChannelClient
 
-            if self._worker is None:
-                self._worker = self.worker_handle.remote().result(timeout_s=self.timeout_s)
-            try:
-                address, key = ray.get(self._worker.channel.remote(), timeout=self.timeout_s)
-                self._client = ChannelClient(address, key)
-            except Exception:  # the worker is gone: ask the deployment again next time
-                self._worker = None
-                raise
+            address, key = self.channel_handle.remote().result(timeout_s=self.timeout_s)
+            self._client = ChannelClient(address, key)
         try:
             return self._client.call(call, self.timeout_s)
         except Exception:  # timed out (a late reply would answer the next call) or the worker died
             self._client.close()
-            self._client, self._worker = None, None
+            self._client = None
             raise
 
     def on_finished(self, seq_id: str) -> None:

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, field_validator, model_validator
 
 PACKAGE_ROOT = Path(__file__).resolve().parent
 PROJECT_ROOT = PACKAGE_ROOT.parent  # the source checkout, when running from one
@@ -104,6 +104,9 @@ class SpeculativeSection(_Section):
     # model draft: in the engine's process, or its own Serve deployment (one call per engine step)
     placement: Literal["in_process", "deployment"] = "in_process"
     draft_replicas: int = Field(1, ge=1)
+    # placement deployment: pin each draft worker process to these CPU ids of its node (None: the OS
+    # places it), so a draft with cores of its own drafts ahead without taking the engine's
+    draft_cpus: list[NonNegativeInt] | None = Field(None, min_length=1)
     # No speculation while this many sequences run (0: never), whatever adaptive k measures.
     # Off by default: adaptive k drafts where it pays at each batch size (bench/spec_batch_sweep.py, demo
     # pair: at 16-32 rows adaptive k ran 1.10-1.69x no speculation, where a cut-off at 12 gave 1.02-1.08x).

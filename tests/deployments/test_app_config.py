@@ -83,10 +83,15 @@ def test_draft_deployment_is_bound_only_when_asked_for():
     from deployments.app import _bind_draft, build
 
     assert _bind_draft(AppConfig.from_dict({"speculative": {"draft": "model"}})) is None  # in-process by default
-    cfg = AppConfig.from_dict({"speculative": {"draft": "model", "placement": "deployment", "draft_replicas": 2}})
+    cfg = AppConfig.from_dict({"speculative": {"draft": "model", "placement": "deployment", "draft_replicas": 2,
+                                               "draft_cpus": [1]}})
     draft = _bind_draft(cfg)
     assert draft is not None and draft._bound_deployment.name == "draft"
     assert draft._bound_deployment.num_replicas == 2
+    assert draft._bound_deployment.init_args[0].cpus == (1,)  # each worker process pinned to CPU 1
+    for bad in ([], [-1]):
+        with pytest.raises(ValueError, match="draft_cpus"):
+            AppConfig.from_dict({"speculative": {"draft_cpus": bad}})
     app = build(cfg)  # gateway -> engine -> draft
     engine = app._bound_deployment.init_args[0]
     assert engine._bound_deployment.init_kwargs["draft"]._bound_deployment.name == "draft"

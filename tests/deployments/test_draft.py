@@ -12,7 +12,8 @@ import torch
 ray = pytest.importorskip("ray")
 from ray import serve  # noqa: E402
 
-from deployments.draft import DraftCall, DraftServerConfig, DraftWorker, RemoteDraftProposer, bind_draft  # noqa: E402
+from deployments.draft import RemoteDraftProposer, bind_draft  # noqa: E402
+from deployments.draft_worker import DraftCall, DraftServerConfig, DraftWorker  # noqa: E402
 from model_shards import load_checkpoint  # noqa: E402
 from moeserve.sampling_params import SamplingParams  # noqa: E402
 from moeserve.spec import ProposalRequest  # noqa: E402
@@ -86,6 +87,49 @@ def test_channel_round_trip_secret_and_timeout():
     assert again.call("x", timeout_s=5) == ("echo", "x")
     again.close()
     server.close()
+
+
+def test_draft_process_pins_answers_and_comes_back_after_a_kill(ckpts):
+    """The worker in its own process: proposes what the in-process proposer does over its
+    channel, runs on the CPUs it was given, and a new process (new channel) replaces a killed one."""
+    import os
+
+    from deployments.draft_channel import ChannelClient
+    from deployments.draft_worker import DraftProcess
+
+    _, draft_dir, _ = ckpts
+    cpu = max(os.sched_getaffinity(0))
+    proc = DraftProcess(replace(config(draft_dir), cpus=(cpu,)))
+    try:
+        local = DraftModelProposer(load_checkpoint(draft_dir), 8, 96)
+        reqs = [ProposalRequest(f"s{i}", p, 4) for i, p in enumerate(PROMPTS)]
+        client = ChannelClient(*proc.channel(5.0))
+        assert [p.token_ids for p in client.call(DraftCall(reqs), 30)] == [p.token_ids for p in local.propose(reqs)]
+        first = proc.stats()
+        assert first["cpus"] == [cpu] and first["calls"] == 1 and first["restarts"] == 0
+        proc.check()
+        proc.kill()
+        with pytest.raises((EOFError, OSError)):
+            client.call(DraftCall(reqs), 30)
+        deadline = time.monotonic() + 60
+        while proc.restarts == 0:
+            assert time.monotonic() < deadline, "the worker process was not restarted"
+            time.sleep(0.05)
+        address, key = proc.channel(5.0)
+        assert proc.pid != first["pid"] and proc.stats()["calls"] == 0
+        proc.check()
+        again = ChannelClient(address, key)
+        assert [p.token_ids for p in again.call(DraftCall(reqs), 30)] == [p.token_ids for p in local.propose(reqs)]
+        again.close()
+    finally:
+        proc.close()
+
+
+def test_a_draft_process_that_cannot_start_says_why(tmp_path):
+    from deployments.draft_worker import DraftProcess
+
+    with pytest.raises(RuntimeError, match="did not start"):
+        DraftProcess(config(str(tmp_path / "no-such-checkpoint")), start_timeout_s=60)
 
 
 def test_predrafted_proposals_are_what_drafting_then_would_give(ckpts):
@@ -200,7 +244,7 @@ def test_the_draft_deployments_counters_reach_metrics(ckpts):
 
 
 # ---- through Serve -----------------------------------------------------------------------------
-@pytest.mark.parametrize("direct", [True, False], ids=["worker-actor", "serve-call"])
+@pytest.mark.parametrize("direct", [True, False], ids=["channel", "serve-call"])
 def test_served_draft_gives_the_target_greedy_tokens(ray_cluster, ckpts, direct):
     target, draft_dir, plain = ckpts
     handle = serve.run(bind_draft(config(draft_dir)), name="draft-one", route_prefix=None)
@@ -290,16 +334,36 @@ def test_deleted_draft_deployment_falls_back(ray_cluster, ckpts):
     assert time.monotonic() - t0["deleted"] < 60
 
 
-def test_killed_draft_worker_falls_back_and_the_replica_is_unhealthy(ray_cluster, ckpts):
+def test_killed_draft_worker_falls_back_and_is_restarted(ray_cluster, ckpts):
+    """SIGKILL the replica's worker process mid-run: the engine decodes without drafts (same
+    tokens), the replica starts a new worker, and the engine drafts again on its new channel."""
+    import os
+    import signal
+
     target, draft_dir, plain = ckpts
     handle = serve.run(bind_draft(config(draft_dir)), name="draft-worker-gone", route_prefix=None)
     proposer = RemoteDraftProposer(handle, timeout_s=2.0, backoff_s=0.2)
+    stats = handle.options(method_name="stats", session_id=proposer.session)
+    first = stats.remote().result(timeout_s=30)
 
-    def kill_worker():
-        ray.kill(handle.options(method_name="worker", session_id=proposer.session).remote().result(timeout_s=30))
-
-    assert run_failing_midway(make_engine(target, proposer, k=4), 2, kill_worker) == plain
+    assert run_failing_midway(make_engine(target, proposer, k=4), 2, lambda: os.kill(first["pid"], signal.SIGKILL)) \
+        == plain
     assert proposer.num_errors > 0 and proposer.num_fallback_steps > 0
-    with pytest.raises(ray.exceptions.RayActorError):  # what Serve's health check sees
-        handle.options(method_name="check_health").remote().result(timeout_s=30)
+    deadline = time.monotonic() + 60
+    while (now := _stats_or_none(stats))  is None or now["pid"] == first["pid"]:
+        assert time.monotonic() < deadline, "the worker was not restarted"
+        time.sleep(0.2)
+    assert now["restarts"] == 1
+    handle.options(method_name="check_health").remote().result(timeout_s=30)  # healthy again
+    time.sleep(0.5)  # past the proposer's back-off
+    again = RemoteDraftProposer(handle, timeout_s=30.0)
+    assert run(make_engine(target, again, k=4), PROMPTS, PARAMS) == plain
+    assert again.num_fallback_steps == 0 and again.num_proposals > 0
     serve.delete("draft-worker-gone")
+
+
+def _stats_or_none(stats) -> dict | None:
+    try:
+        return stats.remote().result(timeout_s=30)
+    except Exception:  # the worker is restarting
+        return None
