@@ -11,7 +11,8 @@ chunks under load (every chunk is two Serve hops). Deadlines are enforced here.
 Where the core runs: in a process of its own (`EngineServerConfig.core_process`, the served
 default), so the step loop never shares a GIL with Serve's event loop; or on a thread of this
 process (moeserve/engine/core_client.py `InprocCore`) when the engine is handed in (tests)
-or needs this replica's Ray handles (an expert-parallel shard group, a draft deployment).
+or needs this replica's Ray handles (an expert-parallel shard group). A core process with a
+draft deployment asks this replica once where the draft's data channel is.
 
 No stream can hang: every chunk the core sends for a request reaches its stream; a dead core
 ends every live stream with UNAVAILABLE (the gateway resumes them; a core process is
@@ -78,8 +79,8 @@ class EngineServer:
         self._streams: dict[str, _Stream] = {}  # admitted, and the core has not ended them yet
         self._counters: Counter[str] = Counter()
         self._stopping = False
-        if engine is None and config.core_process and config.num_shards == 1 and draft is None:
-            self.core = ProcessCore((config.engine, config.torch_threads), self._on_chunks, self._on_dead)
+        if engine is None and config.core_process and config.num_shards == 1:
+            self.core = self._process_core(draft)
             self.max_num_seqs = config.engine.max_num_seqs
         else:
             self.core = self._thread_core(engine, compiler, draft)
@@ -89,11 +90,26 @@ class EngineServer:
             self._reporter = threading.Thread(target=self._report_expert_load, name="expert-load", daemon=True)
             self._reporter.start()
 
+    def _process_core(self, draft: Any) -> ProcessCore:
+        """The core in its own process. With a draft deployment, the core's proposer asks this
+        replica where the draft's channel is (one Serve call, sticky to one draft replica) and
+        then sends every step there itself."""
+        spec = (self.config.engine, self.config.torch_threads)
+        if draft is None:
+            return ProcessCore(spec, self._on_chunks, self._on_dead)
+        import uuid
+
+        from deployments.draft_proposer import over_lookup
+
+        channel = draft.options(method_name="channel", session_id=uuid.uuid4().hex[:12])
+        return ProcessCore((*spec, over_lookup), self._on_chunks, self._on_dead,
+                           lookup=lambda: channel.remote().result(timeout_s=30.0))
+
     def _thread_core(self, engine: LLMEngine | None, compiler: Any, draft: Any) -> InprocCore:
         if engine is None:
             proposer = None
             if draft is not None:
-                from deployments.draft import RemoteDraftProposer
+                from deployments.draft_proposer import RemoteDraftProposer
 
                 proposer = RemoteDraftProposer(draft)
             engine, self.shard_group = load_engine(self.config, proposer)

@@ -122,3 +122,46 @@ def test_a_paged_core_process_matches_and_reports_its_prefix_cache(folder):
         assert 'moeserve_engine{name="kv_prefix_cache_hit_rate"}' in text
     finally:
         srv.shutdown()
+
+
+class _DraftHandle:
+    """Stands in for a DeploymentHandle to the draft deployment: `channel` answers from a
+    DraftProcess, as DraftServer.channel does (no Ray here)."""
+
+    def __init__(self, process) -> None:
+        self.process, self.asked = process, 0
+
+    def options(self, method_name: str, session_id: str) -> _DraftHandle:
+        assert method_name == "channel" and session_id
+        return self
+
+    def remote(self) -> _DraftHandle:
+        self.asked += 1
+        return self
+
+    def result(self, timeout_s: float):
+        return self.process.channel(timeout_s)
+
+
+def test_a_core_process_drafts_over_the_draft_deployments_channel(folder, expected):
+    """With a draft deployment the core still runs in its own process: it asks the replica once
+    where the draft worker's channel is, then drafts every step there, and writes the target's
+    greedy tokens (the target is its own draft here, so every draft is accepted)."""
+    from deployments.draft_worker import DraftProcess, DraftServerConfig
+
+    draft = DraftProcess(DraftServerConfig(folder, max_num_seqs=4, max_model_len=256, torch_threads=1))
+    handle = _DraftHandle(draft)
+    engine = EngineConfig(model=folder, draft_model=folder, speculation="model", num_spec_tokens=4, adaptive_k=False,
+                          max_num_seqs=4, max_model_len=256)
+    srv = EngineServer(EngineServerConfig(engine, torch_threads=1), draft=handle)
+    try:
+        assert srv.engine is None and srv.core.pid not in (None, os.getpid())
+        outs = asyncio.run(stream_all(frontend(srv, folder)))
+        assert [[t for c in chunks for t in c.token_ids] for chunks in outs] == expected
+        stats = asyncio.run(srv.stats())
+        assert stats["spec"]["alpha"] == 1.0, stats["spec"]
+        assert stats["draft"]["calls"] > 0 and stats["draft"]["fallback_steps"] == 0
+        assert handle.asked == 1 and draft.stats()["calls"] == stats["draft"]["calls"]
+    finally:
+        srv.shutdown()
+        draft.close()

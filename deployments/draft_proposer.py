@@ -1,0 +1,186 @@
+"""The engine's side of the draft deployment: `RemoteDraftProposer`, one message per engine
+step to the draft worker (deployments/draft.py has the deployment). No Ray here: the handle
+is only used through its methods, and an engine core in a process of its own reaches the
+channel through its replica (`ChannelLookup`), so that process never loads Ray.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from typing import Any
+
+from deployments.draft_channel import ChannelClient
+from deployments.draft_worker import DraftCall
+from moeserve.spec.proposer import Proposal, ProposalRequest, Proposer
+
+log = logging.getLogger(__name__)
+
+
+class RemoteDraftProposer(Proposer):
+    """Engine-side proposer: one call to the draft deployment per engine step.
+
+    handle: a DeploymentHandle to DraftServer; or, without one,
+    channel_source: a function that gives the data channel's address and secret within a
+        timeout (an engine core in a process of its own asks its replica: `ChannelLookup`).
+    timeout_s: how long a step waits for drafts (or for the deployment to name its worker)
+        before decoding without them.
+    backoff_s, max_backoff_s: after a failure no call is made for backoff_s, doubling with
+        each further failure up to max_backoff_s; a success resets it.
+    sticky: route every Serve call of this engine to one replica (its session id).
+    direct: talk to the replica's DraftWorker over its data channel (default: one socket message
+        each way per step, its address asked of the deployment once), not through a Serve call
+        per step.
+    """
+
+    def __init__(
+        self,
+        handle: Any = None,
+        timeout_s: float = 0.5,
+        backoff_s: float = 1.0,
+        max_backoff_s: float = 30.0,
+        sticky: bool = True,
+        direct: bool = True,
+        channel_source: Callable[[float], tuple[tuple[str, int], bytes]] | None = None,
+    ) -> None:
+        if timeout_s <= 0 or backoff_s < 0 or max_backoff_s < backoff_s:
+            raise ValueError("need timeout_s > 0 and 0 <= backoff_s <= max_backoff_s")
+        if (handle is None) == (channel_source is None):
+            raise ValueError("give a handle to the draft deployment or a channel_source, not both")
+        self.session = uuid.uuid4().hex[:12]
+        self.handle = None
+        if handle is not None:
+            routing = {"session_id": self.session} if sticky else {}
+            self.handle = handle.options(method_name="propose", **routing)
+            if direct:
+                channel = handle.options(method_name="channel", **routing)
+                channel_source = lambda timeout_s: channel.remote().result(timeout_s=timeout_s)  # noqa: E731
+        self._channel_source = channel_source  # None: a Serve call per step
+        self._client: Any = None  # the data channel to the replica's worker
+        self.draft_wait_s = 0.0  # time steps spent waiting for drafts
+        self.timeout_s, self.backoff_s, self.max_backoff_s = timeout_s, backoff_s, max_backoff_s
+        self._pause_s = backoff_s
+        self._retry_at = 0.0
+        self._finished: deque[str] = deque(maxlen=100_000)  # the server's LRU covers any overflow
+        self.num_calls = 0
+        self.num_proposals = 0  # rows answered with drafts
+        self.num_predraft_hits = 0  # of them, drafted ahead while the target verified (Proposal.predrafted)
+        self.num_fallback_steps = 0  # steps decoded without drafts because of the deployment
+        self.num_timeouts = 0
+        self.num_errors = 0
+
+    def propose(self, requests: list[ProposalRequest]) -> list[Proposal]:
+        """Drafts for the batch, or none at all (fallback) when the deployment is slow or gone."""
+        empty = [Proposal([]) for _ in requests]
+        asked = [r for r in requests if r.num_tokens > 0]
+        if not asked:
+            return empty
+        if time.monotonic() < self._retry_at:
+            self.num_fallback_steps += 1
+            return empty
+        finished = list(self._finished)
+        self._finished.clear()
+        prefix = self.session + "/"
+        call = DraftCall(
+            [ProposalRequest(prefix + r.seq_id, r.token_ids, r.num_tokens, r.params) for r in asked],
+            [prefix + s for s in finished],
+        )
+        self.num_calls += 1
+        try:
+            got = self._call(call)
+        except TimeoutError:
+            self.num_timeouts += 1
+            return self._fail(empty, finished, "timed out")
+        except Exception as e:  # deployment deleted, replica died, serialization...: never fail the step
+            self.num_errors += 1
+            return self._fail(empty, finished, f"{type(e).__name__}: {e}")
+        self._pause_s = self.backoff_s
+        self.num_proposals += sum(1 for p in got if p.token_ids)
+        self.num_predraft_hits += sum(1 for p in got if p.predrafted)
+        by_id = dict(zip((r.seq_id for r in asked), got))
+        return [by_id.get(r.seq_id, p) for r, p in zip(requests, empty)]
+
+    def _call(self, call: DraftCall) -> list[Proposal]:
+        t0 = time.perf_counter()
+        try:
+            if self._channel_source is None:
+                return self.handle.remote(call).result(timeout_s=self.timeout_s)
+            return self._over_channel(call)
+        finally:
+            self.draft_wait_s += time.perf_counter() - t0
+
+    def _over_channel(self, call: DraftCall) -> list[Proposal]:
+        """The worker's data channel, its address asked for (one Serve call) on first use and
+        after a failure."""
+        if self._client is None:
+            self._client = ChannelClient(*self._channel_source(self.timeout_s))
+        try:
+            return self._client.call(call, self.timeout_s)
+        except Exception:  # timed out (a late reply would answer the next call) or the worker died
+            self._client.close()
+            self._client = None
+            raise
+
+    def on_finished(self, seq_id: str) -> None:
+        """Queued; sent with the next call (no Serve call of its own)."""
+        self._finished.append(seq_id)
+
+    def stats(self) -> dict[str, float]:
+        """Counters for /metrics (`moeserve_engine{name="draft_..."}`): calls, rows answered from a
+        pre-draft and their share, steps decoded without drafts, and time steps waited for drafts."""
+        return {
+            "calls": self.num_calls,
+            "proposals": self.num_proposals,
+            "predraft_hits": self.num_predraft_hits,
+            "predraft_hit_rate": self.num_predraft_hits / max(self.num_proposals, 1),
+            "fallback_steps": self.num_fallback_steps,
+            "timeouts": self.num_timeouts,
+            "errors": self.num_errors,
+            "wait_s": self.draft_wait_s,
+            "wait_s_per_call": self.draft_wait_s / max(self.num_calls, 1),
+        }
+
+    def _fail(self, empty: list[Proposal], finished: list[str], why: str) -> list[Proposal]:
+        # The call may not have arrived: send its finished ids again next time (freeing twice is harmless).
+        self._finished.extendleft(reversed(finished))
+        self.num_fallback_steps += 1
+        self._retry_at = time.monotonic() + self._pause_s
+        log.warning("draft deployment %s; decoding without drafts for %.1f s", why, self._pause_s)
+        self._pause_s = min(self._pause_s * 2, self.max_backoff_s)
+        return empty
+
+
+class ChannelLookup:
+    """`channel_source` for an engine core in a process of its own: asks its replica, over a
+    socket the replica answers (moeserve/engine/core_client.py `ProcessCore(lookup=...)`), which
+    asks the draft deployment. Each question is numbered, so a late answer to a question that
+    timed out is skipped."""
+
+    def __init__(self, conn: Connection) -> None:
+        self._conn = conn
+        self._asked = 0
+
+    def __call__(self, timeout_s: float) -> tuple[tuple[str, int], bytes]:
+        self._asked += 1
+        self._conn.send_bytes(pickle.dumps(self._asked))
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._conn.poll(left):
+                raise TimeoutError(f"the replica did not name the draft channel within {timeout_s} s")
+            n, answer = pickle.loads(self._conn.recv_bytes())
+            if n == self._asked:
+                if isinstance(answer, str):  # the deployment's error, as text
+                    raise RuntimeError(answer)
+                return answer
+
+
+def over_lookup(conn: Connection) -> RemoteDraftProposer:
+    """The proposer of an engine core process whose replica has a draft deployment (pickled by
+    reference into the core's spec: deployments/engine_server.py)."""
+    return RemoteDraftProposer(channel_source=ChannelLookup(conn))
