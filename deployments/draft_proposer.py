@@ -21,6 +21,8 @@ from moeserve.spec.proposer import Proposal, ProposalRequest, Proposer
 
 log = logging.getLogger(__name__)
 
+START_CONNECT_TIMEOUT_S = 60.0  # the draft deployment may still be starting beside the engine
+
 
 class RemoteDraftProposer(Proposer):
     """Engine-side proposer: one call to the draft deployment per engine step.
@@ -37,6 +39,8 @@ class RemoteDraftProposer(Proposer):
         each way per step, its address asked of the deployment once), not through a Serve call
         per step.
     """
+
+    cost_per_call = True  # a round trip per step; the worker drafts while the target verifies
 
     def __init__(
         self,
@@ -114,6 +118,16 @@ class RemoteDraftProposer(Proposer):
         finally:
             self.draft_wait_s += time.perf_counter() - t0
 
+    def connect(self, timeout_s: float) -> bool:
+        """Open the data channel now (at start-up, so that no engine step pays for the lookup);
+        whether it is open. Otherwise it opens on the first call, and again after a failure."""
+        try:
+            if self._client is None and self._channel_source is not None:
+                self._client = ChannelClient(*self._channel_source(timeout_s))
+        except Exception as e:
+            log.warning("draft channel not open yet (%s: %s); trying again on the first step", type(e).__name__, e)
+        return self._client is not None
+
     def _over_channel(self, call: DraftCall) -> list[Proposal]:
         """The worker's data channel, its address asked for (one Serve call) on first use and
         after a failure."""
@@ -182,5 +196,8 @@ class ChannelLookup:
 
 def over_lookup(conn: Connection) -> RemoteDraftProposer:
     """The proposer of an engine core process whose replica has a draft deployment (pickled by
-    reference into the core's spec: deployments/engine_server.py)."""
-    return RemoteDraftProposer(channel_source=ChannelLookup(conn))
+    reference into the core's spec: deployments/engine_server.py), its channel opened before the
+    core serves."""
+    proposer = RemoteDraftProposer(channel_source=ChannelLookup(conn))
+    proposer.connect(START_CONNECT_TIMEOUT_S)
+    return proposer

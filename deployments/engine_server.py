@@ -109,9 +109,10 @@ class EngineServer:
         if engine is None:
             proposer = None
             if draft is not None:
-                from deployments.draft_proposer import RemoteDraftProposer
+                from deployments.draft_proposer import START_CONNECT_TIMEOUT_S, RemoteDraftProposer
 
                 proposer = RemoteDraftProposer(draft)
+                proposer.connect(START_CONNECT_TIMEOUT_S)
             engine, self.shard_group = load_engine(self.config, proposer)
             self.engine = engine
         if compiler is None and engine.tokenizer is not None:

@@ -276,7 +276,8 @@ class LLMEngine:
         self.step_costs.record(num_rows, width, draft_s, target_s)
         if self.step_costs.num_recorded_at(num_rows) % self.spec.refit_every == 0:
             prior = self.adaptive.costs_for(num_rows)  # the bucket's, or its nearest neighbour's
-            self.adaptive.set_costs(self.step_costs.fit(prior, num_rows), num_rows)
+            per_call = getattr(self.proposer, "cost_per_call", False)
+            self.adaptive.set_costs(self.step_costs.fit(prior, num_rows, draft_per_call=per_call), num_rows)
 
     def _verify(self, seqs: list[Sequence], logits: torch.Tensor, proposals: list[list[int]]) -> SpecOutput:
         k = max(len(p) for p in proposals)

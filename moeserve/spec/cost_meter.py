@@ -15,7 +15,11 @@ steps) the prior's slope is kept and only the intercept is fitted. For drafting,
 is counted per draft token: keeping the prior's slope there let one degenerate fit (slope 0, so
 k = 8 looked free) keep every later step at k = 8, where the split was never measured again;
 counted per token, wider k look dearer, adaptive k tries narrower ones, and two widths measure
-the split. One-off stalls (a draft deployment's channel
+the split. A proposer whose time is mostly per call (`Proposer.cost_per_call`: a draft
+deployment, whose worker drafts ahead while the target verifies, so a call costs its round trip
+and rarely k draft passes) is counted per call instead: counted per token, its k = 1 probes
+(one round trip for one token) made every wider k look several times dearer than it was, and
+adaptive k never drafted again. One-off stalls (a draft deployment's channel
 being set up, a long prefill of a new sequence, a pause of the process) would set the costs
 for the next hundred steps, so steps more than OUTLIER times the window's median per-row time
 are left out of each fit.
@@ -76,9 +80,11 @@ class StepCostMeter:
         """Steps recorded so far in num_rows' bucket."""
         return self._counts.get(bucket(num_rows), 0)
 
-    def fit(self, prior: CostModel = PRIOR_COSTS, num_rows: int | None = None) -> CostModel:
+    def fit(self, prior: CostModel = PRIOR_COSTS, num_rows: int | None = None,
+            draft_per_call: bool = False) -> CostModel:
         """Per-sequence costs from num_rows' bucket (None: every step in the windows); the
-        prior where the window says nothing."""
+        prior where the window says nothing. draft_per_call: drafting measured at one width is
+        counted per call, not per draft token."""
         if num_rows is None:
             window = [s for steps in self._steps.values() for s in steps]
         else:
@@ -91,7 +97,7 @@ class StepCostMeter:
         drafted = _typical([s for s in window if s.width > 0], lambda s: s.draft_s / s.num_rows)
         draft = _fit_line(
             [s.width for s in drafted], [s.draft_s / s.num_rows for s in drafted],
-            (prior.draft_base_s, prior.draft_per_token_s), through_origin=True,
+            (prior.draft_base_s, prior.draft_per_token_s), one_width="per_call" if draft_per_call else "per_token",
         )
         base, per_token = target
         if base + per_token <= 0:  # a target pass must cost something
@@ -109,16 +115,19 @@ def _typical(steps: list[StepTiming], per_row) -> list[StepTiming]:
 
 
 def _fit_line(xs: list[int], ys: list[float], prior: tuple[float, float],
-              through_origin: bool = False) -> tuple[float, float]:
-    """(intercept, slope) of y ~ a + b x by least squares, both clamped at >= 0. With one x only:
-    the prior's slope, or (through_origin, x > 0) the line through the origin."""
+              one_width: str = "prior") -> tuple[float, float]:
+    """(intercept, slope) of y ~ a + b x by least squares, both clamped at >= 0. With one x only,
+    by `one_width`: the prior's slope ("prior"), all of y per unit of x ("per_token", x > 0), or
+    all of it the intercept ("per_call")."""
     if not xs:
         return prior
     n = len(xs)
     mx, my = sum(xs) / n, sum(ys) / n
     sxx = sum((x - mx) ** 2 for x in xs)
-    if sxx < 1e-9 and through_origin and mx > 0:
+    if sxx < 1e-9 and one_width == "per_token" and mx > 0:
         return 0.0, my / mx
+    if sxx < 1e-9 and one_width == "per_call":
+        return my, 0.0
     if sxx < 1e-9:
         slope = prior[1]
     else:

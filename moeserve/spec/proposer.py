@@ -98,7 +98,13 @@ class Proposal:
 
 
 class Proposer(ABC):
-    """Guesses draft tokens for a batch of sequences."""
+    """Guesses draft tokens for a batch of sequences.
+
+    cost_per_call: most of a call's time is fixed per call, not per draft token (a remote draft
+    that drafts ahead); adaptive k's cost fit counts it so (moeserve/spec/cost_meter.py).
+    """
+
+    cost_per_call: bool = False
 
     @abstractmethod
     def propose(self, requests: list[ProposalRequest]) -> list[Proposal]:

@@ -38,6 +38,23 @@ def test_one_width_only_keeps_the_target_slope_and_counts_drafting_per_token():
     assert StepCostMeter().fit(PRIOR_COSTS) == PRIOR_COSTS  # nothing measured: the prior
 
 
+def test_a_draft_that_costs_per_call_is_counted_per_call_at_one_width():
+    """A draft deployment's k = 1 probes (a 1.5 ms round trip each) must not price k = 4 at 6 ms:
+    counted per call, drafting at k = 4 costs what a probe did, and adaptive k drafts again."""
+    meter = StepCostMeter()
+    for _ in range(10):
+        meter.record(1, 1, draft_s=1.5e-3, target_s=2.2e-3)
+    for _ in range(10):
+        meter.record(1, 0, draft_s=0.0, target_s=2.0e-3)
+    per_call = meter.fit(PRIOR_COSTS, draft_per_call=True)
+    assert (per_call.draft_base_s, per_call.draft_per_token_s) == (pytest.approx(1.5e-3), 0.0)
+    per_token = meter.fit(PRIOR_COSTS)
+    assert (per_token.draft_base_s, per_token.draft_per_token_s) == (0.0, pytest.approx(1.5e-3))
+    config = AdaptiveKConfig(k_max=8)
+    assert AdaptiveK(config, per_call).best_k(0.8) >= 4
+    assert AdaptiveK(config, per_token).best_k(0.8) <= 1
+
+
 def test_a_remote_draft_hop_makes_adaptive_k_stop_drafting():
     """A 15 ms call per step to a draft deployment outweighs 3.4 tokens per pass at a 4 ms step."""
     meter = StepCostMeter()
