@@ -1,4 +1,5 @@
-"""The draft model as its own Serve deployment, and the engine-side proposer that calls it.
+"""The draft model as its own Serve deployment (the engine's side of it:
+deployments/draft_proposer.py `RemoteDraftProposer`).
 
     engine step --one message per step, whole batch, on a socket--> DraftWorker (a child
                                                                     process of a DraftServer
@@ -34,7 +35,6 @@ speculation, exact all the same), drops its connection, and backs off before try
 from __future__ import annotations
 
 import asyncio
-import logging
 import threading
 from typing import Any
 
@@ -42,13 +42,12 @@ from ray import serve
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
+from deployments.draft_channel import ChannelClient
 from deployments.draft_proposer import RemoteDraftProposer
 from deployments.draft_worker import DraftCall, DraftProcess, DraftServerConfig
 from moeserve.spec.proposer import Proposal
 
 __all__ = ["DraftServer", "DraftServerConfig", "RemoteDraftProposer", "bind_draft"]
-
-log = logging.getLogger(__name__)
 
 STICKY_ROUTER = "ray.serve.experimental.consistent_hash_router.ConsistentHashRouter"
 
@@ -77,8 +76,6 @@ class DraftServer:
         return await asyncio.to_thread(self._propose, call)
 
     def _propose(self, call: DraftCall) -> list[Proposal]:
-        from deployments.draft_channel import ChannelClient
-
         with self._client_lock:
             address, key = self._process.channel(30.0)
             if self._client is None or self._client_to != address:
