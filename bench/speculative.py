@@ -74,7 +74,7 @@ class Bench:
         self.draft_handle = serve.run(bind_draft(cfg), name="bench-draft", route_prefix=None)
 
     def remote_drafter(self, direct: bool = True):
-        """direct: call the replica's draft worker actor each step (the default); else one Serve call."""
+        """direct: each step over the replica's draft worker's data channel (the default); else one Serve call."""
         from deployments.draft import RemoteDraftProposer
 
         return RemoteDraftProposer(self.draft_handle, timeout_s=5.0, direct=direct)

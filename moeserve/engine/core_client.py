@@ -266,7 +266,6 @@ class ProcessCore(CoreClient):
         self.restarts += 1
         self._start()
 
-
     def _answer(self, conn: Connection) -> None:
         """The lookups of one child, until it goes."""
         with conn:
