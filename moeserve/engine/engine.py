@@ -273,10 +273,11 @@ class LLMEngine:
         low for good on free-form prompts: 1.10x against 1.25x, side by side.)"""
         if self.adaptive is None:
             return
-        self.step_costs.record(num_rows, width, draft_s, target_s)
+        per_call = getattr(self.proposer, "cost_per_call", False)
+        probe = per_call and width > 0 and self.adaptive.probing(num_rows)
+        self.step_costs.record(num_rows, width, draft_s, target_s, probe=probe)
         if self.step_costs.num_recorded_at(num_rows) % self.spec.refit_every == 0:
             prior = self.adaptive.costs_for(num_rows)  # the bucket's, or its nearest neighbour's
-            per_call = getattr(self.proposer, "cost_per_call", False)
             self.adaptive.set_costs(self.step_costs.fit(prior, num_rows, draft_per_call=per_call), num_rows)
 
     def _verify(self, seqs: list[Sequence], logits: torch.Tensor, proposals: list[list[int]]) -> SpecOutput:

@@ -242,6 +242,10 @@ class AdaptiveK:
             return [0] * n
         return [k] * n
 
+    def probing(self, num_rows: int) -> bool:
+        """Whether the last step chosen for num_rows' bucket was a probe."""
+        return bucket(num_rows) in self._probed
+
     def choose_k(self, seq_id: str) -> int:
         """k for this sequence's next step as a batch of one."""
         return self.choose_batch([seq_id])[0]

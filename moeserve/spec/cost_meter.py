@@ -19,7 +19,12 @@ the split. A proposer whose time is mostly per call (`Proposer.cost_per_call`: a
 deployment, whose worker drafts ahead while the target verifies, so a call costs its round trip
 and rarely k draft passes) is counted per call instead: counted per token, its k = 1 probes
 (one round trip for one token) made every wider k look several times dearer than it was, and
-adaptive k never drafted again. One-off stalls (a draft deployment's channel
+adaptive k never drafted again. For such a proposer a probe's drafting is also left out of the
+draft fit: a probe follows plain steps, so the worker could not draft it ahead and first catches
+up on the tokens they wrote, which steady drafting does not pay (in a served stack the probes
+alone held the deployment at k = 0: 9 drafting steps in ~2000); its acceptance and its target
+pass still count. (Left out for an in-process draft as well, the sweep's JSON rows at 32
+sequences fell from 0.95x to 0.76x: there the probes' costs are real.) One-off stalls (a draft deployment's channel
 being set up, a long prefill of a new sequence, a pause of the process) would set the costs
 for the next hundred steps, so steps more than OUTLIER times the window's median per-row time
 are left out of each fit.
@@ -46,6 +51,7 @@ class StepTiming:
     width: int
     draft_s: float
     target_s: float
+    probe: bool = False  # a per-call draft's probe after plain steps: its drafting is left out of the fit
 
     def __post_init__(self) -> None:
         if self.num_rows < 1 or self.width < 0:
@@ -64,9 +70,10 @@ class StepCostMeter:
         self._steps: dict[int, deque[StepTiming]] = {}
         self._counts: dict[int, int] = {}  # per bucket: steps recorded so far (the windows keep the last `window`)
 
-    def record(self, num_rows: int, width: int, draft_s: float, target_s: float) -> None:
-        """Adds one decode step (width 0 for a step without drafts)."""
-        step = StepTiming(num_rows, width, draft_s, target_s)
+    def record(self, num_rows: int, width: int, draft_s: float, target_s: float, probe: bool = False) -> None:
+        """Adds one decode step (width 0 for a step without drafts; probe: a step whose target
+        pass counts but whose drafting does not, a per-call draft's probe)."""
+        step = StepTiming(num_rows, width, draft_s, target_s, probe)
         b = bucket(num_rows)
         self._steps.setdefault(b, deque(maxlen=self.window)).append(step)
         self._counts[b] = self._counts.get(b, 0) + 1
@@ -94,7 +101,7 @@ class StepCostMeter:
             [s.width + 1 for s in steps], [s.target_s / s.num_rows for s in steps],
             (prior.target_base_s, prior.target_per_token_s),
         )
-        drafted = _typical([s for s in window if s.width > 0], lambda s: s.draft_s / s.num_rows)
+        drafted = _typical([s for s in window if s.width > 0 and not s.probe], lambda s: s.draft_s / s.num_rows)
         draft = _fit_line(
             [s.width for s in drafted], [s.draft_s / s.num_rows for s in drafted],
             (prior.draft_base_s, prior.draft_per_token_s), one_width="per_call" if draft_per_call else "per_token",

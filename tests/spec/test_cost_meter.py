@@ -55,6 +55,24 @@ def test_a_draft_that_costs_per_call_is_counted_per_call_at_one_width():
     assert AdaptiveK(config, per_token).best_k(0.8) <= 1
 
 
+def test_a_per_call_drafts_probes_do_not_price_its_drafting():
+    """A draft deployment's probe follows plain steps: the worker catches up (6 ms here) where a
+    steady step costs 1 ms. Probes count for the target pass, not for the draft's cost."""
+    meter = StepCostMeter()
+    for _ in range(8):
+        meter.record(1, 4, draft_s=1e-3, target_s=2.5e-3)
+        meter.record(1, 1, draft_s=6e-3, target_s=2.1e-3, probe=True)
+        meter.record(1, 0, draft_s=0.0, target_s=2.0e-3)
+    fit = meter.fit(PRIOR_COSTS, draft_per_call=True)
+    assert (fit.draft_base_s, fit.draft_per_token_s) == (pytest.approx(1e-3), 0.0)
+    assert fit.target_base_s + 2 * fit.target_per_token_s == pytest.approx(2.1e-3, rel=0.05)  # probes' passes count
+    only_probes = StepCostMeter()
+    for _ in range(8):
+        only_probes.record(1, 1, draft_s=6e-3, target_s=2.1e-3, probe=True)
+    prior = only_probes.fit(PRIOR_COSTS, draft_per_call=True)
+    assert (prior.draft_base_s, prior.draft_per_token_s) == (PRIOR_COSTS.draft_base_s, PRIOR_COSTS.draft_per_token_s)
+
+
 def test_a_remote_draft_hop_makes_adaptive_k_stop_drafting():
     """A 15 ms call per step to a draft deployment outweighs 3.4 tokens per pass at a 4 ms step."""
     meter = StepCostMeter()
