@@ -71,7 +71,8 @@ class RemoteDraftProposer(Proposer):
         self._pause_s = backoff_s
         self._retry_at = 0.0
         self._finished: deque[str] = deque(maxlen=100_000)  # the server's LRU covers any overflow
-        self.num_calls = 0
+        self.num_calls = 0  # propose calls made (prepare calls are counted apart)
+        self.num_prepares = 0  # prepare calls made (sequences named before their prefill)
         self.num_proposals = 0  # rows answered with drafts
         self.num_predraft_hits = 0  # of them, drafted ahead while the target verified (Proposal.predrafted)
         self.num_fallback_steps = 0  # steps decoded without drafts because of the deployment
@@ -87,36 +88,54 @@ class RemoteDraftProposer(Proposer):
         if time.monotonic() < self._retry_at:
             self.num_fallback_steps += 1
             return empty
+        self.num_calls += 1
+        t0 = time.perf_counter()
+        got = self._send(asked)
+        self.draft_wait_s += time.perf_counter() - t0
+        if got is None:
+            self.num_fallback_steps += 1
+            return empty
+        self.num_proposals += sum(1 for p in got if p.token_ids)
+        self.num_predraft_hits += sum(1 for p in got if p.predrafted)
+        by_id = dict(zip((r.seq_id for r in asked), got))
+        return [by_id.get(r.seq_id, p) for r, p in zip(requests, empty)]
+
+    def prepare(self, requests: list[ProposalRequest]) -> None:
+        """Names the sequences about to be prefilled to the worker, which answers at once and
+        drafts their first proposals while the target prefills (guessing that the target's first
+        token is the draft's own). Over the data channel only: a Serve call costs more than a
+        prefill saves."""
+        asked = [r for r in requests if r.num_tokens > 0]
+        if asked and self._channel_source is not None and time.monotonic() >= self._retry_at:
+            self.num_prepares += 1
+            self._send(asked, ahead=True)
+
+    def _send(self, asked: list[ProposalRequest], ahead: bool = False) -> list[Proposal] | None:
+        """One call to the worker with the sequences finished since the last; None when it
+        failed (then no call is made for a while)."""
         finished = list(self._finished)
         self._finished.clear()
         prefix = self.session + "/"
         call = DraftCall(
             [ProposalRequest(prefix + r.seq_id, r.token_ids, r.num_tokens, r.params) for r in asked],
             [prefix + s for s in finished],
+            ahead,
         )
-        self.num_calls += 1
         try:
             got = self._call(call)
         except TimeoutError:
             self.num_timeouts += 1
-            return self._fail(empty, finished, "timed out")
+            return self._fail(finished, "timed out")
         except Exception as e:  # deployment deleted, replica died, serialization...: never fail the step
             self.num_errors += 1
-            return self._fail(empty, finished, f"{type(e).__name__}: {e}")
+            return self._fail(finished, f"{type(e).__name__}: {e}")
         self._pause_s = self.backoff_s
-        self.num_proposals += sum(1 for p in got if p.token_ids)
-        self.num_predraft_hits += sum(1 for p in got if p.predrafted)
-        by_id = dict(zip((r.seq_id for r in asked), got))
-        return [by_id.get(r.seq_id, p) for r, p in zip(requests, empty)]
+        return got
 
     def _call(self, call: DraftCall) -> list[Proposal]:
-        t0 = time.perf_counter()
-        try:
-            if self._channel_source is None:
-                return self.handle.remote(call).result(timeout_s=self.timeout_s)
-            return self._over_channel(call)
-        finally:
-            self.draft_wait_s += time.perf_counter() - t0
+        if self._channel_source is None:
+            return self.handle.remote(call).result(timeout_s=self.timeout_s)
+        return self._over_channel(call)
 
     def connect(self, timeout_s: float) -> bool:
         """Open the data channel now (at start-up, so that no engine step pays for the lookup);
@@ -149,6 +168,7 @@ class RemoteDraftProposer(Proposer):
         pre-draft and their share, steps decoded without drafts, and time steps waited for drafts."""
         return {
             "calls": self.num_calls,
+            "prepares": self.num_prepares,
             "proposals": self.num_proposals,
             "predraft_hits": self.num_predraft_hits,
             "predraft_hit_rate": self.num_predraft_hits / max(self.num_proposals, 1),
@@ -159,14 +179,12 @@ class RemoteDraftProposer(Proposer):
             "wait_s_per_call": self.draft_wait_s / max(self.num_calls, 1),
         }
 
-    def _fail(self, empty: list[Proposal], finished: list[str], why: str) -> list[Proposal]:
+    def _fail(self, finished: list[str], why: str) -> None:
         # The call may not have arrived: send its finished ids again next time (freeing twice is harmless).
         self._finished.extendleft(reversed(finished))
-        self.num_fallback_steps += 1
         self._retry_at = time.monotonic() + self._pause_s
         log.warning("draft deployment %s; decoding without drafts for %.1f s", why, self._pause_s)
         self._pause_s = min(self._pause_s * 2, self.max_backoff_s)
-        return empty
 
 
 class ChannelLookup:

@@ -79,10 +79,14 @@ class DraftCall:
 
     requests: every drafting sequence of the step (ids already session-prefixed).
     finished: sequences that ended since the last call; their KV slots are freed first.
+    ahead: the requests are sequences about to be prefilled (`Proposer.prepare`): answered at
+        once with no drafts, then pre-drafted for the outcome that the target's first token is
+        the draft's own.
     """
 
     requests: list[ProposalRequest]
     finished: list[str] = field(default_factory=list)
+    ahead: bool = False
 
 
 class DraftWorker:
@@ -117,6 +121,7 @@ class DraftWorker:
         self.num_predraft_misses = 0
         self.num_predraft_interrupted = 0
         self.num_predrafts = 0
+        self.num_prepares = 0  # `ahead` calls: sequences named before their prefill
 
     def propose(self, call: DraftCall) -> list[Proposal]:
         """Proposals for `call.requests`, in order: pre-drafted ones where the history is one
@@ -128,12 +133,15 @@ class DraftWorker:
                 self._ahead.pop(seq_id, None)
                 for hyp in self._hypotheses.pop(seq_id, ()):
                     self.proposer.on_finished(hyp)
+            if call.ahead:
+                self.num_prepares += 1
+                return [Proposal([]) for _ in call.requests]
             out: list[Proposal | None] = [None] * len(call.requests)
             for i, r in enumerate(call.requests):
                 ahead = self._ahead.pop(r.seq_id, None)
                 if ahead is None:
                     continue
-                tokens = ahead.get(tuple(r.token_ids))
+                tokens = _continuing(ahead, tuple(r.token_ids))
                 if tokens:  # fewer than asked for when k grew since (adaptive k): still drafts for free
                     out[i] = Proposal(tokens[: r.num_tokens], predrafted=True)
                     self.num_predraft_hits += 1
@@ -148,11 +156,12 @@ class DraftWorker:
             return out
 
     def predraft(self, call: DraftCall, proposals: list[Proposal], peek: Callable[[], Any] | None = None) -> None:
-        """After answering a call, while the target verifies it: draft each row's next proposal
-        for the likely outcomes of that verification, and keep them keyed by the history each
-        assumes. Outcome j < k: drafts 1..j accepted and the target's correction is the draft's
-        own second choice at position j + 1; outcome k: every draft accepted and the bonus token
-        is the draft's own next token (one propose of k + 1 tokens: the guess, then the next k).
+        """After answering a call, while the target verifies it (or, for an `ahead` call,
+        prefills it): draft each row's next proposal for the likely outcomes of that
+        verification, and keep them keyed by the history each assumes. Outcome j < k: drafts
+        1..j accepted and the target's correction is the draft's own second choice at position
+        j + 1; outcome k: every draft accepted and the bonus token is the draft's own next token
+        (one propose of k + 1 tokens: the guess, then the next k; for an `ahead` call, k = 0).
         All outcomes of all rows are one batched propose; each partial outcome drafts under a
         sequence id of its own (`seq#j`), in slots that are free (pre-drafting never evicts).
         The next call answers from the outcome that happened. `peek()` is that call once it has
@@ -169,7 +178,7 @@ class DraftWorker:
             free = self.proposer.runner.num_free_slots
             hyps: list[tuple[str, ProposalRequest]] = []  # (the row's seq id, what to draft)
             for r, p in zip(call.requests, proposals):
-                if not p.token_ids or not r.num_tokens:
+                if not r.num_tokens or not (p.token_ids or call.ahead):
                     continue
                 base = list(r.token_ids)
                 hyps.append((r.seq_id, ProposalRequest(r.seq_id, base + p.token_ids, r.num_tokens + 1, r.params)))
@@ -230,6 +239,7 @@ class DraftWorker:
             "rebuilt_tokens": p.num_rebuilt_tokens,
             "evictions": p.num_evictions,
             "predrafts": self.num_predrafts,
+            "prepares": self.num_prepares,
             "predraft_hits": self.num_predraft_hits,
             "predraft_misses": self.num_predraft_misses,
             "predraft_interrupted": self.num_predraft_interrupted,
@@ -240,6 +250,20 @@ class DraftWorker:
 
     def ping(self) -> bool:
         return True
+
+
+def _continuing(ahead: dict[tuple[int, ...], list[int]], history: tuple[int, ...]) -> list[int]:
+    """Pre-drafted tokens that go on from `history`: those drafted for exactly this history, or,
+    when the engine's plain steps went on from a history drafted for (emitting its first drafts),
+    the rest of them; [] when none do."""
+    tokens = ahead.get(history)
+    if tokens:
+        return tokens
+    for assumed, drafted in ahead.items():
+        m = len(history) - len(assumed)
+        if 0 < m < len(drafted) and history[: len(assumed)] == assumed and list(history[len(assumed):]) == drafted[:m]:
+            return drafted[m:]
+    return []
 
 
 class DraftProcess:

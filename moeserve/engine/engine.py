@@ -140,6 +140,9 @@ class LLMEngine:
             if batch.is_prefill:
                 for seq in batch.seqs:  # a paged runner may hold a prefix already (prefix caching)
                     seq.num_cached = max(seq.num_cached, self.runner.add(seq.seq_id, seq.token_ids))
+                if self.proposer is not None and self.spec.num_tokens > 0:  # a draft deployment drafts meanwhile
+                    self.proposer.prepare([ProposalRequest(s.seq_id, s.token_ids, self.spec.num_tokens, s.params)
+                                           for s in batch.seqs])
                 new_tokens = self._prefill(batch)
             else:
                 new_tokens = self._decode(batch)

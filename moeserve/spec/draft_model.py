@@ -161,8 +161,8 @@ class DraftModelProposer(Proposer):
         hypothetical: the requests' histories are guesses (pre-drafting ahead of the target), not
         what the engine confirmed: drafting rolls back from them without counting a rebuild.
         interrupted: checked between draft steps; when it says True, DraftInterrupted is raised
-        and no sequence's state has changed (what was written to the cache lies past what it
-        holds, and is overwritten by the next call)."""
+        and each sequence's cache holds its history, no drafts (what drafting wrote lies past
+        that, and is overwritten by the next call)."""
         self._clock += 1
         rows = self._sync(requests, hypothetical)
         proposals = [Proposal([]) for _ in requests]
@@ -170,7 +170,13 @@ class DraftModelProposer(Proposer):
             return proposals
         rows.sort(key=lambda r: -r.k)  # the rows still drafting stay a prefix
         batch = _Batch.of(rows, self.runner.block_tables([r.seq_id for r in rows]))
-        tokens, probs, second, ends = self._draft(rows, batch, self._catch_up(rows, batch), interrupted)  # [B, K] ...
+        logits = self._catch_up(rows, batch)
+        try:
+            tokens, probs, second, ends = self._draft(rows, batch, logits, interrupted)  # [B, K] ...
+        except DraftInterrupted:  # the catch-up stands: a new sequence's prompt is not prefilled again
+            for r in rows:
+                self._hold(r.seq_id, r.tokens, len(r.tokens))
+            raise
         if second is not None:
             self.runner_up = {r.seq_id: alt[: r.k] for r, alt in zip(rows, second.tolist())}
         sampled = 0
@@ -180,12 +186,16 @@ class DraftModelProposer(Proposer):
                 q = probs[sampled, : r.k].clone()  # [k, V] a copy, so pickling it sends k rows only
                 sampled += 1
             proposals[r.index] = Proposal(row[: ends.get(b, r.k)], q)
-            state = self._seqs[r.seq_id]
             fed = row[: r.k - 1]  # the last draft was sampled, never fed; -1: not drafted (ended early)
-            state.cached = r.tokens + (fed[: fed.index(-1)] if -1 in fed else fed)
-            self.runner.manager.record(r.seq_id, state.cached)
-            self.runner.manager.commit(r.seq_id, len(r.tokens))  # its full blocks: findable by other sequences
+            self._hold(r.seq_id, r.tokens + (fed[: fed.index(-1)] if -1 in fed else fed), len(r.tokens))
         return proposals
+
+    def _hold(self, seq_id: str, cached: list[int], confirmed: int) -> None:
+        """The sequence's cache holds `cached`; its first `confirmed` tokens' full blocks become
+        findable by other sequences."""
+        self._seqs[seq_id].cached = cached
+        self.runner.manager.record(seq_id, cached)
+        self.runner.manager.commit(seq_id, confirmed)
 
     # ---- the three phases -----------------------------------------------------------------
     def _sync(self, requests: list[ProposalRequest], hypothetical: bool = False) -> list[_Row]:

@@ -114,6 +114,12 @@ class Proposer(ABC):
     def on_finished(self, seq_id: str) -> None:
         """Frees per-sequence state (index, KV cache); unknown ids are ignored."""
 
+    def prepare(self, requests: list[ProposalRequest]) -> None:  # noqa: B027 (optional: a no-op by default)
+        """A hint that these sequences are about to be prefilled (token_ids: what is prefilled):
+        a proposer that drafts ahead may start on their first proposals while the target
+        prefills. The default does nothing (a proposer in the engine's own process would only
+        take the target's time)."""
+
 
 # Names map to "module:Class" so that choosing "ngram" never imports a draft model's stack.
 _PROPOSERS: dict[str, str | type[Proposer]] = {

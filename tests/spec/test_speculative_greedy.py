@@ -98,3 +98,30 @@ def test_adaptive_k_is_exact_and_fits_measured_costs(setup):
     # refitted from the measured steps (costs_for: the bucket of a full batch, else the nearest one fitted)
     assert engine.adaptive is not None and engine.adaptive.costs_for(NUM_SEQS) != PRIOR_COSTS
     assert engine.step_costs.num_recorded > engine.spec.refit_every
+
+
+def test_the_proposer_hears_of_each_sequence_before_its_prefill(setup):
+    """`Proposer.prepare` (a draft deployment starts drafting there) names every request with
+    what is about to be prefilled, before the step that prefills it and before its first
+    proposal; output stays the target's. Without speculation (k = 0) it is not called."""
+    target, drafts, prompts, params, plain = setup
+    events = []
+
+    class Recording(DraftModelProposer):
+        def prepare(self, requests):
+            events.extend(("prepare", r.seq_id, list(r.token_ids), r.num_tokens) for r in requests)
+
+        def propose(self, requests, **kw):
+            events.extend(("propose", r.seq_id) for r in requests)
+            return super().propose(requests, **kw)
+
+    engine = make_engine(target, Recording(drafts["noisy"], NUM_SEQS, 96), k=3, max_num_seqs=NUM_SEQS)
+    assert run(engine, prompts, params) == plain
+    prepared = [e for e in events if e[0] == "prepare"]
+    assert sorted(map(list, (e[2] for e in prepared))) == sorted(prompts) and {e[3] for e in prepared} == {3}
+    for _, seq_id, _, _ in prepared:
+        proposed = [i for i, e in enumerate(events) if e == ("propose", seq_id)]
+        assert proposed and proposed[0] > events.index(next(e for e in prepared if e[1] == seq_id))
+    events.clear()
+    assert run(make_engine(target, Recording(drafts["noisy"], NUM_SEQS, 96), k=0), prompts[:2], params[:2]) == plain[:2]
+    assert events == []
