@@ -74,7 +74,7 @@ class RemoteDraftProposer(Proposer):
         self.num_calls = 0  # propose calls made (prepare calls are counted apart)
         self.num_prepares = 0  # prepare calls made (sequences named before their prefill)
         self.num_proposals = 0  # rows answered with drafts
-        self.num_predraft_hits = 0  # of them, drafted ahead while the target verified (Proposal.predrafted)
+        self.num_predraft_hits = 0  # of them, drafted ahead while the target verified or prefilled (Proposal.predrafted)
         self.num_fallback_steps = 0  # steps decoded without drafts because of the deployment
         self.num_timeouts = 0
         self.num_errors = 0

@@ -77,8 +77,9 @@ class Proposal:
     probs: [k, V] the draft distributions the tokens were sampled from, or None when the
         proposal is deterministic (prompt lookup, greedy draft), which the rejection
         sampler treats as one-hot q.
-    predrafted: drafted ahead, while the target verified the step before (a draft
-        deployment's pre-draft that guessed this step's history), so no one waited for it.
+    predrafted: drafted ahead, while the target verified the step before or prefilled the
+        sequence (a draft deployment's pre-draft that guessed this step's history), so no one
+        waited for it.
     """
 
     token_ids: list[int]
