@@ -24,10 +24,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,6 +52,15 @@ class _Stream:
     loop: asyncio.AbstractEventLoop
     chunks: asyncio.Queue
     usage: Usage = field(default_factory=Usage)
+
+
+def cpus_besides(taken: Collection[int] | None) -> set[int] | None:
+    """The CPUs this process may use other than `taken` (None: all of them, also when `taken`
+    would leave none)."""
+    if not taken:
+        return None
+    rest = os.sched_getaffinity(0) - set(taken)
+    return rest or None
 
 
 class EngineServer:
@@ -103,7 +113,8 @@ class EngineServer:
 
         channel = draft.options(method_name="channel", session_id=uuid.uuid4().hex[:12])
         return ProcessCore((*spec, over_lookup), self._on_chunks, self._on_dead,
-                           lookup=lambda: channel.remote().result(timeout_s=30.0))
+                           lookup=lambda: channel.remote().result(timeout_s=30.0),
+                           cpus=cpus_besides(self.config.draft_cpus))
 
     def _thread_core(self, engine: LLMEngine | None, compiler: Any, draft: Any) -> InprocCore:
         if engine is None:

@@ -29,7 +29,7 @@ import subprocess
 import sys
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -161,14 +161,15 @@ class ProcessCore(CoreClient):
     when given, answers the child's questions on a second socket (the draft deployment's
     channel, which only this process can ask Ray for): `lookup()` is called on a thread of this
     process for each, and its result, or its error as text, is sent back with the question's
-    number.
+    number. `cpus`: the CPU ids the child runs on (None: any this process may use).
     """
 
     def __init__(self, spec: Any, on_message: Callable, on_dead: Callable,
-                 lookup: Callable[[], Any] | None = None) -> None:
+                 lookup: Callable[[], Any] | None = None, cpus: Collection[int] | None = None) -> None:
         super().__init__(on_message, on_dead)
         self.spec = spec
         self.lookup = lookup
+        self.cpus = cpus
         self.pid: int | None = None
         self._lock = threading.Lock()  # guards _conn, _backlog, _ready
         self._ready = threading.Event()
@@ -220,6 +221,8 @@ class ProcessCore(CoreClient):
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
         proc = subprocess.Popen([sys.executable, "-m", "moeserve.engine.core_client", *map(str, fds)],
                                 pass_fds=fds, env=env)
+        if self.cpus:  # before the child imports torch: its thread pool inherits the mask
+            os.sched_setaffinity(proc.pid, self.cpus)
         for _, c in pairs:
             c.close()
         if self.lookup is not None:
