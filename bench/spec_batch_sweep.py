@@ -1,19 +1,22 @@
-"""Does speculation pay at every batch size? The demo pair, in-process draft, batch 1..32.
+"""Does speculation pay at every batch size? The demo pair, batch 1..32.
 
 For each batch size B and prompt set (formulaic held-out demo chats, free-form requests, and the
 formulaic chats constrained to the demo's JSON schema), side by side in one run, interleaved
-round by round: no speculation; the draft with a fixed k; the
-same with speculation paused from `disable_by_batch_size` sequences (the old static rule); and
+round by round: no speculation; the draft in-process with a fixed k; the
+same with speculation paused from `disable_by_batch_size` sequences (the old static rule);
 adaptive k, chosen per batch-size bucket from measured step costs and acceptance (the
-utility rule, moeserve/spec/adaptive.py). Greedy, so every case writes the same tokens; ratios
-are medians of per-round ratios against no speculation.
+utility rule, moeserve/spec/adaptive.py); and adaptive k with the draft in a worker process of
+its own (the draft deployment's worker and data channel, without Ray: `DraftProcess`), pinned
+to the last CPU and the engine to the others. Greedy, so every case writes the same tokens;
+ratios are medians of per-round ratios against no speculation.
 
-    python -m bench.spec_batch_sweep [--quick] [--rounds R] [--batches 1,2,4,8,16,32]
+    python -m bench.spec_batch_sweep [--quick] [--rounds R] [--batches 1,2,4,8,16,32] [--no-deployment]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 
 import matplotlib
 
@@ -23,7 +26,10 @@ import torch  # noqa: E402
 
 from bench import report, workloads  # noqa: E402
 from bench.prompts import formulaic, free_form  # noqa: E402
+from bench.speculative import split_cpus  # noqa: E402
 from bench.timing import interleaved, summarize  # noqa: E402
+from deployments.draft_proposer import RemoteDraftProposer  # noqa: E402
+from deployments.draft_worker import DraftProcess, DraftServerConfig  # noqa: E402
 from deployments.local import DEMO_SCHEMA  # noqa: E402
 from model_shards import load_checkpoint  # noqa: E402
 from moeserve.engine import LLMEngine, ModelRunner, SchedulerConfig, SpecConfig  # noqa: E402
@@ -33,12 +39,13 @@ from moeserve.spec.draft_model import DraftModelProposer  # noqa: E402
 from moeserve.tokenizer import load_tokenizer  # noqa: E402
 
 NONE = "no speculation"
+DEPLOYMENT = "deployment, adaptive k<=8"
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.spec_batch_sweep", description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="two batch sizes, fewer tokens and rounds")
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--batches", default="1,2,4,8,16,32")
     ap.add_argument("--new-tokens", type=int, default=96)
     ap.add_argument("--min-prompts", type=int, default=8,
@@ -46,6 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--k", type=int, default=4, help="draft tokens per step of the fixed-k cases (adaptive: at most 8)")
     ap.add_argument("--disable-by-batch-size", type=int, default=12, help="the static rule's threshold")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--no-deployment", dest="deployment", action="store_false",
+                    help="skip the draft worker process (the draft deployment's case)")
     ap.add_argument("--target", default=demo_checkpoint("demo-moe"))
     ap.add_argument("--draft", default=demo_checkpoint("demo-draft"))
     args = ap.parse_args(argv)
@@ -62,28 +71,43 @@ def main(argv: list[str] | None = None) -> int:
             "free-form": (free_form(tokenizer, num_prompts), None),
             "formulaic, JSON schema": (formulaic(tokenizer, num_prompts), schema)}
     k, off = args.k, args.disable_by_batch_size
+    worker, split = None, split_cpus() if args.deployment else None
+    if args.deployment:
+        worker = DraftProcess(DraftServerConfig(model_path=args.draft, max_num_seqs=max(batches), max_model_len=1024,
+                                                torch_threads=1, cpus=split[1] if split else None))
+        if split:
+            os.sched_setaffinity(0, split[0])
 
-    def case(prompts, batch: int, spec: SpecConfig | None, grammar):
-        proposer = None if spec is None else DraftModelProposer(draft, batch, 1024)
+    def case(prompts, batch: int, spec: SpecConfig | None, grammar, remote: bool = False):
+        if remote:
+            proposer = RemoteDraftProposer(channel_source=worker.channel, timeout_s=5.0)
+        else:
+            proposer = None if spec is None else DraftModelProposer(draft, batch, 1024)
         engine = LLMEngine(ModelRunner(target, batch, 1024), tokenizer, SchedulerConfig(batch, 1 << 16, 1024),
                            proposer=proposer, spec=spec or SpecConfig(num_tokens=0))
         return workloads.ours(engine, prompts, args.new_tokens, batch, stop_at_eos=False, grammar=grammar)
 
     rows = []
-    for name, (prompts, grammar) in sets.items():
-        for batch in batches:
-            ps = prompts[: max(batch, args.min_prompts // batch * batch)]  # whole groups of `batch`
-            cases = {
-                NONE: case(ps, batch, None, grammar),
-                f"k={k}": case(ps, batch, SpecConfig(num_tokens=k), grammar),
-                f"k={k}, off from {off} rows": case(ps, batch, SpecConfig(num_tokens=k, disable_by_batch_size=off),
-                                                    grammar),
-                "adaptive k<=8": case(ps, batch, SpecConfig(num_tokens=8, adaptive=True), grammar),
-            }
-            summary = summarize(interleaved(cases, args.rounds, desc=f"{name} batch {batch}"), NONE)
-            rows.append({"prompts": name, "batch": batch, **{c: summary[c]["median_ratio"] for c in cases if c != NONE},
-                         "tokens/s, no speculation": summary[NONE]["median_tokens_per_s"]})
-            print({key: round(v, 3) if isinstance(v, float) else v for key, v in rows[-1].items()})
+    try:
+        for name, (prompts, grammar) in sets.items():
+            for batch in batches:
+                ps = prompts[: max(batch, args.min_prompts // batch * batch)]  # whole groups of `batch`
+                cases = {
+                    NONE: case(ps, batch, None, grammar),
+                    f"k={k}": case(ps, batch, SpecConfig(num_tokens=k), grammar),
+                    f"k={k}, off from {off} rows": case(ps, batch, SpecConfig(num_tokens=k, disable_by_batch_size=off),
+                                                        grammar),
+                    "adaptive k<=8": case(ps, batch, SpecConfig(num_tokens=8, adaptive=True), grammar),
+                }
+                if worker is not None:
+                    cases[DEPLOYMENT] = case(ps, batch, SpecConfig(num_tokens=8, adaptive=True), grammar, remote=True)
+                summary = summarize(interleaved(cases, args.rounds, desc=f"{name} batch {batch}"), NONE)
+                rows.append({"prompts": name, "batch": batch, **{c: summary[c]["median_ratio"] for c in cases if c != NONE},
+                             "tokens/s, no speculation": summary[NONE]["median_tokens_per_s"]})
+                print({key: round(v, 3) if isinstance(v, float) else v for key, v in rows[-1].items()})
+    finally:
+        if worker is not None:
+            worker.close()
 
     cols = [c for c in rows[0] if c not in ("prompts", "batch")]
     table = ["| prompts | batch | " + " | ".join(cols) + " |", "|---|---|" + "---|" * len(cols)]
@@ -91,10 +115,12 @@ def main(argv: list[str] | None = None) -> int:
     worst = {c: min(r[c] for r in rows) for c in cols[:-1]}
     md = "\n".join([
         "# Speculation by batch size", "",
-        f"`python -m bench.spec_batch_sweep`: demo pair, draft in-process, greedy, {args.new_tokens} new tokens per "
+        f"`python -m bench.spec_batch_sweep`: demo pair, greedy, {args.new_tokens} new tokens per "
         f"prompt (EOS ignored), at least {args.min_prompts} prompts per run in groups of the batch, "
         f"{args.rounds} interleaved rounds; ratios are tokens/s against no speculation at the same batch "
-        f"(median of per-round ratios). torch threads: {args.threads}.", "",
+        f"(median of per-round ratios). torch threads: {args.threads}. The draft in the engine's process, except "
+        f"'{DEPLOYMENT}': the draft deployment's worker in a process of its own (its data channel, no Ray)"
+        f"{', pinned to the last CPU and the engine to the others' if split else ''}.", "",
         *table, "",
         "Worst row per rule: " + ", ".join(f"{c} {v:.2f}x" for c, v in worst.items()) + ".", "",
         f"![ratio by batch]({'spec_batch_sweep-quick' if args.quick else 'spec_batch_sweep'}-ratio.png)", ""])

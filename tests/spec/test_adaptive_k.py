@@ -220,3 +220,21 @@ def test_pay_guard_refuses_drafting_that_has_not_paid_and_rechecks():
     assert guard.allows((2, True))  # other keys are their own
     with pytest.raises(ValueError):
         PayGuard(min_steps=0)
+
+
+def test_a_pay_guard_recheck_measures_fewer_steps_than_the_first_decision():
+    """The first decision at a key waits for min_steps drafting steps; a recheck decides after
+    recheck_steps, since each drafting step where drafting loses costs."""
+    from moeserve.spec import PayGuard
+
+    guard = PayGuard(decay=1.0, min_steps=4, recheck=2, recheck_steps=2)
+    key = (6, False)
+    guard.record(key, True, 1, 1.0)  # the guard's first drafting step: left out
+    for drafted in [True] * 4 + [False] * 4:
+        guard.record(key, drafted, 2 if drafted else 1, 0.010 if drafted else 0.002)  # 200/s vs 500/s
+    assert [guard.allows(key) for _ in range(2)] == [False, True]  # refused, then the recheck
+    guard.record(key, True, 2, 0.010)
+    assert guard.allows(key)  # one drafting step is not yet a measurement
+    guard.record(key, True, 2, 0.010)
+    assert not guard.allows(key)  # two are: still losing, refused again
+    assert PayGuard(min_steps=2, recheck_steps=5).recheck_steps == 2  # never more than the first decision's
