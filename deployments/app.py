@@ -67,6 +67,6 @@ def _bind_draft(cfg: AppConfig) -> Application | None:
     return bind_draft(
         DraftServerConfig(resolve_path(s.draft_path), max_num_seqs=e.max_num_seqs, max_model_len=e.max_model_len,
                           device=e.device, dtype=cfg.model.dtype,
-                          cpus=cfg.pinned_draft_cpus()),
+                          cpus=cfg.pinned_draft_cpus(), grammar=EngineConfig.from_app(cfg).grammar),
         num_replicas=s.draft_replicas,
     )

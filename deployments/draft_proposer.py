@@ -16,6 +16,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from deployments.draft_channel import ChannelClient
+from deployments.draft_grammar import RemoteGrammar
 from deployments.draft_worker import DraftCall
 from moeserve.spec.proposer import Proposal, ProposalRequest, Proposer
 
@@ -116,10 +117,12 @@ class RemoteDraftProposer(Proposer):
         finished = list(self._finished)
         self._finished.clear()
         prefix = self.session + "/"
+        grammars = {prefix + r.seq_id: g for r in asked if (g := RemoteGrammar.of(r)) is not None}
         call = DraftCall(
             [ProposalRequest(prefix + r.seq_id, r.token_ids, r.num_tokens, r.params) for r in asked],
             [prefix + s for s in finished],
             ahead,
+            grammars,
         )
         try:
             got = self._call(call)

@@ -27,10 +27,11 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection
 from typing import Any
 
+from deployments.draft_grammar import GrammarMirror, RemoteGrammar
 from moeserve.spec.proposer import Proposal, ProposalRequest
 
 log = logging.getLogger(__name__)
@@ -60,6 +61,9 @@ class DraftServerConfig:
     # it. On a small node a draft with a core of its own drafts ahead without pushing the
     # engine off its core (bench/reports/speculative.md).
     cpus: tuple[int, ...] | None = None
+    # The engine's GrammarConfig (its JSON style and limits): constrained rows draft under the same
+    # grammars the target is masked by (deployments/draft_grammar.py). None: the defaults.
+    grammar: Any = None
 
     def __post_init__(self) -> None:
         if self.cpus is not None and (not self.cpus or min(self.cpus) < 0):
@@ -82,11 +86,13 @@ class DraftCall:
     ahead: the requests are sequences about to be prefilled (`Proposer.prepare`): answered at
         once with no drafts, then pre-drafted for the outcome that the target's first token is
         the draft's own.
+    grammars: the constrained rows' grammars; the worker drafts them under matchers of its own.
     """
 
     requests: list[ProposalRequest]
     finished: list[str] = field(default_factory=list)
     ahead: bool = False
+    grammars: dict[str, RemoteGrammar] = field(default_factory=dict)  # constrained rows' grammars, by seq id
 
 
 class DraftWorker:
@@ -108,6 +114,7 @@ class DraftWorker:
         device = resolve_device(config.device)
         model = load_checkpoint(config.model_path, resolve_dtype(config.dtype, device), device=device)
         self.proposer = DraftModelProposer(model, config.max_num_seqs, config.max_model_len, config.greedy)
+        self.grammars = GrammarMirror(config.model_path, model.config.vocab_size, config.grammar)
         self._lock = threading.Lock()
         self._calls = 0
         self._busy_s = 0.0
@@ -130,14 +137,16 @@ class DraftWorker:
             t0 = time.perf_counter()
             for seq_id in call.finished:
                 self.proposer.on_finished(seq_id)
+                self.grammars.forget(seq_id)
                 self._ahead.pop(seq_id, None)
                 for hyp in self._hypotheses.pop(seq_id, ()):
                     self.proposer.on_finished(hyp)
+            requests = [self._constrained(r, call.grammars.get(r.seq_id)) for r in call.requests]
             if call.ahead:
                 self.num_prepares += 1
                 return [Proposal([]) for _ in call.requests]
             out: list[Proposal | None] = [None] * len(call.requests)
-            for i, r in enumerate(call.requests):
+            for i, r in enumerate(requests):
                 ahead = self._ahead.pop(r.seq_id, None)
                 if ahead is None:
                     continue
@@ -149,11 +158,20 @@ class DraftWorker:
                     self.num_predraft_misses += 1
             todo = [i for i, p in enumerate(out) if p is None]
             if todo:
-                for i, p in zip(todo, self.proposer.propose([call.requests[i] for i in todo])):
+                for i, p in zip(todo, self.proposer.propose([requests[i] for i in todo])):
                     out[i] = p
             self._calls += 1
             self._busy_s += time.perf_counter() - t0
             return out
+
+    def _constrained(self, request: ProposalRequest, grammar: RemoteGrammar | None) -> ProposalRequest:
+        """The request with this worker's matcher for its grammar, standing at its end (as is)."""
+        if grammar is None:
+            return request
+        matcher = self.grammars.matcher(request.seq_id, grammar, request.token_ids)
+        if matcher is None:
+            return request
+        return replace(request, grammar=matcher, stop_at_forced=grammar.stop_at_forced)
 
     def predraft(self, call: DraftCall, proposals: list[Proposal], peek: Callable[[], Any] | None = None) -> None:
         """After answering a call, while the target verifies it (or, for an `ahead` call,
@@ -177,11 +195,19 @@ class DraftWorker:
             runner_up = self.proposer.runner_up
             free = self.proposer.runner.num_free_slots
             hyps: list[tuple[str, ProposalRequest]] = []  # (the row's seq id, what to draft)
+            advanced: list[tuple[Any, int]] = []  # (matcher, tokens): grammars moved to their row's guess
             for r, p in zip(call.requests, proposals):
                 if not r.num_tokens or not (p.token_ids or call.ahead):
                     continue
                 base = list(r.token_ids)
-                hyps.append((r.seq_id, ProposalRequest(r.seq_id, base + p.token_ids, r.num_tokens + 1, r.params)))
+                full = ProposalRequest(r.seq_id, base + p.token_ids, r.num_tokens + 1, r.params)
+                matcher = self.grammars.held(r.seq_id) if r.seq_id in call.grammars else None
+                if matcher is not None:  # drafted under its grammar too, from the end of the proposal
+                    n = matcher.accept_tokens(p.token_ids)
+                    advanced.append((matcher, n))
+                    if n == len(p.token_ids):
+                        full = replace(full, grammar=matcher, stop_at_forced=call.grammars[r.seq_id].stop_at_forced)
+                hyps.append((r.seq_id, full))
                 for j, alt in enumerate(runner_up.get(r.seq_id, [])[: len(p.token_ids)]):
                     hyp = f"{r.seq_id}#{j}"
                     if hyp not in self._hypotheses.get(r.seq_id, set()):
@@ -209,6 +235,8 @@ class DraftWorker:
                 self.num_predraft_interrupted += 1
                 return
             finally:
+                for matcher, n in advanced:
+                    matcher.rollback(n)
                 self._predraft_s += time.perf_counter() - t0
             for (seq, h), p in zip(hyps, got):
                 if h.seq_id == seq:  # every draft accepted: the first token is the guessed bonus
@@ -245,6 +273,8 @@ class DraftWorker:
             "predraft_interrupted": self.num_predraft_interrupted,
             "predraft_s": self._predraft_s,
             "channel_connections": self._channel.num_connections if self._channel is not None else 0,
+            "grammars_compiled": self.grammars.num_compiled,
+            "grammars_failed": self.grammars.num_failed,
             "cpus": sorted(os.sched_getaffinity(0)),
         }
 

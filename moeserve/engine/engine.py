@@ -141,8 +141,7 @@ class LLMEngine:
                 for seq in batch.seqs:  # a paged runner may hold a prefix already (prefix caching)
                     seq.num_cached = max(seq.num_cached, self.runner.add(seq.seq_id, seq.token_ids))
                 if self.proposer is not None and self.spec.num_tokens > 0:  # a draft deployment drafts meanwhile
-                    self.proposer.prepare([ProposalRequest(s.seq_id, s.token_ids, self.spec.num_tokens, s.params)
-                                           for s in batch.seqs])
+                    self.proposer.prepare([self._proposal_request(s, self.spec.num_tokens) for s in batch.seqs])
                 new_tokens = self._prefill(batch)
             else:
                 new_tokens = self._decode(batch)
@@ -263,11 +262,14 @@ class LLMEngine:
         requests = []
         for s, k in zip(seqs, ks):
             room = min(s.params.max_tokens - len(s.output_ids), self.scheduler.cfg.max_model_len - s.num_tokens) - 1
-            grammar = None if s.grammar is None else s.grammar.matcher
-            requests.append(ProposalRequest(s.seq_id, s.token_ids, max(0, min(k, room)), s.params, grammar,
-                                            stop_at_forced=self.structured.cfg.jump_forward))
+            requests.append(self._proposal_request(s, max(0, min(k, room))))
         self._last_proposals = self.proposer.propose(requests)
         return [list(p.token_ids) for p in self._last_proposals]
+
+    def _proposal_request(self, seq: Sequence, k: int) -> ProposalRequest:
+        grammar = None if seq.grammar is None else seq.grammar.matcher
+        return ProposalRequest(seq.seq_id, seq.token_ids, k, seq.params, grammar,
+                               stop_at_forced=self.structured.cfg.jump_forward)
 
     def _measure(self, num_rows: int, width: int, draft_s: float, target_s: float) -> None:
         """Step times -> the cost model adaptive k optimises for this batch size, refit every

@@ -47,10 +47,11 @@ class ProposalRequest:
     params: the request's sampling parameters. A draft model that samples uses them for
         its own q (temperature, top-k, top-p as the target applies them to p), which is
         what keeps acceptance high; None (or greedy params) asks for deterministic drafts.
-    grammar: the request's grammar matcher, standing at the end of token_ids (in-process
-        proposers only; never sent to a draft deployment). A draft model drafts from its own
-        masked distribution with it, so it proposes only tokens the grammar allows, and a
-        sampled draft's q is masked as the target's p is. The proposer leaves it where it was.
+    grammar: the request's grammar matcher, standing at the end of token_ids (a draft
+        deployment is sent its spec and drafts under a matcher of its own). A draft model
+        drafts from its own masked distribution with it, so it proposes only tokens the
+        grammar allows, and a sampled draft's q is masked as the target's p is. The proposer
+        leaves it where it was.
     stop_at_forced: with a grammar, a deterministic proposal ends before the first draft token
         after which the grammar forces text: the engine's jump-forward emits the forced text
         without the model, and the engine cuts a proposal there anyway (so drafting past that

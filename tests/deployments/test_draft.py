@@ -438,3 +438,83 @@ def _stats_or_none(stats) -> dict | None:
         return stats.remote().result(timeout_s=30)
     except Exception:  # the worker is restarting
         return None
+
+
+def test_a_draft_worker_drafts_constrained_rows_under_its_own_grammar(tmp_path):
+    """Constrained rows through a draft worker (its channel, no Ray): each call carries the row's
+    grammar spec and how far its output has gone, and the worker drafts under a matcher of its own
+    (compiled in the background), so, with the target as its own draft, nearly every draft is
+    accepted, as with the draft in the engine's process shown the grammar. Greedy output is plain
+    decoding's and every output satisfies its grammar."""
+    from deployments.draft_worker import DraftProcess
+    from moeserve.tokenizer import load_tokenizer
+    from tests.deployments.tiny_checkpoint import save_tiny_checkpoint
+    from tests.engine.test_structured_output import PROMPTS as TEXTS
+    from tests.engine.test_structured_output import SPECS, NoGrammarDraft, assert_accepted
+    from tests.engine.test_structured_output import make_engine as structured_engine
+    from tests.engine.test_structured_output import run as run_jobs
+
+    folder = save_tiny_checkpoint(tmp_path)
+    tokenizer = load_tokenizer(folder)
+    from moeserve.grammar import GrammarCompiler
+
+    compiler = GrammarCompiler(tokenizer, len(tokenizer))
+    jobs = [(p, SamplingParams(max_tokens=60, temperature=0.0), compiler.compile(s))
+            for p in TEXTS[:2] for s in (SPECS["json_schema"], SPECS["regex"], SPECS["ebnf"])]
+    plain = run_jobs(structured_engine(folder, tokenizer), jobs)
+    worker = DraftProcess(DraftServerConfig(str(folder), max_num_seqs=16, max_model_len=512, torch_threads=1))
+    per_pass = {}
+    try:
+        for shown in (True, False):
+            remote = RemoteDraftProposer(channel_source=worker.channel, timeout_s=30)
+            engine = structured_engine(folder, tokenizer, remote if shown else NoGrammarDraft(remote), k=4,
+                                       kv_cache="paged")
+            run_jobs(engine, jobs)  # the worker compiles each spec on its first sight of it, meanwhile unconstrained
+            engine.spec_metrics = type(engine.spec_metrics)()
+            got = run_jobs(engine, jobs)
+            assert [t for t, _, _ in got] == [t for t, _, _ in plain]
+            for spec, (tokens, text, reason) in zip([j[2].spec for j in jobs], got):
+                assert_accepted(spec, compiler, tokens, text, reason)
+            per_pass[shown] = engine.spec_metrics.tokens_per_pass
+        assert per_pass[True] > per_pass[False] + 0.5, per_pass  # not shown: drafts the grammar refuses are cut
+        stats = worker.stats()
+        assert stats["grammars_compiled"] == 3 and stats["grammars_failed"] == 0
+    finally:
+        worker.close()
+
+
+def test_a_grammar_mirror_follows_each_sequences_output(tmp_path):
+    """The worker's matcher for a sequence: none while its spec compiles (in the background), then
+    standing after the output the call names; advanced by new output, made afresh for a history
+    that does not extend it, dropped where it refuses what the engine's grammar took."""
+    from deployments.draft_grammar import GrammarMirror, RemoteGrammar
+    from moeserve.grammar import GrammarCompiler, GrammarMatcher, GrammarSpec
+    from moeserve.tokenizer import load_tokenizer
+    from tests.deployments.tiny_checkpoint import save_tiny_checkpoint
+
+    folder = save_tiny_checkpoint(tmp_path)
+    tokenizer = load_tokenizer(folder)
+    spec = GrammarSpec.regex(r"ab+c")
+    engine_side = GrammarMatcher(GrammarCompiler(tokenizer, len(tokenizer)).compile(spec))
+    output = tokenizer.encode("abbb", add_special_tokens=False)
+    assert engine_side.accept_tokens(output) == len(output)
+    mirror = GrammarMirror(str(folder), len(tokenizer))
+    prompt = [5, 6, 7]
+    g = RemoteGrammar(spec, len(output))
+    deadline = time.monotonic() + 60
+    while (m := mirror.matcher("s", g, prompt + output)) is None:  # compiling
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert m.num_accepted == len(output) and mirror.held("s") is m
+    more = tokenizer.encode("b", add_special_tokens=False)
+    assert mirror.matcher("s", RemoteGrammar(spec, len(output) + len(more)), prompt + output + more) is m
+    assert m.num_accepted == len(output) + len(more)  # advanced, not rebuilt
+    other = tokenizer.encode("ab", add_special_tokens=False)
+    fresh = mirror.matcher("s", RemoteGrammar(spec, len(other)), prompt + other)  # not an extension: afresh
+    assert fresh is not m and fresh.num_accepted == len(other)
+    bad = tokenizer.encode("x", add_special_tokens=False)
+    assert mirror.matcher("s", RemoteGrammar(spec, len(other) + len(bad)), prompt + other + bad) is None
+    assert mirror.held("s") is None and mirror.num_compiled == 1
+    mirror.matcher("t", g, prompt + output)
+    mirror.forget("t")
+    assert mirror.num_held == 0
