@@ -67,6 +67,7 @@ class GrammarMirror:
         failed to compile, or when it refuses output the engine's grammar accepted."""
         compiled = self._compiled_for(grammar.spec)
         if compiled is None:
+            self._held.pop(seq_id, None)  # nothing stale stands in for it
             return None
         output = list(token_ids[len(token_ids) - grammar.num_accepted:]) if grammar.num_accepted else []
         held = self._held.get(seq_id)
