@@ -16,9 +16,12 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from moeserve.spec.proposer import ProposalRequest
+
+if TYPE_CHECKING:
+    from moeserve.grammar import GrammarConfig, GrammarSpec
 
 log = logging.getLogger(__name__)
 
@@ -27,11 +30,11 @@ MAX_GRAMMARS = 64  # compiled grammars a worker keeps (least recently used out)
 
 @dataclass(frozen=True)
 class RemoteGrammar:
-    """A constrained row's grammar, as a call carries it: its spec (a GrammarSpec), how many of the
+    """A constrained row's grammar, as a call carries it: its spec, how many of the
     row's last tokens are output its grammar accepted, and whether a proposal stops before text
     the grammar forces (the engine's jump-forward)."""
 
-    spec: Any
+    spec: GrammarSpec
     num_accepted: int
     stop_at_forced: bool = False
 
@@ -52,7 +55,7 @@ class GrammarMirror:
     the draft's masks are the target's.
     """
 
-    def __init__(self, tokenizer_path: str, vocab_size: int, config: Any = None) -> None:
+    def __init__(self, tokenizer_path: str, vocab_size: int, config: GrammarConfig | None = None) -> None:
         self._args = (tokenizer_path, vocab_size, config)
         self._compiler: Any = None  # built with the first grammar
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="draft-grammar")

@@ -128,10 +128,12 @@ class RemoteDraftProposer(Proposer):
             got = self._call(call)
         except TimeoutError:
             self.num_timeouts += 1
-            return self._fail(finished, "timed out")
+            self._fail(finished, "timed out")
+            return None
         except Exception as e:  # deployment deleted, replica died, serialization...: never fail the step
             self.num_errors += 1
-            return self._fail(finished, f"{type(e).__name__}: {e}")
+            self._fail(finished, f"{type(e).__name__}: {e}")
+            return None
         self._pause_s = self.backoff_s
         return got
 

@@ -29,10 +29,13 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from deployments.draft_grammar import GrammarMirror, RemoteGrammar
 from moeserve.spec.proposer import Proposal, ProposalRequest
+
+if TYPE_CHECKING:
+    from moeserve.grammar.compiler import GrammarConfig
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +66,7 @@ class DraftServerConfig:
     cpus: tuple[int, ...] | None = None
     # The engine's GrammarConfig (its JSON style and limits): constrained rows draft under the same
     # grammars the target is masked by (deployments/draft_grammar.py). None: the defaults.
-    grammar: Any = None
+    grammar: GrammarConfig | None = None
 
     def __post_init__(self) -> None:
         if self.cpus is not None and (not self.cpus or min(self.cpus) < 0):
@@ -141,6 +144,7 @@ class DraftWorker:
                 self._ahead.pop(seq_id, None)
                 for hyp in self._hypotheses.pop(seq_id, ()):
                     self.proposer.on_finished(hyp)
+            # an ahead call too: its grammars start compiling and its pre-draft drafts under them
             requests = [self._constrained(r, call.grammars.get(r.seq_id)) for r in call.requests]
             if call.ahead:
                 self.num_prepares += 1
