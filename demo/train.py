@@ -40,14 +40,19 @@ def packed_batches(tokenizer: PreTrainedTokenizerFast, split: str, batch: int, s
     (a plain cut every T tokens did that to most order chats, which are longer than 256 tokens).
     `seed` and `weights` go to `iter_documents`.
     """
-    docs = iter_documents(split, seed, weights)
+    return pack_rows((tokenizer.encode(d.text) for d in iter_documents(split, seed, weights)), batch, seq_len)
+
+
+def pack_rows(docs: Iterator[list[int]], batch: int, seq_len: int) -> Iterator[torch.Tensor]:
+    """Endless [B, T] batches of the token documents `docs` (an endless iterator), packed as
+    `packed_batches` describes."""
     pending: list[int] | None = None
     while True:
         rows = []
         for _ in range(batch):
             row: list[int] = []
             while len(row) < seq_len:
-                doc = pending if pending is not None else tokenizer.encode(next(docs).text)
+                doc = pending if pending is not None else next(docs)
                 pending = None
                 room = seq_len - len(row)
                 if len(doc) > room:
@@ -91,10 +96,12 @@ def token_weights(ids: torch.Tensor, markers: dict[str, int], reply_weight: floa
 
 def train_model(model: torch.nn.Module, batches: Iterator[torch.Tensor], *, name: str, budget_s: float, peak_lr: float,
                 max_steps: int, markers: dict[str, int], reply_weight: float = 1.0, alpha: float = 0.0,
-                log_every: int = 100, warmup: int = 30) -> dict:
+                log_every: int = 100, warmup: int = 30, teacher: torch.nn.Module | None = None) -> dict:
     """Train for ``budget_s`` seconds' worth of steps (capped at ``max_steps``); return loss curve and speed.
     The loss weighs reply tokens ``reply_weight`` times the others (token_weights); the losses reported
-    are the plain mean cross-entropy."""
+    are the plain mean cross-entropy. With a `teacher` (distillation, demo/distill.py) each token's
+    loss is KL(teacher || model) between their next-token distributions instead; the losses
+    reported are then that mean KL."""
     is_moe = alpha > 0
     opt = torch.optim.AdamW(model.parameters(), lr=peak_lr, betas=(0.9, 0.95), weight_decay=0.1)
     model.train()
@@ -108,8 +115,14 @@ def train_model(model: torch.nn.Module, batches: Iterator[torch.Tensor], *, name
             group["lr"] = lr_at(step, total, peak_lr, warmup)
         out = model(input_ids=ids, use_cache=False, output_router_logits=is_moe)
         logits = out.logits[:, :-1]  # [B, T-1, V]
-        per_token = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1),
-                                                      reduction="none")  # [B * (T-1)]
+        if teacher is None:
+            per_token = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1),
+                                                          reduction="none")  # [B * (T-1)]
+        else:
+            with torch.no_grad():
+                target = teacher(input_ids=ids, use_cache=False).logits[:, :-1].log_softmax(-1)  # [B, T-1, V]
+            per_token = torch.nn.functional.kl_div(logits.log_softmax(-1), target, log_target=True,
+                                                   reduction="none").sum(-1).reshape(-1)  # [B * (T-1)]
         ce = per_token.mean()
         weights = token_weights(ids, markers, reply_weight)[:, 1:].reshape(-1)  # [B * (T-1)]
         loss = (per_token * weights).sum() / weights.sum()
