@@ -10,9 +10,8 @@ from transformers import LlamaForCausalLM, MixtralForCausalLM
 from bench.prompts import FREE_FORM
 from demo.distill import DISTILL_BEGIN, DISTILL_END, main, offdomain_asks
 from demo.tokenizer import load_tokenizer
-from demo.train import heldout_rows
+from demo.train import heldout_rows, train_model
 from demo.train import main as train_main
-from demo.train import train_model
 
 
 def _kl(target, draft, ids) -> float:
