@@ -92,7 +92,41 @@ class DenseDecodeStep:
         return F.linear(F.rms_norm(x, w_norm.shape, w_norm, eps_norm), self.lm_head).float()  # [B, V]
 
 
+    @torch.inference_mode()
+    def feed(self, tokens: torch.Tensor, lengths: torch.Tensor, block_table: torch.Tensor, starts: torch.Tensor) -> None:
+        """Writes the keys/values of a few tokens per row, no logits: tokens [B, T] (row b's first
+        lengths[b] of them; the rest is padding), at positions starts[b] + 0..lengths[b]-1;
+        block_table [B, nb] covers them. Row b's tokens attend to its keys up to their own
+        position. For short tails (the drafts and forced text a step accepted), where the model's
+        own forward costs several one-token steps; padding writes to the scratch block."""
+        b, t = tokens.shape
+        h_, hkv, dh = self.num_heads, self.num_kv_heads, self.head_dim
+        offsets = torch.arange(t, device=tokens.device)
+        valid = offsets[None] < lengths[:, None]  # [B, T]
+        pos = torch.where(valid, starts[:, None] + offsets, 0)  # [B, T]; padding: position 0
+        bs = self.cache.block_size
+        write = torch.where(valid, block_table.gather(1, pos // bs) * bs + pos % bs, 0)  # [B, T]; padding -> scratch
+        tk = int((starts + lengths).max())
+        read = block_table[:, : -(-tk // bs)]  # [B, nb'] the blocks holding keys 0..tk-1
+        mask = (torch.arange(tk, device=tokens.device)[None, None] <= pos[:, :, None])[:, None]  # [B, 1, T, Tk]
+        cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]  # [B, 1, T, Dh]
+        x = F.embedding(tokens, self.embed)  # [B, T, D]
+        for i, (w_in, eps_in, w_qkv, b_qkv, w_o, w_post, eps_post, w_gu, w_down) in enumerate(self.layers):
+            qkv = F.linear(F.rms_norm(x, w_in.shape, w_in, eps_in), w_qkv, b_qkv)  # [B, T, (H + 2 Hkv) Dh]
+            qk = _rotary(qkv[..., : self.q_dim + self.kv_dim].view(b, t, h_ + hkv, dh).transpose(1, 2), cos, sin)
+            v = qkv[..., self.q_dim + self.kv_dim :].view(b, t, hkv, dh).transpose(1, 2)  # [B, Hkv, T, Dh]
+            self.cache.write_at(i, write.reshape(-1), qk[:, h_:], v)
+            if i == len(self.layers) - 1:
+                return  # the last layer's keys and values are written: nothing after them is kept
+            keys, values = self.cache.gather(i, read, tk)  # [B, Hkv, Tk, Dh]
+            out = F.scaled_dot_product_attention(qk[:, :h_], keys, values, attn_mask=mask, enable_gqa=True)
+            x = x + F.linear(out.transpose(1, 2).reshape(b, t, self.q_dim), w_o)  # [B, T, D]
+            gate, up = F.linear(F.rms_norm(x, w_post.shape, w_post, eps_post), w_gu).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, w_down)
+
+
 def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half rotary on [B, H, Dh] (queries and keys together) with cos/sin [B, 1, Dh]."""
+    """Rotate-half rotary on [B, H, Dh] (queries and keys together) with cos/sin [B, 1, Dh], or on
+    [B, H, T, Dh] with [B, 1, T, Dh]."""
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin

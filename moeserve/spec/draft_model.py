@@ -52,6 +52,10 @@ from moeserve.spec.draft_decoder import DenseDecodeStep
 from moeserve.spec.draft_masks import GrammarMasks
 from moeserve.spec.proposer import DraftGrammar, Proposal, ProposalRequest, Proposer
 
+# Tails of up to this many tokens before the last (drafts and forced text a step accepted) are fed
+# through the lean step's `feed`; longer ones (prompts) through the model's own forward.
+FEED_MAX = 16
+
 
 class DraftInterrupted(Exception):
     """A propose call stopped early because its caller asked (see `propose(interrupted=...)`)."""
@@ -233,9 +237,21 @@ class DraftModelProposer(Proposer):
         """Feeds each row's uncached tail; logits [B, V] after each row's last token.
 
         Tails are usually 1 token (a recovered token) or 2 (the last draft and the bonus
-        token): those go through one-token steps. Longer tails (new sequences, rebuilds) are
-        prefilled with the model's own forward first, up to their last token."""
-        prefill = [Row(r.seq_id, r.tokens[r.start : -1], r.start) for r in rows if len(r.tokens) - r.start > 2]
+        token): those go through one-token steps. Up to their last token, tails of a few more
+        (forced text a grammar appended, drafts a step accepted) go through one lean pass
+        (`DenseDecodeStep.feed`), longer ones (new sequences, rebuilds) through the model's own
+        forward."""
+        short = [b for b, r in enumerate(rows) if 2 < len(r.tokens) - r.start <= FEED_MAX + 1] if self.lean else []
+        if short:  # forced text and accepted drafts: one lean pass, not the model's own forward
+            idx = torch.tensor(short, device=self.device)
+            tails = [rows[b].tokens[rows[b].start : -1] for b in short]
+            width = max(map(len, tails))
+            tokens = torch.tensor([t + [0] * (width - len(t)) for t in tails], device=self.device)  # [n, T]
+            self.lean.feed(tokens, torch.tensor([len(t) for t in tails], device=self.device), batch.tables[idx],
+                           torch.tensor([rows[b].start for b in short], device=self.device))
+        fed = set(short)
+        prefill = [Row(r.seq_id, r.tokens[r.start : -1], r.start) for b, r in enumerate(rows)
+                   if len(r.tokens) - r.start > 2 and b not in fed]
         if prefill:
             forward_last(self.runner, prefill, prepared=True)
         two = [b for b, r in enumerate(rows) if len(r.tokens) - r.start == 2]

@@ -58,3 +58,25 @@ def test_moe_models_are_not_supported(tmp_path):
     assert not DenseDecodeStep.supports(model)
     with pytest.raises(ValueError, match="dense"):
         DenseDecodeStep(model, PagedKVCache(1, 4, BLOCK, 1, 8), 8)
+
+
+@pytest.mark.parametrize("rows", [[0, 1, 2], [2, 0], [1]])
+def test_feed_writes_what_the_model_forward_writes(model, rows):
+    """A few tokens per row (ragged: padding goes to the scratch block), then a step that reads
+    them back: the same logits as the model's own forward over the slot cache."""
+    lengths = [20, 13, 7]
+    fed = [[5, 6, 7], [9, 10], [11, 12, 13]]  # room for 4 more tokens per row, the step included
+    reference, cache, tables = _prefilled(model, lengths)
+    lean = DenseDecodeStep(model, cache, 64)
+    tails = [fed[s] for s in rows]
+    width = max(map(len, tails))
+    tokens = torch.tensor([t + [0] * (width - len(t)) for t in tails])
+    starts = torch.tensor([lengths[s] for s in rows])
+    lean.feed(tokens, torch.tensor([len(t) for t in tails]), tables[rows], starts)
+    ends = starts + torch.tensor([len(t) for t in tails])
+    for s in rows:  # the reference: each row's tail through the model's forward
+        model(torch.tensor([fed[s]]), reference, StepBatch.build([s], [lengths[s]], [len(fed[s])]), logits="last")
+    last = torch.tensor([3] * len(rows))
+    got = lean.step(last, tables[rows], ends, int(ends.max()) + 1)
+    want = model(last[:, None], reference, StepBatch.build(rows, ends.tolist(), [1] * len(rows)), logits="last")
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
