@@ -30,10 +30,10 @@ from pathlib import Path
 import torch
 from transformers import LlamaForCausalLM, MixtralForCausalLM
 
-from demo.chat_format import ASSISTANT, END, EOS, SYSTEM, USER
+from demo.chat_format import END, EOS
 from demo.evaluate import greedy_agreement
 from demo.tokenizer import load_tokenizer
-from demo.train import heldout_prompts, pack_rows, packed_batches, save, train_model
+from demo.train import chat_markers, heldout_prompts, pack_rows, packed_batches, save, train_model
 from moeserve.tokenizer import render_chat
 
 ASKS = (
@@ -147,12 +147,10 @@ def main(argv: list[str] | None = None) -> dict:
     t0 = time.perf_counter()
     chats = target_chats(pair / "demo-moe", train_asks, max_tokens=16 if args.quick else 160)
     generate_s = time.perf_counter() - t0
-    markers = {role: tokenizer.convert_tokens_to_ids(tok) for role, tok in
-               (("system", SYSTEM), ("user", USER), ("assistant", ASSISTANT), ("end", END))}
     corpus = packed_batches(tokenizer, "train", args.batch // 2, args.seq_len, seed=f"distill-{args.seed}")
     trained = train_model(draft, mixed_batches(corpus, chats, args.batch, args.seq_len, args.seed), name="distill draft",
                           budget_s=args.minutes * 60, peak_lr=args.lr, max_steps=20 if args.quick else 100_000,
-                          markers=markers, reply_weight=4.0, teacher=target)
+                          markers=chat_markers(tokenizer), reply_weight=4.0, teacher=target)
     draft.eval()
     save(draft, tokenizer, out, stop_ids)
     after = agreement(target, draft, evaluation, stop_ids)

@@ -94,6 +94,12 @@ def token_weights(ids: torch.Tensor, markers: dict[str, int], reply_weight: floa
     return torch.where(in_reply, reply_weight, 1.0)
 
 
+def chat_markers(tokenizer: PreTrainedTokenizerFast) -> dict[str, int]:
+    """The ids of the system, user, assistant and end tokens (`token_weights`' markers)."""
+    return {role: tokenizer.convert_tokens_to_ids(tok) for role, tok in
+            (("system", SYSTEM), ("user", USER), ("assistant", ASSISTANT), ("end", END))}
+
+
 def train_model(model: torch.nn.Module, batches: Iterator[torch.Tensor], *, name: str, budget_s: float, peak_lr: float,
                 max_steps: int, markers: dict[str, int], reply_weight: float = 1.0, alpha: float = 0.0,
                 log_every: int = 100, warmup: int = 30, teacher: torch.nn.Module | None = None) -> dict:
@@ -317,9 +323,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"target: {t_params['total']:,} params, {t_params['active_per_token']:,} active per token; "
           f"draft: {d_params['total']:,} params, {d_params['active_per_token']:,} active; compute ratio {ratio:.2f}x")
 
-    markers = {role: tokenizer.convert_tokens_to_ids(tok) for role, tok in
-               (("system", SYSTEM), ("user", USER), ("assistant", ASSISTANT), ("end", END))}
-    weighting = {"markers": markers, "reply_weight": args.reply_weight}
+    weighting = {"markers": chat_markers(tokenizer), "reply_weight": args.reply_weight}
     # seed 0: the corpus' own training stream; another seed, another stream (fresh documents for a continued run)
     stream = {"seed": None if args.seed == 0 else f"train-{args.seed}", "weights": kind_weights(args.kind_weights)}
     t_train = train_model(target, packed_batches(tokenizer, "train", batch, seq_len, **stream), name="demo-moe", budget_s=budget_moe,

@@ -48,7 +48,7 @@ def test_offdomain_asks_are_distinct_and_never_the_benchmark_prompts():
 
 
 def test_a_teacher_equal_to_the_model_costs_nothing():
-    """With the model as its own teacher the KL is zero (and nothing moves it): the oracle of the loss."""
+    """With the model as its own teacher the KL is zero: the oracle of the loss."""
     torch.manual_seed(0)
     from demo.models import draft_config
 
