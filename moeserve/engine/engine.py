@@ -62,6 +62,7 @@ class LLMEngine:
         self.adaptive = adaptive
         self.pay_guard = PayGuard() if adaptive is not None else None  # adaptive k's check against realized rates
         self._drafted = False  # whether this step's decode verified drafts
+        self._requested: list[int] = []  # the k each row of the last proposing step asked for
         self.step_costs = StepCostMeter()
         self.sampler = Sampler()
         self.rejection = RejectionSampler()
@@ -148,9 +149,9 @@ class LLMEngine:
         except Exception as e:  # nothing was emitted: the step's requests can run it again (requeue)
             raise StepError([s.seq_id for s in batch.seqs]) from e
         outputs = [self._postprocess(seq, toks) for seq, toks in zip(batch.seqs, new_tokens)]
-        if self.pay_guard is not None and not batch.is_prefill:
+        if self.pay_guard is not None and not batch.is_prefill:  # tokens the target chose, not forced text
             self.pay_guard.record(self._guard_key(batch.seqs), self._drafted,
-                                  sum(len(o.new_token_ids) for o in outputs), time.perf_counter() - t0)
+                                  sum(map(len, new_tokens)), time.perf_counter() - t0)
         return outputs
 
     @staticmethod
@@ -240,10 +241,10 @@ class LLMEngine:
         self._record_logprobs(seqs, logits, out.token_ids)  # the target's verify pass
         accepted = out.num_accepted.tolist()
         self._record_trace(seqs, out.token_ids, [n - 1 for n in fed], accepted)
-        for s, a, d, n in zip(seqs, accepted, drafted, fed):
+        for s, a, d, n, r in zip(seqs, accepted, drafted, fed, self._requested):
             s.num_cached += n + a  # the fed tokens + accepted drafts; rejected ones are rolled back
-            if self.adaptive is not None:
-                self.adaptive.observe(s.seq_id, d, a)
+            if self.adaptive is not None:  # a draft shorter than asked stopped where the grammar forces text
+                self.adaptive.observe(s.seq_id, d, a, cut=d < r and s.grammar is not None)
         self.spec_metrics.record([len(p) for p in proposals], accepted, t1 - t0, t2 - t1)
         self._measure(len(seqs), max(map(len, proposals)), t1 - t0, t2 - t1)
         return out.token_ids
@@ -263,6 +264,7 @@ class LLMEngine:
         for s, k in zip(seqs, ks):
             room = min(s.params.max_tokens - len(s.output_ids), self.scheduler.cfg.max_model_len - s.num_tokens) - 1
             requests.append(self._proposal_request(s, max(0, min(k, room))))
+        self._requested = [r.num_tokens for r in requests]
         self._last_proposals = self.proposer.propose(requests)
         return [list(p.token_ids) for p in self._last_proposals]
 

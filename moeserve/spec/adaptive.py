@@ -129,11 +129,12 @@ class _Acceptance:
         self.accepted *= decay
         self.trials *= decay
 
-    def update(self, num_proposed: int, num_accepted: int, decay: float) -> None:
+    def update(self, num_proposed: int, num_accepted: int, decay: float, cut: bool = False) -> None:
         # Each accepted token is a trial that succeeded; the first rejection is one that
         # failed; drafts after it were never tried. Counting them as failures (accepted /
-        # proposed) would underestimate alpha, and the formula would then disagree.
-        trials = num_accepted + (1 if num_accepted < num_proposed else 0)
+        # proposed) would underestimate alpha, and the formula would then disagree. A proposal
+        # cut short (cut) ends a pass as a rejection does, so its end is a failed trial too.
+        trials = num_accepted + (1 if num_accepted < num_proposed or cut else 0)
         self.age(decay)
         self.accepted += num_accepted
         self.trials += trials
@@ -259,15 +260,22 @@ class AdaptiveK:
         extra = costs.step_cost(1) - costs.step_cost(0)  # what one probe adds to a step
         return max(every, math.ceil(extra / (self.config.probe_budget * costs.step_cost(0))))
 
-    def observe(self, seq_id: str, num_proposed: int, num_accepted: int) -> None:
+    def observe(self, seq_id: str, num_proposed: int, num_accepted: int, cut: bool = False) -> None:
         """Records one verification: num_proposed drafted (what the proposer actually
-        returned, which may be fewer than k), num_accepted of them kept."""
+        returned, which may be fewer than k), num_accepted of them kept.
+
+        cut: the proposal was shorter than asked because the draft stopped where the request's
+        grammar forces text (jump-forward writes that text without the model). Such a pass ends
+        there as if its next draft had been refused, so the end counts as a failed trial: alpha
+        then estimates what a pass yields, P(accepted and not cut) per draft token. Under the
+        demo's JSON schema drafts are accepted ~0.9 of the time but cut every few tokens, and
+        counted as accepted they made k = 8 look worth 5 tokens a pass where it yielded 2.7."""
         if not 0 <= num_accepted <= num_proposed:
             raise ValueError(f"need 0 <= num_accepted <= num_proposed, got {num_accepted}, {num_proposed}")
-        if num_proposed == 0:
+        if num_proposed == 0 and not cut:
             return
-        self._state(seq_id).update(num_proposed, num_accepted, self.config.decay)
-        self._pool.update(num_proposed, num_accepted, self.config.pool_decay)
+        self._state(seq_id).update(num_proposed, num_accepted, self.config.decay, cut)
+        self._pool.update(num_proposed, num_accepted, self.config.pool_decay, cut)
 
     def on_finished(self, seq_id: str) -> None:
         """Forgets the sequence."""

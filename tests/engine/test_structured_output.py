@@ -149,6 +149,34 @@ def test_refused_drafts_are_cut_and_perfect_drafts_accepted(tiny):
     assert engine.spec_metrics.acceptance_rate > 0.9
 
 
+def test_adaptive_k_counts_a_constrained_draft_that_stops_short_as_a_pass_ending(tiny):
+    """A perfect draft that returns 1 token where 4 were asked: under a grammar that is a draft
+    stopped where the grammar forces text, so every pass ends after 1 token (alpha ~0.5); for an
+    unconstrained row a short proposal says nothing of the text (alpha ~1). Output is plain
+    decoding's either way."""
+    from moeserve.engine import SchedulerConfig
+    from moeserve.spec import AdaptiveK, AdaptiveKConfig, CostModel
+
+    folder, tokenizer, compiler = tiny
+    params = SamplingParams(max_tokens=60, temperature=0.0)
+    prompt_len = len(tokenizer.encode("Order: "))
+    alphas = {}
+    for grammar in (None, compiler.compile(SPECS["json_schema"])):
+        job = [("Order: ", params, grammar)]
+        (plain_tokens, _, _), = run(make_engine(folder, tokenizer), job)
+        one = ReplayProposer(prompt_len, plain_tokens)
+        one.propose = lambda requests, full=one.propose: [Proposal(p.token_ids[:1]) for p in full(requests)]
+        free = CostModel(target_base_s=1e-3, target_per_token_s=1e-6, draft_per_token_s=1e-6)
+        engine = LLMEngine(ModelRunner(load_checkpoint(folder), max_num_seqs=8, max_model_len=512), tokenizer,
+                           SchedulerConfig(8, 1 << 14, 512), proposer=one,
+                           spec=SpecConfig(num_tokens=4, adaptive=True, refit_every=10**6),
+                           adaptive=AdaptiveK(AdaptiveKConfig(k_max=4, prior_weight=1e-3), free))
+        (tokens, _, _), = run(engine, job)
+        assert tokens == plain_tokens
+        alphas[grammar is not None] = engine.adaptive.alpha("pool")
+    assert alphas[False] > 0.95 and 0.4 < alphas[True] < 0.6, alphas
+
+
 def test_unconstrained_rows_are_untouched_by_constrained_neighbours(tiny):
     folder, tokenizer, compiler = tiny
     free = ("The bakery sells", SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True), None)

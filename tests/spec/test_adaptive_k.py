@@ -101,6 +101,30 @@ def test_alpha_counts_only_tried_drafts() -> None:
         adaptive.observe("s", num_proposed=1, num_accepted=2)
 
 
+def test_a_cut_proposal_counts_as_a_pass_ending_so_the_formula_predicts_what_passes_yield() -> None:
+    """Under a grammar a draft stops where the grammar forces text (each draft token is followed
+    by forced text with probability h here), so a pass yields fewer tokens than alpha alone says.
+    Simulated passes are the reference: with cuts counted as failed trials the formula at the
+    estimated alpha predicts their mean tokens per pass; counted as accepted it overstates it."""
+    import random
+
+    rng = random.Random(0)
+    accept, cut_after, k = 0.9, 0.35, 8
+    counted, ignored = (AdaptiveK(AdaptiveKConfig(decay=1.0, pool_decay=1.0), CHEAP_DRAFT) for _ in range(2))
+    yielded = []
+    for _ in range(20_000):
+        proposed = next((j + 1 for j in range(k) if rng.random() < cut_after), k)  # the grammar forces text after it
+        accepted = next((j for j in range(proposed) if rng.random() >= accept), proposed)
+        yielded.append(accepted + 1)
+        counted.observe("s", proposed, accepted, cut=proposed < k)
+        ignored.observe("s", proposed, accepted)
+    mean = sum(yielded) / len(yielded)
+    assert expected_tokens_per_pass(counted.alpha("s"), k) == pytest.approx(mean, rel=0.03)
+    assert expected_tokens_per_pass(ignored.alpha("s"), k) > 1.5 * mean
+    counted.observe("t", 0, 0, cut=True)  # stopped before its first draft: one failed trial
+    assert counted.alpha("t") < counted.alpha("new")
+
+
 def test_zero_k_probes_again() -> None:
     adaptive = AdaptiveK(AdaptiveKConfig(k_max=4, probe_every=3, prior_alpha=0.0), DEAR_DRAFT)
     # a probe that does not win k back doubles the wait for the next (test_probes_that_do_not_pay_back_off)
@@ -205,9 +229,12 @@ def test_pay_guard_refuses_drafting_that_has_not_paid_and_rechecks():
     for _ in range(2):
         guard.record(key, True, 3, 0.010)  # 300 tokens/s with drafts
     assert not guard.allows(key)  # drafting measured, plain not yet: a plain step to measure it
+    guard.record(key, False, 1, 0.010)  # right after drafting: feeds what the drafts stopped short of
+    assert guard.rates(key) == (0.0, pytest.approx(7 / 0.030))  # ... so it counts as drafting's
+    assert not guard.allows(key)
     for _ in range(2):
-        guard.record(key, False, 2, 0.005)  # 400 tokens/s without (jump-forward: 2 per step)
-    assert guard.rates(key) == (pytest.approx(400), pytest.approx(300))
+        guard.record(key, False, 2, 0.005)  # 400 tokens/s without
+    assert guard.rates(key) == (pytest.approx(400), pytest.approx(7 / 0.030))
     decisions = [guard.allows(key) for _ in range(12)]
     assert decisions == [False, False, False, True] + [True] * 8  # the 4th refusal rechecks: measured afresh
     assert guard.num_refused == 4
@@ -230,7 +257,7 @@ def test_a_pay_guard_recheck_measures_fewer_steps_than_the_first_decision():
     guard = PayGuard(decay=1.0, min_steps=4, recheck=2, recheck_steps=2)
     key = (6, False)
     guard.record(key, True, 1, 1.0)  # the guard's first drafting step: left out
-    for drafted in [True] * 4 + [False] * 4:
+    for drafted in [True] * 4 + [False] * 5:  # the first plain step counts as drafting's
         guard.record(key, drafted, 2 if drafted else 1, 0.010 if drafted else 0.002)  # 200/s vs 500/s
     assert [guard.allows(key) for _ in range(2)] == [False, True]  # refused, then the recheck
     guard.record(key, True, 2, 0.010)
