@@ -17,7 +17,7 @@ from typing import Any
 
 from deployments.draft_channel import ChannelClient
 from deployments.draft_grammar import RemoteGrammar
-from deployments.draft_worker import DraftCall
+from deployments.draft_worker import DraftCall, Predraft
 from moeserve.spec.proposer import Proposal, ProposalRequest, Proposer
 
 log = logging.getLogger(__name__)
@@ -77,8 +77,10 @@ class RemoteDraftProposer(Proposer):
         self.num_proposals = 0  # rows answered with drafts
         self.num_predraft_hits = 0  # of them, drafted ahead while the target verified or prefilled (Proposal.predrafted)
         self.num_fallback_steps = 0  # steps decoded without drafts because of the deployment
+        self.num_pushed_steps = 0  # steps whose drafts the worker had pushed already: no wait for a reply
         self.num_timeouts = 0
         self.num_errors = 0
+        self._pushed: dict[str, list[Predraft]] = {}  # seq id -> the worker's latest pre-drafts for it
 
     def propose(self, requests: list[ProposalRequest]) -> list[Proposal]:
         """Drafts for the batch, or none at all (fallback) when the deployment is slow or gone."""
@@ -91,7 +93,7 @@ class RemoteDraftProposer(Proposer):
             return empty
         self.num_calls += 1
         t0 = time.perf_counter()
-        got = self._send(asked)
+        got = self._send(asked, pushed=self._from_pushes(asked))
         self.draft_wait_s += time.perf_counter() - t0
         if got is None:
             self.num_fallback_steps += 1
@@ -102,18 +104,42 @@ class RemoteDraftProposer(Proposer):
         return [by_id.get(r.seq_id, p) for r, p in zip(requests, empty)]
 
     def prepare(self, requests: list[ProposalRequest]) -> None:
-        """Names the sequences about to be prefilled to the worker, which answers at once and
-        drafts their first proposals while the target prefills (guessing that the target's first
-        token is the draft's own). Over the data channel only: a Serve call costs more than a
-        prefill saves."""
+        """Names the sequences about to be prefilled to the worker (a notice: nothing to wait
+        for), which drafts their first proposals while the target prefills (guessing that the
+        target's first token is the draft's own) and pushes them. Over the data channel only: a
+        Serve call costs more than a prefill saves."""
         asked = [r for r in requests if r.num_tokens > 0]
         if asked and self._channel_source is not None and time.monotonic() >= self._retry_at:
             self.num_prepares += 1
-            self._send(asked, ahead=True)
+            self._send(asked, ahead=True, pushed=[])
 
-    def _send(self, asked: list[ProposalRequest], ahead: bool = False) -> list[Proposal] | None:
+    def _from_pushes(self, asked: list[ProposalRequest]) -> list[Proposal] | None:
+        """Every row's proposal from what the worker pushed (drafted ahead for the history the row
+        has now), or None when a row has none there: then the step calls."""
+        if self._client is None:
+            return None
+        try:
+            pushes = self._client.pushed()
+        except (EOFError, OSError):  # the worker is gone: the call finds out and falls back
+            return None
+        prefix = self.session + "/"
+        for push in pushes:  # a later push for a sequence replaces an earlier one
+            self._pushed.update((seq.removeprefix(prefix), p) for seq, p in push.items())
+        out = []
+        for r in asked:
+            tokens = next((p.tokens for p in self._pushed.get(r.seq_id, ())
+                           if len(r.token_ids) == p.base + len(p.suffix) and tuple(r.token_ids[p.base:]) == p.suffix), None)
+            if tokens is None:
+                return None
+            out.append(Proposal(tokens[: r.num_tokens], predrafted=True))
+        return out
+
+    def _send(self, asked: list[ProposalRequest], ahead: bool = False,
+              pushed: list[Proposal] | None = None) -> list[Proposal] | None:
         """One call to the worker with the sequences finished since the last; None when it
-        failed (then no call is made for a while)."""
+        failed (then no call is made for a while). pushed: the rows' proposals came pushed; the
+        call goes as a notice (the worker answers the same from its pre-drafts, unasked, and
+        drafts on) and they are returned without waiting."""
         finished = list(self._finished)
         self._finished.clear()
         prefix = self.session + "/"
@@ -124,7 +150,13 @@ class RemoteDraftProposer(Proposer):
             ahead,
             grammars,
         )
+        for r in asked:
+            self._pushed.pop(r.seq_id, None)  # drafted for this step's history: used now, or missed
         try:
+            if pushed is not None:
+                self._over_channel(call, notice=True)
+                self.num_pushed_steps += not ahead
+                return pushed
             got = self._call(call)
         except TimeoutError:
             self.num_timeouts += 1
@@ -152,21 +184,25 @@ class RemoteDraftProposer(Proposer):
             log.warning("draft channel not open yet (%s: %s); trying again on the first step", type(e).__name__, e)
         return self._client is not None
 
-    def _over_channel(self, call: DraftCall) -> list[Proposal]:
+    def _over_channel(self, call: DraftCall, notice: bool = False) -> list[Proposal] | None:
         """The worker's data channel, its address asked for (one Serve call) on first use and
-        after a failure."""
+        after a failure. notice: sent as a notice, not answered (None)."""
         if self._client is None:
             self._client = ChannelClient(*self._channel_source(self.timeout_s))
         try:
+            if notice:
+                return self._client.notify(call)
             return self._client.call(call, self.timeout_s)
         except Exception:  # timed out (a late reply would answer the next call) or the worker died
             self._client.close()
             self._client = None
+            self._pushed.clear()  # a new worker drafted none of them
             raise
 
     def on_finished(self, seq_id: str) -> None:
         """Queued; sent with the next call (no Serve call of its own)."""
         self._finished.append(seq_id)
+        self._pushed.pop(seq_id, None)
 
     def stats(self) -> dict[str, float]:
         """Counters for /metrics (`moeserve_engine{name="draft_..."}`): calls, rows answered from a
@@ -178,6 +214,7 @@ class RemoteDraftProposer(Proposer):
             "predraft_hits": self.num_predraft_hits,
             "predraft_hit_rate": self.num_predraft_hits / max(self.num_proposals, 1),
             "fallback_steps": self.num_fallback_steps,
+            "pushed_steps": self.num_pushed_steps,
             "timeouts": self.num_timeouts,
             "errors": self.num_errors,
             "wait_s": self.draft_wait_s,

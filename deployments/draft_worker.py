@@ -98,6 +98,16 @@ class DraftCall:
     grammars: dict[str, RemoteGrammar] = field(default_factory=dict)  # constrained rows' grammars, by seq id
 
 
+@dataclass(frozen=True)
+class Predraft:
+    """A proposal drafted ahead, pushed to the engine: `tokens` go on from a history that is, past
+    its first `base` tokens (the history of the call after which it was drafted), `suffix`."""
+
+    base: int
+    suffix: tuple[int, ...]
+    tokens: list[int]
+
+
 class DraftWorker:
     """The draft model: DraftModelProposer behind a lock (calls may overlap, e.g. a late call
     and the engine's retry). A plain class: a DraftServer replica runs it in a child process
@@ -177,7 +187,8 @@ class DraftWorker:
             return request
         return replace(request, grammar=matcher, stop_at_forced=grammar.stop_at_forced)
 
-    def predraft(self, call: DraftCall, proposals: list[Proposal], peek: Callable[[], Any] | None = None) -> None:
+    def predraft(self, call: DraftCall, proposals: list[Proposal],
+                 peek: Callable[[], Any] | None = None) -> dict[str, list[Predraft]] | None:
         """After answering a call, while the target verifies it (or, for an `ahead` call,
         prefills it): draft each row's next proposal for the likely outcomes of that
         verification, and keep them keyed by the history each assumes. Outcome j < k: drafts
@@ -189,16 +200,20 @@ class DraftWorker:
         The next call answers from the outcome that happened. `peek()` is that call once it has
         arrived: if it brings a history no outcome assumed, pre-drafting stops at the next draft
         step (the engine is not kept waiting for guesses that missed); if every row's history is
-        one being drafted, it runs to the end and the call is answered from it."""
+        one being drafted, it runs to the end and the call is answered from it.
+
+        Returns the pre-drafts by sequence (what the data channel pushes to the engine: a step
+        that finds its history there needs no call), None when nothing was drafted."""
         from moeserve.spec.draft_model import DraftInterrupted
 
         if not self.config.predraft or not self.proposer.greedy:
-            return  # sampled drafts would be drawn ahead of the request's own keyed noise
+            return None  # sampled drafts would be drawn ahead of the request's own keyed noise
         with self._lock:
             t0 = time.perf_counter()
             runner_up = self.proposer.runner_up
             free = self.proposer.runner.num_free_slots
             hyps: list[tuple[str, ProposalRequest]] = []  # (the row's seq id, what to draft)
+            bases = {r.seq_id: len(r.token_ids) for r in call.requests}
             advanced: list[tuple[Any, int]] = []  # (matcher, tokens): grammars moved to their row's guess
             for r, p in zip(call.requests, proposals):
                 if not r.num_tokens or not (p.token_ids or call.ahead):
@@ -222,32 +237,39 @@ class DraftWorker:
                     hyps.append((r.seq_id, ProposalRequest(hyp, base + p.token_ids[:j] + [alt], r.num_tokens,
                                                            r.params)))
             if not hyps:
-                return
+                return None
             self.num_predrafts += 1
             assumed = {(seq, tuple(h.token_ids)) for seq, h in hyps}
+            drafting = {seq for seq, _ in hyps}
 
             def missed() -> bool:
+                # a call that brings one of these sequences with a history no outcome assumed; not
+                # a notice (the engine used a push) nor an ahead call (new sequences)
                 nxt = peek() if peek is not None else None
-                if not isinstance(nxt, DraftCall):
+                if not isinstance(nxt, DraftCall) or nxt.ahead:
                     return False
-                return any((r.seq_id, tuple(r.token_ids)) not in assumed
+                return any(r.seq_id in drafting and (r.seq_id, tuple(r.token_ids)) not in assumed
                            and (r.seq_id, tuple(r.token_ids[:-1])) not in assumed for r in nxt.requests)
 
             try:
                 got = self.proposer.propose([h for _, h in hyps], hypothetical=True, interrupted=missed)
             except DraftInterrupted:
                 self.num_predraft_interrupted += 1
-                return
+                return None
             finally:
                 for matcher, n in advanced:
                     matcher.rollback(n)
                 self._predraft_s += time.perf_counter() - t0
+            pushed: dict[str, list[Predraft]] = {}
             for (seq, h), p in zip(hyps, got):
                 if h.seq_id == seq:  # every draft accepted: the first token is the guessed bonus
-                    if len(p.token_ids) > 1:
-                        self._ahead.setdefault(seq, {})[tuple(h.token_ids) + (p.token_ids[0],)] = p.token_ids[1:]
-                elif p.token_ids:
-                    self._ahead.setdefault(seq, {})[tuple(h.token_ids)] = p.token_ids
+                    assumed, tokens = tuple(h.token_ids) + tuple(p.token_ids[:1]), p.token_ids[1:]
+                else:
+                    assumed, tokens = tuple(h.token_ids), p.token_ids
+                if tokens:
+                    self._ahead.setdefault(seq, {})[assumed] = tokens
+                    pushed.setdefault(seq, []).append(Predraft(bases[seq], assumed[bases[seq]:], tokens))
+            return pushed or None
 
     def channel(self) -> tuple[tuple[str, int], bytes]:
         """The address and secret of this worker's data channel (opened on first ask): engines
@@ -422,4 +444,6 @@ def main(fd: int) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]))
+    from deployments import draft_worker  # this module under its own name, so what it pickles unpickles elsewhere
+
+    draft_worker.main(int(sys.argv[1]))

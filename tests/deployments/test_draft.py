@@ -89,6 +89,70 @@ def test_channel_round_trip_secret_and_timeout():
     server.close()
 
 
+def test_channel_pushes_what_the_after_hook_returns_and_does_not_answer_notices():
+    """What `after` returns goes to the engine unasked, unless the engine's next message is
+    waiting already (that one is answered instead); a notice is handled but not answered."""
+    from deployments.draft_channel import ChannelClient, ChannelServer
+
+    handled = []
+
+    def after(msg, reply, peek):
+        deadline = time.monotonic() + 5
+        while msg == "wait for the next" and peek() is None and time.monotonic() < deadline:
+            time.sleep(0.001)
+        return ("ahead of", msg)
+
+    def pushes(n):
+        deadline, got = time.monotonic() + 5, []
+        while len(got) < n and time.monotonic() < deadline:
+            got += client.pushed()
+        return got
+
+    server = ChannelServer(lambda msg: handled.append(msg) or ("echo", msg), after=after, host="127.0.0.1")
+    client = ChannelClient(server.address, server.authkey)
+    assert client.call(1, timeout_s=5) == ("echo", 1)
+    assert client._conn.poll(5)  # the push of 1 is here before the next call goes out
+    assert client.call(2, timeout_s=5) == ("echo", 2)  # ... and is kept, not taken for the reply
+    assert pushes(2) == [("ahead of", 1), ("ahead of", 2)]
+    client.notify(3)  # no reply; its push follows
+    assert pushes(1) == [("ahead of", 3)] and handled == [1, 2, 3]
+    client.notify("wait for the next")
+    assert client.call(4, timeout_s=5) == ("echo", 4)  # was waiting when `after` returned: no push for the notice
+    assert pushes(1) == [("ahead of", 4)] and client.pushed() == []
+    client.close()
+    server.close()
+
+
+def test_a_step_whose_proposal_was_pushed_does_not_wait_for_a_reply(ckpts):
+    """After a call the worker drafts ahead for the likely outcome (every draft accepted, the
+    draft's own next token as the bonus) and pushes it. A step whose history is that one takes
+    its proposal from the push and sends a notice, which the worker handles like a call (the
+    same proposal, from its pre-draft) without answering; then it drafts ahead again. A history
+    no push guessed is a call. Tokens: a fresh draft's, always."""
+    _, draft_dir, _ = ckpts
+    worker = DraftWorker(config(draft_dir))
+    address, key = worker.channel()
+    proposer = RemoteDraftProposer(channel_source=lambda timeout_s: (address, key), timeout_s=30.0)
+    fresh = DraftModelProposer(load_checkpoint(draft_dir), 8, 96)
+
+    def drafted(history):
+        return fresh.propose([ProposalRequest("f", history, 3)])[0].token_ids
+
+    first = proposer.propose([ProposalRequest("s0", PROMPTS[0], 3)])[0].token_ids
+    history = PROMPTS[0] + first + drafted(PROMPTS[0] + first)[:1]
+    assert proposer._client._conn.poll(30)  # the push
+    got = proposer.propose([ProposalRequest("s0", history, 3)])[0]
+    assert got.predrafted and got.token_ids == drafted(history)
+    assert proposer.num_pushed_steps == 1 and proposer.num_calls == 2
+    assert proposer._client._conn.poll(30)  # the notice was handled: the next push
+    stats = worker.stats()
+    assert stats["calls"] == 2 and stats["predraft_hits"] == 1 and stats["predrafts"] == 2
+    wrong = history + [(got.token_ids[0] + 1) % 90]
+    again = proposer.propose([ProposalRequest("s0", wrong, 3)])[0]
+    assert again.token_ids == drafted(wrong) and not again.predrafted
+    assert proposer.num_pushed_steps == 1 and worker.stats()["calls"] == 3
+
+
 def test_draft_process_pins_answers_and_comes_back_after_a_kill(ckpts):
     """The worker in its own process: proposes what the in-process proposer does over its
     channel, runs on the CPUs it was given, and a new process (new channel) replaces a killed one."""
@@ -265,7 +329,7 @@ def test_remote_proposer_falls_back_backs_off_and_recovers():
     stats = proposer.stats()
     assert stats.pop("wait_s") >= 0 and stats.pop("wait_s_per_call") >= 0
     assert stats == {"calls": 3, "prepares": 0, "proposals": 1, "predraft_hits": 0, "predraft_hit_rate": 0.0,
-                     "fallback_steps": 3, "timeouts": 1, "errors": 1}
+                     "fallback_steps": 3, "pushed_steps": 0, "timeouts": 1, "errors": 1}
     proposer.prepare(req)  # a Serve call per prefill would cost more than it saves: none is made
     assert len(handle.calls) == 3 and proposer.num_prepares == 0
 
@@ -343,7 +407,7 @@ def test_a_draft_that_is_always_right_is_answered_from_its_predrafts(ray_cluster
     assert engine.spec_metrics.alpha == 1.0
     stats = handle.options(method_name="stats", session_id=proposer.session).remote().result(timeout_s=30)
     assert stats["prepares"] == proposer.num_prepares >= 1  # a call per prefill step
-    assert stats["predraft_hits"] == proposer.num_proposals, stats  # every row, first calls too
+    assert stats["predraft_hits"] == proposer.num_proposals, (stats, proposer.stats())  # every row, first calls too
     # the engine's side counts the same hits, for /metrics (moeserve_engine{name="draft_predraft_hit_rate"})
     mine = proposer.stats()
     assert mine["predraft_hits"] == stats["predraft_hits"] and mine["proposals"] >= proposer.num_calls
