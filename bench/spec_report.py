@@ -85,6 +85,9 @@ def console(results: dict[str, Any], args: argparse.Namespace) -> str:
             ratio = f"{row['median_ratio']:.2f}x" if "median_ratio" in row else "1.00x"
             lines.append(f"  {name:34s} {row['median_tokens_per_s']:7.1f} tokens/s  {ratio:>6s}{extra}")
         lines.append(f"  transformers assisted / transformers: {res['transformers assisted / transformers']:.2f}x")
+        if "deployment / in-process" in res:
+            lines.append("  draft deployment / draft in-process, per round: "
+                         + ", ".join(f"{c} {v:.2f}x" for c, v in res["deployment / in-process"].items()))
         counts = {name: row["tokens"] for name, row in res["summary"].items()}
         if len(set(counts.values())) > 1:
             lines.append(f"  WARNING: cases wrote different numbers of tokens: {counts}")
@@ -150,7 +153,10 @@ def render(results: dict[str, Any], args: argparse.Namespace, env: dict, name: s
         md += [f"## Batch 1, {label} prompts", "", _compare_table(res), "",
                f"transformers `generate(assistant_model=draft)` / `generate`: "
                f"**{res['transformers assisted / transformers']:.2f}x**; our engine without speculation / "
-               f"transformers: {res['ours no speculation / transformers']:.2f}x.", "", _steps_table(res), ""]
+               f"transformers: {res['ours no speculation / transformers']:.2f}x." + (
+                   " Draft deployment / the same draft in-process, median of per-round ratios: " + ", ".join(
+                       f"{c} **{v:.2f}x**" for c, v in res["deployment / in-process"].items()) + "."
+                   if "deployment / in-process" in res else ""), "", _steps_table(res), ""]
     md += ["## k sweep (formulaic, batch 1)", "", _compare_table(results["sweep"]), "",
            f"![speedup and alpha against k]({name}-sweep.png) ![tokens per pass against the formula]({name}-tpp.png)",
            "", "### Where a decode step's time goes", "",

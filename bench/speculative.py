@@ -108,6 +108,10 @@ def compare(b: Bench, prompts: list[list[int]], label: str) -> dict:
            "steps": spec_report.step_costs(runs, NONE), "draft": spec_report.draft_medians(runs)}
     out["transformers assisted / transformers"] = paired_ratio(runs, f"transformers + assistant k={k}", "transformers")
     out["ours no speculation / transformers"] = paired_ratio(runs, NONE, "transformers")
+    if b.draft_handle is not None:  # the bar: the deployment against the same draft in-process
+        out["deployment / in-process"] = {
+            f"k={k}": paired_ratio(runs, f"draft deployment k={k}", f"draft in-process k={k}"),
+            "adaptive k<=8": paired_ratio(runs, "draft deployment adaptive k<=8", "draft in-process adaptive k<=8")}
     return out
 
 

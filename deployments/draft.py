@@ -14,7 +14,8 @@ against a decode step of ~3 ms, so the transport decides whether drafting pays a
 (bench/reports/speculative.md). The per-step call carries every sequence of the step at once
 (`DraftCall`) and returns all proposals; the engine never calls per sequence or per draft
 token. After answering, the worker pre-drafts the next proposal of each row while the target
-verifies (`DraftWorker.predraft`). `direct=False` keeps one Serve call per step instead.
+verifies (`DraftWorker.predraft`) and pushes it; a step that finds its proposals pushed sends
+an unanswered notice instead of a call. `direct=False` keeps one Serve call per step instead.
 
 State and routing: the draft keeps a KV cache per sequence, so each engine sticks to one
 draft replica (Serve's consistent-hash router keyed by the engine's session id, and then

@@ -26,7 +26,8 @@ START_CONNECT_TIMEOUT_S = 60.0  # the draft deployment may still be starting bes
 
 
 class RemoteDraftProposer(Proposer):
-    """Engine-side proposer: one call to the draft deployment per engine step.
+    """Engine-side proposer: one message to the draft deployment per engine step, a call, or,
+    when the worker pushed the step's proposals already, a notice that is not waited on.
 
     handle: a DeploymentHandle to DraftServer; or, without one,
     channel_source: a function that gives the data channel's address and secret within a
@@ -206,7 +207,8 @@ class RemoteDraftProposer(Proposer):
 
     def stats(self) -> dict[str, float]:
         """Counters for /metrics (`moeserve_engine{name="draft_..."}`): calls, rows answered from a
-        pre-draft and their share, steps decoded without drafts, and time steps waited for drafts."""
+        pre-draft and their share, steps answered from a push (no wait for a reply), steps decoded
+        without drafts, and time steps waited for drafts."""
         return {
             "calls": self.num_calls,
             "prepares": self.num_prepares,
