@@ -28,7 +28,8 @@ def ours(engine: LLMEngine, prompts: list[list[int]], new_tokens: int, batch: in
     """Our engine: prompts in groups of `batch` (each constrained by `grammar`, a CompiledGrammar,
     when given: then a reply ends where its grammar completes). extra: this run's speculation
     metrics, the time split into prefill (each group's first step) and decode steps, and with a
-    draft deployment its pre-draft hit rate, wait per call and fallback steps."""
+    draft deployment its pre-draft hit rate, share of steps answered from a push, wait per call and
+    fallback steps."""
     params = greedy(new_tokens, stop_at_eos)
 
     stats = getattr(engine.proposer, "stats", None)  # a draft deployment's counters (pre-draft hits, waits)
@@ -56,6 +57,7 @@ def ours(engine: LLMEngine, prompts: list[list[int]], new_tokens: int, batch: in
             after = stats()
             calls, proposals = after["calls"] - before["calls"], after["proposals"] - before["proposals"]
             extra["draft"] = {"predraft_hit_rate": (after["predraft_hits"] - before["predraft_hits"]) / max(proposals, 1),
+                              "pushed_share": (after["pushed_steps"] - before["pushed_steps"]) / max(calls, 1),
                               "wait_ms_per_call": 1e3 * (after["wait_s"] - before["wait_s"]) / max(calls, 1),
                               "fallback_steps": after["fallback_steps"] - before["fallback_steps"]}
         return tokens, extra
