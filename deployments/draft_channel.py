@@ -56,13 +56,14 @@ class Push:
 class ChannelServer:
     """In the draft worker: accepts engines' connections, one thread each. Per message,
     `handle(msg)` gives the reply, which is sent at once (not for a `Notice`); then
-    `after(msg, reply, peek)` runs (the worker's pre-drafting) while the engine is busy with its
-    own step. `peek()` is the engine's next message once it has arrived (None before): `after`
-    may stop early for it, and it is handled as soon as `after` returns. What `after` returns,
-    unless None, is pushed to the engine (`Push`), unless its next call has arrived already
-    (that one is answered from what `after` did)."""
+    `after(msg, reply, peek, push)` runs (the worker's pre-drafting) while the engine is busy
+    with its own step. `peek()` is the engine's next message once it has arrived (None before):
+    `after` may stop early for it, and it is handled as soon as `after` returns. `push(payload)`
+    sends a payload to the engine unasked (`Push`; nothing for an empty one), unless its next
+    call has arrived already (that one is answered from what `after` did)."""
 
-    def __init__(self, handle: Callable[[Any], Any], after: Callable[[Any, Any, Callable[[], Any]], Any] | None = None,
+    def __init__(self, handle: Callable[[Any], Any],
+                 after: Callable[[Any, Any, Callable[[], Any], Callable[[Any], None]], None] | None = None,
                  host: str | None = None) -> None:
         self.handle, self.after = handle, after
         self.authkey = os.urandom(16)
@@ -88,6 +89,11 @@ class ChannelServer:
         _no_delay(conn)
         early: list[Any] = []  # the next message, when `after` peeked at it
 
+        def send_push(payload: Any) -> None:  # unless the engine's next call is here: it is answered
+            waiting = peek()
+            if payload and (waiting is None or isinstance(waiting, Notice)):
+                conn.send_bytes(_dumps(Push(payload)))
+
         def peek() -> Any:
             if not early and conn.poll(0):
                 early.append(pickle.loads(conn.recv_bytes()))
@@ -106,10 +112,8 @@ class ChannelServer:
                     reply = self.handle(msg)
                     if not notice:
                         conn.send_bytes(_dumps(reply))
-                    push = self.after(msg, reply, peek) if self.after is not None else None
-                    waiting = peek() if push is not None else None
-                    if push is not None and (waiting is None or isinstance(waiting, Notice)):
-                        conn.send_bytes(_dumps(Push(push)))
+                    if self.after is not None:
+                        self.after(msg, reply, peek, lambda payload: send_push(payload))
                 except (EOFError, OSError):
                     return
                 except Exception:  # a bug in the handler: drop this engine's connection (it falls back)

@@ -81,7 +81,7 @@ class RemoteDraftProposer(Proposer):
         self.num_pushed_steps = 0  # steps whose drafts the worker had pushed already: no wait for a reply
         self.num_timeouts = 0
         self.num_errors = 0
-        self._pushed: dict[str, list[Predraft]] = {}  # seq id -> the worker's latest pre-drafts for it
+        self._pushed: dict[str, list[Predraft]] = {}  # seq id -> the worker's pre-drafts for it, pushed
 
     def propose(self, requests: list[ProposalRequest]) -> list[Proposal]:
         """Drafts for the batch, or none at all (fallback) when the deployment is slow or gone."""
@@ -117,15 +117,8 @@ class RemoteDraftProposer(Proposer):
     def _from_pushes(self, asked: list[ProposalRequest]) -> list[Proposal] | None:
         """Every row's proposal from what the worker pushed (drafted ahead for the history the row
         has now), or None when a row has none there: then the step calls."""
-        if self._client is None:
+        if not self._drain():
             return None
-        try:
-            pushes = self._client.pushed()
-        except (EOFError, OSError):  # the worker is gone: the call finds out and falls back
-            return None
-        prefix = self.session + "/"
-        for push in pushes:  # a later push for a sequence replaces an earlier one
-            self._pushed.update((seq.removeprefix(prefix), p) for seq, p in push.items())
         out = []
         for r in asked:
             tokens = next((p.tokens for p in self._pushed.get(r.seq_id, ())
@@ -134,6 +127,20 @@ class RemoteDraftProposer(Proposer):
                 return None
             out.append(Proposal(tokens[: r.num_tokens], predrafted=True))
         return out
+
+    def _drain(self) -> bool:
+        """Takes in what the worker pushed since the last step; whether the channel is open."""
+        if self._client is None:
+            return False
+        try:
+            pushes = self._client.pushed()
+        except (EOFError, OSError):  # the worker is gone: the call finds out and falls back
+            return False
+        prefix = self.session + "/"
+        for push in pushes:
+            for seq, predrafts in push.items():
+                self._pushed.setdefault(seq.removeprefix(prefix), []).extend(predrafts)
+        return True
 
     def _send(self, asked: list[ProposalRequest], ahead: bool = False,
               pushed: list[Proposal] | None = None) -> list[Proposal] | None:
@@ -151,8 +158,10 @@ class RemoteDraftProposer(Proposer):
             ahead,
             grammars,
         )
-        for r in asked:
-            self._pushed.pop(r.seq_id, None)  # drafted for this step's history: used now, or missed
+        for r in asked:  # keep the pre-drafts for longer histories (drafted a round further ahead)
+            later = [p for p in self._pushed.pop(r.seq_id, ()) if p.base + len(p.suffix) > len(r.token_ids)]
+            if later:
+                self._pushed[r.seq_id] = later
         try:
             if pushed is not None:
                 self._over_channel(call, notice=True)

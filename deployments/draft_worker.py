@@ -60,6 +60,10 @@ class DraftServerConfig:
     # 65%, but on one CPU core the extra rows cost more than they save (draft wait per call 2.7 ->
     # 5.3 ms): for a draft on a GPU of its own, where a few more rows are nearly free.
     predraft_partial: bool = False
+    # Pre-draft this many rounds ahead of the engine's step (with predraft): 1, the next proposal;
+    # 2, also the one after it, assuming the next is accepted whole (PEARL's post-verify: the worker
+    # drafts on while the target verifies, so the next step's proposals are pushed before it asks).
+    predraft_rounds: int = 2
     # Pin the worker process to these CPU ids (os.sched_setaffinity); None: wherever the OS puts
     # it. On a small node a draft with a core of its own drafts ahead without pushing the
     # engine off its core (bench/reports/speculative.md).
@@ -69,6 +73,8 @@ class DraftServerConfig:
     grammar: GrammarConfig | None = None
 
     def __post_init__(self) -> None:
+        if self.predraft_rounds not in (1, 2):
+            raise ValueError(f"predraft_rounds: 1 or 2, got {self.predraft_rounds}")
         if self.cpus is not None and (not self.cpus or min(self.cpus) < 0):
             raise ValueError(f"cpus: CPU ids >= 0, or None, got {self.cpus!r}")
         if not self.model_path:
@@ -164,10 +170,13 @@ class DraftWorker:
                 ahead = self._ahead.pop(r.seq_id, None)
                 if ahead is None:
                     continue
-                tokens = _continuing(ahead, tuple(r.token_ids))
+                history = tuple(r.token_ids)
+                tokens = _continuing(ahead, history)
                 if tokens:  # fewer than asked for when k grew since (adaptive k): still drafts for free
                     out[i] = Proposal(tokens[: r.num_tokens], predrafted=True)
                     self.num_predraft_hits += 1
+                    # keep what was drafted further ahead (histories longer than this one)
+                    self._ahead[r.seq_id] = {a: t for a, t in ahead.items() if len(a) > len(history)}
                 else:
                     self.num_predraft_misses += 1
             todo = [i for i, p in enumerate(out) if p is None]
@@ -187,8 +196,8 @@ class DraftWorker:
             return request
         return replace(request, grammar=matcher, stop_at_forced=grammar.stop_at_forced)
 
-    def predraft(self, call: DraftCall, proposals: list[Proposal],
-                 peek: Callable[[], Any] | None = None) -> dict[str, list[Predraft]] | None:
+    def predraft(self, call: DraftCall, proposals: list[Proposal], peek: Callable[[], Any] | None = None,
+                 push: Callable[[Any], None] | None = None) -> None:
         """After answering a call, while the target verifies it (or, for an `ahead` call,
         prefills it): draft each row's next proposal for the likely outcomes of that
         verification, and keep them keyed by the history each assumes. Outcome j < k: drafts
@@ -202,74 +211,128 @@ class DraftWorker:
         step (the engine is not kept waiting for guesses that missed); if every row's history is
         one being drafted, it runs to the end and the call is answered from it.
 
-        Returns the pre-drafts by sequence (what the data channel pushes to the engine: a step
-        that finds its history there needs no call), None when nothing was drafted."""
-        from moeserve.spec.draft_model import DraftInterrupted
-
+        `push(payload)` sends what was drafted to the engine at once (the data channel's Push:
+        a step that finds its history there needs no call). Then, for the unconstrained rows, one
+        round further: the proposal after the guessed one, assuming it is accepted whole too, so
+        that it is pushed before the engine's step after next asks (the worker drafts on while
+        the target verifies, PEARL's post-verify; when the next message confirms the guess, its
+        own first round is drafted already and only the round after it is drafted then)."""
         if not self.config.predraft or not self.proposer.greedy:
-            return None  # sampled drafts would be drawn ahead of the request's own keyed noise
+            return  # sampled drafts would be drawn ahead of the request's own keyed noise
         with self._lock:
             t0 = time.perf_counter()
-            runner_up = self.proposer.runner_up
-            free = self.proposer.runner.num_free_slots
-            hyps: list[tuple[str, ProposalRequest]] = []  # (the row's seq id, what to draft)
-            bases = {r.seq_id: len(r.token_ids) for r in call.requests}
-            advanced: list[tuple[Any, int]] = []  # (matcher, tokens): grammars moved to their row's guess
-            for r, p in zip(call.requests, proposals):
-                if not r.num_tokens or not (p.token_ids or call.ahead):
-                    continue
-                base = list(r.token_ids)
-                full = ProposalRequest(r.seq_id, base + p.token_ids, r.num_tokens + 1, r.params)
-                matcher = self.grammars.held(r.seq_id) if r.seq_id in call.grammars else None
-                if matcher is not None:  # drafted under its grammar too, from the end of the proposal
-                    n = matcher.accept_tokens(p.token_ids)
-                    advanced.append((matcher, n))
-                    if n == len(p.token_ids):
-                        full = replace(full, grammar=matcher, stop_at_forced=call.grammars[r.seq_id].stop_at_forced)
-                hyps.append((r.seq_id, full))
-                for j, alt in enumerate(runner_up.get(r.seq_id, [])[: len(p.token_ids)]):
-                    hyp = f"{r.seq_id}#{j}"
-                    if hyp not in self._hypotheses.get(r.seq_id, set()):
-                        if free <= 0:
-                            break
-                        free -= 1
-                        self._hypotheses.setdefault(r.seq_id, set()).add(hyp)
-                    hyps.append((r.seq_id, ProposalRequest(hyp, base + p.token_ids[:j] + [alt], r.num_tokens,
-                                                           r.params)))
-            if not hyps:
-                return None
-            self.num_predrafts += 1
-            assumed = {(seq, tuple(h.token_ids)) for seq, h in hyps}
-            drafting = {seq for seq, _ in hyps}
-
-            def missed() -> bool:
-                # a call that brings one of these sequences with a history no outcome assumed; not
-                # a notice (the engine used a push) nor an ahead call (new sequences)
-                nxt = peek() if peek is not None else None
-                if not isinstance(nxt, DraftCall) or nxt.ahead:
-                    return False
-                return any(r.seq_id in drafting and (r.seq_id, tuple(r.token_ids)) not in assumed
-                           and (r.seq_id, tuple(r.token_ids[:-1])) not in assumed for r in nxt.requests)
-
             try:
-                got = self.proposer.propose([h for _, h in hyps], hypothetical=True, interrupted=missed)
-            except DraftInterrupted:
-                self.num_predraft_interrupted += 1
-                return None
+                self._predraft(call, proposals, peek, push or (lambda payload: None))
             finally:
-                for matcher, n in advanced:
-                    matcher.rollback(n)
                 self._predraft_s += time.perf_counter() - t0
-            pushed: dict[str, list[Predraft]] = {}
-            for (seq, h), p in zip(hyps, got):
-                if h.seq_id == seq:  # every draft accepted: the first token is the guessed bonus
-                    assumed, tokens = tuple(h.token_ids) + tuple(p.token_ids[:1]), p.token_ids[1:]
-                else:
-                    assumed, tokens = tuple(h.token_ids), p.token_ids
-                if tokens:
-                    self._ahead.setdefault(seq, {})[assumed] = tokens
-                    pushed.setdefault(seq, []).append(Predraft(bases[seq], assumed[bases[seq]:], tokens))
-            return pushed or None
+
+    def _predraft(self, call: DraftCall, proposals: list[Proposal], peek: Callable[[], Any] | None,
+                  push: Callable[[Any], None]) -> None:
+        runner_up = self.proposer.runner_up
+        free = self.proposer.runner.num_free_slots
+        hyps: list[tuple[str, ProposalRequest]] = []  # (the row's seq id, what to draft)
+        bases = {r.seq_id: len(r.token_ids) for r in call.requests}
+        advanced: list[tuple[Any, int]] = []  # (matcher, tokens): grammars moved to their row's guess
+        further: list[tuple[ProposalRequest, int]] = []  # unconstrained rows: (their request, tokens drafted)
+        for r, p in zip(call.requests, proposals):
+            if not r.num_tokens or not (p.token_ids or call.ahead):
+                continue
+            base = list(r.token_ids)
+            full = ProposalRequest(r.seq_id, base + p.token_ids, r.num_tokens + 1, r.params)
+            if r.seq_id not in call.grammars:
+                further.append((full, r.num_tokens))
+                if self._next_of(r.seq_id, full.token_ids) is not None:
+                    continue  # drafted (and pushed) a round ahead, after the message before
+            matcher = self.grammars.held(r.seq_id) if r.seq_id in call.grammars else None
+            if matcher is not None:  # drafted under its grammar too, from the end of the proposal
+                n = matcher.accept_tokens(p.token_ids)
+                advanced.append((matcher, n))
+                if n == len(p.token_ids):
+                    full = replace(full, grammar=matcher, stop_at_forced=call.grammars[r.seq_id].stop_at_forced)
+            hyps.append((r.seq_id, full))
+            for j, alt in enumerate(runner_up.get(r.seq_id, [])[: len(p.token_ids)]):
+                hyp = f"{r.seq_id}#{j}"
+                if hyp not in self._hypotheses.get(r.seq_id, set()):
+                    if free <= 0:
+                        break
+                    free -= 1
+                    self._hypotheses.setdefault(r.seq_id, set()).add(hyp)
+                hyps.append((r.seq_id, ProposalRequest(hyp, base + p.token_ids[:j] + [alt], r.num_tokens,
+                                                       r.params)))
+        try:
+            got = self._draft_ahead(hyps, peek)
+        finally:
+            for matcher, n in advanced:
+                matcher.rollback(n)
+        if got is None:
+            return
+        push(self._keep(hyps, got, bases))
+        if self.config.predraft_rounds < 2:
+            return
+        # one round further for the unconstrained rows: after their guessed proposal, accepted whole
+        nxt = []
+        for full, k in further:
+            guessed = self._next_of(full.seq_id, full.token_ids)
+            if guessed is not None and self._next_of(full.seq_id, guessed) is None:
+                nxt.append((full.seq_id, ProposalRequest(full.seq_id, list(guessed), k + 1, full.params)))
+        got = self._draft_ahead(nxt, peek, yielding=True)
+        if got is not None:
+            push(self._keep(nxt, got, bases))
+
+    def _draft_ahead(self, hyps: list[tuple[str, ProposalRequest]], peek: Callable[[], Any] | None,
+                     yielding: bool = False) -> list[Proposal] | None:
+        """One batched hypothetical propose of the guessed histories; None when there was nothing
+        to draft, or when a call arrived that brings one of these sequences with a history none of
+        them assumed (then it stops at the next draft step: the engine waits for that call).
+        yielding: it stops for any message (a round further ahead is worth less than handling the
+        next message at once: a notice about new sequences, say, whose first proposal the engine
+        needs after its prefill, while the rows drafted for may have finished)."""
+        from moeserve.spec.draft_model import DraftInterrupted
+
+        if not hyps:
+            return None
+        self.num_predrafts += 1
+        assumed = {(seq, tuple(h.token_ids)) for seq, h in hyps}
+        drafting = {seq for seq, _ in hyps}
+
+        def missed() -> bool:
+            # not a notice (the engine used a push) nor an ahead call (new sequences)
+            nxt = peek() if peek is not None else None
+            if yielding and nxt is not None:
+                return True
+            if not isinstance(nxt, DraftCall) or nxt.ahead:
+                return False
+            return any(r.seq_id in drafting and (r.seq_id, tuple(r.token_ids)) not in assumed
+                       and (r.seq_id, tuple(r.token_ids[:-1])) not in assumed for r in nxt.requests)
+
+        try:
+            return self.proposer.propose([h for _, h in hyps], hypothetical=True, interrupted=missed)
+        except DraftInterrupted:
+            self.num_predraft_interrupted += 1
+            return None
+
+    def _keep(self, hyps: list[tuple[str, ProposalRequest]], got: list[Proposal],
+              bases: dict[str, int]) -> dict[str, list[Predraft]]:
+        """Keeps each pre-draft under the history it assumes; returns them as pushed to the engine."""
+        pushed: dict[str, list[Predraft]] = {}
+        for (seq, h), p in zip(hyps, got):
+            if h.seq_id == seq:  # every draft accepted: the first token is the guessed bonus
+                assumed, tokens = tuple(h.token_ids) + tuple(p.token_ids[:1]), p.token_ids[1:]
+            else:
+                assumed, tokens = tuple(h.token_ids), p.token_ids
+            if tokens:
+                self._ahead.setdefault(seq, {})[assumed] = tokens
+                pushed.setdefault(seq, []).append(Predraft(bases[seq], assumed[bases[seq]:], tokens))
+        return pushed
+
+    def _next_of(self, seq_id: str, history: list[int] | tuple[int, ...]) -> tuple[int, ...] | None:
+        """The history after the proposal pre-drafted for `history` + a guessed bonus token, accepted
+        whole (that history + the bonus + the proposal); None when none was drafted."""
+        history = tuple(history)
+        for assumed, tokens in self._ahead.get(seq_id, {}).items():
+            if len(assumed) == len(history) + 1 and assumed[:-1] == history:
+                return assumed + tuple(tokens)
+        return None
 
     def channel(self) -> tuple[tuple[str, int], bytes]:
         """The address and secret of this worker's data channel (opened on first ask): engines

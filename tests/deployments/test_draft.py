@@ -73,7 +73,7 @@ def test_channel_round_trip_secret_and_timeout():
 
     after = []
     server = ChannelServer(lambda msg: ("echo", msg) if msg != "slow" else time.sleep(0.5),
-                           after=lambda msg, reply, peek: after.append(msg), host="127.0.0.1")
+                           after=lambda msg, reply, peek, push: after.append(msg), host="127.0.0.1")
     client = ChannelClient(server.address, server.authkey)
     assert client.call([1, 2, 3], timeout_s=5) == ("echo", [1, 2, 3])
     assert client.call({"k": "v"}, timeout_s=5) == ("echo", {"k": "v"})
@@ -96,11 +96,11 @@ def test_channel_pushes_what_the_after_hook_returns_and_does_not_answer_notices(
 
     handled = []
 
-    def after(msg, reply, peek):
+    def after(msg, reply, peek, push):
         deadline = time.monotonic() + 5
         while msg == "wait for the next" and peek() is None and time.monotonic() < deadline:
             time.sleep(0.001)
-        return ("ahead of", msg)
+        push(("ahead of", msg))
 
     def pushes(n):
         deadline, got = time.monotonic() + 5, []
@@ -123,12 +123,13 @@ def test_channel_pushes_what_the_after_hook_returns_and_does_not_answer_notices(
     server.close()
 
 
-def test_a_step_whose_proposal_was_pushed_does_not_wait_for_a_reply(ckpts):
+def test_steps_whose_proposals_were_pushed_do_not_wait_for_a_reply(ckpts):
     """After a call the worker drafts ahead for the likely outcome (every draft accepted, the
-    draft's own next token as the bonus) and pushes it. A step whose history is that one takes
-    its proposal from the push and sends a notice, which the worker handles like a call (the
-    same proposal, from its pre-draft) without answering; then it drafts ahead again. A history
-    no push guessed is a call. Tokens: a fresh draft's, always."""
+    draft's own next token as the bonus) and one round further (that proposal accepted whole
+    too), and pushes both. Steps whose histories are those take their proposals from the pushes
+    and send notices, which the worker handles like calls (the same proposals, from its
+    pre-drafts) without answering. A history no push guessed is a call. Tokens: a fresh draft's,
+    always."""
     _, draft_dir, _ = ckpts
     worker = DraftWorker(config(draft_dir))
     address, key = worker.channel()
@@ -138,19 +139,45 @@ def test_a_step_whose_proposal_was_pushed_does_not_wait_for_a_reply(ckpts):
     def drafted(history):
         return fresh.propose([ProposalRequest("f", history, 3)])[0].token_ids
 
+    def wait_for(what):
+        deadline = time.monotonic() + 30
+        while not what():
+            assert time.monotonic() < deadline
+            proposer._drain()
+            time.sleep(0.005)
+
     first = proposer.propose([ProposalRequest("s0", PROMPTS[0], 3)])[0].token_ids
-    history = PROMPTS[0] + first + drafted(PROMPTS[0] + first)[:1]
-    assert proposer._client._conn.poll(30)  # the push
-    got = proposer.propose([ProposalRequest("s0", history, 3)])[0]
-    assert got.predrafted and got.token_ids == drafted(history)
-    assert proposer.num_pushed_steps == 1 and proposer.num_calls == 2
-    assert proposer._client._conn.poll(30)  # the notice was handled: the next push
-    stats = worker.stats()
-    assert stats["calls"] == 2 and stats["predraft_hits"] == 1 and stats["predrafts"] == 2
-    wrong = history + [(got.token_ids[0] + 1) % 90]
+    h1 = PROMPTS[0] + first + drafted(PROMPTS[0] + first)[:1]
+    h2 = h1 + drafted(h1) + drafted(h1 + drafted(h1))[:1]
+    wait_for(lambda: len(proposer._pushed.get("s0", [])) == 2)  # the next round and the one after
+    got = proposer.propose([ProposalRequest("s0", h1, 3)])[0]
+    assert got.predrafted and got.token_ids == drafted(h1) and proposer.num_pushed_steps == 1
+    got = proposer.propose([ProposalRequest("s0", h2, 3)])[0]
+    assert got.predrafted and got.token_ids == drafted(h2) and proposer.num_pushed_steps == 2
+    wait_for(lambda: worker.stats()["calls"] == 3)  # one call, two notices: each handled from a pre-draft
+    assert worker.stats()["predraft_hits"] == 2 and proposer.num_calls == 3
+    wrong = h2 + [(got.token_ids[0] + 1) % 90]
     again = proposer.propose([ProposalRequest("s0", wrong, 3)])[0]
     assert again.token_ids == drafted(wrong) and not again.predrafted
-    assert proposer.num_pushed_steps == 1 and worker.stats()["calls"] == 3
+    assert proposer.num_pushed_steps == 2 and worker.stats()["calls"] == 4
+
+
+def test_one_round_of_predrafting_pushes_the_next_proposal_only(ckpts):
+    _, draft_dir, _ = ckpts
+    worker = DraftWorker(replace(config(draft_dir), predraft_rounds=1))
+    address, key = worker.channel()
+    proposer = RemoteDraftProposer(channel_source=lambda timeout_s: (address, key), timeout_s=30.0)
+    proposer.propose([ProposalRequest("s0", PROMPTS[0], 3)])
+    deadline = time.monotonic() + 30
+    while not proposer._pushed.get("s0"):
+        assert time.monotonic() < deadline
+        proposer._drain()
+        time.sleep(0.005)
+    time.sleep(0.1)
+    proposer._drain()
+    assert len(proposer._pushed["s0"]) == 1 and worker.stats()["predrafts"] == 1
+    with pytest.raises(ValueError, match="predraft_rounds"):
+        replace(config(draft_dir), predraft_rounds=3)
 
 
 def test_draft_process_pins_answers_and_comes_back_after_a_kill(ckpts):
@@ -239,7 +266,9 @@ def test_predrafting_stops_for_a_call_it_did_not_guess(ckpts):
     assert got[0].token_ids == fresh.propose([ProposalRequest("f", surprise.requests[0].token_ids, 4)])[0].token_ids
     guessed = DraftCall([ProposalRequest("s1", reqs[1].token_ids + first[1].token_ids + [5], 4)])
     worker.predraft(DraftCall(reqs[1:]), first[1:], peek=lambda: guessed)  # a history being drafted: runs on
-    assert worker.num_predraft_interrupted == 1 and "s1" in worker._ahead
+    assert "s1" in worker._ahead
+    # ... and the round further ahead stops for it (it waits): 2 interruptions in all
+    assert worker.num_predraft_interrupted == 2 and len(worker._ahead["s1"]) == 1
 
 
 def test_an_ahead_call_drafts_a_new_sequence_while_the_target_prefills(ckpts):
