@@ -110,7 +110,7 @@ class SpeculativeSection(_Section):
     draft_cpus: list[NonNegativeInt] | None = Field(None, min_length=1)
     # No speculation while this many sequences run (0: never), whatever adaptive k measures.
     # Off by default: adaptive k drafts where it pays at each batch size (bench/spec_batch_sweep.py, demo
-    # pair: at 16-32 rows adaptive k ran 1.18-1.56x no speculation, where a cut-off at 12 gave 0.93-1.04x).
+    # pair: at 16-32 rows adaptive k ran 1.18-1.73x no speculation, where a cut-off at 12 gave 0.93-1.09x).
     disable_by_batch_size: int = Field(0, ge=0)
 
 
