@@ -135,6 +135,8 @@ class DraftWorker:
         self.proposer = DraftModelProposer(model, config.max_num_seqs, config.max_model_len, config.greedy)
         self.grammars = GrammarMirror(config.model_path, model.config.vocab_size, config.grammar)
         self._lock = threading.Lock()
+        self._queued = 0  # calls waiting for the lock (engines on other connections)
+        self._queue_lock = threading.Lock()
         self._calls = 0
         self._busy_s = 0.0
         self._id = uuid.uuid4().hex[:8]
@@ -152,7 +154,11 @@ class DraftWorker:
     def propose(self, call: DraftCall) -> list[Proposal]:
         """Proposals for `call.requests`, in order: pre-drafted ones where the history is one
         they were drafted for, the rest drafted now (batched)."""
+        with self._queue_lock:  # a call waiting for the lock: a round further ahead yields to it
+            self._queued += 1
         with self._lock:
+            with self._queue_lock:
+                self._queued -= 1
             t0 = time.perf_counter()
             for seq_id in call.finished:
                 self.proposer.on_finished(seq_id)
@@ -284,9 +290,10 @@ class DraftWorker:
         """One batched hypothetical propose of the guessed histories; None when there was nothing
         to draft, or when a call arrived that brings one of these sequences with a history none of
         them assumed (then it stops at the next draft step: the engine waits for that call).
-        yielding: it stops for any message (a round further ahead is worth less than handling the
-        next message at once: a notice about new sequences, say, whose first proposal the engine
-        needs after its prefill, while the rows drafted for may have finished)."""
+        yielding: it stops for any message, or any other engine's call waiting for the worker (a
+        round further ahead is worth less than handling the next message at once: a notice about
+        new sequences, say, whose first proposal the engine needs after its prefill, while the rows
+        drafted for may have finished)."""
         from moeserve.spec.draft_model import DraftInterrupted
 
         if not hyps:
@@ -298,7 +305,7 @@ class DraftWorker:
         def missed() -> bool:
             # not a notice (the engine used a push) nor an ahead call (new sequences)
             nxt = peek() if peek is not None else None
-            if yielding and nxt is not None:
+            if yielding and (nxt is not None or self._queued):
                 return True
             if not isinstance(nxt, DraftCall) or nxt.ahead:
                 return False

@@ -269,6 +269,9 @@ def test_predrafting_stops_for_a_call_it_did_not_guess(ckpts):
     assert "s1" in worker._ahead
     # ... and the round further ahead stops for it (it waits): 2 interruptions in all
     assert worker.num_predraft_interrupted == 2 and len(worker._ahead["s1"]) == 1
+    worker._queued = 1  # another engine's call waits for the worker: the round further ahead yields to it too
+    worker.predraft(DraftCall(reqs[:1]), first[:1])
+    assert worker.num_predraft_interrupted == 3 and len(worker._ahead["s0"]) == 1
 
 
 def test_an_ahead_call_drafts_a_new_sequence_while_the_target_prefills(ckpts):
