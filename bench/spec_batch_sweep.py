@@ -28,8 +28,9 @@ from bench import report, workloads  # noqa: E402
 from bench.prompts import formulaic, free_form  # noqa: E402
 from bench.speculative import split_cpus  # noqa: E402
 from bench.timing import interleaved, summarize  # noqa: E402
+from deployments.draft_process import DraftProcess  # noqa: E402
 from deployments.draft_proposer import RemoteDraftProposer  # noqa: E402
-from deployments.draft_worker import DraftProcess, DraftServerConfig  # noqa: E402
+from deployments.draft_worker import DraftServerConfig  # noqa: E402
 from deployments.local import DEMO_SCHEMA  # noqa: E402
 from model_shards import load_checkpoint  # noqa: E402
 from moeserve.engine import LLMEngine, ModelRunner, SchedulerConfig, SpecConfig  # noqa: E402

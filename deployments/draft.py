@@ -7,7 +7,7 @@ deployments/draft_proposer.py `RemoteDraftProposer`).
 
 The user's design has "a separate draft-model deployment" propose tokens. Each replica of
 the deployment runs one `DraftWorker`, which holds the model, in a child process of its own
-(deployments/draft_worker.py `DraftProcess`); the engine asks the deployment once (a Serve
+(deployments/draft_process.py `DraftProcess`); the engine asks the deployment once (a Serve
 call) for its replica's data channel, then sends every step's call on that channel
 (deployments/draft_channel.py). A Serve call costs ~4.5 ms here and an actor call ~1.5 ms
 against a decode step of ~3 ms, so the transport decides whether drafting pays at all
@@ -44,8 +44,9 @@ from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
 from deployments.draft_channel import ChannelClient
+from deployments.draft_process import DraftProcess
 from deployments.draft_proposer import RemoteDraftProposer
-from deployments.draft_worker import DraftCall, DraftProcess, DraftServerConfig
+from deployments.draft_worker import DraftCall, DraftServerConfig
 from moeserve.spec.proposer import Proposal
 
 __all__ = ["DraftServer", "DraftServerConfig", "RemoteDraftProposer", "bind_draft"]

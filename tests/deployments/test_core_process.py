@@ -149,7 +149,8 @@ def test_a_core_process_drafts_over_the_draft_deployments_channel(folder, expect
     greedy tokens (the target is its own draft here, so every draft is accepted, and every
     proposal, a request's first too, was drafted ahead). With the worker pinned to a CPU, the
     core process runs on the others."""
-    from deployments.draft_worker import DraftProcess, DraftServerConfig
+    from deployments.draft_process import DraftProcess
+    from deployments.draft_worker import DraftServerConfig
 
     cpus = sorted(os.sched_getaffinity(0))
     pinned = (cpus[-1],)

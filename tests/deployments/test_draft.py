@@ -186,7 +186,7 @@ def test_draft_process_pins_answers_and_comes_back_after_a_kill(ckpts):
     import os
 
     from deployments.draft_channel import ChannelClient
-    from deployments.draft_worker import DraftProcess
+    from deployments.draft_process import DraftProcess
 
     _, draft_dir, _ = ckpts
     cpu = max(os.sched_getaffinity(0))
@@ -217,7 +217,7 @@ def test_draft_process_pins_answers_and_comes_back_after_a_kill(ckpts):
 
 
 def test_a_draft_process_that_cannot_start_says_why(tmp_path):
-    from deployments.draft_worker import DraftProcess
+    from deployments.draft_process import DraftProcess
 
     with pytest.raises(RuntimeError, match="did not start"):
         DraftProcess(config(str(tmp_path / "no-such-checkpoint")), start_timeout_s=60)
@@ -542,7 +542,7 @@ def test_a_draft_worker_drafts_constrained_rows_under_its_own_grammar(tmp_path):
     (compiled in the background), so, with the target as its own draft, nearly every draft is
     accepted, as with the draft in the engine's process shown the grammar. Greedy output is plain
     decoding's and every output satisfies its grammar."""
-    from deployments.draft_worker import DraftProcess
+    from deployments.draft_process import DraftProcess
     from moeserve.tokenizer import load_tokenizer
     from tests.deployments.tiny_checkpoint import save_tiny_checkpoint
     from tests.engine.test_structured_output import PROMPTS as TEXTS
