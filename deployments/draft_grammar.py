@@ -31,12 +31,12 @@ MAX_GRAMMARS = 64  # compiled grammars a worker keeps (least recently used out)
 @dataclass(frozen=True)
 class RemoteGrammar:
     """A constrained row's grammar, as a call carries it: its spec, how many of the
-    row's last tokens are output its grammar accepted, and whether a proposal stops before text
+    row's last tokens are output its grammar accepted, and whether a proposal drafts through text
     the grammar forces (the engine's jump-forward)."""
 
     spec: GrammarSpec
     num_accepted: int
-    stop_at_forced: bool = False
+    jump_forward: bool = False
 
     @classmethod
     def of(cls, request: ProposalRequest) -> RemoteGrammar | None:
@@ -44,7 +44,7 @@ class RemoteGrammar:
         compiled = getattr(request.grammar, "compiled", None)
         if compiled is None:
             return None
-        return cls(compiled.spec, request.grammar.num_accepted, request.stop_at_forced)
+        return cls(compiled.spec, request.grammar.num_accepted, request.jump_forward)
 
 
 class GrammarMirror:

@@ -121,8 +121,7 @@ class RemoteDraftProposer(Proposer):
             return None
         out = []
         for r in asked:
-            tokens = next((p.tokens for p in self._pushed.get(r.seq_id, ())
-                           if len(r.token_ids) == p.base + len(p.suffix) and tuple(r.token_ids[p.base:]) == p.suffix), None)
+            tokens = next((t for p in self._pushed.get(r.seq_id, ()) if (t := p.after(r.token_ids))), None)
             if tokens is None:
                 return None
             out.append(Proposal(tokens[: r.num_tokens], predrafted=True))

@@ -24,7 +24,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
@@ -107,6 +107,16 @@ class Predraft:
     base: int
     suffix: tuple[int, ...]
     tokens: list[int]
+
+    def after(self, history: Sequence[int]) -> list[int] | None:
+        """The tokens that go on from `history`: all of them when it is the assumed history; the
+        rest when it goes on from it with their first few (text a grammar forced, which the engine
+        appended after the guessed token); None when it does not match."""
+        end = self.base + len(self.suffix)
+        m = len(history) - end
+        if m < 0 or m >= max(len(self.tokens), 1) or tuple(history[self.base : end]) != self.suffix:
+            return None
+        return self.tokens[m:] if list(history[end:]) == self.tokens[:m] else None
 
 
 class DraftWorker:
@@ -195,7 +205,7 @@ class DraftWorker:
         matcher = self.grammars.matcher(request.seq_id, grammar, request.token_ids)
         if matcher is None:
             return request
-        return replace(request, grammar=matcher, stop_at_forced=grammar.stop_at_forced)
+        return replace(request, grammar=matcher, jump_forward=grammar.jump_forward)
 
     def predraft(self, call: DraftCall, proposals: list[Proposal], peek: Callable[[], Any] | None = None,
                  push: Callable[[Any], None] | None = None) -> None:
@@ -249,7 +259,7 @@ class DraftWorker:
                 n = matcher.accept_tokens(p.token_ids)
                 advanced.append((matcher, n))
                 if n == len(p.token_ids):
-                    full = replace(full, grammar=matcher, stop_at_forced=call.grammars[r.seq_id].stop_at_forced)
+                    full = replace(full, grammar=matcher, jump_forward=call.grammars[r.seq_id].jump_forward)
             hyps.append((r.seq_id, full))
             for j, alt in enumerate(runner_up.get(r.seq_id, [])[: len(p.token_ids)]):
                 hyp = f"{r.seq_id}#{j}"
@@ -375,16 +385,13 @@ class DraftWorker:
 
 def _continuing(ahead: dict[tuple[int, ...], list[int]], history: tuple[int, ...]) -> list[int]:
     """Pre-drafted tokens that go on from `history`: those drafted for exactly this history, or,
-    when the engine's plain steps went on from a history drafted for (emitting its first drafts),
-    the rest of them; [] when none do."""
+    when the engine went on from a history drafted for with their first few (plain steps emitting
+    the first drafts, or text a grammar forced after the guessed token), the rest of them; []
+    when none do."""
     tokens = ahead.get(history)
     if tokens:
         return tokens
-    for assumed, drafted in ahead.items():
-        m = len(history) - len(assumed)
-        if 0 < m < len(drafted) and history[: len(assumed)] == assumed and list(history[len(assumed):]) == drafted[:m]:
-            return drafted[m:]
-    return []
+    return next((t for assumed, drafted in ahead.items() if (t := Predraft(0, assumed, drafted).after(history))), [])
 
 
 def main(fd: int) -> None:

@@ -63,6 +63,8 @@ class LLMEngine:
         self.pay_guard = PayGuard() if adaptive is not None else None  # adaptive k's check against realized rates
         self._drafted = False  # whether this step's decode verified drafts
         self._requested: list[int] = []  # the k each row of the last proposing step asked for
+        self._rooms: list[int] = []  # the most tokens each row's proposal may hold, that step
+        self._forced_emitted = 0  # this step's accepted forced text inside proposals
         self.step_costs = StepCostMeter()
         self.sampler = Sampler()
         self.rejection = RejectionSampler()
@@ -151,7 +153,7 @@ class LLMEngine:
         outputs = [self._postprocess(seq, toks) for seq, toks in zip(batch.seqs, new_tokens)]
         if self.pay_guard is not None and not batch.is_prefill:  # tokens the target chose, not forced text
             self.pay_guard.record(self._guard_key(batch.seqs), self._drafted,
-                                  sum(map(len, new_tokens)), time.perf_counter() - t0)
+                                  sum(map(len, new_tokens)) - self._forced_emitted, time.perf_counter() - t0)
         return outputs
 
     @staticmethod
@@ -207,24 +209,25 @@ class LLMEngine:
             self.runner.model.record_routing(on)
 
     def _record_trace(self, seqs: list[Sequence], tokens: list[list[int]], first: list[int],
-                      accepted: list[int] | None = None) -> None:
+                      accepted: list[int] | None = None, forced: list[tuple[int, ...]] | None = None) -> None:
         """For requests that asked: each new token's source and experts. tokens[i][j] was chosen
         at fed position first[i] + j of row i (negative: from the end); the first accepted[i]
-        of them are accepted drafts."""
+        of them are accepted drafts, but for the grammar's forced text at forced[i]."""
         routing = getattr(self.runner, "routing", {})
         for i, s in enumerate(seqs):
             if s.params.trace_experts or s.params.trace_speculation:
                 self._trace[s.seq_id] = token_traces(s.params, tokens[i], first[i],
-                                                     None if accepted is None else accepted[i], routing.get(s.seq_id))
+                                                     None if accepted is None else accepted[i], routing.get(s.seq_id),
+                                                     forced[i] if forced else ())
 
     def _decode(self, batch: ScheduledBatch) -> list[list[int]]:
         seqs = batch.seqs
         t0 = time.perf_counter()
         proposals = self._propose(seqs)
         self._drafted = any(proposals)
-        drafted = [len(p) for p in proposals]  # before the grammar's cuts: a cut draft counts as rejected
-        if any(proposals):  # drafts the grammar refuses are cut; masks for all k+1 positions filled
-            self._last_proposals = self.structured.cut_and_fill(seqs, self._last_proposals)
+        self._forced_emitted = 0
+        if any(proposals):  # refused drafts cut, forced text put in; masks for all k+1 positions filled
+            self._last_proposals = self.structured.cut_and_fill(seqs, self._last_proposals, self._rooms)
             proposals = [list(p.token_ids) for p in self._last_proposals]
         t1 = time.perf_counter()
         fed = [len(s.pending_ids) for s in seqs]  # 1, or more after jump-forward
@@ -240,12 +243,18 @@ class LLMEngine:
         out = self._verify(seqs, logits, proposals)
         self._record_logprobs(seqs, logits, out.token_ids)  # the target's verify pass
         accepted = out.num_accepted.tolist()
-        self._record_trace(seqs, out.token_ids, [n - 1 for n in fed], accepted)
-        for s, a, d, n, r in zip(seqs, accepted, drafted, fed, self._requested):
+        forced = [p.forced for p in self._last_proposals]
+        self._record_trace(seqs, out.token_ids, [n - 1 for n in fed], accepted, forced)
+        chosen, chosen_accepted = [], []  # draft tokens, and those accepted: the grammar's forced text left out
+        for s, a, p, f, n, r in zip(seqs, accepted, proposals, forced, fed, self._requested):
             s.num_cached += n + a  # the fed tokens + accepted drafts; rejected ones are rolled back
-            if self.adaptive is not None:  # a draft shorter than asked stopped where the grammar forces text
-                self.adaptive.observe(s.seq_id, d, a, cut=d < r and s.grammar is not None)
-        self.spec_metrics.record([len(p) for p in proposals], accepted, t1 - t0, t2 - t1)
+            d, a_chosen = len(p) - len(f), a - sum(1 for j in f if j < a)
+            self._forced_emitted += a - a_chosen
+            chosen.append(d)
+            chosen_accepted.append(a_chosen)
+            if self.adaptive is not None:  # fewer draft tokens than asked: a refusal cut, or the output's end
+                self.adaptive.observe(s.seq_id, d, a_chosen, cut=d < r and s.grammar is not None)
+        self.spec_metrics.record(chosen, chosen_accepted, t1 - t0, t2 - t1)
         self._measure(len(seqs), max(map(len, proposals)), t1 - t0, t2 - t1)
         return out.token_ids
 
@@ -261,8 +270,9 @@ class LLMEngine:
         if self.pay_guard is not None and not self.pay_guard.allows(self._guard_key(seqs)):
             return [[] for _ in seqs]  # drafting has not paid at this batch size, as realized
         requests = []
-        for s, k in zip(seqs, ks):
-            room = min(s.params.max_tokens - len(s.output_ids), self.scheduler.cfg.max_model_len - s.num_tokens) - 1
+        self._rooms = [min(s.params.max_tokens - len(s.output_ids), self.scheduler.cfg.max_model_len - s.num_tokens) - 1
+                       for s in seqs]  # the most tokens a proposal may hold (forced text included)
+        for s, k, room in zip(seqs, ks, self._rooms):
             requests.append(self._proposal_request(s, max(0, min(k, room))))
         self._requested = [r.num_tokens for r in requests]
         self._last_proposals = self.proposer.propose(requests)
@@ -271,7 +281,7 @@ class LLMEngine:
     def _proposal_request(self, seq: Sequence, k: int) -> ProposalRequest:
         grammar = None if seq.grammar is None else seq.grammar.matcher
         return ProposalRequest(seq.seq_id, seq.token_ids, k, seq.params, grammar,
-                               stop_at_forced=self.structured.cfg.jump_forward)
+                               jump_forward=self.structured.cfg.jump_forward)
 
     def _measure(self, num_rows: int, width: int, draft_s: float, target_s: float) -> None:
         """Step times -> the cost model adaptive k optimises for this batch size, refit every

@@ -73,7 +73,9 @@ class PagedRunner:
         end = start + len(tokens) + reserve
         if end > self.max_model_len:
             raise ValueError(f"sequence {seq_id!r} exceeds max_model_len={self.max_model_len}")
-        self.cache.copy_blocks(self.manager.write(seq_id, start, tokens, reserve))
+        copies = self.manager.write(seq_id, start, tokens, reserve)
+        self.cache.reserve(self.blocks.high_water)  # a copy may go to a block the cache has not grown to yet
+        self.cache.copy_blocks(copies)
 
     def block_tables(self, seq_ids: list[str], width: int = 0) -> torch.Tensor:
         """[B, nb] block ids of these sequences (padded with the scratch block), on the cache's device;

@@ -9,9 +9,10 @@ bitmask buffer, the closing tables) and the three moments a step touches the gra
    refuses: before it for a deterministic draft (the masked target gives it probability 0,
    and with a one-hot q the residual is the masked target itself), after it for a sampled
    one (its rejection must draw from the residual max(0, p - q), or the output would lean
-   toward what the draft likes); then it fills bitmask rows for all verification
-   positions, rolling the matcher back after; plain steps fill one row per sequence
-   (`fill_last`);
+   toward what the draft likes), and puts in the text the grammar forces after a draft
+   token (jump-forward inside the verify pass: those positions allow only their own token);
+   then it fills bitmask rows for all verification positions, rolling the matcher back
+   after; plain steps fill one row per sequence (`fill_last`);
 2. before sampling: `apply` masks the logits with those rows and, in the last
    `close_margin` tokens of a request's budget, biases the allowed tokens toward closing
    the output (termination.py), so a weak model still ends with a complete document;
@@ -123,7 +124,7 @@ class StructuredOutput:
             self._tables = ClosingTables(vocab, list(compiled.stop_token_ids))
             self._stop_row = allocate_bitmask(1, self.vocab_size)[0].zero_()
             for t in compiled.stop_token_ids:
-                self._stop_row[t // 32] |= 1 << (t % 32)
+                self._stop_row[t // 32] |= _bit(t % 32)
         closing = ClosingPolicy(self._tables, json=compiled.spec.kind in ("json_object", "json_schema"))
         return RequestGrammar(GrammarMatcher(compiled), closing)
 
@@ -132,48 +133,76 @@ class StructuredOutput:
         """One row per sequence (row b = sequence b). False when no sequence is constrained."""
         return self._fill(seqs, None)
 
-    def cut_and_fill(self, seqs: Seq[Sequence], proposals: list[Proposal]) -> list[Proposal]:
-        """Cut each constrained row's proposal at its first refused draft token (keeping it when
-        the draft sampled it), then fill rows b * P + j for j = 0..k, with P = 1 + the widest
-        proposal after cutting.
+    def cut_and_fill(self, seqs: Seq[Sequence], proposals: list[Proposal], limits: Seq[int] | None = None) -> list[Proposal]:
+        """Walk each constrained row's proposal through its matcher, cut it at its first refused
+        draft token (keeping that token when the draft sampled it), put in the text the grammar
+        forces (jump-forward), then fill rows b * P + j for j = 0..k, with P = 1 + the widest
+        proposal after this; limits[b]: the most tokens row b's proposal may keep.
 
-        With jump-forward, a deterministic proposal is also cut before the first draft token after
-        which the grammar forces text: decoding without drafts would emit that token and then the
-        forced tokens, never a token the target chose there (whose split of the forced text may
-        differ), so verification stops where the forced text starts and greedy output stays exactly
-        the same with and without speculation. A sampled proposal is never cut by its values except
-        at a refusal (a cut that depends on what the draft drew would bias the output)."""
-        cut = list(proposals)
+        With jump-forward, decoding without drafts emits a token and then the text the grammar
+        forces after it, unsampled. So where a draft token is followed by forced text, the forced
+        tokens go into the proposal after it (`Proposal.forced`), and their mask rows allow only
+        them: verified, they are accepted whenever the tokens before them are, and the target
+        never chooses a split of its own there. The draft goes on after them when it proposed
+        them itself (a draft drafting through forced text); else the proposal ends after them and
+        the target's token there is the next one decoding without drafts would sample. Greedy
+        output is exactly the same with and without speculation; sampled output follows the same
+        distribution, since where text is forced depends only on tokens already verified, and a
+        sampled proposal is never cut by its own value at a position (only a refusal ends it)."""
+        walked = list(proposals)
         for b, seq in enumerate(seqs):
-            draft = cut[b].token_ids
-            if seq.grammar is None or not draft:
-                continue
-            probs = cut[b].probs
-            ok, refused = self._grammar_prefix(seq.grammar.matcher, draft, stop_at_forced=probs is None)
-            if ok < len(draft):
-                keep = ok + 1 if refused and probs is not None else ok  # a sampled refusal is rejected by the rule
-                cut[b] = Proposal(list(draft[:keep]), None if probs is None else probs[:keep])
-        self._fill(seqs, cut)
-        return cut
+            if seq.grammar is not None and walked[b].token_ids:
+                walked[b] = self._walk(seq.grammar.matcher, walked[b], None if limits is None else limits[b])
+        self._fill(seqs, walked)
+        return walked
 
-    def _grammar_prefix(self, matcher: GrammarMatcher, draft: Seq[int], stop_at_forced: bool) -> tuple[int, bool]:
-        """(n, refused): the leading draft tokens to keep, and whether the one after them is refused
-        by the grammar (else: the grammar forces text after it, or the draft ends). The matcher is
-        left unchanged. Each token is checked against the filled mask first: xgrammar logs a
-        warning for every refused token."""
+    def _walk(self, matcher: GrammarMatcher, proposal: Proposal, limit: int | None) -> Proposal:
+        """The proposal as verification sees it (cut_and_fill); the matcher is left unchanged.
+        Each token is checked against the filled mask first: xgrammar logs a warning for every
+        refused token."""
+        draft, probs = proposal.token_ids, proposal.probs
         row = self._bitmask[-1:]  # [1, W] scratch, filled again by _fill afterwards
-        ok, stepped, refused = 0, 0, False
-        for t in draft:
+        tokens: list[int] = []
+        source: list[int] = []  # the draft position each token came from; -1: forced text
+        i = stepped = 0
+        while i < len(draft):
+            t = int(draft[i])
             matcher.fill_bitmask(row, 0)
             if not (int(row[0, t // 32]) >> (t % 32)) & 1 or not matcher.accept_token(t):
-                refused = True
+                if probs is not None:  # a sampled refusal stays: the rule rejects it and draws from the residual
+                    tokens.append(t)
+                    source.append(i)
                 break
             stepped += 1
-            if stop_at_forced and self.cfg.jump_forward and matcher.forced_tokens():  # plain: t, then forced tokens
-                break
-            ok += 1
+            tokens.append(t)
+            source.append(i)
+            i += 1
+            forced = matcher.forced_tokens() if self.cfg.jump_forward else []
+            if not forced:
+                continue
+            n = matcher.accept_tokens(forced)
+            stepped += n
+            tokens += forced[:n]
+            source += [-1] * n
+            if [int(x) for x in draft[i : i + n]] != forced[:n]:
+                break  # the draft went another way, or ended: the target's token follows the forced text
+            i += n
         matcher.rollback(stepped)
-        return ok, refused
+        keep = len(tokens) if limit is None else min(len(tokens), limit)
+        while keep < len(tokens) and source[keep] < 0:  # never end inside forced text: back to the token before it
+            keep -= 1
+        tokens, source = tokens[:keep], source[:keep]
+        if source == list(range(len(draft))):
+            return proposal  # as proposed
+        q = None
+        if probs is not None:
+            q = torch.zeros(len(tokens), probs.shape[-1], dtype=probs.dtype, device=probs.device)  # [k', V]
+            for j, (t, src) in enumerate(zip(tokens, source)):
+                if src < 0:
+                    q[j, t] = 1.0
+                else:
+                    q[j] = probs[src]
+        return Proposal(tokens, q, proposal.predrafted, tuple(j for j, src in enumerate(source) if src < 0))
 
     def _fill(self, seqs: Seq[Sequence], proposals: list[Proposal] | None) -> bool:
         self._rows, self._close = [], []
@@ -193,6 +222,9 @@ class StructuredOutput:
             accepted = 0
             if draft:  # all accepted but perhaps the last (a sampled refusal; rows after it: all allowed)
                 accepted = matcher.fill_bitmasks_for_draft(draft, self._bitmask, row)
+                for j in proposals[b].forced:  # forced text: only its own token
+                    self._bitmask[row + j].zero_()
+                    self._bitmask[row + j, draft[j] // 32] = _bit(draft[j] % 32)
             else:
                 matcher.fill_bitmask(self._bitmask, row)
             left = seq.params.max_tokens - len(seq.output_ids)
@@ -237,3 +269,8 @@ class StructuredOutput:
         row = self._bitmask[-1:]  # [1, W] scratch: this step's rows were applied already
         matcher.fill_bitmask(row, 0)
         return bool(torch.equal(row[0], self._stop_row))
+
+
+def _bit(i: int) -> int:
+    """Bit i of an int32 bitmask word, as a (signed) int32 value."""
+    return 1 << i if i < 31 else -(1 << 31)

@@ -8,15 +8,16 @@ from moeserve.sampling_params import SamplingParams, TokenTrace
 
 
 def token_traces(params: SamplingParams, tokens: list[int], first: int, accepted: int | None,
-                 routes: list[tuple] | None) -> list[TokenTrace]:
+                 routes: list[tuple] | None, forced: tuple[int, ...] = ()) -> list[TokenTrace]:
     """Entries for one row's new tokens: tokens[j] was chosen at fed position first + j
     (negative: from the end) of the row's routes [(layer, ids [T, K], weights [T, K])]; the first
-    `accepted` of them are accepted drafts (None: no drafts this step)."""
+    `accepted` of them are accepted drafts (None: no drafts this step), except those at `forced`
+    positions: text the grammar forced inside the proposal."""
     entries = []
     for j, t in enumerate(tokens):
         source = None
         if params.trace_speculation:
-            source = "draft" if accepted is not None and j < accepted else "target"
+            source = "forced" if j in forced else "draft" if accepted is not None and j < accepted else "target"
         experts = None
         if params.trace_experts and routes is not None:
             at = first + j

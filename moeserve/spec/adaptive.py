@@ -264,12 +264,13 @@ class AdaptiveK:
         """Records one verification: num_proposed drafted (what the proposer actually
         returned, which may be fewer than k), num_accepted of them kept.
 
-        cut: the proposal was shorter than asked because the draft stopped where the request's
-        grammar forces text (jump-forward writes that text without the model). Such a pass ends
-        there as if its next draft had been refused, so the end counts as a failed trial: alpha
-        then estimates what a pass yields, P(accepted and not cut) per draft token. Under the
-        demo's JSON schema drafts are accepted ~0.9 of the time but cut every few tokens, and
-        counted as accepted they made k = 8 look worth 5 tokens a pass where it yielded 2.7."""
+        cut: the proposal was shorter than asked for a reason that ends the pass there (under a
+        grammar: a draft token it refused, which the engine cut, or the output's end). Such a
+        pass ends as if its next draft had been refused, so the end counts as a failed trial:
+        alpha then estimates what a pass yields, P(accepted and not cut) per draft token. (When
+        drafts stopped where a grammar forces text, before they drafted through it, they were
+        accepted ~0.9 of the time under the demo's JSON schema but cut every few tokens, and
+        counted as accepted they made k = 8 look worth 5 tokens a pass where it yielded 2.7.)"""
         if not 0 <= num_accepted <= num_proposed:
             raise ValueError(f"need 0 <= num_accepted <= num_proposed, got {num_accepted}, {num_proposed}")
         if num_proposed == 0 and not cut:

@@ -22,21 +22,23 @@ class GrammarMasks:
     row whose matcher refuses a token (its output is complete and the draft stepped past the
     stop token) is left unmasked from there: the target refuses those drafts anyway.
 
-    A row that stops at forced text (`stop_at_forced`) ends before the first draft after which
-    its grammar forces text, or after the draft that completes its output (the stop token):
-    `ends[b]` is its proposal's length then, and it is no longer masked (its later drafts are
-    dropped)."""
+    A row that drafts through forced text (`jump_forward`) ends after the first draft after which
+    its grammar forces text (`forced[b]`: those tokens; the proposer goes on drafting after them),
+    or after the draft that completes its output (the stop token): `ends[b]` is its proposal's
+    length then, and it is no longer masked (its later drafts are dropped)."""
 
-    def __init__(self, grammars: list[DraftGrammar | None], vocab: int, stop_at_forced: list[bool] | None = None) -> None:
+    def __init__(self, grammars: list[DraftGrammar | None], vocab: int, jump_forward: list[bool] | None = None) -> None:
         """grammars: each drafting row's matcher (None: unconstrained); vocab: the draft's logits
-        width; stop_at_forced: per row, whether it ends where its grammar forces text."""
+        width; jump_forward: per row, whether it ends where its grammar forces text (the proposer
+        puts that text in and drafts on after it)."""
         # a grammar over another vocabulary size (a draft with a padded head) cannot mask these logits
         self.rows = [b for b, g in enumerate(grammars) if g is not None and _vocab_of(g, vocab) == vocab]
         self.grammars = [grammars[b] for b in self.rows]
-        self.stop_at_forced = [bool(stop_at_forced and stop_at_forced[b]) for b in self.rows]
+        self.jump_forward = [bool(jump_forward and jump_forward[b]) for b in self.rows]
         self.accepted = [0] * len(self.rows)
         self.live = [True] * len(self.rows)
         self.ends: dict[int, int] = {}
+        self.forced: dict[int, list[int]] = {}
         self.bitmask = allocate_bitmask(len(grammars), vocab) if self.rows else None  # row b: drafting row b
 
     def apply(self, logits: torch.Tensor, out: torch.Tensor, j: int) -> None:
@@ -58,33 +60,24 @@ class GrammarMasks:
         if masked:
             apply_bitmask(logits, self.bitmask, masked)
 
-    def end_last(self, out: torch.Tensor, ks: list[int]) -> None:
-        """After the last draft step: a row that stops at forced text also ends before its last
-        draft (out[b, ks[b] - 1], which no later step accepted) when text is forced after it."""
-        for i, (b, g) in enumerate(zip(self.rows, self.grammars)):
-            if not (self.stop_at_forced[i] and self.live[i]) or not g.accept_token(int(out[b, ks[b] - 1])):
-                continue
-            self.accepted[i] += 1
-            self._ends_after(i, b, ks[b] - 1)
-
     def _ends_after(self, i: int, b: int, pos: int) -> bool:
         """Whether row b (the i-th constrained row), its matcher having just accepted draft `pos`,
-        ends there: after its stop token (drafts past a completed output are refused), or before
-        that draft when the grammar forces text after it."""
+        ends there: after its stop token (drafts past a completed output are refused), or when the
+        grammar forces text after that draft."""
         g = self.grammars[i]
-        if not self.stop_at_forced[i]:
+        if not self.jump_forward[i]:
             return False
-        if g.is_terminated():
-            self.ends[b] = pos + 1
-        elif g.forced_tokens():
-            self.ends[b] = pos
-        else:
-            return False
+        if not g.is_terminated():
+            forced = g.forced_tokens()
+            if not forced:
+                return False
+            self.forced[b] = forced
+        self.ends[b] = pos + 1
         self.live[i] = False
         return True
 
     def all_ended(self, n: int) -> bool:
-        """Whether each of the first n rows has ended at forced text."""
+        """Whether each of the first n rows has ended (at forced text, or after its stop token)."""
         return all(b in self.ends for b in range(n))
 
     def rollback(self) -> None:

@@ -37,7 +37,7 @@ from __future__ import annotations
 import os
 from bisect import bisect_left
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import accumulate
 
 import torch
@@ -81,7 +81,7 @@ class _Row:
     start: int  # tokens of `tokens` already in the draft cache (after rollback)
     params: SamplingParams | None  # None: propose the argmax
     grammar: DraftGrammar | None = None  # masks the draft's own distribution at each draft step
-    stop_at_forced: bool = False  # ProposalRequest.stop_at_forced
+    jump_forward: bool = False  # ProposalRequest.jump_forward: drafts through forced text
 
 
 @dataclass(frozen=True)
@@ -161,38 +161,76 @@ class DraftModelProposer(Proposer):
     def propose(
         self, requests: list[ProposalRequest], hypothetical: bool = False, interrupted: Callable[[], bool] | None = None
     ) -> list[Proposal]:
-        """Up to request.num_tokens draft tokens per request, in order (possibly none).
+        """Up to request.num_tokens draft tokens per request, in order (possibly none), plus the
+        text their grammars force between them.
         hypothetical: the requests' histories are guesses (pre-drafting ahead of the target), not
         what the engine confirmed: drafting rolls back from them without counting a rebuild.
         interrupted: checked between draft steps; when it says True, DraftInterrupted is raised
         and each sequence's cache holds its history, no drafts (what drafting wrote lies past
-        that, and is overwritten by the next call)."""
+        that, and is overwritten by the next call).
+
+        A greedy row under a grammar whose forced text the engine appends (`jump_forward`) drafts
+        through that text: where its grammar forces text after a draft, the text goes into the
+        proposal and the row drafts its remaining tokens after it, in one more batched round of
+        the rows that got that far (each round feeds the forced text in one lean pass). A
+        proposal of k draft tokens can then cover several fields of a JSON document, where one
+        that stopped there covered one field."""
         self._clock += 1
+        proposals, through = self._round(requests, hypothetical, interrupted)
+        left = {i: requests[i].num_tokens - (len(proposals[i].token_ids) - len(f)) for i, f in through.items()}
+        while through:  # rows that reached forced text with draft tokens left: one more round
+            nxt, advanced = [], []
+            for i in through:
+                req, got = requests[i], proposals[i].token_ids
+                advanced.append((req.grammar, req.grammar.accept_tokens(got)))
+                nxt.append((i, replace(req, token_ids=list(req.token_ids) + got, num_tokens=left[i])))
+            try:
+                more, ended = self._round([r for _, r in nxt], True, interrupted)
+            finally:
+                for grammar, n in advanced:
+                    grammar.rollback(n)
+            through = {}
+            for j, ((i, _), p) in enumerate(zip(nxt, more)):
+                proposals[i] = replace(proposals[i], token_ids=proposals[i].token_ids + p.token_ids)
+                if j in ended:
+                    through[i] = ended[j]
+                    left[i] -= len(p.token_ids) - len(ended[j])
+        return proposals
+
+    def _round(
+        self, requests: list[ProposalRequest], hypothetical: bool, interrupted: Callable[[], bool] | None
+    ) -> tuple[list[Proposal], dict[int, list[int]]]:
+        """One batched draft of the requests: their proposals, and the rows (by request index) that
+        ended at text their grammar forces with draft tokens left, whose proposals end with that text."""
         rows = self._sync(requests, hypothetical)
         proposals = [Proposal([]) for _ in requests]
         if not rows:
-            return proposals
+            return proposals, {}
         rows.sort(key=lambda r: -r.k)  # the rows still drafting stay a prefix
         batch = _Batch.of(rows, self.runner.block_tables([r.seq_id for r in rows]))
         logits = self._catch_up(rows, batch)
         try:
-            tokens, probs, second, ends = self._draft(rows, batch, logits, interrupted)  # [B, K] ...
+            tokens, probs, second, masks = self._draft(rows, batch, logits, interrupted)  # [B, K] ...
         except DraftInterrupted:  # the catch-up stands: a new sequence's prompt is not prefilled again
             for r in rows:
                 self._hold(r.seq_id, r.tokens, len(r.tokens))
             raise
         if second is not None:
             self.runner_up = {r.seq_id: alt[: r.k] for r, alt in zip(rows, second.tolist())}
-        sampled = 0
+        sampled, through = 0, {}
         for b, (r, row) in enumerate(zip(rows, tokens.tolist())):
             q = None
             if r.params is not None:
                 q = probs[sampled, : r.k].clone()  # [k, V] a copy, so pickling it sends k rows only
                 sampled += 1
-            proposals[r.index] = Proposal(row[: ends.get(b, r.k)], q)
+            end = masks.ends.get(b, r.k)
+            proposals[r.index] = Proposal(row[:end], q)
+            if b in masks.forced and end < r.k:
+                through[r.index] = masks.forced[b]
+                proposals[r.index] = Proposal(row[:end] + masks.forced[b])
             fed = row[: r.k - 1]  # the last draft was sampled, never fed; -1: not drafted (ended early)
             self._hold(r.seq_id, r.tokens + (fed[: fed.index(-1)] if -1 in fed else fed), len(r.tokens))
-        return proposals
+        return proposals, through
 
     def _hold(self, seq_id: str, cached: list[int], confirmed: int) -> None:
         """The sequence's cache holds `cached`; its first `confirmed` tokens' full blocks become
@@ -230,7 +268,7 @@ class DraftModelProposer(Proposer):
             if not hypothetical:
                 state.seen = len(tokens)
             params = None if self.greedy or req.params is None or req.params.greedy else req.params
-            rows.append(_Row(i, req.seq_id, tokens, k, start, params, req.grammar, req.stop_at_forced))
+            rows.append(_Row(i, req.seq_id, tokens, k, start, params, req.grammar, req.jump_forward))
         return rows
 
     def _catch_up(self, rows: list[_Row], batch: _Batch) -> torch.Tensor:
@@ -265,11 +303,11 @@ class DraftModelProposer(Proposer):
 
     def _draft(
         self, rows: list[_Row], batch: _Batch, logits: torch.Tensor, interrupted: Callable[[], bool] | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, dict[int, int]]:
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, GrammarMasks]:
         """Draft tokens [B, K]; for sampling rows, their q [S, K, V]; with `track_runner_up`, the
         draft's second choice at each position [B, K] (what pre-drafting guesses the target's
-        correction to be when it rejects that draft); the rows that ended early at text their
-        grammar forces, with their proposal's length."""
+        correction to be when it rejects that draft); the grammar masks, whose `ends` and
+        `forced` say which rows ended at text their grammar forces (or completed their output)."""
         width = rows[0].k
         neg_k = [-r.k for r in rows]  # ascending
         active = [bisect_left(neg_k, -j) for j in range(width)]  # rows with k > j: they need draft j
@@ -279,7 +317,7 @@ class DraftModelProposer(Proposer):
         second = torch.zeros_like(out) if self.track_runner_up and logits.shape[-1] > 1 else None
         # a sampled row never ends by its values: a cut that depends on what the draft drew biases the output
         masks = GrammarMasks([r.grammar for r in rows], logits.shape[-1],
-                             [r.stop_at_forced and r.params is None for r in rows])
+                             [r.jump_forward and r.params is None for r in rows])
         try:
             for j in range(width):
                 n = active[j]
@@ -293,11 +331,9 @@ class DraftModelProposer(Proposer):
                 if masks.all_ended(n):  # every row still drafting stopped at forced text
                     break
                 self._pick(rows, logits, j, out, probs, second, sampled)
-            else:
-                masks.end_last(out, [r.k for r in rows])
         finally:
             masks.rollback()
-        return out, probs, second, masks.ends
+        return out, probs, second, masks
 
     def _pick(self, rows: list[_Row], logits: torch.Tensor, j: int, out: torch.Tensor, probs: torch.Tensor | None,
               second: torch.Tensor | None, sampled: list[int]) -> None:

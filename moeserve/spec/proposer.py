@@ -52,10 +52,10 @@ class ProposalRequest:
         drafts from its own masked distribution with it, so it proposes only tokens the
         grammar allows, and a sampled draft's q is masked as the target's p is. The proposer
         leaves it where it was.
-    stop_at_forced: with a grammar, a deterministic proposal ends before the first draft token
-        after which the grammar forces text: the engine's jump-forward emits the forced text
-        without the model, and the engine cuts a proposal there anyway (so drafting past that
-        point is wasted draft steps and a wider verify pass). It also ends after the stop
+    jump_forward: the engine appends text its grammar forces without sampling it. A deterministic
+        proposal then puts the forced text in after the draft token it follows and drafts its
+        remaining tokens after it (num_tokens counts draft tokens only); the engine puts it in
+        anyway (and verifies drafts after it only when they follow it). It ends after the stop
         token that completes the output.
     """
 
@@ -64,7 +64,7 @@ class ProposalRequest:
     num_tokens: int
     params: SamplingParams | None = None
     grammar: DraftGrammar | None = None
-    stop_at_forced: bool = False
+    jump_forward: bool = False
 
     def __post_init__(self) -> None:
         if self.num_tokens < 0:
@@ -81,11 +81,15 @@ class Proposal:
     predrafted: drafted ahead, while the target verified the step before or prefilled the
         sequence (a draft deployment's pre-draft that guessed this step's history), so no one
         waited for it.
+    forced: the positions of tokens a grammar forces there (jump-forward text inside the proposal,
+        set by the engine): the target's mask allows only that token at each, so it is accepted
+        whenever the tokens before it are, as decoding without drafts appends it unsampled.
     """
 
     token_ids: list[int]
     probs: Tensor | None = None  # [k, V]
     predrafted: bool = False
+    forced: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.probs is not None and (self.probs.dim() != 2 or self.probs.shape[0] != len(self.token_ids)):

@@ -214,7 +214,7 @@ def test_a_refused_sampled_draft_is_rejected_by_the_rule_not_resampled(tiny):
     seq.grammar = structured.new_request(compiler.compile(GrammarSpec.regex("[ab]x")))
     q = torch.zeros(vocab)
     q[a], q[b], q[c] = 0.4, 0.1, 0.5
-    target = torch.full((1, 2, vocab), -5.0)
+    target = torch.full((1, 3, vocab), -5.0)  # the draft token, the forced "x" after it, the token after that
     target[0, :, a] = target[0, :, b] = 5.0  # after the mask: p = [.5, .5] over a, b
     gen = torch.Generator().manual_seed(0)
     counts = {a: 0, b: 0}
@@ -226,6 +226,54 @@ def test_a_refused_sampled_draft_is_rejected_by_the_rule_not_resampled(tiny):
         out = rejection.sample(sampler.probs(logits, [seq.params]), ids, probs, n)
         counts[out.token_ids[0][0]] += 1
     assert chisquare([counts[a], counts[b]], [10_000, 10_000]).pvalue > 1e-3, counts
+
+
+@pytest.mark.parametrize("jump_forward", [True, False])
+def test_sampled_drafts_through_forced_text_follow_decoding_with_jump_forward(tiny, jump_forward):
+    """Regex [ab]ke: after a or b the grammar forces "ke", which decoding with jump-forward appends
+    as the one token `ke`, unsampled. A sampled draft proposes a or b (q = [.7, .3] against the
+    masked target's p = [.5, .5]), then `k`, `e`: a split of its own, which the target (preferring
+    `k`) would keep if verified as drafted. With jump-forward the engine puts `ke` into the
+    proposal after the first token (only it allowed there): over 20,000 steps the first token
+    follows p and the second, where the first was accepted, is always `ke`. The negative control (jump_forward=False: verified as
+    drafted) emits the `k` split."""
+    import torch
+    from scipy.stats import chisquare
+
+    from moeserve.engine.structured import StructuredConfig, StructuredOutput
+    from moeserve.sampler import Sampler
+    from moeserve.sequence import Sequence
+    from moeserve.spec.proposer import pad_proposals
+    from moeserve.spec.rejection_sampler import RejectionSampler
+
+    _, tokenizer, compiler = tiny
+    a, b, k, e, ke = (tokenizer.convert_tokens_to_ids(t) for t in ("a", "b", "k", "e", "ke"))
+    vocab = len(tokenizer)
+    structured, sampler, rejection = StructuredOutput(vocab, StructuredConfig(jump_forward)), Sampler(), RejectionSampler()
+    seq = Sequence("s", [a], SamplingParams(max_tokens=8, temperature=1.0))
+    seq.grammar = structured.new_request(compiler.compile(GrammarSpec.regex("[ab]ke")))
+    q = torch.zeros(3, vocab)
+    q[0, a], q[0, b] = 0.7, 0.3
+    q[1, k] = q[2, e] = 1.0
+    target = torch.full((1, 4, vocab), -30.0)  # (the mask also allows `ak`, `ake` and the like first)
+    target[0, 0, a] = target[0, 0, b] = 5.0  # after the mask: p = [.5, .5] over a, b
+    target[0, 1:, k], target[0, 1:, ke], target[0, 1:, e] = 6.0, 4.0, 6.0  # the target prefers the `k` split
+    gen = torch.Generator().manual_seed(0)
+    firsts, seconds = {a: 0, b: 0}, {}
+    for x in torch.multinomial(q[0], 20_000, replacement=True, generator=gen).tolist():
+        (prop,) = structured.cut_and_fill([seq], [Proposal([x, k, e], q)])
+        logits = target[:, : prop.num_tokens + 1].clone()
+        structured.apply(logits)
+        ids, probs, n = pad_proposals([prop])
+        out = rejection.sample(sampler.probs(logits, [seq.params]), ids, probs, n).token_ids[0]
+        firsts[out[0]] += 1
+        if len(out) > 1:  # the first token was accepted (else the engine appends the forced text after it)
+            seconds[out[1]] = seconds.get(out[1], 0) + 1
+    assert chisquare([firsts[a], firsts[b]], [10_000, 10_000]).pvalue > 1e-3, firsts
+    if jump_forward:
+        assert set(seconds) == {ke} and seconds[ke] > 10_000, seconds
+    else:
+        assert seconds.get(k, 0) > 10_000, seconds
 
 
 class NoGrammarDraft(Proposer):
@@ -269,15 +317,15 @@ def test_a_draft_model_drafts_from_its_own_masked_distribution(tiny, temperature
 
 
 class CountingDraft(Proposer):
-    """Counts the draft tokens a proposer returns (before the engine cuts any); `stop_at_forced`
-    overrides what the engine asks for."""
+    """Counts the draft tokens a proposer returns (before the engine cuts any); `jump_forward`
+    overrides what the engine asks for (False: the draft goes token by token through forced text)."""
 
-    def __init__(self, inner: Proposer, stop_at_forced: bool) -> None:
-        self.inner, self.stop_at_forced, self.num_proposed = inner, stop_at_forced, 0
+    def __init__(self, inner: Proposer, jump_forward: bool) -> None:
+        self.inner, self.jump_forward, self.num_proposed = inner, jump_forward, 0
 
     def propose(self, requests: list[ProposalRequest]) -> list[Proposal]:
         out = self.inner.propose([ProposalRequest(r.seq_id, r.token_ids, r.num_tokens, r.params, r.grammar,
-                                                  stop_at_forced=self.stop_at_forced) for r in requests])
+                                                  jump_forward=self.jump_forward) for r in requests])
         self.num_proposed += sum(len(p.token_ids) for p in out)
         return out
 
@@ -285,23 +333,42 @@ class CountingDraft(Proposer):
         self.inner.on_finished(seq_id)
 
 
-def test_a_greedy_draft_ends_where_the_grammar_forces_text(tiny):
-    """With jump-forward, the engine cuts a deterministic proposal before the first draft after
-    which the grammar forces text (plain decoding emits that token, then the forced text). A draft
-    asked to stop there (`stop_at_forced`, what the engine asks) ends its proposal at that point
-    itself: with the target as its own draft, no drafted token is cut, where a draft that drafts on
-    has some cut; output stays exactly plain decoding's."""
+def test_a_greedy_draft_drafts_through_the_text_its_grammar_forces(tiny):
+    """With jump-forward, decoding without drafts emits a token and then the text the grammar
+    forces after it. The engine puts that text into a proposal after the draft token (allowing
+    only its own tokens there) and verifies the draft's tokens after it. A draft told the engine
+    jump-forwards (`jump_forward`, what the engine asks) puts the same text in itself and drafts
+    on after it: with the target as its own draft, the engine keeps every proposal as it came (but
+    for the text forced after its last draft token), proposals go on past forced text, and the documents take under half as many target passes as
+    plain decoding takes steps. A draft that drafts token by token through forced text (its own
+    split of it) has proposals changed by the engine. Output stays exactly plain decoding's."""
     from moeserve.spec.draft_model import DraftModelProposer
 
     folder, tokenizer, compiler = tiny
     jobs = [(p, SamplingParams(max_tokens=60, temperature=0.0), compiler.compile(SPECS["json_schema"]))
             for p in PROMPTS]
-    plain = run(make_engine(folder, tokenizer), jobs)
-    cut = {}
+    baseline = make_engine(folder, tokenizer)
+    plain = run(baseline, jobs)
+    plain_steps = sum(len(t) for t, _, _ in plain) - baseline.structured.num_forced_tokens  # one chosen token a step
+    changed, through, passes = {}, {}, {}
     for stop in (True, False):
         draft = CountingDraft(DraftModelProposer(load_checkpoint(folder), 8, 512), stop)
         engine = make_engine(folder, tokenizer, proposer=draft, k=4, kv_cache="paged")
+        walk, pairs = engine.structured.cut_and_fill, []
+
+        def recording(seqs, proposals, limits=None, walk=walk, pairs=pairs):
+            out = walk(seqs, proposals, limits)
+            pairs.extend((list(p.token_ids), list(w.token_ids), w.forced) for p, w in zip(proposals, out))
+            return out
+
+        engine.structured.cut_and_fill = recording
         assert [t for t, _, _ in run(engine, jobs)] == [t for t, _, _ in plain]
         assert engine.structured.num_forced_tokens > 0 and engine.spec_metrics.num_draft_tokens > 0
-        cut[stop] = draft.num_proposed - engine.spec_metrics.num_draft_tokens
-    assert cut[True] == 0 and cut[False] > 0, cut
+        # changed: anything but the forced text after a proposal's last draft token put in
+        changed[stop] = sum(w[: len(raw)] != raw or any(j not in f for j in range(len(raw), len(w)))
+                            for raw, w, f in pairs)
+        through[stop] = sum(any(j + 1 < len(w) and j + 1 not in f for j in f) for _, w, f in pairs)
+        passes[stop] = engine.spec_metrics.num_seq_passes
+    assert changed[True] == 0 and changed[False] > 0, changed
+    assert through[True] > 0, through
+    assert passes[True] < 0.5 * plain_steps, (passes, plain_steps)
