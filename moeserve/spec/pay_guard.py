@@ -26,50 +26,71 @@ class _Rate:
 
 class PayGuard:
     """Does drafting pay, as realized? Tokens per second of whole decode steps (drafting,
-    verification, grammar work, the draft's catch-up of new sequences and forced text: all of
-    it), with drafts and without, per key (the engine's: batch-size bucket and whether a row is
-    constrained).
+    verification, grammar work, the draft's catch-up of new sequences: all of it), with drafts
+    and without, per key (the engine's: batch-size bucket and whether a row is constrained; the
+    key's tail, here whether constrained, is its kind).
 
     AdaptiveK's cost model predicts; this measures. They disagree where the model leaves
-    something out: under a JSON schema a draft stops where the grammar forces text, so proposals
-    are shorter than k and the formula's tokens per pass overstate them, and a new sequence's
-    first draft prefills its prompt on the draft model, a one-off the fit leaves out. When steps
-    with drafts have emitted fewer tokens per second than plain steps (both measured, min_steps
-    each; a key that has drafted min_steps steps and has fewer plain ones runs plain steps
-    until it has them), drafting is refused at that key. Every `recheck` refused steps
-    (doubling after each recheck that does not pay, up to 16 times) the drafting side is
-    forgotten, so the next recheck_steps steps (at most min_steps) draft again and are measured
-    afresh: a recheck asks whether things changed, and where drafting loses (a draft deployment
-    at 32 rows: steps of 20-70 ms with drafts, ~6 ms without) each of its steps costs.
+    something out: under a JSON schema the verify pass also carries the text the grammar forces,
+    the draft feeds it too, and the values drafts cover are where a draft guesses worst; a new
+    sequence's first draft prefills its prompt on the draft model, a one-off the fit leaves out.
+
+    At a key, min_steps plain steps are measured first (they cost nothing), then drafting steps.
+    Drafting is refused at the key when its steps have emitted fewer tokens per second than plain
+    ones: after min_steps of them, or already after recheck_steps when they emitted less than
+    `early` times as many (a clear loss is not measured further: at 16 rows under the demo schema a
+    drafting step took 16 ms against 6.5 ms plain). Every `recheck` refused steps (doubling after
+    each recheck that does not pay, up to 16 times) the drafting side is forgotten, so the next
+    recheck_steps steps draft again and are measured afresh: a recheck asks whether things changed.
+
+    Batch sizes are ordered: verifying k + 1 positions costs more, against a plain step, the more
+    rows share the pass. So a key not decided yet follows a refusal at a smaller batch-size bucket
+    of its kind (where drafting did not pay, it does not pay with more rows) instead of paying to
+    learn it again.
+
+    And once drafting has been refused somewhere for a kind, trying it again (a recheck) or at a
+    key of that kind not decided yet is paid from a budget: the seconds of such drafting steps stay
+    under `budget` of all decode steps' seconds. A batch of JSON replies runs most of its steps
+    at its full size and drains in a step or two per batch-size bucket; drafting in those few
+    steps, for rows the draft must first catch up, measured as paying on a handful of noisy steps
+    and cost whole runs 10-30%.
     """
 
-    def __init__(self, decay: float = 0.97, min_steps: int = 8, recheck: int = 64, recheck_steps: int = 3) -> None:
-        if not 0.0 < decay <= 1.0 or min_steps < 1 or recheck < 1 or recheck_steps < 1:
-            raise ValueError(f"need 0 < decay <= 1 and min_steps, recheck, recheck_steps >= 1; got {decay}, "
-                             f"{min_steps}, {recheck}, {recheck_steps}")
-        self.decay, self.min_steps, self.recheck = decay, min_steps, recheck
+    def __init__(self, decay: float = 0.97, min_steps: int = 8, recheck: int = 64, recheck_steps: int = 3,
+                 early: float = 0.8, budget: float = 0.03) -> None:
+        if not 0.0 < decay <= 1.0 or min(min_steps, recheck, recheck_steps) < 1 or not 0.0 <= early <= 1.0 \
+                or not 0.0 <= budget <= 1.0:
+            raise ValueError(f"need 0 < decay <= 1, min_steps, recheck, recheck_steps >= 1, 0 <= early <= 1 and "
+                             f"0 <= budget <= 1; got {decay}, {min_steps}, {recheck}, {recheck_steps}, {early}, {budget}")
+        self.decay, self.min_steps, self.recheck, self.early, self.budget = decay, min_steps, recheck, early, budget
         self.recheck_steps = min(recheck_steps, min_steps)
         self._needed: dict[tuple, int] = {}  # key -> drafting steps a decision needs (fewer after a recheck)
         self._rates: dict[tuple, tuple[_Rate, _Rate]] = {}  # key -> (plain steps, drafting steps)
         self._refused: dict[tuple, int] = {}  # key -> refused steps since the last recheck
         self._scale: dict[tuple, int] = {}  # key -> recheck interval multiplier
+        self._spent: dict[tuple, float] = {}  # kind -> seconds of drafting steps tried after a refusal
+        self._refusals: set[tuple] = set()  # kinds where drafting was refused somewhere
+        self._seconds = 0.0  # all decode steps'
         self.num_refused = 0
         self._warm = False  # whether a step with drafts was seen (the first is left out)
         self._last = False  # whether the step before drafted
+        self._trying: tuple | None = None  # the kind whose budget the last allowed drafting step is paid from
 
     def record(self, key: tuple, drafted: bool, tokens: int, seconds: float) -> None:
         """One decode step at `key`: whether it drafted, the tokens the target chose in it (not
         text a grammar forced), its seconds.
 
         A plain step right after a drafting step counts as drafting's: it feeds what the drafts
-        stopped short of (a draft ends where its grammar forces text, and the next step feeds
-        that text; under the demo schema at 8 rows such a plain step took 8.4 ms, against 4.5 ms
-        after a plain one). Counted as plain, these steps made plain decoding look dear next to
-        drafting and kept drafting on where whole runs were 0.8x; left out, the cost was
-        nobody's and alternating kept it on as well. The first step with drafts of the guard's
-        life is left out: it pays one-off set-up (a draft deployment's data channel, set up
-        through Ray on first use, costs tens of plain steps)."""
+        left (under the demo schema at 8 rows, when drafts stopped at forced text, such a plain
+        step took 8.4 ms, against 4.5 ms after a plain one). The first step with drafts of the
+        guard's life is left out: it pays one-off set-up (a draft deployment's data channel, set
+        up through Ray on first use, costs tens of plain steps)."""
         last, self._last = self._last, drafted
+        self._seconds += seconds
+        if (drafted or last) and self._trying is not None:
+            self._spent[self._trying] = self._spent.get(self._trying, 0.0) + seconds
+        if not drafted:
+            self._trying = None
         if drafted and not self._warm:
             self._warm = True
             return
@@ -77,23 +98,54 @@ class PayGuard:
 
     def allows(self, key: tuple) -> bool:
         """Whether a step at `key` may draft (the caller asks only when its model says k > 0)."""
-        plain, drafting = self._rates.get(key, (None, None))
-        if plain is None or drafting.steps < self._needed.get(key, self.min_steps):
-            return True
-        if plain.steps < self.min_steps:  # drafting measured, plain steps not yet: measure them
-            return False
-        if drafting.per_s >= plain.per_s:
+        plain, drafting = self._rates.setdefault(key, (_Rate(), _Rate()))
+        verdict = self._verdict(key)
+        if verdict:
             self._scale[key] = 1
             return True
+        if verdict is None:
+            if self._refused_below(key) or (plain.steps >= self.min_steps and not self._affordable(key)):
+                self.num_refused += 1
+                return False
+            if plain.steps < self.min_steps:
+                return False  # plain steps first, then drafting steps
+            self._try(key)
+            return True
         self.num_refused += 1
+        self._refusals.add(key[1:])
         refused = self._refused[key] = self._refused.get(key, 0) + 1
-        if refused >= self.recheck * self._scale.get(key, 1):
+        if refused >= self.recheck * self._scale.get(key, 1) and self._affordable(key):
             self._refused[key] = 0
             self._scale[key] = min(MAX_PROBE_SCALE, 2 * self._scale.get(key, 1))
             self._rates[key] = (plain, _Rate())  # measure drafting afresh
             self._needed[key] = self.recheck_steps
+            self._try(key)
             return True
         return False
+
+    def _verdict(self, key: tuple) -> bool | None:
+        """Whether drafting pays at key as measured; None while it is not measured enough to say."""
+        plain, drafting = self._rates.get(key, (None, None))
+        if plain is None or plain.steps < self.min_steps or drafting.steps < self.recheck_steps:
+            return None
+        if drafting.steps < self._needed.get(key, self.min_steps):
+            return False if drafting.per_s < self.early * plain.per_s else None  # a clear loss already
+        return drafting.per_s >= plain.per_s
+
+    def _refused_below(self, key: tuple) -> bool:
+        """Whether drafting was measured not to pay at a smaller batch-size bucket of key's kind."""
+        return any(k[0] < key[0] and k[1:] == key[1:] and self._verdict(k) is False for k in self._rates)
+
+    def _affordable(self, key: tuple) -> bool:
+        """Whether drafting at key is free to try: nowhere of its kind was it refused, or what
+        tries after refusals spent is within budget."""
+        kind = key[1:]
+        return kind not in self._refusals or self._spent.get(kind, 0.0) <= self.budget * self._seconds
+
+    def _try(self, key: tuple) -> None:
+        """The coming drafting step is paid from key's kind's budget when its kind saw a refusal."""
+        if key[1:] in self._refusals:
+            self._trying = key[1:]
 
     def rates(self, key: tuple) -> tuple[float, float]:
         """(plain, drafting) tokens per second at key, as measured (0: nothing yet)."""

@@ -218,23 +218,21 @@ def test_probes_that_do_not_pay_back_off() -> None:
 
 
 def test_pay_guard_refuses_drafting_that_has_not_paid_and_rechecks():
-    """Realized tokens per second with and without drafts, per key: drafting is refused where it
-    emitted fewer per second; every `recheck` refused steps (doubling) it is measured afresh."""
+    """Realized tokens per second with and without drafts, per key: plain steps are measured
+    first, then drafting steps; drafting is refused where it emitted fewer per second; every
+    `recheck` refused steps (doubling) it is measured afresh."""
     from moeserve.spec import PayGuard
 
-    guard = PayGuard(decay=1.0, min_steps=2, recheck=4)
+    guard = PayGuard(decay=1.0, min_steps=2, recheck=4, recheck_steps=2, budget=1.0)
     key = (1, True)
-    assert guard.allows(key)  # nothing measured: allowed
+    assert not guard.allows(key)  # nothing measured: plain steps first
+    for _ in range(2):
+        guard.record(key, False, 2, 0.005)  # 400 tokens/s without drafts
+    assert guard.allows(key)  # plain measured: drafting is tried
     guard.record(key, True, 1, 0.5)  # the first step with drafts (a channel's set-up): left out
-    for _ in range(2):
-        guard.record(key, True, 3, 0.010)  # 300 tokens/s with drafts
-    assert not guard.allows(key)  # drafting measured, plain not yet: a plain step to measure it
-    guard.record(key, False, 1, 0.010)  # right after drafting: feeds what the drafts stopped short of
-    assert guard.rates(key) == (0.0, pytest.approx(7 / 0.030))  # ... so it counts as drafting's
-    assert not guard.allows(key)
-    for _ in range(2):
-        guard.record(key, False, 2, 0.005)  # 400 tokens/s without
-    assert guard.rates(key) == (pytest.approx(400), pytest.approx(7 / 0.030))
+    guard.record(key, True, 3, 0.010)  # 300 tokens/s with drafts
+    guard.record(key, False, 1, 0.010)  # right after drafting: feeds what the drafts left ...
+    assert guard.rates(key) == (pytest.approx(400), pytest.approx(4 / 0.020))  # ... so it counts as drafting's
     decisions = [guard.allows(key) for _ in range(12)]
     assert decisions == [False, False, False, True] + [True] * 8  # the 4th refusal rechecks: measured afresh
     assert guard.num_refused == 4
@@ -244,24 +242,72 @@ def test_pay_guard_refuses_drafting_that_has_not_paid_and_rechecks():
     for _ in range(2):
         guard.record(key, True, 6, 0.010)  # 600/s: drafting pays now
     assert guard.allows(key) and guard.allows(key)
-    assert guard.allows((2, True))  # other keys are their own
     with pytest.raises(ValueError):
         PayGuard(min_steps=0)
+    with pytest.raises(ValueError):
+        PayGuard(budget=1.5)
 
 
-def test_a_pay_guard_recheck_measures_fewer_steps_than_the_first_decision():
-    """The first decision at a key waits for min_steps drafting steps; a recheck decides after
-    recheck_steps, since each drafting step where drafting loses costs."""
+def test_a_pay_guard_refuses_a_clear_loss_early_and_decides_a_small_one_at_min_steps():
+    """The first decision at a key waits for min_steps drafting steps, unless after recheck_steps
+    drafting emitted less than `early` times plain's rate; a recheck decides after recheck_steps."""
     from moeserve.spec import PayGuard
 
-    guard = PayGuard(decay=1.0, min_steps=4, recheck=2, recheck_steps=2)
+    def measured(drafting_rate: float) -> PayGuard:
+        guard = PayGuard(decay=1.0, min_steps=4, recheck=2, recheck_steps=2, budget=1.0)
+        guard.record((9, False), True, 1, 1.0)  # the guard's first drafting step: left out
+        guard.record((9, False), False, 1, 1.0)  # (counted as drafting's there: a step after drafting)
+        for _ in range(4):  # plain at 500/s
+            guard.record(key, False, 1, 0.002)
+        for _ in range(2):
+            guard.record(key, True, 2, 2 / drafting_rate)
+        return guard
+
     key = (6, False)
-    guard.record(key, True, 1, 1.0)  # the guard's first drafting step: left out
-    for drafted in [True] * 4 + [False] * 5:  # the first plain step counts as drafting's
-        guard.record(key, drafted, 2 if drafted else 1, 0.010 if drafted else 0.002)  # 200/s vs 500/s
-    assert [guard.allows(key) for _ in range(2)] == [False, True]  # refused, then the recheck
+    assert not measured(200).allows(key)  # 200/s against 500/s after two steps: refused already
+    guard = measured(450)  # 450/s: not a clear loss after two steps
+    assert guard.allows(key)
+    guard.record(key, True, 2, 2 / 450)
+    assert guard.allows(key)
+    guard.record(key, True, 2, 2 / 450)
+    assert [guard.allows(key) for _ in range(2)] == [False, True]  # four steps: refused; then the recheck
     guard.record(key, True, 2, 0.010)
     assert guard.allows(key)  # one drafting step is not yet a measurement
     guard.record(key, True, 2, 0.010)
     assert not guard.allows(key)  # two are: still losing, refused again
     assert PayGuard(min_steps=2, recheck_steps=5).recheck_steps == 2  # never more than the first decision's
+
+
+def test_a_pay_guard_follows_a_refusal_at_fewer_rows_and_tries_again_from_a_budget():
+    """Where drafting did not pay at a smaller batch-size bucket of the same kind, a bucket not
+    decided yet refuses it too (other kinds are their own); once refused, drafting steps tried
+    again (rechecks, undecided buckets) stay within `budget` of all decode steps' seconds."""
+    from moeserve.spec import PayGuard
+
+    guard = PayGuard(decay=1.0, min_steps=2, recheck=1, recheck_steps=2, budget=0.1)
+    small, large, other = (2, True), (4, True), (4, False)
+    for key in (small, large, other):
+        for _ in range(2):
+            guard.record(key, False, 2, 0.005)  # 400/s plain
+    guard.record(small, True, 1, 0.001)  # the guard's first drafting step: left out
+    for _ in range(2):
+        guard.record(small, True, 1, 0.010)  # 100/s with drafts: a clear loss (tried for free: no refusal yet)
+    assert guard.rates(small)[1] == pytest.approx(100)
+    assert not guard.allows(large)  # follows the smaller bucket's refusal
+    assert guard.allows(other)  # unconstrained batches: their own
+    assert guard.allows(small)  # the first recheck (recheck=1): nothing spent yet
+    for _ in range(2):
+        guard.record(small, True, 1, 0.010)  # still 100/s: paid from the budget
+    assert guard._spent[(True,)] == pytest.approx(0.020)
+    assert [guard.allows(small) for _ in range(2)] == [False, False]  # the next recheck is due, but over budget
+    for _ in range(40):  # plain steps grow the budget: 0.1 of all steps' seconds (the first, right after
+        guard.record(large, False, 2, 0.005)  # drafting, is paid from it too: 0.025 s spent)
+    assert guard._spent[(True,)] == pytest.approx(0.025)
+    assert guard.allows(small)  # affordable now: the recheck
+    for _ in range(2):
+        guard.record(small, True, 8, 0.010)  # 800/s: drafting pays at the small bucket now
+    assert guard.allows(small)
+    assert not guard.allows(large)  # no longer follows a refusal, but trying it waits for the budget
+    for _ in range(60):
+        guard.record(other, False, 2, 0.005)
+    assert guard._spent[(True,)] == pytest.approx(0.050) and guard.allows(large)
