@@ -176,7 +176,7 @@ class DraftModelProposer(Proposer):
         proposal of k draft tokens can then cover several fields of a JSON document, where one
         that stopped there covered one field."""
         self._clock += 1
-        proposals, through = self._round(requests, hypothetical, interrupted)
+        proposals, through = self._round(requests, hypothetical, interrupted, first=True)
         left = {i: requests[i].num_tokens - (len(proposals[i].token_ids) - len(f)) for i, f in through.items()}
         while through:  # rows that reached forced text with draft tokens left: one more round
             nxt, advanced = [], []
@@ -198,10 +198,12 @@ class DraftModelProposer(Proposer):
         return proposals
 
     def _round(
-        self, requests: list[ProposalRequest], hypothetical: bool, interrupted: Callable[[], bool] | None
+        self, requests: list[ProposalRequest], hypothetical: bool, interrupted: Callable[[], bool] | None,
+        first: bool = False,
     ) -> tuple[list[Proposal], dict[int, list[int]]]:
         """One batched draft of the requests: their proposals, and the rows (by request index) that
-        ended at text their grammar forces with draft tokens left, whose proposals end with that text."""
+        ended at text their grammar forces with draft tokens left, whose proposals end with that text.
+        first: the call's first round (its second choices are the ones kept, `runner_up`)."""
         rows = self._sync(requests, hypothetical)
         proposals = [Proposal([]) for _ in requests]
         if not rows:
@@ -215,7 +217,7 @@ class DraftModelProposer(Proposer):
             for r in rows:
                 self._hold(r.seq_id, r.tokens, len(r.tokens))
             raise
-        if second is not None:
+        if second is not None and first:
             self.runner_up = {r.seq_id: alt[: r.k] for r, alt in zip(rows, second.tolist())}
         sampled, through = 0, {}
         for b, (r, row) in enumerate(zip(rows, tokens.tolist())):
@@ -328,7 +330,7 @@ class DraftModelProposer(Proposer):
                     tk = batch.max_len[n - 1] + j
                     logits = self._step(out[:n, j - 1], batch.tables[:n], positions, tk, batch.ragged[n - 1])
                 masks.apply(logits, out, j)
-                if masks.all_ended(n):  # every row still drafting stopped at forced text
+                if masks.all_ended(n):  # every row still drafting ended (at forced text, or its output)
                     break
                 self._pick(rows, logits, j, out, probs, second, sampled)
         finally:
