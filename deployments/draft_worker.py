@@ -29,6 +29,7 @@ from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
+from deployments.draft_channel import Notice
 from deployments.draft_grammar import GrammarMirror, RemoteGrammar
 from moeserve.spec.proposer import Proposal, ProposalRequest
 
@@ -270,14 +271,15 @@ class DraftWorker:
                     self._hypotheses.setdefault(r.seq_id, set()).add(hyp)
                 hyps.append((r.seq_id, ProposalRequest(hyp, base + p.token_ids[:j] + [alt], r.num_tokens,
                                                        r.params)))
-        try:
-            got = self._draft_ahead(hyps, peek)
-        finally:
-            for matcher, n in advanced:
-                matcher.rollback(n)
-        if got is None:
-            return
-        push(self._keep(hyps, got, bases))
+        if hyps:  # none: every row's next proposal was drafted a round ahead already
+            try:
+                got = self._draft_ahead(hyps, peek)
+            finally:
+                for matcher, n in advanced:
+                    matcher.rollback(n)
+            if got is None:  # interrupted: the engine waits for the call that came
+                return
+            push(self._keep(hyps, got, bases))
         if self.config.predraft_rounds < 2:
             return
         # one round further for the unconstrained rows: after their guessed proposal, accepted whole
@@ -295,10 +297,12 @@ class DraftWorker:
         """One batched hypothetical propose of the guessed histories; None when there was nothing
         to draft, or when a call arrived that brings one of these sequences with a history none of
         them assumed (then it stops at the next draft step: the engine waits for that call).
-        yielding: it stops for any message, or any other engine's call waiting for the worker (a
-        round further ahead is worth less than handling the next message at once: a notice about
-        new sequences, say, whose first proposal the engine needs after its prefill, while the rows
-        drafted for may have finished)."""
+        yielding: it also stops for any other message, or any other engine's call waiting for the
+        worker (a round further ahead is worth less than handling the next message at once: a
+        notice about new sequences, say, whose first proposal the engine needs after its prefill),
+        except a notice that confirms it: every row of the engine's next step took the pushed
+        proposal this round goes on from (then this round is that step's next proposal, and
+        stopping would only draft it again)."""
         from moeserve.spec.draft_model import DraftInterrupted
 
         if not hyps:
@@ -307,10 +311,15 @@ class DraftWorker:
         assumed = {(seq, tuple(h.token_ids)) for seq, h in hyps}
         drafting = {seq for seq, _ in hyps}
 
+        def confirms(nxt: Any) -> bool:
+            return isinstance(nxt, Notice) and not nxt.msg.ahead and all(
+                any(h[: len(r.token_ids)] == tuple(r.token_ids) for s, h in assumed if s == r.seq_id)
+                for r in nxt.msg.requests)
+
         def missed() -> bool:
             # not a notice (the engine used a push) nor an ahead call (new sequences)
             nxt = peek() if peek is not None else None
-            if yielding and (nxt is not None or self._queued):
+            if yielding and (self._queued or (nxt is not None and not confirms(nxt))):
                 return True
             if not isinstance(nxt, DraftCall) or nxt.ahead:
                 return False

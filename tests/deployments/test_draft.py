@@ -274,6 +274,35 @@ def test_predrafting_stops_for_a_call_it_did_not_guess(ckpts):
     assert worker.num_predraft_interrupted == 3 and len(worker._ahead["s0"]) == 1
 
 
+def test_the_round_further_ahead_runs_on_for_a_notice_that_confirms_it(ckpts):
+    """PEARL's post-verify: the round further ahead is the proposal for the engine's step after
+    next. A notice saying that the engine took the pushed proposal this round goes on from does
+    not stop it (stopping would only draft it again); handling that notice then finds the row's
+    next proposal drafted and drafts only the round after it. A notice with another history
+    stops it."""
+    from deployments.draft_channel import Notice
+
+    _, draft_dir, _ = ckpts
+    worker = DraftWorker(config(draft_dir))
+    fresh = DraftModelProposer(load_checkpoint(draft_dir), 8, 96)
+    call = DraftCall([ProposalRequest("s0", PROMPTS[0], 3)])
+    first = worker.propose(call)
+    h1 = PROMPTS[0] + first[0].token_ids
+    h1 = h1 + fresh.propose([ProposalRequest("g", h1, 1)])[0].token_ids  # the guessed bonus token
+    confirm = Notice(DraftCall([ProposalRequest("s0", h1, 3)]))
+    worker.predraft(call, first, peek=lambda: confirm)
+    assert worker.num_predraft_interrupted == 0 and worker.num_predrafts == 2 and len(worker._ahead["s0"]) == 2
+    got = worker.propose(confirm.msg)
+    assert got[0].predrafted and got[0].token_ids == fresh.propose([ProposalRequest("f", h1, 3)])[0].token_ids
+    worker.predraft(confirm.msg, got)
+    assert worker.num_predrafts == 3 and len(worker._ahead["s0"]) == 2  # the rounds after h1's proposal
+    call = DraftCall([ProposalRequest("t0", PROMPTS[1], 3)])
+    first = worker.propose(call)
+    other = Notice(DraftCall([ProposalRequest("t0", PROMPTS[1] + [(first[0].token_ids[0] + 1) % 90], 3)]))
+    worker.predraft(call, first, peek=lambda: other)
+    assert worker.num_predraft_interrupted == 1 and len(worker._ahead["t0"]) == 1  # the round further ahead
+
+
 def test_an_ahead_call_drafts_a_new_sequence_while_the_target_prefills(ckpts):
     """An `ahead` call (the engine's prepare, before its prefill) is answered at once with no
     drafts; its pre-draft guesses the target's first token is the draft's own. The first call
