@@ -18,6 +18,7 @@ starts a new child when it dies; engines then fetch the new channel's address.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import pickle
 import sys
@@ -51,11 +52,14 @@ class DraftServerConfig:
     device: str = "auto"  # the draft's own GPU when the replica has one (ray_actor_options num_gpus)
     dtype: str = "auto"
     predraft: bool = True  # draft the next proposal while the target verifies (DraftWorker.predraft)
-    # Also pre-draft the outcomes where a draft is rejected (k more draft rows per sequence). On the
-    # demo pair (batch 1, k=4) it raises the share of calls answered from a pre-draft from 43% to
-    # 65%, but on one CPU core the extra rows cost more than they save (draft wait per call 2.7 ->
-    # 5.3 ms): for a draft on a GPU of its own, where a few more rows are nearly free.
-    predraft_partial: bool = False
+    # Also pre-draft this many outcomes per row where a draft is rejected: at the positions where
+    # the draft was least sure (its first choice's logit led its second's by the least), the
+    # target's correction guessed to be the draft's second choice. Each is one more draft row: on
+    # the demo pair (free-form, batch 1, adaptive k) 1 or 2 raised the share of rows answered from a
+    # pre-draft from 0.58 to 0.62-0.64, but on one CPU core the rows cost about what they saved
+    # (1.07x and 1.04x the in-process draft, against 1.06x with none): for a draft on a GPU of its
+    # own, where a few more rows are nearly free.
+    predraft_partial: int = 0
     # Pre-draft this many rounds ahead of the engine's step (with predraft): 1, the next proposal;
     # 2, also the one after it, assuming the next is accepted whole (PEARL's post-verify: the worker
     # drafts on while the target verifies, so the next step's proposals are pushed before it asks).
@@ -69,6 +73,8 @@ class DraftServerConfig:
     grammar: GrammarConfig | None = None
 
     def __post_init__(self) -> None:
+        if self.predraft_partial < 0:
+            raise ValueError(f"predraft_partial: >= 0, got {self.predraft_partial}")
         if self.predraft_rounds not in (1, 2):
             raise ValueError(f"predraft_rounds: 1 or 2, got {self.predraft_rounds}")
         if self.cpus is not None and (not self.cpus or min(self.cpus) < 0):
@@ -149,7 +155,9 @@ class DraftWorker:
         self._channel = None
         self._ahead: dict[str, dict[tuple[int, ...], list[int]]] = {}  # seq -> {assumed history: pre-drafted tokens}
         self._hypotheses: dict[str, set[str]] = {}  # seq -> the draft sequence ids of its partial outcomes
-        self.proposer.track_runner_up = config.predraft and config.predraft_partial
+        # seq -> {position: (the token drafted there, the draft's second choice, its logit's gap)}
+        self._seconds: dict[str, dict[int, tuple[int, int, float]]] = {}
+        self.proposer.track_runner_up = config.predraft and config.predraft_partial > 0
         self._predraft_s = 0.0
         self.num_predraft_hits = 0
         self.num_predraft_misses = 0
@@ -170,6 +178,7 @@ class DraftWorker:
                 self.proposer.on_finished(seq_id)
                 self.grammars.forget(seq_id)
                 self._ahead.pop(seq_id, None)
+                self._seconds.pop(seq_id, None)
                 for hyp in self._hypotheses.pop(seq_id, ()):
                     self.proposer.on_finished(hyp)
             # an ahead call too: its grammars start compiling and its pre-draft drafts under them
@@ -195,6 +204,7 @@ class DraftWorker:
             if todo:
                 for i, p in zip(todo, self.proposer.propose([requests[i] for i in todo])):
                     out[i] = p
+                    self._note_seconds(requests[i].seq_id, requests[i].seq_id, len(requests[i].token_ids))
             self._calls += 1
             self._busy_s += time.perf_counter() - t0
             return out
@@ -240,7 +250,6 @@ class DraftWorker:
 
     def _predraft(self, call: DraftCall, proposals: list[Proposal], peek: Callable[[], Any] | None,
                   push: Callable[[Any], None]) -> None:
-        runner_up = self.proposer.runner_up
         free = self.proposer.runner.num_free_slots
         hyps: list[tuple[str, ProposalRequest]] = []  # (the row's seq id, what to draft)
         bases = {r.seq_id: len(r.token_ids) for r in call.requests}
@@ -262,7 +271,7 @@ class DraftWorker:
                 if n == len(p.token_ids):
                     full = replace(full, grammar=matcher, jump_forward=call.grammars[r.seq_id].jump_forward)
             hyps.append((r.seq_id, full))
-            for j, alt in enumerate(runner_up.get(r.seq_id, [])[: len(p.token_ids)]):
+            for j, alt in self._unsure(r.seq_id, base, p.token_ids):
                 hyp = f"{r.seq_id}#{j}"
                 if hyp not in self._hypotheses.get(r.seq_id, set()):
                     if free <= 0:
@@ -343,8 +352,33 @@ class DraftWorker:
                 assumed, tokens = tuple(h.token_ids), p.token_ids
             if tokens:
                 self._ahead.setdefault(seq, {})[assumed] = tokens
+                self._note_seconds(seq, h.seq_id, len(assumed), skip=len(assumed) - len(h.token_ids))
                 pushed.setdefault(seq, []).append(Predraft(bases[seq], assumed[bases[seq]:], tokens))
         return pushed
+
+    def _note_seconds(self, seq_id: str, drafted_as: str, start: int, skip: int = 0) -> None:
+        """Keeps the second choices of what the draft sequence `drafted_as` just drafted for seq_id,
+        its first token at position `start` past `skip` tokens (a guessed bonus token)."""
+        if not self.proposer.track_runner_up:
+            return
+        drafted = self.proposer.runner_up.get(drafted_as, [])[skip:]
+        if drafted:
+            mine = self._seconds.setdefault(seq_id, {})
+            for i, (token, alt, gap) in enumerate(drafted):
+                mine[start + i] = token, alt, gap
+
+    def _unsure(self, seq_id: str, base: list[int], tokens: list[int]) -> list[tuple[int, int]]:
+        """(j, the draft's second choice there) for the proposal's `predraft_partial` draft tokens
+        the draft was least sure of (drafts kept from other histories than this one are only
+        guesses, which a miss costs nothing but the rows), in order of j."""
+        mine = self._seconds.get(seq_id)
+        if not mine or not self.config.predraft_partial:
+            return []
+        for pos in [pos for pos in mine if pos < len(base)]:
+            del mine[pos]
+        known = [(got[2], j, got[1]) for j, t in enumerate(tokens)
+                 if (got := mine.get(len(base) + j)) and got[0] == t and math.isfinite(got[2])]
+        return sorted((j, alt) for _, j, alt in sorted(known)[: self.config.predraft_partial])
 
     def _next_of(self, seq_id: str, history: list[int] | tuple[int, ...]) -> tuple[int, ...] | None:
         """The history after the proposal pre-drafted for `history` + a guessed bonus token, accepted

@@ -139,7 +139,10 @@ class DraftModelProposer(Proposer):
         self.lean = DenseDecodeStep(model, self.runner.cache, max_model_len) if DenseDecodeStep.supports(model) else None
         self.greedy = greedy
         self.track_runner_up = False  # keep each row's second choices (`runner_up`) for pre-drafting
-        self.runner_up: dict[str, list[int]] = {}  # of the last call's rows
+        # of the last call's rows: per draft position, the token drafted, the draft's second choice
+        # and its logit's gap below the first (small: the draft was unsure, and the target is likelier
+        # to differ there)
+        self.runner_up: dict[str, list[tuple[int, int, float]]] = {}
         self.sampler = Sampler()
         self._seqs: dict[str, _DraftSeq] = {}
         self._clock = 0
@@ -218,7 +221,9 @@ class DraftModelProposer(Proposer):
                 self._hold(r.seq_id, r.tokens, len(r.tokens))
             raise
         if second is not None and first:
-            self.runner_up = {r.seq_id: alt[: r.k] for r, alt in zip(rows, second.tolist())}
+            drafted, alts, gaps = tokens.tolist(), second[0].tolist(), second[1].tolist()
+            self.runner_up = {r.seq_id: list(zip(d[: r.k], a[: r.k], g[: r.k]))
+                              for r, d, a, g in zip(rows, drafted, alts, gaps)}
         sampled, through = 0, {}
         for b, (r, row) in enumerate(zip(rows, tokens.tolist())):
             q = None
@@ -305,10 +310,11 @@ class DraftModelProposer(Proposer):
 
     def _draft(
         self, rows: list[_Row], batch: _Batch, logits: torch.Tensor, interrupted: Callable[[], bool] | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, GrammarMasks]:
+    ) -> tuple[torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None, GrammarMasks]:
         """Draft tokens [B, K]; for sampling rows, their q [S, K, V]; with `track_runner_up`, the
         draft's second choice at each position [B, K] (what pre-drafting guesses the target's
-        correction to be when it rejects that draft); the grammar masks, whose `ends` and
+        correction to be when it rejects that draft) and its logit's gap below the first [B, K];
+        the grammar masks, whose `ends` and
         `forced` say which rows ended at text their grammar forces (or completed their output)."""
         width = rows[0].k
         neg_k = [-r.k for r in rows]  # ascending
@@ -316,7 +322,9 @@ class DraftModelProposer(Proposer):
         sampled = [b for b, r in enumerate(rows) if r.params is not None]
         out = torch.full((len(rows), width), -1, dtype=torch.long, device=self.device)  # [B, K]; -1: not drafted
         probs = torch.empty(len(sampled), width, logits.shape[-1]) if sampled else None  # [S, K, V]
-        second = torch.zeros_like(out) if self.track_runner_up and logits.shape[-1] > 1 else None
+        second = None
+        if self.track_runner_up and logits.shape[-1] > 1:
+            second = torch.zeros_like(out), torch.full(out.shape, float("inf"), device=self.device)
         # a sampled row never ends by its values: a cut that depends on what the draft drew biases the output
         masks = GrammarMasks([r.grammar for r in rows], logits.shape[-1],
                              [r.jump_forward and r.params is None for r in rows])
@@ -338,12 +346,14 @@ class DraftModelProposer(Proposer):
         return out, probs, second, masks
 
     def _pick(self, rows: list[_Row], logits: torch.Tensor, j: int, out: torch.Tensor, probs: torch.Tensor | None,
-              second: torch.Tensor | None, sampled: list[int]) -> None:
+              second: tuple[torch.Tensor, torch.Tensor] | None, sampled: list[int]) -> None:
         """Draft j of the first n = len(logits) rows: the argmax, or a draw for sampling rows."""
         n = logits.shape[0]
         out[:n, j] = logits.argmax(dim=-1)  # [n]
         if second is not None:
-            second[:n, j] = logits.scatter(1, out[:n, j, None], float("-inf")).argmax(dim=-1)
+            alt, gap = second
+            alt[:n, j] = logits.scatter(1, out[:n, j, None], float("-inf")).argmax(dim=-1)
+            gap[:n, j] = logits.gather(1, out[:n, j, None])[:, 0] - logits.gather(1, alt[:n, j, None])[:, 0]
         if sampled:
             s = bisect_left(sampled, n)  # sampling rows among the first n
             if s:

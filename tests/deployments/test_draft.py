@@ -229,12 +229,12 @@ def test_predrafted_proposals_are_what_drafting_then_would_give(ckpts):
     the correction) answer with the tokens a fresh draft gives for that history; a miss drafts
     anew: the same tokens either way."""
     _, draft_dir, _ = ckpts
-    worker = DraftWorker(replace(config(draft_dir), predraft_partial=True))
+    worker = DraftWorker(replace(config(draft_dir), predraft_partial=3))
     fresh = DraftModelProposer(load_checkpoint(draft_dir), 8, 96)
     reqs = [ProposalRequest(f"s{i}", p, 3) for i, p in enumerate(PROMPTS[:3])]
     call = DraftCall(reqs)
     first = worker.propose(call)
-    second_choice = dict(worker.proposer.runner_up)
+    second_choice = {seq: [alt for _, alt, _ in seconds] for seq, seconds in worker.proposer.runner_up.items()}
     worker.predraft(call, first)
     guess = fresh.propose([ProposalRequest("g", reqs[0].token_ids + first[0].token_ids, 1)])[0].token_ids
     wrong = next(t for t in range(2, 90) if t not in (first[2].token_ids[0], second_choice["s2"][0]))
