@@ -249,6 +249,24 @@ def test_predrafted_proposals_are_what_drafting_then_would_give(ckpts):
     assert worker.stats()["tracked_seqs"] == 0  # the partial outcomes' draft sequences went with them
 
 
+def test_partial_outcomes_are_predrafted_where_the_draft_was_least_sure(ckpts):
+    """predraft_partial=1: one rejection outcome per row, at the draft position whose first
+    choice led its second by the least logit gap, with the second choice as the correction."""
+    _, draft_dir, _ = ckpts
+    worker = DraftWorker(replace(config(draft_dir), predraft_partial=1))
+    call = DraftCall([ProposalRequest(f"s{i}", p, 4) for i, p in enumerate(PROMPTS[:2])])
+    first = worker.propose(call)
+    seconds = dict(worker.proposer.runner_up)
+    worker.predraft(call, first)
+    for i, p in enumerate(first):
+        drafted, alts, gaps = zip(*seconds[f"s{i}"])
+        assert list(drafted) == p.token_ids
+        j = min(range(len(gaps)), key=gaps.__getitem__)
+        assert worker._hypotheses[f"s{i}"] == {f"s{i}#{j}"}
+        partial = tuple(PROMPTS[i] + p.token_ids[:j] + [alts[j]])
+        assert partial in worker._ahead[f"s{i}"]
+
+
 def test_predrafting_stops_for_a_call_it_did_not_guess(ckpts):
     """The engine's next call arrives mid-pre-draft with a history no outcome assumed: the
     pre-draft stops at the next draft step, keeps nothing, and drafting that call gives what a
