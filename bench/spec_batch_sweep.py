@@ -10,7 +10,8 @@ its own (the draft deployment's worker and data channel, without Ray: `DraftProc
 to the last CPU and the engine to the others. Greedy, so every case writes the same tokens;
 ratios are medians of per-round ratios against no speculation.
 
-    python -m bench.spec_batch_sweep [--quick] [--rounds R] [--batches 1,2,4,8,16,32] [--no-deployment]
+    python -m bench.spec_batch_sweep [--quick] [--rounds R] [--batches 1,2,4,8,16,32] [--sets formulaic,free-form,json]
+                                     [--no-deployment]
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from moeserve.spec.draft_model import DraftModelProposer  # noqa: E402
 from moeserve.tokenizer import load_tokenizer  # noqa: E402
 
 NONE = "no speculation"
+SETS = {"formulaic": "formulaic", "free-form": "free-form", "json": "formulaic, JSON schema"}  # --sets: row labels
 DEPLOYMENT = "deployment, adaptive k<=8"
 
 
@@ -48,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="two batch sizes, fewer tokens and rounds")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--batches", default="1,2,4,8,16,32")
+    ap.add_argument("--sets", default=",".join(SETS), help="prompt sets, of: " + ", ".join(SETS))
     ap.add_argument("--new-tokens", type=int, default=96)
     ap.add_argument("--min-prompts", type=int, default=8,
                     help="prompts per timed run at least (in groups of the batch): one 96-token reply is ~50 ms")
@@ -68,9 +71,11 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = load_tokenizer(args.target)
     target, draft = load_checkpoint(args.target), load_checkpoint(args.draft)
     schema = GrammarCompiler(tokenizer, target.config.vocab_size).compile(GrammarSpec.json_schema(DEMO_SCHEMA))
-    sets = {"formulaic": (formulaic(tokenizer, num_prompts), None),
-            "free-form": (free_form(tokenizer, num_prompts), None),
-            "formulaic, JSON schema": (formulaic(tokenizer, num_prompts), schema)}
+    wanted = args.sets.split(",")
+    if unknown := set(wanted) - set(SETS):
+        ap.error(f"--sets: unknown {sorted(unknown)}; known: {', '.join(SETS)}")
+    sets = {SETS[name]: ((free_form if name == "free-form" else formulaic)(tokenizer, num_prompts),
+                         schema if name == "json" else None) for name in wanted}
     k, off = args.k, args.disable_by_batch_size
     worker, split = None, split_cpus() if args.deployment else None
     if args.deployment:
@@ -111,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
             worker.close()
 
     cols = [c for c in rows[0] if c not in ("prompts", "batch")]
+    # a quick run, or some of the sets, is written beside the full report, not over it
+    report_name = "spec_batch_sweep" + ("-quick" if args.quick else "") + ("" if len(sets) == len(SETS) else "-" + "-".join(wanted))
     table = ["| prompts | batch | " + " | ".join(cols) + " |", "|---|---|" + "---|" * len(cols)]
     table += [f"| {r['prompts']} | {r['batch']} | " + " | ".join(f"{r[c]:.2f}" for c in cols) + " |" for r in rows]
     worst = {c: min(r[c] for r in rows) for c in cols[:-1]}
@@ -124,8 +131,9 @@ def main(argv: list[str] | None = None) -> int:
         f"{', pinned to the last CPU and the engine to the others' if split else ''}.", "",
         *table, "",
         "Worst row per rule: " + ", ".join(f"{c} {v:.2f}x" for c, v in worst.items()) + ".", "",
-        f"![ratio by batch]({'spec_batch_sweep-quick' if args.quick else 'spec_batch_sweep'}-ratio.png)", ""])
-    fig, axes = plt.subplots(1, len(sets), figsize=(4.5 * len(sets), 3.6), sharey=True)
+        f"![ratio by batch]({report_name}-ratio.png)", ""])
+    fig, axes = plt.subplots(1, len(sets), figsize=(4.5 * len(sets), 3.6), sharey=True, squeeze=False)
+    axes = axes[0]
     for ax, name in zip(axes, sets):
         mine = [r for r in rows if r["prompts"] == name]
         for c in cols[:-1]:
@@ -139,8 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     axes[0].legend(fontsize=8)
     fig.tight_layout()
     data = {"bench": "spec_batch_sweep", "setup": report.portable(vars(args)), "environment": env, "rows": rows}
-    name = "spec_batch_sweep-quick" if args.quick else "spec_batch_sweep"
-    for path in report.write(name, data, md, {"ratio": fig}):
+    for path in report.write(report_name, data, md, {"ratio": fig}):
         print("wrote", path.relative_to(report.REPORTS.parent.parent))
     return 0
 

@@ -143,7 +143,8 @@ class LLMEngine:
             if batch.is_prefill:
                 for seq in batch.seqs:  # a paged runner may hold a prefix already (prefix caching)
                     seq.num_cached = max(seq.num_cached, self.runner.add(seq.seq_id, seq.token_ids))
-                if self.proposer is not None and self.spec.num_tokens > 0:  # a draft deployment drafts meanwhile
+                if self.proposer is not None and self.spec.num_tokens > 0 and self._may_draft(self.scheduler.running):
+                    # a draft deployment drafts their first proposals meanwhile
                     self.proposer.prepare([self._proposal_request(s, self.spec.num_tokens) for s in batch.seqs])
                 new_tokens = self._prefill(batch)
             else:
@@ -155,6 +156,18 @@ class LLMEngine:
             self.pay_guard.record(self._guard_key(batch.seqs), self._drafted,
                                   sum(map(len, new_tokens)) - self._forced_emitted, time.perf_counter() - t0)
         return outputs
+
+    def _may_draft(self, seqs: list[Sequence]) -> bool:
+        """Whether a decode step of these rows may draft, as far as is known before it: not where
+        adaptive k's model gives k = 0 at their batch size or PayGuard refused drafting there. (A
+        draft deployment's pre-drafts for new rows that will not draft only take the machine's
+        time: on two cores, the target's passes ran up to ~10% slower beside them.)"""
+        if self.adaptive is None:
+            return True
+        alphas = [self.adaptive.alpha(s.seq_id) for s in seqs]
+        if self.adaptive.best_batch_k(alphas, self.adaptive.costs_for(len(seqs))) == 0:
+            return False
+        return not self.pay_guard.refused(self._guard_key(seqs))
 
     @staticmethod
     def _guard_key(seqs: list[Sequence]) -> tuple[int, bool]:

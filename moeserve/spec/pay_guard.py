@@ -36,8 +36,10 @@ class PayGuard:
     sequence's first draft prefills its prompt on the draft model, a one-off the fit leaves out.
 
     At a key, min_steps plain steps are measured first (they cost nothing), then drafting steps.
-    Drafting is refused at the key when its steps have emitted fewer tokens per second than plain
-    ones: after min_steps of them, or already after recheck_steps when they emitted less than
+    Drafting is refused at the key unless its steps emitted `margin` times as many tokens per
+    second as plain ones (a machine's noise is as large as a small gain, and taking noise for a
+    gain costs more than missing a small one: under the demo schema at 2 rows, an engine whose
+    guard had let drafting on emitted 0.79x of plain decoding): after min_steps of them, or already after recheck_steps when they emitted less than
     `early` times as many (a clear loss is not measured further: at 16 rows under the demo schema a
     drafting step took 16 ms against 6.5 ms plain). Every `recheck` refused steps (doubling after
     each recheck that does not pay, up to 16 times) the drafting side is forgotten, so the next
@@ -57,12 +59,14 @@ class PayGuard:
     """
 
     def __init__(self, decay: float = 0.97, min_steps: int = 8, recheck: int = 64, recheck_steps: int = 3,
-                 early: float = 0.8, budget: float = 0.03) -> None:
+                 early: float = 0.8, budget: float = 0.03, margin: float = 1.05) -> None:
         if not 0.0 < decay <= 1.0 or min(min_steps, recheck, recheck_steps) < 1 or not 0.0 <= early <= 1.0 \
-                or not 0.0 <= budget <= 1.0:
-            raise ValueError(f"need 0 < decay <= 1, min_steps, recheck, recheck_steps >= 1, 0 <= early <= 1 and "
-                             f"0 <= budget <= 1; got {decay}, {min_steps}, {recheck}, {recheck_steps}, {early}, {budget}")
+                or not 0.0 <= budget <= 1.0 or margin < 1.0:
+            raise ValueError(f"need 0 < decay <= 1, min_steps, recheck, recheck_steps >= 1, 0 <= early <= 1, "
+                             f"0 <= budget <= 1 and margin >= 1; got {decay}, {min_steps}, {recheck}, "
+                             f"{recheck_steps}, {early}, {budget}, {margin}")
         self.decay, self.min_steps, self.recheck, self.early, self.budget = decay, min_steps, recheck, early, budget
+        self.margin = margin
         self.recheck_steps = min(recheck_steps, min_steps)
         self._needed: dict[tuple, int] = {}  # key -> drafting steps a decision needs (fewer after a recheck)
         self._rates: dict[tuple, tuple[_Rate, _Rate]] = {}  # key -> (plain steps, drafting steps)
@@ -123,6 +127,11 @@ class PayGuard:
             return True
         return False
 
+    def refused(self, key: tuple) -> bool:
+        """Whether drafting at `key` was measured not to pay, there or at a smaller batch-size
+        bucket of its kind (what `allows` then says until a recheck)."""
+        return self._verdict(key) is False or self._refused_below(key)
+
     def _verdict(self, key: tuple) -> bool | None:
         """Whether drafting pays at key as measured; None while it is not measured enough to say."""
         plain, drafting = self._rates.get(key, (None, None))
@@ -130,7 +139,7 @@ class PayGuard:
             return None
         if drafting.steps < self._needed.get(key, self.min_steps):
             return False if drafting.per_s < self.early * plain.per_s else None  # a clear loss already
-        return drafting.per_s >= plain.per_s
+        return drafting.per_s >= self.margin * plain.per_s
 
     def _refused_below(self, key: tuple) -> bool:
         """Whether drafting was measured not to pay at a smaller batch-size bucket of key's kind."""

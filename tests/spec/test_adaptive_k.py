@@ -250,7 +250,8 @@ def test_pay_guard_refuses_drafting_that_has_not_paid_and_rechecks():
 
 def test_a_pay_guard_refuses_a_clear_loss_early_and_decides_a_small_one_at_min_steps():
     """The first decision at a key waits for min_steps drafting steps, unless after recheck_steps
-    drafting emitted less than `early` times plain's rate; a recheck decides after recheck_steps."""
+    drafting emitted less than `early` times plain's rate; a recheck decides after recheck_steps.
+    Drafting pays where it emitted `margin` times plain's rate, not where it emitted a little more."""
     from moeserve.spec import PayGuard
 
     def measured(drafting_rate: float) -> PayGuard:
@@ -276,6 +277,16 @@ def test_a_pay_guard_refuses_a_clear_loss_early_and_decides_a_small_one_at_min_s
     guard.record(key, True, 2, 0.010)
     assert not guard.allows(key)  # two are: still losing, refused again
     assert PayGuard(min_steps=2, recheck_steps=5).recheck_steps == 2  # never more than the first decision's
+    guard = measured(510)  # 510/s against 500/s: more, but not by `margin` (1.05): refused at min_steps
+    for _ in range(2):
+        guard.record(key, True, 2, 2 / 510)
+    assert not guard.allows(key)
+    guard = measured(530)  # 530/s: by more than the margin, it pays
+    for _ in range(2):
+        guard.record(key, True, 2, 2 / 530)
+    assert guard.allows(key) and guard.allows(key)
+    with pytest.raises(ValueError, match="margin"):
+        PayGuard(margin=0.9)
 
 
 def test_a_pay_guard_follows_a_refusal_at_fewer_rows_and_tries_again_from_a_budget():

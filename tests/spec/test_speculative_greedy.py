@@ -125,3 +125,22 @@ def test_the_proposer_hears_of_each_sequence_before_its_prefill(setup):
     events.clear()
     assert run(make_engine(target, Recording(drafts["noisy"], NUM_SEQS, 96), k=0), prompts[:2], params[:2]) == plain[:2]
     assert events == []
+
+
+def test_no_sequence_is_prepared_for_where_drafting_will_not_run(setup):
+    """With adaptive k, `prepare` is skipped where the decode steps after the prefill will not
+    draft: PayGuard refused drafting at their batch size (or adaptive k's model gives k = 0)."""
+    target, drafts, prompts, params, plain = setup
+    prepared = []
+
+    class Recording(DraftModelProposer):
+        def prepare(self, requests):
+            prepared.extend(r.seq_id for r in requests)
+
+    engine = make_engine(target, Recording(drafts["noisy"], NUM_SEQS, 96), k=4, max_num_seqs=1, adaptive=True)
+    assert run(engine, prompts[:1], params[:1]) == plain[:1] and len(prepared) == 1
+    key = (1, False)  # one row, unconstrained: drafting measured to lose there
+    for drafted, seconds in [(False, 0.001)] * engine.pay_guard.min_steps + [(True, 0.01)] * (engine.pay_guard.min_steps + 1):
+        engine.pay_guard.record(key, drafted, 1, seconds)
+    assert engine.pay_guard.refused(key)
+    assert run(engine, prompts[1:3], params[1:3]) == plain[1:3] and len(prepared) == 1
