@@ -41,6 +41,7 @@ from moeserve.spec.draft_model import DraftModelProposer  # noqa: E402
 from moeserve.tokenizer import load_tokenizer  # noqa: E402
 
 NONE = "no speculation"
+AGAIN = "no speculation again (A/A)"  # a second plain engine: how far two identical cases differ here
 SETS = {"formulaic": "formulaic", "free-form": "free-form", "json": "formulaic, JSON schema"}  # --sets: row labels
 DEPLOYMENT = "deployment, adaptive k<=8"
 
@@ -48,11 +49,11 @@ DEPLOYMENT = "deployment, adaptive k<=8"
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.spec_batch_sweep", description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="two batch sizes, fewer tokens and rounds")
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--batches", default="1,2,4,8,16,32")
     ap.add_argument("--sets", default=",".join(SETS), help="prompt sets, of: " + ", ".join(SETS))
     ap.add_argument("--new-tokens", type=int, default=96)
-    ap.add_argument("--min-prompts", type=int, default=8,
+    ap.add_argument("--min-prompts", type=int, default=16,
                     help="prompts per timed run at least (in groups of the batch): one 96-token reply is ~50 ms")
     ap.add_argument("--k", type=int, default=4, help="draft tokens per step of the fixed-k cases (adaptive: at most 8)")
     ap.add_argument("--disable-by-batch-size", type=int, default=12, help="the static rule's threshold")
@@ -107,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
                 }
                 if worker is not None:
                     cases[DEPLOYMENT] = case(ps, batch, SpecConfig(num_tokens=8, adaptive=True), grammar, remote=True)
+                cases[AGAIN] = case(ps, batch, None, grammar)
                 summary = summarize(interleaved(cases, args.rounds, desc=f"{name} batch {batch}"), NONE)
                 rows.append({"prompts": name, "batch": batch, **{c: summary[c]["median_ratio"] for c in cases if c != NONE},
                              "tokens/s, no speculation": summary[NONE]["median_tokens_per_s"]})
@@ -120,7 +122,9 @@ def main(argv: list[str] | None = None) -> int:
     report_name = "spec_batch_sweep" + ("-quick" if args.quick else "") + ("" if len(sets) == len(SETS) else "-" + "-".join(wanted))
     table = ["| prompts | batch | " + " | ".join(cols) + " |", "|---|---|" + "---|" * len(cols)]
     table += [f"| {r['prompts']} | {r['batch']} | " + " | ".join(f"{r[c]:.2f}" for c in cols) + " |" for r in rows]
-    worst = {c: min(r[c] for r in rows) for c in cols[:-1]}
+    rules = [c for c in cols[:-1] if c != AGAIN]
+    worst = {c: min(r[c] for r in rows) for c in rules}
+    control = [r[AGAIN] for r in rows]
     md = "\n".join([
         "# Speculation by batch size", "",
         f"`python -m bench.spec_batch_sweep`: demo pair, greedy, {args.new_tokens} new tokens per "
@@ -131,13 +135,17 @@ def main(argv: list[str] | None = None) -> int:
         f"{', pinned to the last CPU and the engine to the others' if split else ''}.", "",
         *table, "",
         "Worst row per rule: " + ", ".join(f"{c} {v:.2f}x" for c, v in worst.items()) + ".", "",
+        f"The A/A control (a second engine without speculation, against the first) ranged "
+        f"{min(control):.2f}-{max(control):.2f}x: a rule's row within that range of 1.00 is within this "
+        f"machine's noise.", "",
         f"![ratio by batch]({report_name}-ratio.png)", ""])
     fig, axes = plt.subplots(1, len(sets), figsize=(4.5 * len(sets), 3.6), sharey=True, squeeze=False)
     axes = axes[0]
     for ax, name in zip(axes, sets):
         mine = [r for r in rows if r["prompts"] == name]
-        for c in cols[:-1]:
+        for c in rules:
             ax.plot([r["batch"] for r in mine], [r[c] for r in mine], marker="o", label=c)
+        ax.plot([r["batch"] for r in mine], [r[AGAIN] for r in mine], color="grey", ls="--", label=AGAIN)
         ax.axhline(1.0, color="grey", lw=0.8)
         ax.axhline(0.97, color="grey", lw=0.8, ls=":")
         ax.set_xscale("log", base=2)
