@@ -79,8 +79,10 @@ class AdaptiveKConfig:
         of the plain steps between them (a draft behind a 15 ms network hop probes every
         ~75 plain 4 ms steps at 0.05, not every probe_every).
     explore_every: while a batch-size bucket drafts, every this many of its steps is plain
-        (k = 0), and so are its 4th, 8th, 16th, ... drafting steps before that, so its costs are
-        measured at two widths and the slope of a position is known (0: never).
+        (k = 0), two in a row (the first feeds what the drafts left; the second is a plain step as
+        plain steps are, which PayGuard keeps measuring drafting against), and so are its 4th, 8th,
+        16th, ... drafting steps before that, so its costs are measured at two widths and the slope
+        of a position is known (0: never).
     """
 
     k_max: int = 8
@@ -237,9 +239,9 @@ class AdaptiveK:
         self._steps_at_zero[b] = 0
         d = self._steps_drafting[b] = self._steps_drafting.get(b, 0) + 1
         every = self.config.explore_every
-        # plain steps at drafting steps 4, 8, 16, ... up to explore_every, then every explore_every:
+        # plain steps at drafting steps 4, 8, 16, ... up to explore_every, then two every explore_every:
         # a new bucket measures a plain pass early, before its first refits
-        if every and (d % every == 0 or (4 <= d < every and d & (d - 1) == 0)):
+        if every and (d % every == 0 or (d > every and d % every == 1) or (4 <= d < every and d & (d - 1) == 0)):
             return [0] * n
         return [k] * n
 

@@ -178,14 +178,15 @@ def test_each_batch_size_bucket_chooses_from_its_own_costs() -> None:
 
 def test_a_batch_probes_together_and_explores_plain_steps() -> None:
     """No row drafts: every probe interval all rows draft one token at once (one wider pass, not
-    one per sequence). Rows draft: every explore_every-th step is plain, to measure a plain pass."""
+    one per sequence). Rows draft: every explore_every-th step is plain, to measure a plain pass
+    (two in a row: the second is measured as plain steps are)."""
     quiet = AdaptiveK(AdaptiveKConfig(k_max=4, probe_every=3, prior_alpha=0.0), DEAR_DRAFT)
     rows = ["a", "b", "c"]
     assert [quiet.choose_batch(rows) for _ in range(9)] == [[0] * 3, [0] * 3, [1] * 3] + [[0] * 3] * 5 + [[1] * 3]
     busy = AdaptiveK(AdaptiveKConfig(k_max=4, prior_alpha=0.9, explore_every=32), CHEAP_DRAFT)
     steps = [busy.choose_batch(rows) for _ in range(100)]
-    plain = [i + 1 for i, s in enumerate(steps) if s == [0] * 3]  # early in a bucket, then every 32
-    assert plain == [4, 8, 16, 32, 64, 96] and all(min(s) > 0 for s in steps if s != [0] * 3)
+    plain = [i + 1 for i, s in enumerate(steps) if s == [0] * 3]  # early in a bucket, then two every 32
+    assert plain == [4, 8, 16, 32, 33, 64, 65, 96, 97] and all(min(s) > 0 for s in steps if s != [0] * 3)
 
 
 def test_a_batch_drafts_one_k_chosen_for_all_its_rows() -> None:
@@ -218,23 +219,26 @@ def test_probes_that_do_not_pay_back_off() -> None:
 
 
 def test_pay_guard_refuses_drafting_that_has_not_paid_and_rechecks():
-    """Realized tokens per second with and without drafts, per key: plain steps are measured
-    first, then drafting steps; drafting is refused where it emitted fewer per second; every
+    """Realized tokens per second with and without drafts, per key: while undecided, plain and
+    drafting steps take turns; drafting is refused where it emitted fewer per second; every
     `recheck` refused steps (doubling) it is measured afresh."""
     from moeserve.spec import PayGuard
 
     guard = PayGuard(decay=1.0, min_steps=2, recheck=4, recheck_steps=2, budget=1.0)
     key = (1, True)
-    assert not guard.allows(key)  # nothing measured: plain steps first
-    for _ in range(2):
-        guard.record(key, False, 2, 0.005)  # 400 tokens/s without drafts
-    assert guard.allows(key)  # plain measured: drafting is tried
+    assert not guard.allows(key)  # nothing measured: a plain step first
+    guard.record(key, False, 2, 0.005)  # 400 tokens/s without drafts
+    assert guard.allows(key)  # then a drafting step
     guard.record(key, True, 1, 0.5)  # the first step with drafts (a channel's set-up): left out
+    assert not guard.allows(key)
+    guard.record(key, False, 1, 0.010)  # right after drafting: feeds what the drafts left, so drafting's
+    assert not guard.allows(key)  # a plain step as plain steps are, before the next drafting one
+    guard.record(key, False, 2, 0.005)
+    assert guard.allows(key)
     guard.record(key, True, 3, 0.010)  # 300 tokens/s with drafts
-    guard.record(key, False, 1, 0.010)  # right after drafting: feeds what the drafts left ...
-    assert guard.rates(key) == (pytest.approx(400), pytest.approx(4 / 0.020))  # ... so it counts as drafting's
+    assert guard.rates(key) == (pytest.approx(400), pytest.approx(4 / 0.020))
     decisions = [guard.allows(key) for _ in range(12)]
-    assert decisions == [False, False, False, True] + [True] * 8  # the 4th refusal rechecks: measured afresh
+    assert decisions == [False, False, False, True] + [False] * 8  # the 4th refusal rechecks: one drafting step
     assert guard.num_refused == 4
     for _ in range(2):
         guard.record(key, True, 3, 0.010)  # still 300/s: refused again, now for 8 steps
@@ -254,36 +258,38 @@ def test_a_pay_guard_refuses_a_clear_loss_early_and_decides_a_small_one_at_min_s
     Drafting pays where it emitted `margin` times plain's rate, not where it emitted a little more."""
     from moeserve.spec import PayGuard
 
+    def turn(guard: PayGuard, drafting_rate: float) -> None:
+        """A drafting step, the plain step after it (drafting's: it feeds what the drafts left), and
+        a plain step at 500/s: what an undecided key's steps look like."""
+        guard.record(key, True, 2, 2 / drafting_rate)
+        guard.record(key, False, 2, 2 / drafting_rate)
+        guard.record(key, False, 1, 0.002)
+
     def measured(drafting_rate: float) -> PayGuard:
         guard = PayGuard(decay=1.0, min_steps=4, recheck=2, recheck_steps=2, budget=1.0)
         guard.record((9, False), True, 1, 1.0)  # the guard's first drafting step: left out
         guard.record((9, False), False, 1, 1.0)  # (counted as drafting's there: a step after drafting)
         for _ in range(4):  # plain at 500/s
             guard.record(key, False, 1, 0.002)
-        for _ in range(2):
-            guard.record(key, True, 2, 2 / drafting_rate)
+        turn(guard, drafting_rate)
         return guard
 
     key = (6, False)
     assert not measured(200).allows(key)  # 200/s against 500/s after two steps: refused already
     guard = measured(450)  # 450/s: not a clear loss after two steps
     assert guard.allows(key)
-    guard.record(key, True, 2, 2 / 450)
-    assert guard.allows(key)
-    guard.record(key, True, 2, 2 / 450)
+    turn(guard, 450)
     assert [guard.allows(key) for _ in range(2)] == [False, True]  # four steps: refused; then the recheck
     guard.record(key, True, 2, 0.010)
-    assert guard.allows(key)  # one drafting step is not yet a measurement
-    guard.record(key, True, 2, 0.010)
-    assert not guard.allows(key)  # two are: still losing, refused again
+    assert not guard.refused(key)  # one drafting step is not yet a measurement
+    guard.record(key, False, 2, 0.010)
+    assert not guard.allows(key) and guard.refused(key)  # two are: still losing, refused again
     assert PayGuard(min_steps=2, recheck_steps=5).recheck_steps == 2  # never more than the first decision's
     guard = measured(510)  # 510/s against 500/s: more, but not by `margin` (1.05): refused at min_steps
-    for _ in range(2):
-        guard.record(key, True, 2, 2 / 510)
+    turn(guard, 510)
     assert not guard.allows(key)
     guard = measured(530)  # 530/s: by more than the margin, it pays
-    for _ in range(2):
-        guard.record(key, True, 2, 2 / 530)
+    turn(guard, 530)
     assert guard.allows(key) and guard.allows(key)
     with pytest.raises(ValueError, match="margin"):
         PayGuard(margin=0.9)
