@@ -317,23 +317,36 @@ class DraftWorker:
         if not hyps:
             return None
         self.num_predrafts += 1
-        assumed = {(seq, tuple(h.token_ids)) for seq, h in hyps}
-        drafting = {seq for seq, _ in hyps}
+        histories: dict[str, list[tuple[int, ...]]] = {}  # seq -> the histories drafted for it here
+        for seq, h in hyps:
+            histories.setdefault(seq, []).append(tuple(h.token_ids))
+        assumed = {(seq, h) for seq, hs in histories.items() for h in hs}
 
         def confirms(nxt: Any) -> bool:
+            """Every row of the engine's next step took the pushed proposal a history here goes on from."""
             return isinstance(nxt, Notice) and not nxt.msg.ahead and all(
-                any(h[: len(r.token_ids)] == tuple(r.token_ids) for s, h in assumed if s == r.seq_id)
+                any(h[: len(r.token_ids)] == tuple(r.token_ids) for h in histories.get(r.seq_id, ()))
                 for r in nxt.msg.requests)
 
+        def unguessed(nxt: Any) -> bool:
+            """A call (not a notice: the engine used a push; nor an ahead call: new sequences) that
+            brings a row drafted here with a history none of these assumed."""
+            return isinstance(nxt, DraftCall) and not nxt.ahead and any(
+                r.seq_id in histories and (r.seq_id, tuple(r.token_ids)) not in assumed
+                and (r.seq_id, tuple(r.token_ids[:-1])) not in assumed for r in nxt.requests)
+
+        judged: dict[int, bool] = {}  # id(message) -> whether it stops this round (judged once: a
+        # peeked message stays the same object until it is handled, after this round)
+
         def missed() -> bool:
-            # not a notice (the engine used a push) nor an ahead call (new sequences)
-            nxt = peek() if peek is not None else None
-            if yielding and (self._queued or (nxt is not None and not confirms(nxt))):
+            if yielding and self._queued:
                 return True
-            if not isinstance(nxt, DraftCall) or nxt.ahead:
+            nxt = peek() if peek is not None else None
+            if nxt is None:
                 return False
-            return any(r.seq_id in drafting and (r.seq_id, tuple(r.token_ids)) not in assumed
-                       and (r.seq_id, tuple(r.token_ids[:-1])) not in assumed for r in nxt.requests)
+            if id(nxt) not in judged:
+                judged[id(nxt)] = not confirms(nxt) if yielding else unguessed(nxt)
+            return judged[id(nxt)]
 
         try:
             return self.proposer.propose([h for _, h in hyps], hypothetical=True, interrupted=missed)

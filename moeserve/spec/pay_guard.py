@@ -40,11 +40,11 @@ class PayGuard:
     the same stretch of text. (Measured one after the other, plain steps from the start of JSON
     replies, which feed the text the grammar forces, against drafting steps from their middle,
     a guard took a 0.8x loss for a 1.27x gain.) A decision needs min_steps plain steps. Drafting is
-    refused at the key unless its steps emitted `margin` times as many tokens per
-    second as plain ones (a machine's noise is as large as a small gain, and taking noise for a
-    gain costs more than missing a small one: under the demo schema at 2 rows, an engine whose
-    guard had let drafting on emitted 0.79x of plain decoding): after min_steps of them, or already after recheck_steps when they emitted less than
-    `early` times as many (a clear loss is not measured further: at 16 rows under the demo schema a
+    refused at the key unless its steps emitted `margin` times as many tokens per second as plain
+    ones (a machine's noise is as large as a small gain, and taking noise for a gain costs more
+    than missing a small one: under the demo schema at 2 rows, an engine whose guard had let
+    drafting on emitted 0.79x of plain decoding): after min_steps of them, or already after
+    recheck_steps when they emitted less than `early` times as many (a clear loss is not measured further: at 16 rows under the demo schema a
     drafting step took 16 ms against 6.5 ms plain). Every `recheck` refused steps (doubling after
     each recheck that does not pay, up to 16 times) the drafting side is forgotten, so the next
     recheck_steps steps draft again and are measured afresh: a recheck asks whether things changed.

@@ -484,7 +484,13 @@ def test_a_draft_that_is_always_right_is_answered_from_its_predrafts(ray_cluster
     engine = make_engine(target, proposer, k=2)
     assert run(engine, PROMPTS, PARAMS) == plain
     assert engine.spec_metrics.alpha == 1.0
-    stats = handle.options(method_name="stats", session_id=proposer.session).remote().result(timeout_s=30)
+    ask = handle.options(method_name="stats", session_id=proposer.session)
+    deadline = time.monotonic() + 30
+    while True:  # notices are not answered: the worker may still be handling the last ones
+        stats = ask.remote().result(timeout_s=30)
+        if (stats["calls"], stats["prepares"]) == (proposer.num_calls, proposer.num_prepares) or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
     assert stats["prepares"] == proposer.num_prepares >= 1  # a call per prefill step
     assert stats["predraft_hits"] == proposer.num_proposals, (stats, proposer.stats())  # every row, first calls too
     # the engine's side counts the same hits, for /metrics (moeserve_engine{name="draft_predraft_hit_rate"})
