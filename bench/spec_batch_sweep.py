@@ -8,16 +8,21 @@ adaptive k, chosen per batch-size bucket from measured step costs and acceptance
 utility rule, moeserve/spec/adaptive.py); and adaptive k with the draft in a worker process of
 its own (the draft deployment's worker and data channel, without Ray: `DraftProcess`), pinned
 to the last CPU and the engine to the others. Greedy, so every case writes the same tokens;
-ratios are medians of per-round ratios against no speculation.
+ratios are medians of per-round ratios against no speculation. A run holds whole groups of the batch:
+at least --min-prompts prompts, and more groups (up to --max-prompts prompts) until a plain run takes
+--min-seconds: a batch of JSON replies drains in ~20 steps, and in runs that short a fresh engine's
+first drafting steps (PayGuard measuring whether drafting pays) weighed a whole round.
 
     python -m bench.spec_batch_sweep [--quick] [--rounds R] [--batches 1,2,4,8,16,32] [--sets formulaic,free-form,json]
-                                     [--no-deployment]
+                                     [--min-seconds S] [--no-deployment]
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
+import time
 
 import matplotlib
 
@@ -55,6 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--new-tokens", type=int, default=96)
     ap.add_argument("--min-prompts", type=int, default=16,
                     help="prompts per timed run at least (in groups of the batch): one 96-token reply is ~50 ms")
+    ap.add_argument("--min-seconds", type=float, default=1.0,
+                    help="more groups per run until a plain run takes this long (0: --min-prompts only)")
+    ap.add_argument("--max-prompts", type=int, default=128, help="prompts per timed run at most (--min-seconds' cap)")
     ap.add_argument("--k", type=int, default=4, help="draft tokens per step of the fixed-k cases (adaptive: at most 8)")
     ap.add_argument("--disable-by-batch-size", type=int, default=12, help="the static rule's threshold")
     ap.add_argument("--threads", type=int, default=1)
@@ -64,9 +72,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--draft", default=demo_checkpoint("demo-draft"))
     args = ap.parse_args(argv)
     if args.quick:
-        args.rounds, args.batches, args.new_tokens, args.min_prompts = 2, "1,8", 32, 1
+        args.rounds, args.batches, args.new_tokens, args.min_prompts, args.min_seconds = 2, "1,8", 32, 1, 0.0
     batches = [int(b) for b in args.batches.split(",")]
-    num_prompts = max(batches + [args.min_prompts])
+    num_prompts = max(batches + [args.min_prompts] + ([args.max_prompts] if args.min_seconds > 0 else []))
     torch.set_num_threads(args.threads)
     env = report.environment(args.threads)
     tokenizer = load_tokenizer(args.target)
@@ -94,11 +102,22 @@ def main(argv: list[str] | None = None) -> int:
                            proposer=proposer, spec=spec or SpecConfig(num_tokens=0))
         return workloads.ours(engine, prompts, args.new_tokens, batch, stop_at_eos=False, grammar=grammar)
 
+    def groups(prompts, batch: int, grammar) -> int:
+        """Groups of `batch` per run: --min-prompts' worth, and more until a plain run takes --min-seconds."""
+        n = max(1, args.min_prompts // batch)
+        if args.min_seconds <= 0:
+            return n
+        one = case(prompts[:batch], batch, None, grammar)
+        one()  # warm
+        t0 = time.perf_counter()
+        one()
+        return max(n, min(math.ceil(args.min_seconds / (time.perf_counter() - t0)), max(1, args.max_prompts // batch)))
+
     rows = []
     try:
         for name, (prompts, grammar) in sets.items():
             for batch in batches:
-                ps = prompts[: max(batch, args.min_prompts // batch * batch)]  # whole groups of `batch`
+                ps = prompts[: groups(prompts, batch, grammar) * batch]  # whole groups of `batch`
                 cases = {
                     NONE: case(ps, batch, None, grammar),
                     f"k={k}": case(ps, batch, SpecConfig(num_tokens=k), grammar),
@@ -110,27 +129,38 @@ def main(argv: list[str] | None = None) -> int:
                     cases[DEPLOYMENT] = case(ps, batch, SpecConfig(num_tokens=8, adaptive=True), grammar, remote=True)
                 cases[AGAIN] = case(ps, batch, None, grammar)
                 summary = summarize(interleaved(cases, args.rounds, desc=f"{name} batch {batch}"), NONE)
-                rows.append({"prompts": name, "batch": batch, **{c: summary[c]["median_ratio"] for c in cases if c != NONE},
-                             "tokens/s, no speculation": summary[NONE]["median_tokens_per_s"]})
-                print({key: round(v, 3) if isinstance(v, float) else v for key, v in rows[-1].items()})
+                rows.append({"prompts": name, "batch": batch, "prompts per run": len(ps),
+                             **{c: summary[c]["median_ratio"] for c in cases if c != NONE},
+                             "tokens/s, no speculation": summary[NONE]["median_tokens_per_s"],
+                             "intervals": {c: summary[c]["ratio_interval"] for c in cases if c != NONE}})
+                print({key: round(v, 3) if isinstance(v, float) else v for key, v in rows[-1].items() if key != "intervals"})
     finally:
         if worker is not None:
             worker.close()
 
-    cols = [c for c in rows[0] if c not in ("prompts", "batch")]
+    cols = [c for c in rows[0] if c not in ("prompts", "batch", "prompts per run", "intervals")]
+
+    def cell(r: dict, c: str) -> str:
+        """A rule's median ratio with its 90% bootstrap interval over the rounds."""
+        return f"{r[c]:.2f}" if c not in r["intervals"] else f"{r[c]:.2f} ({r['intervals'][c][0]:.2f}-{r['intervals'][c][1]:.2f})"
+
     # a quick run, or some of the sets, is written beside the full report, not over it
     report_name = "spec_batch_sweep" + ("-quick" if args.quick else "") + ("" if len(sets) == len(SETS) else "-" + "-".join(wanted))
-    table = ["| prompts | batch | " + " | ".join(cols) + " |", "|---|---|" + "---|" * len(cols)]
-    table += [f"| {r['prompts']} | {r['batch']} | " + " | ".join(f"{r[c]:.2f}" for c in cols) + " |" for r in rows]
+    table = ["| prompts | batch | prompts per run | " + " | ".join(cols) + " |", "|---|---|---|" + "---|" * len(cols)]
+    table += [f"| {r['prompts']} | {r['batch']} | {r['prompts per run']} | " + " | ".join(cell(r, c) for c in cols)
+              + " |" for r in rows]
     rules = [c for c in cols[:-1] if c != AGAIN]
     worst = {c: min(r[c] for r in rows) for c in rules}
     control = [r[AGAIN] for r in rows]
+    below = [f"{c} at {r['batch']} ({r['prompts']}, {cell(r, c)})" for c in rules for r in rows
+             if r["intervals"][c][1] < 0.97]
     md = "\n".join([
         "# Speculation by batch size", "",
         f"`python -m bench.spec_batch_sweep`: demo pair, greedy, {args.new_tokens} new tokens per "
-        f"prompt (EOS ignored), at least {args.min_prompts} prompts per run in groups of the batch, "
+        f"prompt (EOS ignored), at least {args.min_prompts} prompts per run in groups of the batch, and more "
+        f"(up to {args.max_prompts}) until a plain run took {args.min_seconds:g} s, "
         f"{args.rounds} interleaved rounds; ratios are tokens/s against no speculation at the same batch "
-        f"(median of per-round ratios). torch threads: {args.threads}. The draft in the engine's process, except "
+        f"(median of per-round ratios; in brackets its 90% bootstrap interval over the rounds). torch threads: {args.threads}. The draft in the engine's process, except "
         f"'{DEPLOYMENT}': the draft deployment's worker in a process of its own (its data channel, no Ray)"
         f"{', pinned to the last CPU and the engine to the others' if split else ''}.", "",
         *table, "",
@@ -138,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         f"The A/A control (a second engine without speculation, against the first) ranged "
         f"{min(control):.2f}-{max(control):.2f}x: a rule's row within that range of 1.00 is within this "
         f"machine's noise.", "",
+        "Measurably below 0.97x (the interval wholly below it): " + ("; ".join(below) if below else "none") + ".", "",
         f"![ratio by batch]({report_name}-ratio.png)", ""])
     fig, axes = plt.subplots(1, len(sets), figsize=(4.5 * len(sets), 3.6), sharey=True, squeeze=False)
     axes = axes[0]

@@ -4,6 +4,7 @@ from other processes on a shared machine hits all cases alike; ratios are taken 
 
 from __future__ import annotations
 
+import random
 import statistics
 import time
 from collections.abc import Callable
@@ -62,10 +63,25 @@ def summarize(runs: dict[str, list[Run]], baseline: str | None = None) -> dict[s
         row = {"tokens": rs[0].tokens, "median_tokens_per_s": statistics.median(tps), "min_tokens_per_s": min(tps),
                "max_tokens_per_s": max(tps), "runs": len(rs)}
         if baseline is not None and name != baseline:
-            ratios = [a.tokens_per_s / b.tokens_per_s for a, b in zip(rs, runs[baseline])]
-            row["median_ratio"] = statistics.median(ratios)
+            row["median_ratio"] = paired_ratio(runs, name, baseline)
+            row["ratio_interval"] = ratio_interval(runs, name, baseline)
         out[name] = row
     return out
+
+
+def ratio_interval(runs: dict[str, list[Run]], a: str, b: str, level: float = 0.9, resamples: int = 2000,
+                   seed: int = 0) -> tuple[float, float]:
+    """A bootstrap interval (`level`, percentile) of the median per-round ratio tokens/s(a) /
+    tokens/s(b): the rounds resampled with replacement. How far a median could be from what
+    the machine's noise lets a run of these rounds say: a case whose interval lies wholly below
+    a bar is measurably below it."""
+    if not 0.0 < level < 1.0:
+        raise ValueError(f"level must lie in (0, 1), got {level}")
+    ratios = [x.tokens_per_s / y.tokens_per_s for x, y in zip(runs[a], runs[b])]
+    rng = random.Random(seed)
+    medians = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(resamples))
+    tail = (1.0 - level) / 2
+    return medians[int(tail * (resamples - 1))], medians[int((1.0 - tail) * (resamples - 1))]
 
 
 def paired_ratio(runs: dict[str, list[Run]], a: str, b: str) -> float:
