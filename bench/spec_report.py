@@ -158,8 +158,11 @@ def render(results: dict[str, Any], args: argparse.Namespace, env: dict, name: s
                f"transformers `generate(assistant_model=draft)` / `generate`: "
                f"**{res['transformers assisted / transformers']:.2f}x**; our engine without speculation / "
                f"transformers: {res['ours no speculation / transformers']:.2f}x." + (
-                   " Draft deployment / the same draft in-process, median of per-round ratios: " + ", ".join(
-                       f"{c} **{v:.2f}x**" for c, v in res["deployment / in-process"].items()) + "."
+                   " Draft deployment / the same draft in-process, median of per-round ratios (90% bootstrap "
+                   "interval over the rounds): " + ", ".join(
+                       f"{c} **{v:.2f}x**" + ("" if (iv := res.get("deployment / in-process, 90% interval", {}).get(c))
+                                              is None else f" ({iv[0]:.2f}-{iv[1]:.2f})")
+                       for c, v in res["deployment / in-process"].items()) + "."
                    if "deployment / in-process" in res else ""), "", _steps_table(res), ""]
     md += ["## k sweep (formulaic, batch 1)", "", _compare_table(results["sweep"]), "",
            f"![speedup and alpha against k]({name}-sweep.png) ![tokens per pass against the formula]({name}-tpp.png)",

@@ -23,7 +23,7 @@ import torch
 
 from bench import report, spec_report, workloads
 from bench.prompts import formulaic, free_form
-from bench.timing import Case, interleaved, paired_ratio, summarize
+from bench.timing import Case, interleaved, paired_ratio, ratio_interval, summarize
 from model_shards import load_checkpoint
 from moeserve.engine import LLMEngine, ModelRunner, SchedulerConfig, SpecConfig
 from moeserve.engine.factory import demo_checkpoint
@@ -109,9 +109,10 @@ def compare(b: Bench, prompts: list[list[int]], label: str) -> dict:
     out["transformers assisted / transformers"] = paired_ratio(runs, f"transformers + assistant k={k}", "transformers")
     out["ours no speculation / transformers"] = paired_ratio(runs, NONE, "transformers")
     if b.draft_handle is not None:  # the bar: the deployment against the same draft in-process
-        out["deployment / in-process"] = {
-            f"k={k}": paired_ratio(runs, f"draft deployment k={k}", f"draft in-process k={k}"),
-            "adaptive k<=8": paired_ratio(runs, "draft deployment adaptive k<=8", "draft in-process adaptive k<=8")}
+        pairs = {f"k={k}": (f"draft deployment k={k}", f"draft in-process k={k}"),
+                 "adaptive k<=8": ("draft deployment adaptive k<=8", "draft in-process adaptive k<=8")}
+        out["deployment / in-process"] = {c: paired_ratio(runs, *pair) for c, pair in pairs.items()}
+        out["deployment / in-process, 90% interval"] = {c: ratio_interval(runs, *pair) for c, pair in pairs.items()}
     return out
 
 
