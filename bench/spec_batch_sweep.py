@@ -142,7 +142,10 @@ def main(argv: list[str] | None = None) -> int:
 
     def cell(r: dict, c: str) -> str:
         """A rule's median ratio with its 90% bootstrap interval over the rounds."""
-        return f"{r[c]:.2f}" if c not in r["intervals"] else f"{r[c]:.2f} ({r['intervals'][c][0]:.2f}-{r['intervals'][c][1]:.2f})"
+        if c not in r["intervals"]:
+            return f"{r[c]:.2f}"
+        lo, hi = r["intervals"][c]
+        return f"{r[c]:.2f} ({lo:.2f}-{hi:.2f})"
 
     # a quick run, or some of the sets, is written beside the full report, not over it
     report_name = "spec_batch_sweep" + ("-quick" if args.quick else "") + ("" if len(sets) == len(SETS) else "-" + "-".join(wanted))

@@ -44,10 +44,11 @@ class PayGuard:
     ones (a machine's noise is as large as a small gain, and taking noise for a gain costs more
     than missing a small one: under the demo schema at 2 rows, an engine whose guard had let
     drafting on emitted 0.79x of plain decoding): after min_steps of them, or already after
-    recheck_steps when they emitted less than `early` times as many (a clear loss is not measured further: at 16 rows under the demo schema a
-    drafting step took 16 ms against 6.5 ms plain). Every `recheck` refused steps (doubling after
-    each recheck that does not pay, up to 16 times) the drafting side is forgotten, so the next
-    recheck_steps steps draft again and are measured afresh: a recheck asks whether things changed.
+    recheck_steps when they emitted less than `early` times as many (a clear loss is not measured
+    further: at 16 rows under the demo schema a drafting step took 16 ms against 6.5 ms plain).
+    Every `recheck` refused steps (doubling after each recheck that does not pay, up to 16 times)
+    the drafting side is forgotten, so the next recheck_steps steps draft again and are measured
+    afresh: a recheck asks whether things changed.
 
     Batch sizes are ordered: verifying k + 1 positions costs more, against a plain step, the more
     rows share the pass. So a key not decided yet follows a refusal at a smaller batch-size bucket
