@@ -42,6 +42,7 @@ def portable(setup: dict[str, Any]) -> dict[str, Any]:
 
 
 def markdown_table(header: list[str], rows: list[list[Any]]) -> str:
+    """Floats with 2 decimals; anything else as str() (a bench.timing.Ratio: its median and interval)."""
     def cell(v: Any) -> str:
         return f"{v:.2f}" if isinstance(v, float) else str(v)
 
@@ -55,10 +56,16 @@ def write(name: str, data: dict[str, Any], markdown: str, figures: dict[str, Any
     REPORTS.mkdir(parents=True, exist_ok=True)
     data = {**data, "load_average_at_end": list(os.getloadavg())}
     paths = [REPORTS / f"{name}.json", REPORTS / f"{name}.md"]
-    paths[0].write_text(json.dumps(data, indent=2, default=float) + "\n")
+    paths[0].write_text(json.dumps(data, indent=2, default=_jsonable) + "\n")
     paths[1].write_text(markdown.rstrip() + "\n")
     for suffix, fig in (figures or {}).items():
         path = REPORTS / f"{name}-{suffix}.png"
         fig.savefig(path, dpi=110, bbox_inches="tight")
         paths.append(path)
     return paths
+
+
+def _jsonable(value: Any) -> Any:
+    """A bench.timing.Ratio as its dict (median, interval, rounds); other numbers (numpy, torch) as floats."""
+    as_dict = getattr(value, "as_dict", None)
+    return as_dict() if callable(as_dict) else float(value)

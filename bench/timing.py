@@ -1,16 +1,23 @@
-"""Interleaved timing: every case runs once per round, in a rotating order, so that load
-from other processes on a shared machine hits all cases alike; ratios are taken per round
-(side by side) and then their median is reported."""
+"""Interleaved timing, and the one way every bench reports a ratio.
+
+Every case runs once per round, in a rotating order, so that load from other processes on a
+shared machine hits all cases alike. A ratio between two cases is taken per round (side by
+side) and reported as the median of those per-round ratios with a bootstrap interval over the
+rounds (`Ratio`, `ratio_over_rounds`, `format_ratio`). The ratio of two median rates is not
+used: it pairs numbers from different rounds, so one slow round on either side moves it.
+"""
 
 from __future__ import annotations
 
 import random
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from tqdm import tqdm
+
+LEVEL = 0.9  # the interval every report gives: a 90% percentile bootstrap
 
 
 @dataclass(frozen=True)
@@ -28,6 +35,55 @@ class Run:
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.seconds
+
+
+@dataclass(frozen=True)
+class Ratio:
+    """A ratio measured over rounds: the median of the per-round ratios, and the `level`
+    bootstrap interval [low, high] of that median (the rounds resampled with replacement).
+    The interval says how far the median could be from what the machine's noise lets this
+    many rounds say: a ratio whose interval lies wholly below a bar is measurably below it."""
+
+    median: float
+    low: float
+    high: float
+    rounds: int
+    level: float = LEVEL
+
+    def __str__(self) -> str:
+        return format_ratio(self)
+
+    def as_dict(self) -> dict[str, float | int]:
+        """The JSON form (bench.report.write uses it for any Ratio in a report's data)."""
+        return {"median": self.median, "low": self.low, "high": self.high, "rounds": self.rounds, "level": self.level}
+
+
+def ratio_over_rounds(a: Sequence[float], b: Sequence[float], level: float = LEVEL, resamples: int = 2000,
+                      seed: int = 0) -> Ratio:
+    """a[i] / b[i] per round i, as a `Ratio`: their median and its percentile bootstrap interval.
+    Seeded, so the same rounds always give the same interval."""
+    if not 0.0 < level < 1.0:
+        raise ValueError(f"level must lie in (0, 1), got {level}")
+    if len(a) != len(b):
+        raise ValueError(f"need one value per round on both sides, got {len(a)} and {len(b)} rounds")
+    if not a:
+        raise ValueError("need at least one round")
+    if resamples < 1:
+        raise ValueError(f"resamples must be >= 1, got {resamples}")
+    ratios = [x / y for x, y in zip(a, b)]
+    rng = random.Random(seed)
+    medians = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(resamples))
+    tail = (1.0 - level) / 2
+    return Ratio(statistics.median(ratios), medians[int(tail * (resamples - 1))],
+                 medians[int((1.0 - tail) * (resamples - 1))], len(ratios), level)
+
+
+def format_ratio(r: Ratio, digits: int = 2) -> str:
+    """'3.40x [3.10, 3.70]': the median of per-round ratios and its interval (the one format of
+    every report's ratios)."""
+    if r.rounds < 2:
+        return f"{r.median:.{digits}f}x [1 round: no interval]"
+    return f"{r.median:.{digits}f}x [{r.low:.{digits}f}, {r.high:.{digits}f}]"
 
 
 # A case runs its workload and returns (tokens generated, extra facts such as spec metrics).
@@ -54,36 +110,34 @@ def interleaved(cases: dict[str, Case], rounds: int, warmup: bool = True, desc: 
     return runs
 
 
+def paired(runs: dict[str, list[Run]], a: str, b: str, level: float = LEVEL) -> Ratio:
+    """tokens/s(a) / tokens/s(b) over the interleaved rounds, each round's pair measured side by side."""
+    return ratio_over_rounds([r.tokens_per_s for r in runs[a]], [r.tokens_per_s for r in runs[b]], level)
+
+
 def summarize(runs: dict[str, list[Run]], baseline: str | None = None) -> dict[str, dict]:
-    """Median tokens/s per case (with min and max) and, against `baseline`, the median of the
-    per-round ratios."""
+    """Median tokens/s per case (with min and max) and, against `baseline`, the `Ratio` of the
+    case to it ("ratio"; its median and interval also as "median_ratio" and "ratio_interval")."""
     out = {}
     for name, rs in runs.items():
         tps = [r.tokens_per_s for r in rs]
         row = {"tokens": rs[0].tokens, "median_tokens_per_s": statistics.median(tps), "min_tokens_per_s": min(tps),
                "max_tokens_per_s": max(tps), "runs": len(rs)}
         if baseline is not None and name != baseline:
-            row["median_ratio"] = paired_ratio(runs, name, baseline)
-            row["ratio_interval"] = ratio_interval(runs, name, baseline)
+            ratio = paired(runs, name, baseline)
+            row |= {"ratio": ratio, "median_ratio": ratio.median, "ratio_interval": (ratio.low, ratio.high)}
         out[name] = row
     return out
 
 
-def ratio_interval(runs: dict[str, list[Run]], a: str, b: str, level: float = 0.9, resamples: int = 2000,
+def ratio_interval(runs: dict[str, list[Run]], a: str, b: str, level: float = LEVEL, resamples: int = 2000,
                    seed: int = 0) -> tuple[float, float]:
-    """A bootstrap interval (`level`, percentile) of the median per-round ratio tokens/s(a) /
-    tokens/s(b): the rounds resampled with replacement. How far a median could be from what
-    the machine's noise lets a run of these rounds say: a case whose interval lies wholly below
-    a bar is measurably below it."""
-    if not 0.0 < level < 1.0:
-        raise ValueError(f"level must lie in (0, 1), got {level}")
-    ratios = [x.tokens_per_s / y.tokens_per_s for x, y in zip(runs[a], runs[b])]
-    rng = random.Random(seed)
-    medians = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(resamples))
-    tail = (1.0 - level) / 2
-    return medians[int(tail * (resamples - 1))], medians[int((1.0 - tail) * (resamples - 1))]
+    """The bootstrap interval of `paired(runs, a, b)` alone."""
+    r = ratio_over_rounds([x.tokens_per_s for x in runs[a]], [y.tokens_per_s for y in runs[b]], level, resamples,
+                          seed)
+    return r.low, r.high
 
 
 def paired_ratio(runs: dict[str, list[Run]], a: str, b: str) -> float:
-    """Median over rounds of tokens/s(a) / tokens/s(b), each round's pair measured side by side."""
-    return statistics.median(x.tokens_per_s / y.tokens_per_s for x, y in zip(runs[a], runs[b]))
+    """The median over rounds of tokens/s(a) / tokens/s(b) alone."""
+    return paired(runs, a, b).median
