@@ -56,8 +56,8 @@ def build(cfg: AppConfig) -> Application:
 
 def _bind_draft(cfg: AppConfig) -> Application | None:
     """The draft model as its own deployment (`speculative.placement: deployment`); None when
-    the engine drafts in its own process (the default: even a direct actor call per step,
-    ~1.5 ms here, is half a decode step) or does not use the draft model."""
+    the engine drafts in its own process (the default: even a direct actor call per step is a
+    good part of a decode step) or does not use the draft model."""
     s = cfg.speculative
     if s.placement != "deployment" or EngineConfig.from_app(cfg).speculation != "model":  # "auto" resolved
         return None

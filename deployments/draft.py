@@ -9,8 +9,8 @@ The user's design has "a separate draft-model deployment" propose tokens. Each r
 the deployment runs one `DraftWorker`, which holds the model, in a child process of its own
 (deployments/draft_process.py `DraftProcess`); the engine asks the deployment once (a Serve
 call) for its replica's data channel, then sends every step's call on that channel
-(deployments/draft_channel.py). A Serve call costs ~4.5 ms here and an actor call ~1.5 ms
-against a decode step of ~3 ms, so the transport decides whether drafting pays at all
+(deployments/draft_channel.py). A Serve call costs more than a decode step and even an actor
+call a good part of one, so the transport decides whether drafting pays at all
 (bench/reports/speculative.md). The per-step call carries every sequence of the step at once
 (`DraftCall`) and returns all proposals; the engine never calls per sequence or per draft
 token. After answering, the worker pre-drafts the next proposal of each row while the target

@@ -13,8 +13,8 @@ frames, HMAC handshake with the secret, so nothing else can connect). If the wor
 connection breaks at once; the engine forgets it and asks the deployment for a worker again.
 
 A call's round trip still costs the step: the worker wakes, reads, answers, the engine reads
-(0.2-0.3 ms here after an idle wait), and a call that arrives while the worker still drafts
-ahead waits for it. So what the worker drafts ahead is pushed to the engine as soon as it is
+(bench/reports/speculative.md gives the wait per call), and a call that arrives while the
+worker still drafts ahead waits for it. So what the worker drafts ahead is pushed to the engine as soon as it is
 drafted; a step that finds its proposals there uses them at once and tells the worker which
 ones with a notice, which is not answered.
 """
@@ -168,8 +168,8 @@ class ChannelClient:
 
 def _no_delay(conn: Connection) -> None:
     """Small messages go out at once (TCP_NODELAY). Without it, a push right after a reply, or a
-    call right after a notice, waited for the peer's delayed acknowledgement: steps waited 12 ms
-    for their drafts instead of 0.2."""
+    call right after a notice, waited for the peer's delayed acknowledgement, a timer far longer
+    than a decode step."""
     with socket.socket(fileno=os.dup(conn.fileno())) as sock:
         if sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

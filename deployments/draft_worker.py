@@ -9,10 +9,10 @@ places and routes to it; deployments/draft_channel.py carries its calls).
 
 The worker runs in a child process of its replica, not in a Ray process: there its channel
 threads share the GIL with nothing but the model, where a Ray worker's own threads and a
-replica's event loop would take turns with them on every step. On this machine's 2 cores the
-same worker drafted about 1.3x faster than in-process from a plain process and about 1.1x from a
-Ray actor. The child exits when its replica goes (the control socket closes) and the replica
-starts a new child when it dies; engines then fetch the new channel's address.
+replica's event loop would take turns with them on every step, so the same worker drafts faster
+from a plain process than from a Ray actor. The child exits when its replica goes (the control
+socket closes) and the replica starts a new child when it dies; engines then fetch the new
+channel's address.
 """
 
 from __future__ import annotations
@@ -54,11 +54,9 @@ class DraftServerConfig:
     predraft: bool = True  # draft the next proposal while the target verifies (DraftWorker.predraft)
     # Also pre-draft this many outcomes per row where a draft is rejected: at the positions where
     # the draft was least sure (its first choice's logit led its second's by the least), the
-    # target's correction guessed to be the draft's second choice. Each is one more draft row: on
-    # the demo pair (free-form, batch 1, adaptive k) 1 or 2 raised the share of rows answered from a
-    # pre-draft from 0.58 to 0.62-0.64, but on one CPU core the rows cost about what they saved
-    # (1.07x and 1.04x the in-process draft, against 1.06x with none): for a draft on a GPU of its
-    # own, where a few more rows are nearly free.
+    # target's correction guessed to be the draft's second choice. Each is one more draft row: it
+    # raises the share of rows answered from a pre-draft, but on a shared CPU core the rows cost
+    # about what they save: for a draft on a GPU of its own, where a few more rows are nearly free.
     predraft_partial: int = 0
     # Pre-draft this many rounds ahead of the engine's step (with predraft): 1, the next proposal;
     # 2, also the one after it, assuming the next is accepted whole (PEARL's post-verify: the worker

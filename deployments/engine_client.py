@@ -1,6 +1,7 @@
 """The engine deployment seen through a Serve handle, as the gateway's EngineClient.
 
-One streaming handle call per request (~14 ms here): the chunks then flow over that call.
+One streaming handle call per request (a Serve call costs more than a decode step): the chunks
+then flow over that call.
 Leaving the stream early (client gone, guard refusal) cancels the call, and Serve's
 cancellation closes the EngineServer.generate generator in the engine replica, which
 aborts the request there.

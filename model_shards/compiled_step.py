@@ -75,7 +75,7 @@ class CompiledStep:
         self.num_calls = 0
         self._qkv: list | None = None  # per layer: q, k and v weights stacked (CPU graphs)
         # no "duck sizing": a batch that happens to equal a model dimension must not become a guard
-        # (one context object: making one per call costs ~20 us)
+        # (one context object, made once: making one per call would add to every step)
         self._no_duck_sizing = torch.fx.experimental._config.patch(use_duck_shape=False)
         on_gpu = model.lm_head.weight.device.type == "cuda"
         # a graph per variant (rows, query length, cache kind): more than dynamo's default limit (past it, eager)
@@ -84,10 +84,10 @@ class CompiledStep:
         if self.static and self.paged:
             raise ValueError("static graphs need the slot cache (a paged cache's tensors move when it grows)")
         if not self.static:
-            # q, k and v as one matmul a layer (a copy of those weights; the demo MoE: 1.07x at 16 rows, 0.99x at 1)
+            # q, k and v as one matmul a layer (a copy of those weights): one larger matmul for three small ones
             self._qkv = [layer.self_attn.stacked_qkv() for layer in model.model.layers]
             # the C++ wrapper calls the kernels without the Python one's per-buffer checks and views
-            # (the demo MoE: 1.10x at 1 row, where a step is ~0.7 ms; 1.02x at 16)
+            # (a cost per call, so it counts most at small batches, whose steps are short)
             options = {"cpp_wrapper": True} if backend == "inductor" else None
             self._graph = torch.compile(self._forward, dynamic=True, backend=backend, options=options)
             return
@@ -263,7 +263,7 @@ def _(x: torch.Tensor) -> torch.Tensor:
 def _gather_blocks(paged: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     """paged [2, Hkv, N, Bs, Dh] -> its blocks `blocks` [M] in order, [2, Hkv, M, Bs, Dh]: aten's
     index_select, a block-sized copy each, where inductor's own gather computes an index per
-    element (the demo MoE's verify pass at 16 rows, side by side: 1.28x at 2 positions, 1.17x at 5)."""
+    element, which costs more than the copy it drives."""
     return paged.index_select(2, blocks)
 
 
@@ -283,7 +283,7 @@ def _paged_indices(slots: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor, 
     The positions the keys are read at are computed once into a buffer: inlined, the block-table
     lookup ran again for every layer, head and key. The values' copy stays an expression, so
     inductor vectorizes their weighted sum over Dh; read from a buffer, it vectorized over the
-    keys instead, with gathers (the demo MoE's decode graph: 0.67x). Both: 1.13x at 16 rows."""
+    keys instead, with gathers, the slower loop."""
     p = torch.where(valid, pos, 0)
     write = torch.where(valid, slots.gather(1, p // bs) * bs + p % bs, 0)  # [B, T]
     j = torch.arange(slots.shape[1] * bs, device=slots.device)  # [J]
@@ -300,11 +300,11 @@ def _indexed_attention(q: torch.Tensor, flat: torch.Tensor, keys_at: torch.Tenso
 
     As gather-multiply-sums, which inductor fuses into reductions that load the cached rows by
     index: the rows' blocks are never copied out first (a gather then `scaled_dot_product_attention`
-    ran the demo MoE's whole decode graph 1.1x slower at 16 rows and 1.8x slower at 4)."""
+    copies every row's blocks once per layer, which costs more than the attention it feeds)."""
     b, h, _, dh = q.shape
     heads = flat.shape[1]
     keys, values = flat[0][:, keys_at].transpose(0, 1), flat[1][:, values_at].transpose(0, 1)  # [B, Hkv, J, Dh]
-    # the query's rotary embedding (cos, sin) would otherwise be recomputed for every key: 2.8x slower
+    # the query's rotary embedding (cos, sin) would otherwise be recomputed for every key
     q = _materialize(q).view(b, heads, h // heads, 1, dh)  # query head i reads key head i // (H/Hkv), as enable_gqa
     scores = (q * keys[:, :, None]).sum(-1) * dh**-0.5  # [B, Hkv, H/Hkv, J]
     p = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
@@ -342,8 +342,8 @@ def _routed_experts(e, x: torch.Tensor, g: Gates) -> torch.Tensor:
     """[N, D]: each token through its top-k experts, as gather-multiply-sums that inductor fuses
     into one reduction per projection loading the routed experts' rows by index (no copy of the
     gathered weights, no data-dependent shapes). A route reads its expert's weights: from the
-    caches when they fit there (the demo MoE's decode graph ran 2.1x faster at 1 row and 1.9x at
-    16 than dense), from memory once per route otherwise."""
+    caches when they fit there (a token reads its K experts' weights, where dense reads all E),
+    from memory once per route otherwise."""
     gate, up = (e.gate_up_proj[g.expert_ids] * x[:, None, None, :]).sum(-1).chunk(2, dim=-1)  # [N, K, I] x2
     y = (e.down_proj[g.expert_ids] * (F.silu(gate) * up)[:, :, None, :]).sum(-1)  # [N, K, D]
     return (g.weights.to(x.dtype)[..., None] * y).sum(1)  # [N, D]

@@ -5,11 +5,11 @@ Shapes: R routes (token copies) sorted by expert, El local experts, D hidden, I 
 A layer's experts run as one grouped matmul per projection (`torch._grouped_mm`: one kernel
 for every expert's rows, given where each expert's rows end) wherever torch has it for the
 tensors' device and dtype: CUDA bf16 on compute capability 9.0+ (H100/H200), and the CPU. On
-the CPU it pays for decode-sized batches and not for prefill: measured on the demo's expert
-shape (8 experts, D=128, I=256), one thread, grouped vs a matmul per expert: 266 vs 403 us
-at 32 routes, 550 vs 598 at 128, 2043 vs 1916 at 512, 7821 vs 6249 at 2048. So CPU batches
-past GROUPED_MAX_ROUTES_CPU routes take the per-expert loop; GPUs without grouped mm take one
-batched matmul over groups padded to the largest.
+the CPU it pays for decode-sized batches and not for prefill: one kernel saves a dispatch per
+expert, which counts when each expert has few rows; on prefill-sized groups a plain matmul per
+expert is the faster kernel (the crossover, measured on the demo's expert shape with one
+thread, is GROUPED_MAX_ROUTES_CPU). So CPU batches past that many routes take the per-expert
+loop; GPUs without grouped mm take one batched matmul over groups padded to the largest.
 """
 
 from __future__ import annotations

@@ -74,8 +74,8 @@ class EngineSection(_Section):
     # The step loop in a process of its own (no GIL shared with Serve); see deployments/engine_server.py.
     core_process: bool = True
     # Decode and verify passes as one torch.compile'd graph (model_shards/compiled_step.py), compiled
-    # when the engine starts (~40 s the first time, ~15 s from inductor's on-disk cache). Off by
-    # default: on the demo MoE it generates 1.7x faster at batch 1, 1.0-1.4x at 16 (bench/generation.py).
+    # when the engine starts (slow the first time, quicker from inductor's on-disk cache). Off by
+    # default: that wait comes at every engine start; what it buys: bench/reports/generation.md.
     compile: bool = False
 
     @field_validator("kv_cache_memory", mode="before")
@@ -109,8 +109,8 @@ class SpeculativeSection(_Section):
     # with cores of its own drafts ahead without taking the engine's
     draft_cpus: list[NonNegativeInt] | None = Field(None, min_length=1)
     # No speculation while this many sequences run (0: never), whatever adaptive k measures.
-    # Off by default: adaptive k drafts where it pays at each batch size (bench/spec_batch_sweep.py, demo
-    # pair: at 16-32 rows adaptive k ran 1.18-1.73x no speculation, where a cut-off at 12 gave 0.93-1.09x).
+    # Off by default: adaptive k drafts where it pays at each batch size, which a fixed cut-off can
+    # only guess (bench/reports/spec_batch_sweep.md compares the two).
     disable_by_batch_size: int = Field(0, ge=0)
 
 

@@ -161,7 +161,7 @@ class LLMEngine:
         """Whether a decode step of these rows may draft, as far as is known before it: not where
         adaptive k's model gives k = 0 at their batch size or PayGuard refused drafting there. (A
         draft deployment's pre-drafts for new rows that will not draft only take the machine's
-        time: on two cores, the target's passes ran up to ~10% slower beside them.)"""
+        time: where the draft shares the target's cores, they slow the target's passes.)"""
         if self.adaptive is None:
             return True
         alphas = [self.adaptive.alpha(s.seq_id) for s in seqs]
@@ -299,8 +299,8 @@ class LLMEngine:
     def _measure(self, num_rows: int, width: int, draft_s: float, target_s: float) -> None:
         """Step times -> the cost model adaptive k optimises for this batch size, refit every
         spec.refit_every steps of its bucket. (Refitting a new bucket at its 4th and 8th steps
-        as well cut the learning under a grammar, but the fits of so few steps set batch-1 k
-        low for good on free-form prompts: 1.10x against 1.25x, side by side.)"""
+        as well cut the learning under a grammar, but the fits of so few steps are noisy enough
+        to set batch-1 k low for good on free-form prompts, losing much of speculation's gain.)"""
         if self.adaptive is None:
             return
         per_call = getattr(self.proposer, "cost_per_call", False)

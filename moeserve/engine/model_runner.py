@@ -18,8 +18,8 @@ from model_shards.kv_cache import SlotTable
 from model_shards.model import split_routing
 
 # A forward pass costs about as much fixed overhead (per-op dispatch, one pass over every
-# weight) as this many extra token positions: for the demo model on CPU a pass costs ~5 ms
-# and a position ~20-30 us. Prefill groups only split when that saves more padding than it costs.
+# weight) as this many extra token positions: the ratio of a pass's fixed cost to one position's
+# for the demo model on CPU. Prefill groups only split when that saves more padding than it costs.
 FORWARD_OVERHEAD_TOKENS = 256
 
 

@@ -53,7 +53,7 @@ class GrammarConfig:
     cache_size: int = 256  # compiled grammars (and compile errors) kept, least recently used out
     # A schema with ~80 optional properties compiles to ~25 MB (JSONSchemaBench sp_0), so bound bytes too.
     cache_max_bytes: int = 512 * 1024 * 1024
-    # sp_0 takes 4.5-5.5 s on the 2-core reference machine; the slowest real schema we know of.
+    # Room for the slowest real schema we know of (JSONSchemaBench sp_0) on a shared 2-core machine.
     compile_timeout_s: float = 10.0
     max_spec_chars: int = 256 * 1024  # the largest JSONSchemaBench schema is ~158 k characters
     # Compact JSON: no whitespace at all between tokens. A weak model given `any_whitespace`

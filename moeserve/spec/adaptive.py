@@ -76,8 +76,8 @@ class AdaptiveKConfig:
     probe_every: after this many steps at k = 0, draft one token anyway, so a sequence
         whose text turned formulaic can win k back.
     probe_budget: when set, probes are also spaced so that they cost at most this fraction
-        of the plain steps between them (a draft behind a 15 ms network hop probes every
-        ~75 plain 4 ms steps at 0.05, not every probe_every).
+        of the plain steps between them (at 0.05, a probe that costs as much as 15 plain
+        steps comes every 300 plain steps, not every probe_every).
     explore_every: while a batch-size bucket drafts, every this many of its steps is plain
         (k = 0), two in a row (the first feeds what the drafts left; the second is a plain step as
         plain steps are, which PayGuard keeps measuring drafting against), and so are its 4th, 8th,
@@ -271,8 +271,8 @@ class AdaptiveK:
         pass ends as if its next draft had been refused, so the end counts as a failed trial:
         alpha then estimates what a pass yields, P(accepted and not cut) per draft token. (When
         drafts stopped where a grammar forces text, before they drafted through it, they were
-        accepted ~0.9 of the time under the demo's JSON schema but cut every few tokens, and
-        counted as accepted they made k = 8 look worth 5 tokens a pass where it yielded 2.7.)"""
+        mostly accepted under the demo's JSON schema but cut every few tokens, and counted as
+        accepted they made k = 8 look worth far more tokens a pass than it yielded.)"""
         if not 0 <= num_accepted <= num_proposed:
             raise ValueError(f"need 0 <= num_accepted <= num_proposed, got {num_accepted}, {num_proposed}")
         if num_proposed == 0 and not cut:

@@ -21,13 +21,13 @@ and rarely k draft passes) is counted per call instead: counted per token, its k
 (one round trip for one token) made every wider k look several times dearer than it was, and
 adaptive k never drafted again. For such a proposer a probe's drafting is also left out of the
 draft fit: a probe follows plain steps, so the worker could not draft it ahead and first catches
-up on the tokens they wrote, which steady drafting does not pay (in a served stack the probes
-alone held the deployment at k = 0: 9 drafting steps in ~2000); its acceptance and its target
-pass still count. (Left out for an in-process draft as well, the sweep's JSON rows at 32
-sequences fell from 0.95x to 0.76x: there the probes' costs are real.) One-off stalls (a draft deployment's channel
-being set up, a long prefill of a new sequence, a pause of the process) would set the costs
-for the next hundred steps, so steps more than OUTLIER times the window's median per-row time
-are left out of each fit.
+up on the tokens they wrote, which steady drafting does not pay (counted, that catch-up alone
+can hold a served deployment at k = 0 for good); its acceptance and its target pass still
+count. (An in-process draft keeps its probes in the fit: there the probes' costs are real, and
+left out they make wide batches look cheaper to draft than they are.) One-off stalls (a draft
+deployment's channel being set up, a long prefill of a new sequence, a pause of the process)
+would set the costs for the next hundred steps, so steps more than OUTLIER times the window's
+median per-row time are left out of each fit.
 """
 
 from __future__ import annotations

@@ -39,13 +39,13 @@ class PayGuard:
     plain step that is not the one right after drafting), so both are measured side by side over
     the same stretch of text. (Measured one after the other, plain steps from the start of JSON
     replies, which feed the text the grammar forces, against drafting steps from their middle,
-    a guard took a 0.8x loss for a 1.27x gain.) A decision needs min_steps plain steps. Drafting is
+    a guard can take a loss for a gain.) A decision needs min_steps plain steps. Drafting is
     refused at the key unless its steps emitted `margin` times as many tokens per second as plain
     ones (a machine's noise is as large as a small gain, and taking noise for a gain costs more
-    than missing a small one: under the demo schema at 2 rows, an engine whose guard had let
-    drafting on emitted 0.79x of plain decoding): after min_steps of them, or already after
+    than missing a small one: a guard that lets a losing drafting on pays that loss at every
+    later step of the key): after min_steps of them, or already after
     recheck_steps when they emitted less than `early` times as many (a clear loss is not measured
-    further: at 16 rows under the demo schema a drafting step took 16 ms against 6.5 ms plain).
+    further: at a large batch under a schema a losing drafting step costs a multiple of a plain one).
     Every `recheck` refused steps (doubling after each recheck that does not pay, up to 16 times)
     the drafting side is forgotten, so the next recheck_steps steps draft again and are measured
     afresh: a recheck asks whether things changed.
@@ -59,8 +59,8 @@ class PayGuard:
     key of that kind not decided yet is paid from a budget: the seconds of such drafting steps stay
     under `budget` of all decode steps' seconds. A batch of JSON replies runs most of its steps
     at its full size and drains in a step or two per batch-size bucket; drafting in those few
-    steps, for rows the draft must first catch up, measured as paying on a handful of noisy steps
-    and cost whole runs 10-30%.
+    steps, for rows the draft must first catch up, can look like paying on a handful of noisy steps
+    while it slows the whole run.
     """
 
     def __init__(self, decay: float = 0.97, min_steps: int = 8, recheck: int = 64, recheck_steps: int = 3,
@@ -91,10 +91,10 @@ class PayGuard:
         text a grammar forced), its seconds.
 
         A plain step right after a drafting step counts as drafting's: it feeds what the drafts
-        left (under the demo schema at 8 rows, when drafts stopped at forced text, such a plain
-        step took 8.4 ms, against 4.5 ms after a plain one). The first step with drafts of the
+        left (when drafts stopped at forced text, such a plain step feeds that text, and costs more
+        than a plain step after a plain one). The first step with drafts of the
         guard's life is left out: it pays one-off set-up (a draft deployment's data channel, set
-        up through Ray on first use, costs tens of plain steps)."""
+        up through Ray on first use, which no later step pays again)."""
         last, self._last = self._last, drafted
         self._plain_run[key] = 0 if drafted or last else self._plain_run.get(key, 0) + 1
         self._seconds += seconds
