@@ -14,16 +14,19 @@ replicas so that one can die while the other serves):
 1. a fault-free pass: every ask of the pool (greedy and seeded-sampled chats) once, 4 at a time:
    the reference replies;
 2. locust, headless (bench/locust/chaos_user.py), ramps up virtual users that loop streaming
-   chats from the same pool, retrying 503/429 after Retry-After and dead connections after 1 s;
+   chats from the same pool, retrying by the README's rule (bench/locust/chaos_client.py: the
+   OpenAI SDK's, plus streams cut short) and writing every request down when it starts and
+   when it ends (bench/locust/chaos_ledger.py);
 3. at fixed times the driver SIGKILLs one process per fault (found by its process title,
    `ray::ShardActor` and the like) and measures the seconds until the service is whole again:
    as many processes of that kind as before (none of them the killed one), the Serve app
    RUNNING with every deployment HEALTHY and no replica starting, GET /health 200, and a probe
    completion answered;
-4. per fault (the requests that ended after it and before the next): requests
-   lost (the client gave up), hung (open longer than the client's limit), the client-visible
-   errors by kind, replies that differ from the reference (greedy and seeded separately),
-   recovery seconds; locust's own statistics; a timeline plot.
+4. per fault (the requests that ended after it and before the next): every request the
+   client started, counted once as ok, lost (the client gave up) or hung (still open when the
+   client stopped), the client-visible errors by kind, replies that differ from the reference
+   (greedy and seeded separately), recovery seconds; locust's own statistics (which count
+   attempts, checked against the log's); a timeline plot.
 
 Writes bench/reports/chaos.{json,md} and chaos-timeline.png (`--quick`: chaos-quick*).
 """
@@ -54,12 +57,15 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from bench import report  # noqa: E402
 from bench.load_test import JSON_ASKS, SERVE_CONFIG, free_port, start_server, stop_server  # noqa: E402
+from bench.locust.chaos_client import MAX_RETRIES, READ_TIMEOUT_S  # noqa: E402
+from bench.locust.chaos_ledger import fold  # noqa: E402
 from bench.prompts import FREE_FORM  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 LOCUSTFILE = ROOT / "bench" / "locust" / "chaos_user.py"
 MAX_TOKENS = 40
 WHOLE_WITHIN_S = 120.0  # give up measuring recovery after this
+STOP_TIMEOUT_S = 120.0  # after the load ends, how long requests in flight may finish before they count as hung
 
 # What an operator kills, by process title (Ray names its workers "ray::<actor class>", Serve
 # replicas "ray::ServeReplica:<app>:<deployment>"); the engine core is `python -m ...core_client`,
@@ -222,19 +228,21 @@ def run_stack(name: str, users: int, spawn_rate: float, gap_s: float, items: lis
         pool_file, log_file = workdir / f"{name}-pool.json", workdir / f"{name}-requests.jsonl"
         pool_file.write_text(json.dumps(items))
         run_time = gap_s * (len(spec["faults"]) + 1)
-        env = dict(os.environ, CHAOS_POOL=str(pool_file), CHAOS_LOG=str(log_file))
+        env = dict(os.environ, CHAOS_POOL=str(pool_file), CHAOS_LOG=str(log_file),
+                   PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
         cmd = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless", "--host", url,
                "--users", str(users), "--spawn-rate", str(spawn_rate), "--run-time", f"{int(run_time)}s",
-               "--stop-timeout", "120", "--csv", str(workdir / name), "--only-summary", "--loglevel", "WARNING"]
+               "--stop-timeout", str(int(STOP_TIMEOUT_S)), "--csv", str(workdir / name), "--only-summary", "--loglevel", "WARNING"]
         t0 = time.time()
-        locust = subprocess.Popen(cmd, env=env)
+        locust = subprocess.Popen(cmd, env=env, cwd=ROOT)
         faults = [Fault(f, t0 + gap_s * (i + 1)) for i, f in enumerate(spec["faults"])]
         injector = threading.Thread(target=inject, args=(faults, url, items[0], t0))
         injector.start()
         locust.wait()
         injector.join()
         t_end = time.time()
-        records = [json.loads(line) for line in log_file.read_text().splitlines() if line.strip()]
+        lines = [json.loads(line) for line in log_file.read_text().splitlines() if line.strip()]
+        records = fold(lines, stopped_at=t_end)
     finally:
         stop_server()
     return {"stack": name, "start_s": start_s, "t0": t0, "t_end": t_end, "faults": faults, "records": records,
@@ -263,14 +271,15 @@ def classify(attempt: dict[str, Any]) -> str:
     return out
 
 
-def fault_rows(run: dict[str, Any], hung_s: float) -> list[dict[str, Any]]:
-    """Per window (before the first fault, then each fault until the next): what clients saw."""
+def fault_rows(run: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per window (before the first fault, then each fault until the next): what clients saw.
+    Every record counts in exactly one window and as exactly one of ok / lost / hung."""
     faults: list[Fault] = run["faults"]
     edges = [float("-inf")] + [f.at for f in faults] + [float("inf")]
     names = ["(no fault yet)"] + [f.name for f in faults]
     rows = []
     for w, name in enumerate(names):
-        # a request counts once: under the last fault that struck before it ended
+        # a request counts once: under the last fault that struck before it ended (a hung one: before the stop)
         mine = [r for r in run["records"] if edges[w] <= r["end"] < edges[w + 1]]
         errors: dict[str, int] = {}
         for r in mine:
@@ -280,15 +289,14 @@ def fault_rows(run: dict[str, Any], hung_s: float) -> list[dict[str, Any]]:
                     errors[kind] = errors.get(kind, 0) + 1
         wrong = {"greedy": 0, "seeded": 0}
         for r in mine:
-            if r["final"] == "ok" and r["text"] != run["reference"][r["key"]]:
+            if r["result"] == "ok" and r["text"] != run["reference"][r["key"]]:
                 wrong[run["modes"][r["key"]]] += 1
         fault = faults[w - 1] if w else None
         rows.append({
             "stack": run["stack"], "fault": name, "pid": fault.pid if fault else None,
-            "requests": len(mine), "ok": sum(r["final"] == "ok" for r in mine),
-            "lost": sum(r["final"] != "ok" for r in mine),
-            "hung": sum(r["end"] - r["start"] > hung_s for r in mine),
+            "requests": len(mine), **{res: sum(r["result"] == res for r in mine) for res in ("ok", "lost", "hung")},
             "retried": sum(len(r["attempts"]) > 1 for r in mine),
+            "attempts": sum(len(r["attempts"]) for r in mine),
             "client_errors": errors, "wrong_greedy": wrong["greedy"], "wrong_seeded": wrong["seeded"],
             "recovery_s": fault.recovery_s if fault else None,
             "not_whole_because": (fault.last_state if fault and fault.recovered_at is None else None),
@@ -304,7 +312,7 @@ def timeline(runs: list[dict[str, Any]]) -> Any:
         done, errs, open_ = [0] * bins, [0] * bins, [0.0] * bins
         for r in run["records"]:
             s, e = r["start"] - t0, r["end"] - t0
-            if 0 <= int(e) < bins and r["final"] == "ok":
+            if 0 <= int(e) < bins and r["result"] == "ok":
                 done[int(e)] += 1
             for att in r["attempts"]:
                 k = int(att["t"] + att.get("seconds", 0.0) - t0)  # when the attempt failed
@@ -336,17 +344,22 @@ def markdown(data: dict[str, Any]) -> str:
         "",
         "`python -m bench.chaos" + (" --quick`" if data["setup"]["quick"] else "`") + ": one process killed per "
         "fault (SIGKILL, by its process title) while locust users loop streaming chats (greedy and "
-        "seeded T=0.8). A request counts once, under the last fault that struck before it ended. Lost: the client gave up after its retries. Hung: open longer than "
-        f"{data['setup']['hung_s']:.0f} s. Client errors: every failed attempt the client saw (it "
-        "retries 503/429 after Retry-After and dead connections after 1 s). Wrong: a finished reply "
+        "seeded T=0.8). Every request the client started counts once, under the last fault that struck "
+        "before it ended, as ok, lost or hung. Lost: the client gave up (an answer its retry rule does not "
+        f"retry, or {MAX_RETRIES} retries spent). Hung: still open when the client stopped ("
+        f"{data['setup']['stop_timeout_s']:.0f} s after the load ended; an attempt silent for "
+        f"{READ_TIMEOUT_S:.0f} s is a timeout, retried). The client retries by the README's rule: the "
+        "OpenAI SDK's (connection errors and timeouts, 408, 409, 429, >= 500; 2 retries; Retry-After "
+        "up to 120 s, else 0.5 s * 2^n with jitter) plus streams cut short. Client errors: every failed "
+        "attempt the client saw. Wrong: a finished reply "
         "that differs from the fault-free pass. Recovery: seconds from the kill until as many "
         "processes of the killed kind run as before, the Serve app is RUNNING with every deployment HEALTHY and no replica starting, /health answers 200 and a "
         "probe completion succeeds.",
         "",
         report.markdown_table(
-            ["stack", "fault", "requests", "ok", "lost", "hung", "retried", "client errors", "wrong greedy",
-             "wrong seeded", "recovery s"],
-            [[r["stack"], r["fault"], r["requests"], r["ok"], r["lost"], r["hung"], r["retried"],
+            ["stack", "fault", "requests", "ok", "lost", "hung", "retried", "attempts", "client errors",
+             "wrong greedy", "wrong seeded", "recovery s"],
+            [[r["stack"], r["fault"], r["requests"], r["ok"], r["lost"], r["hung"], r["retried"], r["attempts"],
               ", ".join(f"{k}: {v}" for k, v in sorted(r["client_errors"].items())) or "none",
               r["wrong_greedy"], r["wrong_seeded"],
               "-" if r["fault"] == "(no fault yet)" else
@@ -355,9 +368,14 @@ def markdown(data: dict[str, Any]) -> str:
         "",
         "## Locust's own statistics",
         "",
-        report.markdown_table(["stack", "requests", "failures", "median ms", "p95 ms", "p99 ms", "req/s"],
-                              [[s, *(st.get(k, "-") for k in ("Request Count", "Failure Count", "Median Response Time",
-                                                             "95%", "99%", "Requests/s"))]
+        "Locust counts attempts (a retried request is several); `attempts logged` is the sum of the "
+        "table's attempts column for the stack, which should match.",
+        "",
+        report.markdown_table(["stack", "attempts", "attempts logged", "failures", "median ms", "p95 ms", "p99 ms",
+                               "req/s"],
+                              [[s, st.get("Request Count", "-"), sum(r["attempts"] for r in rows if r["stack"] == s),
+                                *(st.get(k, "-") for k in ("Failure Count", "Median Response Time", "95%", "99%",
+                                                           "Requests/s"))]
                                for s, st in data["locust"].items()]),
         "",
         "![timeline](chaos" + ("-quick" if data["setup"]["quick"] else "") + "-timeline.png)",
@@ -375,17 +393,17 @@ def main(argv: list[str] | None = None) -> int:
     users = args.users or (3 if args.quick else 6)
     gap = args.gap_s or (30.0 if args.quick else 45.0)
     items = pool(4 if args.quick else 8)
-    hung_s = 90.0
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.stacks:
             runs.append(run_stack(name, users, spawn_rate=users / min(20.0, gap * 0.6), gap_s=gap, items=items,
                                   workdir=Path(tmp)))
-    rows = [row for run in runs for row in fault_rows(run, hung_s)]
+    rows = [row for run in runs for row in fault_rows(run)]
     data = {
         "environment": report.environment(threads=1),
         "setup": {"quick": args.quick, "users": users, "gap_s": gap, "pool": len(items), "max_tokens": MAX_TOKENS,
-                  "hung_s": hung_s, "stacks": {n: STACKS[n] for n in args.stacks}},
+                  "stop_timeout_s": STOP_TIMEOUT_S, "read_timeout_s": READ_TIMEOUT_S, "max_retries": MAX_RETRIES,
+                  "started": {run["stack"]: len(run["records"]) for run in runs}, "stacks": {n: STACKS[n] for n in args.stacks}},
         "rows": rows,
         "locust": {run["stack"]: run["locust"] for run in runs},
         "stack_start_s": {run["stack"]: run["start_s"] for run in runs},

@@ -3,12 +3,12 @@
     locust -f bench/locust/chaos_user.py --headless --host URL --users N --spawn-rate R ...
 
 Each user loops streaming chat completions drawn from the pool that bench/chaos.py writes
-($CHAOS_POOL: greedy and seeded-sampled asks), behaving as a careful client would: a 503 or
-429 is retried after its Retry-After, a connection that died is retried after a second,
-each at most MAX_ATTEMPTS times. Locust keeps its own statistics (its CSV files); every logical
-request is also written as one JSON line to $CHAOS_LOG (wall-clock times, every attempt's
-outcome, the final text) for the report's per-fault table. Not imported by the test suite:
-locust patches the standard library with gevent when it is imported.
+($CHAOS_POOL: greedy and seeded-sampled asks), retrying exactly by the rule in
+bench/locust/chaos_client.py (the README's). Every request is written to $CHAOS_LOG when it
+starts and once more when it ends (bench/locust/chaos_ledger.py); when locust stops, every
+request still open is written as hung. Locust's own statistics (its CSV files) count attempts.
+Not imported by the test suite: locust patches the standard library with gevent when it is
+imported.
 """
 
 from __future__ import annotations
@@ -16,83 +16,49 @@ from __future__ import annotations
 import json
 import os
 import random
-import time
 
-from locust import HttpUser, events, task
+import requests
+from locust import User, events, task
 
-MAX_ATTEMPTS = 6
-HUNG_S = 90.0  # a request still open this long is hung (it never is: the server's own limit is sooner)
+from bench.locust.chaos_client import send
+from bench.locust.chaos_ledger import Ledger
+
 _POOL = json.loads(open(os.environ["CHAOS_POOL"]).read()) if "CHAOS_POOL" in os.environ else []
 _LOG = open(os.environ["CHAOS_LOG"], "a", buffering=1) if "CHAOS_LOG" in os.environ else None
+LEDGER = Ledger(lambda line: _LOG.write(json.dumps(line) + "\n") if _LOG is not None else None)
 
 
-def _attempt(client, body: dict) -> dict:
-    """One HTTP attempt: its outcome ("ok", "http_<status>", "sse_error:<code>", "conn:<error>"),
-    the text streamed and the Retry-After it carried."""
-    t0 = time.time()
-    out = {"t": t0, "outcome": "conn:unfinished", "text": "", "retry_after": None, "status": None}
-    try:
-        with client.post("/v1/chat/completions", json=body, stream=True, timeout=(5, HUNG_S),
-                         catch_response=True, name="chat (stream)") as resp:
-            out["status"] = resp.status_code
-            if resp.status_code != 200:
-                out["outcome"] = f"http_{resp.status_code}"
-                out["retry_after"] = resp.headers.get("Retry-After")
-                out["message"] = resp.text[:300]
-                resp.failure(out["outcome"])
-                return out
-            parts, finish = [], None
-            for line in resp.iter_lines(decode_unicode=True):
-                if not line or not line.startswith("data: "):
-                    continue
-                data = line[6:]
-                if data == "[DONE]":
-                    out["outcome"] = "ok" if finish else "conn:done_without_finish"
-                    break
-                event = json.loads(data)
-                if "error" in event:
-                    out["outcome"] = f"sse_error:{event['error'].get('code') or event['error'].get('type')}"
-                    out["message"] = str(event["error"].get("message"))[:300]
-                    break
-                choice = event["choices"][0]
-                parts.append(choice["delta"].get("content") or "")
-                finish = choice.get("finish_reason") or finish
-            else:
-                out["outcome"] = "conn:stream_cut"
-            out["text"], out["finish_reason"] = "".join(parts), finish
-            if out["outcome"] == "ok":
-                resp.success()
-            else:
-                resp.failure(out["outcome"])
-    except Exception as e:  # the connection died, or the read timed out
-        out["outcome"] = f"conn:{type(e).__name__}"
-    out["seconds"] = time.time() - t0
-    return out
-
-
-class ChaosUser(HttpUser):
-    """A client that sends one streaming chat at a time and retries what is worth retrying."""
+class ChaosUser(User):
+    """A client that sends one streaming chat at a time and retries by the README's rule."""
 
     def on_start(self) -> None:
         self.rng = random.Random(os.getpid() * 1000 + id(self) % 1000)
+        self.session = requests.Session()
+
+    def on_stop(self) -> None:
+        self.session.close()
 
     @task
     def chat(self) -> None:
-        item = self.rng.choice(_POOL)
-        start = time.time()
-        attempts = []
-        for _ in range(MAX_ATTEMPTS):
-            a = _attempt(self.client, item["body"])
-            attempts.append({k: v for k, v in a.items() if k != "text"})
-            if a["outcome"] == "ok" or not (a["outcome"].startswith("conn:") or a["status"] in (429, 503)):
-                break
-            time.sleep(float(a["retry_after"] or 1.0))
-        if _LOG is not None:
-            _LOG.write(json.dumps({"key": item["key"], "start": start, "end": time.time(), "attempts": attempts,
-                                   "final": attempts[-1]["outcome"], "text": a["text"]}) + "\n")
+        send(self.session, f"{self.host}/v1/chat/completions", self.rng.choice(_POOL), LEDGER,
+             rng=self.rng.random, on_attempt=self._report)
+
+    def _report(self, attempt: dict) -> None:
+        """Each attempt into locust's statistics."""
+        ok = attempt["outcome"] == "ok"
+        self.environment.events.request.fire(
+            request_type="POST", name="chat (stream)", response_time=attempt["seconds"] * 1000.0,
+            response_length=len(attempt["text"]), exception=None if ok else RuntimeError(attempt["outcome"]),
+            context={}, response=None, url=f"{self.host}/v1/chat/completions", start_time=attempt["t"])
+
+
+@events.test_stop.add_listener
+def _count_the_open_as_hung(environment, **_kw) -> None:
+    LEDGER.close()  # users are stopped (or killed after --stop-timeout) by now
 
 
 @events.quitting.add_listener
 def _close_log(environment, **_kw) -> None:
+    LEDGER.close()
     if _LOG is not None:
         _LOG.close()
