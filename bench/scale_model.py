@@ -16,10 +16,11 @@ deepseek-v3, Mixtral/Qwen-MoE/DeepSeek-V3 field names). Hardware: HARDWARE below
 The model is a roofline per component: each part of a step takes the longer of its bytes
 over memory bandwidth and its FLOPs over compute, at the efficiencies the profile states; the
 all-to-all takes a fixed latency plus its bytes over NVLink (to ranks in the same node) and
-RDMA (to the others); the step is compute + communication, or their maximum with two-batch
-overlap (SGLang's, DeepSeek's). The slowest rank sets the step, so an expert-load skew
-(busiest rank over the mean) multiplies the expert and dispatch terms. docs/scaling.md checks
-it against this machine and against published figures, and says where it misses.
+RDMA (to the others); the step is compute + communication. Two-batch overlap (SGLang's,
+DeepSeek's) runs two half-batches, each with its own weight reads and all-to-all latency,
+each one's communication in flight during the other's compute (`two_batch`). The slowest rank sets the step, so an expert-load skew (busiest rank
+over the mean) multiplies the expert and dispatch terms. docs/scaling.md checks it against
+this machine and against published figures, and lists where it misses.
 """
 
 from __future__ import annotations
@@ -132,9 +133,11 @@ class Layout:
 
 
 # ---- the model ----------------------------------------------------------------------------------
-def _roofline_ms(hw: Hardware, nbytes: float, flops: float, fp8: bool = False) -> float:
+def _roofline_ms(hw: Hardware, nbytes: float, *work: tuple[float, bool]) -> float:
+    """The longer of `nbytes` over memory bandwidth and the FLOPs of `work`, each (flops, fp8)
+    at its own precision's rate."""
     mem = nbytes / (hw.hbm_gbps * 1e9 * hw.hbm_eff)
-    compute = flops / (hw.tflops * 1e12 * hw.flop_eff * (hw.fp8_speedup if fp8 else 1.0))
+    compute = sum(f / (hw.tflops * 1e12 * hw.flop_eff * (hw.fp8_speedup if fp8 else 1.0)) for f, fp8 in work)
     return max(mem, compute) * 1e3
 
 
@@ -149,34 +152,37 @@ def a2a_ms(hw: Hardware, nbytes: float, ranks: int) -> float:
 
 def step(shape: Shape, hw: Hardware, lay: Layout) -> dict:
     """One decode step on the busiest rank: ms per component, tokens/s per GPU, memory, bytes."""
+    if lay.overlap:
+        return two_batch(shape, hw, lay)
     n, wb = lay.batch, lay.weight_bytes
     fp8 = wb <= 1.0
     ep = lay.gpus
     L, M = shape.layers, shape.moe_layers
     # attention: its weights (split over a TP group), this rank's KV cache, q.k and p.v
     kv_bytes = n * lay.context * shape.kv_per_token * lay.kv_bytes * L
-    attn_flops = n * L * (2 * shape.attn_params + shape.attn_flops_per_key * lay.context)
-    attention = _roofline_ms(hw, shape.attn_params * L * wb / lay.tp + kv_bytes, attn_flops, fp8)
+    # the projections run at the weights' precision, q.k and p.v at the cache's: an fp8 model
+    # with a bf16 KV cache (FlashMLA's decode kernel) gets no fp8 rate for the score FLOPs
+    attention = _roofline_ms(hw, shape.attn_params * L * wb / lay.tp + kv_bytes,
+                             (2 * n * L * shape.attn_params, fp8),
+                             (n * L * shape.attn_flops_per_key * lay.context, lay.kv_bytes <= 1.0))
     if lay.tp > 1:  # all-reduce of the attention output in the TP group, over NVLink
         attention += L * (hw.a2a_latency_us / 1e3 + 2 * n * lay.tp * shape.hidden * 2 / (hw.nvlink_gbps * 1e9) * 1e3)
-    gating = _roofline_ms(hw, M * shape.hidden * shape.experts * wb, 2 * n * M * shape.hidden * shape.experts)
+    gating = _roofline_ms(hw, M * shape.hidden * shape.experts * wb, (2 * n * M * shape.hidden * shape.experts, False))
     # routed experts: the busiest rank serves skew x its fair share of routes, reading each local
     # expert that gets at least one route
     routes = n * shape.top_k * lay.skew
     local = (shape.experts + lay.redundant_experts) / ep
     touched = local * (1 - math.exp(-routes / max(local, 1e-9)))
-    experts = _roofline_ms(hw, M * touched * shape.expert_params * wb, 2 * M * routes * shape.expert_params, fp8)
+    experts = _roofline_ms(hw, M * touched * shape.expert_params * wb, (2 * M * routes * shape.expert_params, fp8))
     dense = (L - M) * shape.dense_mlp_params + M * shape.shared_params
-    experts += _roofline_ms(hw, dense * wb, 2 * n * dense, fp8)  # shared experts and dense layers: every token
+    experts += _roofline_ms(hw, dense * wb, (2 * n * dense, fp8))  # shared experts and dense layers: every token
     # all-to-all: each route's hidden state out (dispatch) and its expert output back (combine, bf16)
     sent = n * shape.top_k * shape.hidden
     dispatch = M * a2a_ms(hw, sent * lay.dispatch_bytes * lay.skew, ep)
     combine = M * a2a_ms(hw, sent * 2.0 * lay.skew, ep)
-    other = _roofline_ms(hw, shape.vocab * shape.hidden * wb, 2 * n * shape.vocab * shape.hidden)  # LM head
+    other = _roofline_ms(hw, shape.vocab * shape.hidden * wb, (2 * n * shape.vocab * shape.hidden, False))  # LM head
     other += L * hw.layer_overhead_us / 1e3
-    compute = attention + gating + experts + other
-    comm = dispatch + combine
-    total = max(compute, comm) + 0.1 * min(compute, comm) if lay.overlap else compute + comm
+    total = attention + gating + experts + other + dispatch + combine
     weights = (L * shape.attn_params / lay.tp + (L - M) * shape.dense_mlp_params + M * shape.shared_params
                + M * shape.hidden * shape.experts + 2 * shape.vocab * shape.hidden
                + M * local * shape.expert_params) * wb
@@ -189,6 +195,23 @@ def step(shape: Shape, hw: Hardware, lay: Layout) -> dict:
         "a2a_bytes_per_layer": sent * (lay.dispatch_bytes + 2.0) * lay.skew if ep > 1 else 0.0,
         "experts_touched_per_layer": touched,
     }
+
+
+def two_batch(shape: Shape, hw: Hardware, lay: Layout) -> dict:
+    """The step with two-batch overlap, as SGLang and DeepSeek run it: the batch splits into two
+    micro-batches that alternate on the GPU (attention 0, attention 1, experts 0, experts 1),
+    each one's all-to-all in flight while the other computes, so a layer is four slots:
+    attention 0 with combine 1 (of the layer before), attention 1 with dispatch 0, experts 0
+    with dispatch 1, experts 1 with combine 0. Each half reads the weights again and pays its
+    own all-to-all latency, which is why overlap loses at small batches."""
+    whole = step(shape, hw, replace(lay, overlap=False))
+    half = step(shape, hw, replace(lay, overlap=False, batch=lay.batch / 2))["ms"]
+    attn, experts = half["attention"] + half["gating"], half["experts"]
+    dispatch, combine = half["dispatch"], half["combine"]
+    total = (max(attn, combine) + max(attn, dispatch) + max(experts, dispatch) + max(experts, combine)
+             + 2 * half["other"])
+    return {**whole, "ms": {k: 2 * v for k, v in half.items()}, "step_ms": total,
+            "tokens_per_s_per_gpu": lay.batch / total * 1e3}
 
 
 def fits(hw: Hardware, result: dict, headroom: float = 0.9) -> bool:
@@ -288,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=64, help="sequences per GPU")
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--fp8", action="store_true", help="fp8 weights and dispatch (DeepSeek-V3's own format)")
-    ap.add_argument("--overlap", action="store_true", help="two-batch overlap of communication and compute")
+    ap.add_argument("--overlap", action="store_true", help="two-batch overlap: two half-batches, communication behind compute")
     ap.add_argument("--skew", default=None, help="expert-load counters (JSON from GET /admin/experts)")
     ap.add_argument("--best", nargs="?", const="throughput", choices=["throughput", "latency"],
                     help="search the layout: most tokens/s per GPU (under --max-tpot-ms), or the "

@@ -1,11 +1,14 @@
 """The expert-parallel cost model (bench/scale_model.py): parameter counts against the published
-ones and against our own model, the all-to-all term against DeepEP's published latencies, and
-the layout search and skew arithmetic on cases whose answer is known."""
+ones and against our own model, the all-to-all term against DeepEP's published latencies, the
+layout search and skew arithmetic on cases whose answer is known, and the checks table
+(bench/scale_checks.py): the fit is never counted, misses are called misses, each served check
+runs its source's setup, and docs/scaling.md and the README say what the table says."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -64,8 +67,6 @@ def test_more_ranks_cut_expert_reads_and_add_all_to_all():
     assert eight["ms"]["experts"] < one["ms"]["experts"]
     assert eight["ms"]["dispatch"] > 0 and eight["a2a_bytes_per_layer"] == 64 * 2 * 4096 * 4
     assert eight["memory_gib"]["weights"] < one["memory_gib"]["weights"] / 3
-    overlapped = step(s, hw, Layout(gpus=8, batch=64, overlap=True))
-    assert overlapped["step_ms"] < eight["step_ms"]
     skewed = step(s, hw, Layout(gpus=8, batch=64, skew=1.5))
     assert skewed["ms"]["experts"] > eight["ms"]["experts"] and skewed["ms"]["attention"] == eight["ms"]["attention"]
 
@@ -102,3 +103,86 @@ def test_the_command_line(capsys):
                  "--max-tpot-ms", "60"]) == 0
     assert "best:" in capsys.readouterr().out
     assert main(["--model", "mixtral-8x7b", "--best", "latency", "--batch", "1"]) == 0
+
+
+def test_two_batch_overlap_loses_at_small_batches_and_wins_at_large():
+    """SGLang's ablation on DeepSeek-V3 (72 H100s): overlap loses at 32 sequences per GPU and
+    gains at 256, because each half-batch reads the weights and pays the all-to-all latency again."""
+    s, hw = load_shape("deepseek-v3"), HARDWARE["h100"]
+    base = Layout(gpus=72, context=2000, weight_bytes=1, dispatch_bytes=1, redundant_experts=32)
+
+    def gain(lay: Layout) -> float:
+        return step(s, hw, lay)["step_ms"] / step(s, hw, replace(lay, overlap=True))["step_ms"]
+
+    assert gain(replace(base, batch=32)) < 1.0 < gain(replace(base, batch=256))
+    assert gain(replace(base, gpus=1, batch=256)) < 1.0  # one rank: nothing to hide, a second weight read
+
+
+def test_attention_scores_run_at_the_cache_precision():
+    """fp8 weights and a bf16 KV cache: the projections get the fp8 rate, q.k and p.v do not."""
+    s = load_shape("deepseek-v3")
+    hw = replace(HARDWARE["h100"], hbm_gbps=1e9)  # no memory limit: attention is its FLOPs
+    lay = Layout(gpus=8, batch=64, context=4096, weight_bytes=1, kv_bytes=2)
+    rate = hw.tflops * 1e12 * hw.flop_eff
+    proj, scores = 2 * 64 * s.layers * s.attn_params, 64 * s.layers * s.attn_flops_per_key * 4096
+    want = (proj / (rate * hw.fp8_speedup) + scores / rate) * 1e3
+    assert step(s, hw, lay)["ms"]["attention"] == pytest.approx(want, rel=1e-6)
+    assert step(s, hw, replace(lay, kv_bytes=1))["ms"]["attention"] < want
+
+
+def test_the_fitted_point_is_shown_but_never_counted():
+    from bench.scale_checks import Check, checks, verdict
+
+    rows = checks()
+    fitted = [c for c in rows if c.fitted]
+    assert [c.name.split(":")[0] for c in fitted] == ["this CPU, demo MoE, W=1, batch 16"]
+    assert fitted[0].verdict == "fit (not a check)"
+    assert f"of {len(rows) - 1} checks" in verdict(rows)
+    way_off_fit = Check("fit", 3.0, 1.0, "s", fitted=True)
+    assert way_off_fit.verdict == "fit (not a check)"
+    assert verdict([way_off_fit, Check("a", 1.1, 1.0, "s")]).startswith("**1 of 1 checks are within 20%**")
+
+
+def test_a_check_beyond_the_tolerance_is_a_miss():
+    from bench.scale_checks import TOLERANCE, Check, verdict
+
+    assert Check("a", 1 + TOLERANCE - 0.01, 1.0, "s").verdict == f"within {TOLERANCE:.0%}"
+    assert Check("a", 1 - TOLERANCE + 0.01, 1.0, "s").verdict == f"within {TOLERANCE:.0%}"
+    high, low = Check("high", 1 + TOLERANCE + 0.01, 1.0, "s"), Check("low", 1 - TOLERANCE - 0.01, 1.0, "s")
+    assert high.verdict == low.verdict == "miss"
+    text = verdict([high, low, Check("ok", 1.0, 1.0, "s")])
+    assert "**1 of 3 checks are within 20%**" in text and "**2 miss**: high (+21%); low (-21%)" in text
+
+
+def test_each_served_check_runs_its_sources_setup():
+    """SGLang's headline DeepSeek-V3 figure (22,282 tok/s per node on 72 H100s) was measured with
+    two-batch overlap, its ablation's without; Ray Serve's wide-EP config enables none."""
+    from bench.scale_checks import served
+
+    (tbo_name, tbo_hw, tbo, tbo_pub), (_, _, flat, flat_pub), (_, wide_hw, wide, _) = served()
+    assert "two-batch overlap" in tbo_name and tbo_hw.name == "H100 SXM"
+    assert tbo.overlap and (tbo.gpus, tbo.batch, tbo.context, tbo.redundant_experts) == (72, 256, 2000, 32)
+    assert tbo.weight_bytes == tbo.dispatch_bytes == 1 and tbo_pub["tokens_per_s_per_gpu"] == 22282 / 8
+    assert not flat.overlap and replace(flat, overlap=True) == tbo
+    assert flat_pub["tokens_per_s_per_gpu"] == pytest.approx(22310 / 1.255 / 8)
+    assert not wide.overlap and wide.gpus == 16 and wide_hw.name == "H200 SXM"
+
+
+def test_the_docs_and_the_readme_say_what_the_checks_say():
+    """docs/scaling.md holds the table the generator makes from the committed reports, and the
+    README's paragraph quotes every counted CPU and served error and DeepEP's worst."""
+    from bench.scale_checks import checks, checks_table, verdict
+
+    root = Path(__file__).resolve().parent.parent
+    rows = checks()
+    doc = (root / "docs" / "scaling.md").read_text()
+    assert checks_table(rows) in doc and verdict(rows) in doc, "run: python -m bench.scale_model --report"
+    readme = (root / "README.md").read_text()
+    paragraph = readme[readme.index("How this scales past one machine"):]
+    paragraph = paragraph[:paragraph.index("\n\n")]
+    for c in rows:
+        if not c.fitted and not c.name.startswith("DeepEP"):
+            assert f"{c.error:+.0%}" in paragraph, c.name
+    worst = max(abs(c.error) for c in rows if c.name.startswith("DeepEP"))
+    assert f"at most {worst:.0%} off" in paragraph
+    assert "fitted at one rank, which is not a check" in paragraph
