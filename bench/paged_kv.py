@@ -1,6 +1,6 @@
 """Paged KV cache vs the slot cache, side by side in one run (demo MoE, 1 torch thread).
 
-    python -m bench.paged_kv [--rounds 3] [--quick]
+    python -m bench.paged_kv [--rounds 9] [--quick]
 
 1. memory: KV bytes allocated and held vs the bytes of the tokens really live, on a mixed-length
    workload (held-out demo chats, 16-128 new tokens each), sampled every step;
@@ -8,12 +8,13 @@
    of max_model_len 1024 take): the slot cache fits 16, the paged cache as many as their blocks allow;
 3. shared system prompt: 32 chats behind one long system prompt, after one warm-up chat; time
    to first token with prefix caching vs without (same paged cache), replies compared;
-4. decode: tokens/s at batch 16, paged vs slots (same prompts, 64 new tokens, greedy), both
-   engines stepping in turn in one loop; the ratio is the median of the per-round ratios; then
-   the same with the compiled step (`engine.compile`) over each cache.
+4. decode: tokens/s at batch 16, paged vs slots (same prompts, 64 new tokens, greedy, prefix
+   caching off), both engines stepping in turn in one loop; then the same with the compiled
+   step (`engine.compile`) over each cache.
 
-Rounds alternate the variants; medians are reported. Writes bench/reports/paged_kv.{json,md} and
-paged_kv-memory.png (`--quick`: paged_kv-quick*).
+1 and 2 are counts. 3 and 4 are timed: rounds alternate the variants, and each ratio is the
+median of the per-round ratios with its bootstrap interval (bench/timing.py). Writes
+bench/reports/paged_kv.{json,md} and paged_kv-memory.png (`--quick`: paged_kv-quick*).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import torch  # noqa: E402
 
 from bench import report  # noqa: E402
 from bench.prompts import formulaic  # noqa: E402
+from bench.timing import format_ratio, ratio_over_rounds  # noqa: E402
 from moeserve.engine.factory import EngineConfig, build_engine  # noqa: E402
 from moeserve.sampling_params import SamplingParams  # noqa: E402
 from moeserve.tokenizer import render_chat  # noqa: E402
@@ -124,12 +126,14 @@ def capacity(quick: bool) -> dict[str, Any]:
 
 
 def shared_prompt(rounds: int, quick: bool) -> dict[str, Any]:
+    """Fresh engines every round (a second round on the same engine would find every chat cached)."""
     n = 8 if quick else 32
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     rows: dict[str, list[float]] = {"prefix_caching": [], "no_prefix_caching": []}
     replies: dict[str, list[list[int]]] = {}
-    for _ in range(rounds):
-        for name, on in (("prefix_caching", True), ("no_prefix_caching", False)):
+    for r in range(rounds):
+        variants = (("prefix_caching", True), ("no_prefix_caching", False))
+        for name, on in variants[r % 2:] + variants[: r % 2]:
             eng = engine("paged", prefix_caching=on, max_num_seqs=n)
             chats = [render_chat(eng.tokenizer, [{"role": "system", "content": SYSTEM},
                                                  {"role": "user", "content": ASKS[i % len(ASKS)] + f" (order {i})"}])
@@ -140,44 +144,48 @@ def shared_prompt(rounds: int, quick: bool) -> dict[str, Any]:
             rows[name].append(statistics.mean(res["ttft"]))
             replies[name] = res["tokens"]
             prompt_len = len(ids[1])
-    med = {k: statistics.median(v) for k, v in rows.items()}
-    return {"chats": n, "prompt_tokens": prompt_len, "mean_ttft_s": med, "all_rounds": rows,
-            "speedup": med["no_prefix_caching"] / med["prefix_caching"],
+    return {"chats": n, "prompt_tokens": prompt_len, "all_rounds": rows,
+            "mean_ttft_s": {k: statistics.median(v) for k, v in rows.items()},
+            "speedup": ratio_over_rounds(rows["no_prefix_caching"], rows["prefix_caching"]),
             "replies_identical": replies["prefix_caching"] == replies["no_prefix_caching"]}
 
 
 def decode(rounds: int, quick: bool, compile: bool = False) -> dict[str, Any]:
     """Both engines decode the same batch in one loop, one step each in turn, so machine noise
-    hits both alike; decode seconds are summed per engine (prefill excluded). With `compile`,
-    both run the compiled step (each compiles once; later rounds reuse inductor's cache)."""
+    hits both alike; decode seconds are summed per engine (prefill excluded). The engines are
+    built once (with `compile`, each compiles its step once) and run one untimed round first;
+    prefix caching is off, so a round finds nothing cached from the one before."""
     new = 32 if quick else 64
     prompts = formulaic(engine("slots").tokenizer, 16)
     params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+    engines = {kind: engine(kind, prefix_caching=False, compile=compile) for kind in ("slots", "paged")}
     rates: dict[str, list[float]] = {"slots": [], "paged": []}
     outputs: dict[str, list[list[int]]] = {}
-    for _ in range(rounds):
-        engines = {kind: engine(kind, prefix_caching=False, compile=compile) for kind in ("slots", "paged")}
+    for r in range(rounds + 1):
+        order = list(engines)[r % 2:] + list(engines)[: r % 2]  # who steps first alternates by round
         seconds = dict.fromkeys(engines, 0.0)
         tokens: dict[str, dict[str, list[int]]] = {}
-        for kind, eng in engines.items():
+        for kind in order:
+            eng = engines[kind]
             ids = [eng.add_request(p, params) for p in prompts]
             tokens[kind] = {rid: [] for rid in ids}
             for out in eng.step():  # the prefill
                 tokens[kind][out.request_id] += out.new_token_ids
         while any(e.has_unfinished() for e in engines.values()):
-            for kind, eng in engines.items():
+            for kind in order:
                 t0 = time.perf_counter()
-                outs = eng.step()
+                outs = engines[kind].step()
                 seconds[kind] += time.perf_counter() - t0
                 for out in outs:
                     tokens[kind][out.request_id] += out.new_token_ids
+        if r == 0:  # the untimed round: first-use costs (allocation, lazy init) land here
+            continue
         for kind in engines:
             rates[kind].append(16 * (new - 1) / seconds[kind])
             outputs[kind] = list(tokens[kind].values())
-    med = {k: statistics.median(v) for k, v in rates.items()}
-    ratios = [p / s for p, s in zip(rates["paged"], rates["slots"])]
-    return {"batch": 16, "new_tokens": new, "compiled": compile, "tokens_per_s": med, "all_rounds": rates,
-            "paged_over_slots": statistics.median(ratios), "ratio_per_round": ratios,
+    return {"batch": 16, "new_tokens": new, "compiled": compile, "all_rounds": rates,
+            "tokens_per_s": {k: statistics.median(v) for k, v in rates.items()},
+            "paged_over_slots": ratio_over_rounds(rates["paged"], rates["slots"]),
             "outputs_identical": outputs["slots"] == outputs["paged"]}
 
 
@@ -198,9 +206,10 @@ def figure(mem: dict[str, Any]) -> Any:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--rounds", type=int, default=None, help="timed rounds (default 9; --quick: 3)")
+    ap.add_argument("--quick", action="store_true", help="fewer prompts, tokens and rounds (a smoke run)")
     args = ap.parse_args(argv)
+    args.rounds = args.rounds or (3 if args.quick else 9)
     torch.set_num_threads(1)
     mem, cap = memory(args.quick), capacity(args.quick)
     shared, dec = shared_prompt(args.rounds, args.quick), decode(args.rounds, args.quick)
@@ -210,26 +219,32 @@ def main(argv: list[str] | None = None) -> int:
         "# Paged KV cache vs slots",
         "",
         "`python -m bench.paged_kv" + (" --quick`" if args.quick else "`") + f": demo MoE, 1 torch thread, "
-        f"{args.rounds} alternating rounds, medians. Block size 16.",
+        "block size 16. The first three rows are counts (the same every run); the timed rows run "
+        f"{args.rounds} rounds alternating the two sides, and their ratio is the median of the per-round ratios "
+        "with its 90% bootstrap interval over the rounds (tokens/s and TTFT: medians). Like for like: the TTFT "
+        "row runs the same paged cache with prefix caching on and off, fresh engines every round; the decode "
+        "rows run both caches with prefix caching off, prefill excluded.",
         "",
         "| measure | slots | paged | ratio |",
         "|---|---|---|---|",
         f"| KV allocated at peak (same budget, {mb(mem['slots']['peak_allocated_bytes'])}) | "
         f"{mb(mem['slots']['peak_allocated_bytes'])} | {mb(mem['paged']['peak_allocated_bytes'])} | "
-        f"{mem['slots']['peak_allocated_bytes'] / mem['paged']['peak_allocated_bytes']:.1f}x less |",
+        f"{mem['slots']['peak_allocated_bytes'] / mem['paged']['peak_allocated_bytes']:.1f}x less (counted) |",
         f"| KV held at peak (tokens of the running sequences at peak: {mb(mem['paged']['peak_live_bytes'])}; "
         "shared prefix blocks count once when paged) | "
         f"{mb(mem['slots']['peak_held_bytes'])} | {mb(mem['paged']['peak_held_bytes'])} | "
-        f"{mem['slots']['peak_held_bytes'] / mem['paged']['peak_held_bytes']:.1f}x less |",
+        f"{mem['slots']['peak_held_bytes'] / mem['paged']['peak_held_bytes']:.1f}x less (counted) |",
         f"| sequences running at once in a budget of {cap['budget_tokens']} tokens (mean final length "
-        f"{cap['mean_final_length']:.0f}) | {cap['slots_fit']} | {cap['paged_peak_running']} | {cap['ratio']:.1f}x |",
+        f"{cap['mean_final_length']:.0f}) | {cap['slots_fit']} | {cap['paged_peak_running']} | "
+        f"{cap['ratio']:.1f}x (counted) |",
         f"| mean TTFT, {shared['chats']} chats behind one system prompt ({shared['prompt_tokens']} prompt tokens), "
         f"warm | {shared['mean_ttft_s']['no_prefix_caching'] * 1e3:.0f} ms without prefix caching | "
-        f"{shared['mean_ttft_s']['prefix_caching'] * 1e3:.0f} ms with | {shared['speedup']:.1f}x faster |",
+        f"{shared['mean_ttft_s']['prefix_caching'] * 1e3:.0f} ms with | {format_ratio(shared['speedup'], 1)} "
+        "faster |",
         f"| decode tokens/s, batch 16 | {dec['tokens_per_s']['slots']:.0f} | {dec['tokens_per_s']['paged']:.0f} | "
-        f"{dec['paged_over_slots']:.2f}x |",
+        f"{format_ratio(dec['paged_over_slots'])} |",
         f"| decode tokens/s, batch 16, compiled step | {dec_c['tokens_per_s']['slots']:.0f} | "
-        f"{dec_c['tokens_per_s']['paged']:.0f} | {dec_c['paged_over_slots']:.2f}x |",
+        f"{dec_c['tokens_per_s']['paged']:.0f} | {format_ratio(dec_c['paged_over_slots'])} |",
         "",
         f"Replies identical with and without prefix caching: {shared['replies_identical']}; greedy outputs identical "
         f"paged vs slots at batch 16: {dec['outputs_identical']} (compiled: {dec_c['outputs_identical']}).",
