@@ -1,9 +1,10 @@
 """What serving costs: the served stack (HTTP -> proxy -> gateway -> engine replica -> core process)
 against the same engine in this process (`moeserve.LLM`), side by side in one run.
 
-    python -m bench.serving_overhead [--streams 32] [--max-tokens 64] [--runs 3] [--report NAME]
+    python -m bench.serving_overhead [--streams 32] [--max-tokens 64] [--runs 15] [--report NAME] [--quick]
 
-Three measurements, each the median of `--runs` alternating runs:
+Three measurements over `--runs` alternating runs (values: medians; ratios: the median of the
+per-run ratios with its bootstrap interval, bench/timing.py):
 
 1. throughput: `--streams` concurrent greedy streams through HTTP (EOS ignored, so every
    request writes exactly --max-tokens) vs `LLM.generate` of the same prompts;
@@ -12,8 +13,10 @@ Three measurements, each the median of `--runs` alternating runs:
 3. one stream alone: time to first token and inter-token latency, HTTP vs in-process.
 
 It also checks that the served greedy text equals LLM.generate's. Both sides use the one
-config (deployments/serve_config.yaml's engine settings, with max_num_seqs = --streams).
-Writes bench/reports/serving_overhead.{json,md,-throughput.png}.
+config (deployments/serve_config.yaml's engine settings, with max_num_seqs = --streams), so
+both keep their prefix cache as configured and both see the same prompts every run: after
+the warm-up each side finds the same prompt blocks cached. Writes
+bench/reports/serving_overhead.{json,md,-throughput.png} (`--quick`: serving_overhead-quick*).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import yaml
 
 from bench.report import environment, markdown_table, write
 from bench.serve_latency import stream_completion
+from bench.timing import format_ratio, ratio_over_rounds
 
 SERVING_PROCESSES = {"proxy": "ProxyActor", "gateway": "moeserve:gateway", "engine replica": "moeserve:engine"}
 
@@ -117,16 +121,21 @@ def start_server(cfg, http_port: int) -> str:
     return base
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--streams", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--runs", type=int, default=15)
+    p.add_argument("--quick", action="store_true", help="8 streams of 16 tokens, 3 runs (a smoke run)")
     p.add_argument("--http-port", type=int, default=8123)
-    p.add_argument("--report", default="serving_overhead", help="report name in bench/reports/")
+    p.add_argument("--report", default=None, help="report name in bench/reports/ (default: serving_overhead, "
+                   "or serving_overhead-quick)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="a config override for both sides, e.g. engine.torch_threads=1 (YAML value)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    if args.quick:
+        args.streams, args.max_tokens, args.runs = 8, 16, 3
+    args.report = args.report or ("serving_overhead-quick" if args.quick else "serving_overhead")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
     from bench.prompts import formulaic
@@ -154,18 +163,22 @@ def main() -> int:
     threads = sorted({torch.get_num_threads(), cfg.engine.torch_threads or max(1, torch.get_num_threads() - 1)})
     runs: dict[str, list[dict]] = {"served": [], "served_1": [], "offline_1": []}
     runs |= {f"offline_{t}t": [] for t in threads}
-    for _ in range(args.runs):
-        runs["served"].append(asyncio.run(served(base, name, prompts, args.max_tokens)))
-        for t in threads:
-            torch.set_num_threads(t)
-            runs[f"offline_{t}t"].append(offline(llm, prompts, params))
-        runs["served_1"].append(asyncio.run(served_single(base, name, prompts[0], args.max_tokens)))
-        runs["offline_1"].append(latency_offline(llm, prompts[0], params))
+    for i in range(args.runs):  # which side goes first alternates by run
+        for side in (("served", "offline") if i % 2 == 0 else ("offline", "served")):
+            if side == "served":
+                runs["served"].append(asyncio.run(served(base, name, prompts, args.max_tokens)))
+                runs["served_1"].append(asyncio.run(served_single(base, name, prompts[0], args.max_tokens)))
+                continue
+            for t in threads:
+                torch.set_num_threads(t)
+                runs[f"offline_{t}t"].append(offline(llm, prompts, params))
+            runs["offline_1"].append(latency_offline(llm, prompts[0], params))
     offline_tps = {t: med(r["tokens_per_s"] for r in runs[f"offline_{t}t"]) for t in threads}
     best = max(offline_tps, key=offline_tps.get)
 
     result = {
         "settings": vars(args), "environment": environment(best),
+        "prefix_caching": "on" if cfg.engine.prefix_caching and cfg.engine.kv_cache != "slots" else "off",
         "served_tokens_per_s": med(r["tokens_per_s"] for r in runs["served"]),
         "offline_tokens_per_s": offline_tps[best], "offline_threads": best,
         "offline_tokens_per_s_by_threads": offline_tps,
@@ -179,8 +192,12 @@ def main() -> int:
         "same_text": runs["served"][0]["texts"] == runs[f"offline_{best}t"][0]["texts"],
         "runs": {k: [{kk: vv for kk, vv in r.items() if kk != "texts"} for r in v] for k, v in runs.items()},
     }
-    result["served_over_offline"] = result["served_tokens_per_s"] / result["offline_tokens_per_s"]
-    result["itl_served_over_offline"] = result["itl_ms"]["served"] / result["itl_ms"]["offline"]
+    result["served_over_offline"] = ratio_over_rounds([r["tokens_per_s"] for r in runs["served"]],
+                                                      [r["tokens_per_s"] for r in runs[f"offline_{best}t"]])
+    result["ttft_served_over_offline"] = ratio_over_rounds([r["ttft"] for r in runs["served_1"]],
+                                                           [r["ttft"] for r in runs["offline_1"]])
+    result["itl_served_over_offline"] = ratio_over_rounds([itl_ms(r) for r in runs["served_1"]],
+                                                          [itl_ms(r) for r in runs["offline_1"]])
     md = markdown(result, args)
     print(md)
     print("report:", write(args.report, result, md, {"throughput": figure(result, args)})[1])
@@ -199,8 +216,7 @@ def markdown(r: dict, args) -> str:
     rows = [
         [f"{args.streams} streams, tokens/s", r["served_tokens_per_s"], r["offline_tokens_per_s"],
          r["served_over_offline"], ">= 0.8x"],
-        ["1 stream, TTFT (ms)", r["ttft_ms"]["served"], r["ttft_ms"]["offline"],
-         r["ttft_ms"]["served"] / r["ttft_ms"]["offline"], ""],
+        ["1 stream, TTFT (ms)", r["ttft_ms"]["served"], r["ttft_ms"]["offline"], r["ttft_served_over_offline"], ""],
         ["1 stream, inter-token latency (ms)", r["itl_ms"]["served"], r["itl_ms"]["offline"],
          r["itl_served_over_offline"], "<= 1.2x"],
     ]
@@ -208,12 +224,17 @@ def markdown(r: dict, args) -> str:
     cpu.append(["all of them", r["cpu_us_per_token_outside_core"]])
     return "\n".join([
         "# Serving overhead: the served stack vs the same engine in one process", "",
-        f"Greedy, {args.max_tokens} tokens per request (EOS ignored), held-out demo prompts; median of "
-        f"{args.runs} alternating runs. Served: HTTP -> Serve proxy -> gateway -> engine replica -> engine "
+        f"`python -m bench.serving_overhead{' --quick' if args.quick else ''}`"
+        + "".join(f" --set {s}" for s in args.set) + ". "
+        f"Greedy, {args.max_tokens} tokens per request (EOS ignored), held-out demo prompts; {args.runs} runs "
+        "alternating the sides: values are medians, each ratio the median of the per-run ratios with its 90% "
+        "bootstrap interval over the runs. Served: HTTP -> Serve proxy -> gateway -> engine replica -> engine "
         "core process. In-process: `moeserve.LLM.generate` on the same engine settings, at the torch thread "
         f"count that was fastest ({r['offline_threads']}; by threads: "
-        + ", ".join(f"{t}: {v:.0f} tokens/s" for t, v in r["offline_tokens_per_s_by_threads"].items()) + ").", "",
-        markdown_table(["", "served", "in-process", "ratio", "goal"], rows), "",
+        + ", ".join(f"{t}: {v:.0f} tokens/s" for t, v in r["offline_tokens_per_s_by_threads"].items()) + "). "
+        f"Both sides keep their prefix cache as configured (prefix caching {r['prefix_caching']}) and see the "
+        "same prompts every run, so both reuse the same cached prompt blocks.", "",
+        markdown_table(["", "served", "in-process", "ratio [90% interval]", "goal"], rows), "",
         f"Served greedy text identical to `LLM.generate`: {r['same_text']}.", "",
         "## CPU per streamed token outside the engine core (goal: <= 150 us)", "",
         markdown_table(["process", "CPU us / token"], cpu),
@@ -230,7 +251,8 @@ def figure(r: dict, args):
     ax.bar(["in-process\nLLM.generate", "served\n(HTTP)"], [r["offline_tokens_per_s"], r["served_tokens_per_s"]],
            color=["#888", "#2a7"])
     ax.set_ylabel("tokens/s")
-    ax.set_title(f"{args.streams} greedy streams: served = {r['served_over_offline']:.2f}x in-process")
+    ax.set_title(f"{args.streams} greedy streams: served = {format_ratio(r['served_over_offline'])} in-process",
+                 fontsize=9)
     return fig
 
 
