@@ -1,6 +1,6 @@
 """The chaos bench's accounting and its client's retry rule (the chaos run itself takes minutes).
 
-bench/chaos.py: which fault a request counts under, and its damage. bench/locust/chaos_ledger.py:
+bench/chaos_report.py: which fault a request counts under, and its damage. bench/locust/chaos_ledger.py:
 every started request counted exactly once as ok / lost / hung. bench/locust/chaos_client.py:
 retries exactly by the README's rule, against a local HTTP server that answers, fails, cuts
 streams and leaves requests open.
@@ -17,7 +17,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import requests
 
-from bench.chaos import Fault, classify, fault_rows, pool
+from bench.chaos import Fault, pool
+from bench.chaos_report import classify, fault_rows, markdown
 from bench.locust.chaos_client import MAX_RETRIES, delay_s, send, should_retry
 from bench.locust.chaos_ledger import Ledger, fold
 
@@ -54,6 +55,10 @@ def test_requests_count_under_the_last_fault_before_they_ended_and_damage_is_cou
     assert gateway["client_errors"] == {"http_503 + Retry-After": 3, "http_500": 1} and gateway["recovery_s"] is None
     # the hung request's unfinished reply is not judged
     assert gateway["wrong_greedy"] == 0
+    setup = {"quick": False, "max_retries": 2, "stop_timeout_s": 120.0, "read_timeout_s": 90.0,
+             "whole_within_s": 120.0, "started": {"core": 6}}
+    md = markdown({"setup": setup, "rows": [before, core, gateway], "locust": {"core": {"Request Count": 9}}})
+    assert "| core | gateway replica | 3 | 1 | 1 | 1 | 1 | 5 |" in md and "| core | 9 | 9 |" in md
 
 
 def test_client_error_names_and_the_pool():

@@ -22,6 +22,7 @@ tests against a local server.
 
 from __future__ import annotations
 
+import contextlib
 import email.utils
 import json
 import math
@@ -119,7 +120,12 @@ def stream_attempt(session: requests.Session, url: str, body: dict[str, Any]) ->
         with session.post(url, json=body, stream=True, timeout=(CONNECT_TIMEOUT_S, READ_TIMEOUT_S)) as resp:
             out["status"] = resp.status_code
             if resp.status_code == 200:
-                out |= read_stream(resp.iter_lines(decode_unicode=True))
+                lines = resp.iter_lines(decode_unicode=True)
+                out |= read_stream(lines)
+                if out["outcome"] == "ok":  # read to the end, as the SDK does, so the connection is reused
+                    with contextlib.suppress(requests.RequestException):
+                        for _ in lines:
+                            pass
             else:
                 out |= {"outcome": f"http_{resp.status_code}", "retry_after": resp.headers.get("retry-after"),
                         "retry_after_s": retry_after_s(resp.headers),
