@@ -131,15 +131,15 @@ def reference(url: str, items: list[dict[str, Any]]) -> dict[str, str]:
 
 # ---- faults and recovery ---------------------------------------------------------------------
 def find(title: str) -> list[int]:
-    """PIDs of live processes whose command line mentions `title`."""
+    """PIDs of live processes under this one (the local Ray it started: raylet, workers and what
+    they spawn) whose command line mentions `title`; another Ray on the same box is left alone."""
     import psutil
 
-    own = os.getpid()
     out = []
-    for p in psutil.process_iter(["pid", "cmdline", "status"]):
-        cmd = " ".join(p.info["cmdline"] or [])
-        if p.info["pid"] != own and title in cmd and p.info["status"] != psutil.STATUS_ZOMBIE:
-            out.append(p.info["pid"])
+    for p in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if title in " ".join(p.cmdline()) and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p.pid)
     return sorted(out)
 
 
