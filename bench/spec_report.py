@@ -12,9 +12,10 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from bench.report import markdown_table  # noqa: E402
-from bench.timing import Run  # noqa: E402
+from bench.timing import Run, format_ratio, ratio_over_rounds  # noqa: E402
 from moeserve.spec.adaptive import expected_tokens_per_pass  # noqa: E402
 
+CACHED = "draft prefix cache on"  # the label of in-process drafts that keep their prefix cache
 SPEC_KEYS = ("alpha", "acceptance_rate", "mean_k", "tokens_per_pass", "predicted_tokens_per_pass", "draft_time_share")
 
 
@@ -42,7 +43,8 @@ def draft_medians(runs: dict[str, list[Run]]) -> dict[str, dict[str, float]]:
 def step_costs(runs: dict[str, list[Run]], baseline: str) -> dict[str, dict[str, float]]:
     """Where a decode step's time goes, per case (medians over runs, milliseconds):
     draft and target (verify) time per step from the engine's own timers, the rest of the
-    step (sampling, rejection, bookkeeping), and the plain step it replaces."""
+    step (sampling, rejection, bookkeeping), and the plain step it replaces; the step's cost
+    and decode rate against the plain step's as per-round ratios (bench.timing.Ratio)."""
     base = [r.extra["decode_s"] / r.extra["decode_steps"] for r in runs[baseline]]
     out = {}
     for name, rs in runs.items():
@@ -53,12 +55,10 @@ def step_costs(runs: dict[str, list[Run]], baseline: str) -> dict[str, dict[str,
         row = {
             "step_ms": 1e3 * statistics.median(step),
             "plain_step_ms": 1e3 * statistics.median(base),
-            "step_cost_vs_plain": statistics.median(s / p for s, p in zip(step, base)),
+            "step_cost_vs_plain": ratio_over_rounds(step, base),
             "tokens_per_step": statistics.median(r.extra["decode_tokens"] / n for r, n in zip(rs, steps)),
-            "decode_speedup": statistics.median(
-                (r.extra["decode_tokens"] / r.extra["decode_s"]) / (p.extra["decode_tokens"] / p.extra["decode_s"])
-                for r, p in zip(rs, runs[baseline])
-            ),
+            "decode_speedup": ratio_over_rounds([r.extra["decode_tokens"] / r.extra["decode_s"] for r in rs],
+                                                [p.extra["decode_tokens"] / p.extra["decode_s"] for p in runs[baseline]]),
         }
         specs = [r.extra.get("spec") for r in rs]
         if all(specs) and all(s["num_steps"] for s in specs):
@@ -84,12 +84,12 @@ def console(results: dict[str, Any], args: argparse.Namespace) -> str:
             if draft:
                 extra += (f", pre-draft hits {draft['predraft_hit_rate']:.0%}, pushed {draft['pushed_share']:.0%}, "
                           f"wait {draft['wait_ms_per_call']:.2f} ms/call")
-            ratio = f"{row['median_ratio']:.2f}x" if "median_ratio" in row else "1.00x"
-            lines.append(f"  {name:34s} {row['median_tokens_per_s']:7.1f} tokens/s  {ratio:>6s}{extra}")
-        lines.append(f"  transformers assisted / transformers: {res['transformers assisted / transformers']:.2f}x")
+            ratio = format_ratio(row["ratio"]) if "ratio" in row else "baseline"
+            lines.append(f"  {name:44s} {row['median_tokens_per_s']:7.1f} tokens/s  {ratio:>20s}{extra}")
+        lines.append(f"  transformers assisted / transformers: {res['transformers assisted / transformers']}")
         if "deployment / in-process" in res:
-            lines.append("  draft deployment / draft in-process, per round: "
-                         + ", ".join(f"{c} {v:.2f}x" for c, v in res["deployment / in-process"].items()))
+            lines.append("  draft deployment / draft in-process (its prefix cache on too): "
+                         + ", ".join(f"{c} {v}" for c, v in res["deployment / in-process"].items()))
         counts = {name: row["tokens"] for name, row in res["summary"].items()}
         if len(set(counts.values())) > 1:
             lines.append(f"  WARNING: cases wrote different numbers of tokens: {counts}")
@@ -97,11 +97,11 @@ def console(results: dict[str, Any], args: argparse.Namespace) -> str:
     for name, row in results["sweep"]["summary"].items():
         spec = results["sweep"]["spec"].get(name)
         if spec:
-            lines.append(f"  {name:12s} {row['median_ratio']:.2f}x  alpha {spec['alpha']:.2f}  tokens/pass "
+            lines.append(f"  {name:12s} {row['ratio']}  alpha {spec['alpha']:.2f}  tokens/pass "
                          f"{spec['tokens_per_pass']:.2f} (formula {spec['predicted_tokens_per_pass']:.2f})")
     lines.append(f"== batch {args.batch} (formulaic)")
     for name, row in results["batched"]["summary"].items():
-        lines.append(f"  {name:34s} {row['median_tokens_per_s']:7.1f} tokens/s  {row.get('median_ratio', 1.0):.2f}x")
+        lines.append(f"  {name:34s} {row['median_tokens_per_s']:7.1f} tokens/s  {row.get('ratio', 'baseline')}")
     return "\n".join(lines)
 
 
@@ -109,10 +109,11 @@ def _compare_table(res: dict[str, Any]) -> str:
     rows = []
     for name, row in res["summary"].items():
         spec = res["spec"].get(name, {})
-        rows.append([name, row["median_tokens_per_s"], row.get("median_ratio", 1.0),
+        rows.append([name, row["median_tokens_per_s"], row.get("ratio", "baseline"),
                      spec.get("alpha", "-"), spec.get("tokens_per_pass", "-"),
                      spec.get("predicted_tokens_per_pass", "-")])
-    table = markdown_table(["case", "tokens/s (median)", "vs no speculation", "alpha", "tokens/pass", "formula"], rows)
+    table = markdown_table(["case", "tokens/s (median)", "vs no speculation [90% interval]", "alpha", "tokens/pass",
+                            "formula"], rows)
     drafts = res.get("draft", {})
     if not drafts:
         return table
@@ -145,8 +146,13 @@ def render(results: dict[str, Any], args: argparse.Namespace, env: dict, name: s
         "Demo MoE target + demo dense draft, greedy, so every case writes the same tokens: "
         + (f"each reply up to its end of turn (at most {args.new_tokens} tokens; the end token is not counted)"
            if args.stop_at_eos else f"{args.new_tokens} tokens per prompt, EOS ignored")
-        + f". {args.rounds} interleaved rounds, medians; 'vs no speculation' is "
-        f"the median of per-round ratios. Batch 1 runs {args.prompts} prompts one after another. torch threads: "
+        + f". {args.rounds} interleaved rounds after one untimed warm-up each; tokens/s are medians, every ratio "
+        "is the median of the per-round ratios with, in brackets, its 90% bootstrap interval over the rounds. "
+        "Like for like: every case prefills each prompt in full every run (our target on the slot cache, "
+        "without prefix caching; our in-process drafts with prefix caching off; transformers' caches live for "
+        "one call), except the draft deployment, whose draft keeps its prefix cache as in serving: its "
+        f"partners in 'deployment / in-process' are the in-process drafts marked '{CACHED}'. "
+        f"Batch 1 runs {args.prompts} prompts one after another. torch threads: "
         f"{args.threads}; load average at start {env['load_average_at_start'][0]:.1f} on {env['cpu_count']} "
         "cores (a shared machine: absolute numbers move, ratios measured side by side move less). "
         + (f"CPUs pinned: the draft deployment's worker on CPU {args.draft_cpus[0]}, the engine on the others."
@@ -156,13 +162,10 @@ def render(results: dict[str, Any], args: argparse.Namespace, env: dict, name: s
     for label, res in results["compare"].items():
         md += [f"## Batch 1, {label} prompts", "", _compare_table(res), "",
                f"transformers `generate(assistant_model=draft)` / `generate`: "
-               f"**{res['transformers assisted / transformers']:.2f}x**; our engine without speculation / "
-               f"transformers: {res['ours no speculation / transformers']:.2f}x." + (
-                   " Draft deployment / the same draft in-process, median of per-round ratios (90% bootstrap "
-                   "interval over the rounds): " + ", ".join(
-                       f"{c} **{v:.2f}x**" + ("" if (iv := res.get("deployment / in-process, 90% interval", {}).get(c))
-                                              is None else f" ({iv[0]:.2f}-{iv[1]:.2f})")
-                       for c, v in res["deployment / in-process"].items()) + "."
+               f"**{res['transformers assisted / transformers']}**; our engine without speculation / "
+               f"transformers: {res['ours no speculation / transformers']}." + (
+                   f" Draft deployment / the same draft in-process ({CACHED}, as the deployment's): " + ", ".join(
+                       f"{c} **{v}**" for c, v in res["deployment / in-process"].items()) + "."
                    if "deployment / in-process" in res else ""), "", _steps_table(res), ""]
     md += ["## k sweep (formulaic, batch 1)", "", _compare_table(results["sweep"]), "",
            f"![speedup and alpha against k]({name}-sweep.png) ![tokens per pass against the formula]({name}-tpp.png)",
@@ -172,7 +175,7 @@ def render(results: dict[str, Any], args: argparse.Namespace, env: dict, name: s
            "tokens/step divided by it.", "", _steps_table(results["sweep"]), "",
            f"## Batch {args.batch} (formulaic)", "", _compare_table(results["batched"]), "",
            _steps_table(results["batched"]), ""]
-    losers = [f"- {label}: {name} ({row['median_ratio']:.2f}x)"
+    losers = [f"- {label}: {name} ({row['ratio']})"
               for label, res in [*[(f"batch 1, {k}", v) for k, v in results["compare"].items()],
                                  (f"batch {args.batch}, formulaic", results["batched"])]
               for name, row in res["summary"].items()
@@ -180,7 +183,7 @@ def render(results: dict[str, Any], args: argparse.Namespace, env: dict, name: s
     md += ["## Where speculation does not pay here (slower than no speculation)", "", *(losers or ["- nowhere"]), ""]
     figures = {"sweep": _sweep_figure(results["sweep"], args), "tpp": _tpp_figure(results["sweep"], args)}
     md.append(f"Goal: >= 2.5x over no speculation on formulaic prompts (draft in-process, k={k}): measured "
-              f"**{results['compare']['formulaic']['summary'][f'draft in-process k={k}']['median_ratio']:.2f}x**.")
+              f"**{results['compare']['formulaic']['summary'][f'draft in-process k={k}']['ratio']}**.")
     return "\n".join(md), figures
 
 
@@ -188,8 +191,10 @@ def _sweep_figure(res: dict[str, Any], args: argparse.Namespace):
     fig, ax = plt.subplots(figsize=(6.5, 3.5))
     for kind, color in (("draft", "C0"), ("lookup", "C2")):
         ks = [k for k in args.sweep if f"{kind} k={k}" in res["summary"]]
-        ax.plot(ks, [res["summary"][f"{kind} k={k}"]["median_ratio"] for k in ks], "o-", color=color,
-                label=f"{kind}: speedup")
+        ratios = [res["summary"][f"{kind} k={k}"]["ratio"] for k in ks]
+        ax.errorbar(ks, [r.median for r in ratios], yerr=[[r.median - r.low for r in ratios],
+                    [r.high - r.median for r in ratios]], fmt="o-", color=color, capsize=3,
+                    label=f"{kind}: speedup (90% interval)")
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.set_xlabel("k (draft tokens per step)")
     ax.set_ylabel("tokens/s vs no speculation")
