@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import csv
 import json
 import os
 import signal
@@ -225,11 +224,12 @@ def run_stack(name: str, users: int, spawn_rate: float, gap_s: float, items: lis
         pool_file, log_file = workdir / f"{name}-pool.json", workdir / f"{name}-requests.jsonl"
         pool_file.write_text(json.dumps(items))
         run_time = gap_s * (len(spec["faults"]) + 1)
-        env = dict(os.environ, CHAOS_POOL=str(pool_file), CHAOS_LOG=str(log_file),
+        stats_file = workdir / f"{name}-locust.json"
+        env = dict(os.environ, CHAOS_POOL=str(pool_file), CHAOS_LOG=str(log_file), CHAOS_STATS=str(stats_file),
                    PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
         cmd = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless", "--host", url,
                "--users", str(users), "--spawn-rate", str(spawn_rate), "--run-time", f"{int(run_time)}s",
-               "--stop-timeout", str(int(STOP_TIMEOUT_S)), "--csv", str(workdir / name), "--only-summary", "--loglevel", "WARNING"]
+               "--stop-timeout", str(int(STOP_TIMEOUT_S)), "--only-summary", "--loglevel", "WARNING"]
         t0 = time.time()
         locust = subprocess.Popen(cmd, env=env, cwd=ROOT)
         faults = [Fault(f, t0 + gap_s * (i + 1)) for i, f in enumerate(spec["faults"])]
@@ -244,19 +244,7 @@ def run_stack(name: str, users: int, spawn_rate: float, gap_s: float, items: lis
         stop_server()
     return {"stack": name, "start_s": start_s, "t0": t0, "t_end": t_end, "faults": faults, "records": records,
             "reference": ref, "modes": {i["key"]: i["mode"] for i in items},
-            "locust": locust_stats(workdir / f"{name}_stats.csv")}
-
-
-def locust_stats(path: Path) -> dict[str, Any]:
-    """The aggregated row of locust's stats CSV."""
-    if not path.is_file():
-        return {}
-    with path.open() as f:
-        rows = list(csv.DictReader(f))
-    agg = next((r for r in rows if r.get("Name") == "Aggregated"), rows[-1] if rows else {})
-    keys = ("Request Count", "Failure Count", "Median Response Time", "95%", "99%", "Requests/s")
-    counts = ("Request Count", "Failure Count")
-    return {k: (int if k in counts else float)(agg[k]) for k in keys if agg.get(k) not in (None, "", "N/A")}
+            "locust": json.loads(stats_file.read_text()) if stats_file.is_file() else {}}
 
 
 def main(argv: list[str] | None = None) -> int:

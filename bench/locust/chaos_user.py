@@ -6,7 +6,8 @@ Each user loops streaming chat completions drawn from the pool that bench/chaos.
 ($CHAOS_POOL: greedy and seeded-sampled asks), retrying exactly by the rule in
 bench/locust/chaos_client.py (the README's). Every request is written to $CHAOS_LOG when it
 starts and once more when it ends (bench/locust/chaos_ledger.py); when locust stops, every
-request still open is written as hung. Locust's own statistics (its CSV files) count attempts.
+request still open is written as hung. Locust's own statistics ($CHAOS_STATS at the end) count
+attempts.
 Not imported by the test suite: locust patches the standard library with gevent when it is
 imported.
 """
@@ -62,3 +63,10 @@ def _close_log(environment, **_kw) -> None:
     LEDGER.close()
     if _LOG is not None:
         _LOG.close()
+    if "CHAOS_STATS" in os.environ:  # locust's final totals (its CSV is written before the last users stop)
+        total = environment.stats.total
+        with open(os.environ["CHAOS_STATS"], "w") as f:
+            json.dump({"Request Count": total.num_requests, "Failure Count": total.num_failures,
+                       "Median Response Time": total.median_response_time,
+                       "95%": total.get_response_time_percentile(0.95),
+                       "99%": total.get_response_time_percentile(0.99), "Requests/s": total.total_rps}, f)
