@@ -148,18 +148,21 @@ class StructuredOutput:
         the target's token there is the next one decoding without drafts would sample. Greedy
         output is exactly the same with and without speculation; sampled output follows the same
         distribution, since where text is forced depends only on tokens already verified, and a
-        sampled proposal is never cut by its own value at a position (only a refusal ends it)."""
+        sampled proposal is never cut by its own value at a position (only a refusal ends it; the
+        budget cuts by position, `_cut_at_budget`)."""
         walked = list(proposals)
+        pins: list[int | None] = [None] * len(walked)
         for b, seq in enumerate(seqs):
             if seq.grammar is not None and walked[b].token_ids:
-                walked[b] = self._walk(seq.grammar.matcher, walked[b], None if limits is None else limits[b])
-        self._fill(seqs, walked)
+                walked[b], pins[b] = self._walk(seq.grammar.matcher, walked[b], None if limits is None else limits[b])
+        self._fill(seqs, walked, pins)
         return walked
 
-    def _walk(self, matcher: GrammarMatcher, proposal: Proposal, limit: int | None) -> Proposal:
-        """The proposal as verification sees it (cut_and_fill); the matcher is left unchanged.
-        Each token is checked against the filled mask first: xgrammar logs a warning for every
-        refused token."""
+    def _walk(self, matcher: GrammarMatcher, proposal: Proposal, limit: int | None) -> tuple[Proposal, int | None]:
+        """The proposal as verification sees it (cut_and_fill), and the token its bonus position
+        must be (forced text the budget cut off; None: the target samples it); the matcher is
+        left unchanged. Each token is checked against the filled mask first: xgrammar logs a
+        warning for every refused token."""
         draft, probs = proposal.token_ids, proposal.probs
         row = self._bitmask[-1:]  # [1, W] scratch, filled again by _fill afterwards
         tokens: list[int] = []
@@ -188,12 +191,11 @@ class StructuredOutput:
                 break  # the draft went another way, or ended: the target's token follows the forced text
             i += n
         matcher.rollback(stepped)
-        keep = len(tokens) if limit is None else min(len(tokens), limit)
-        while keep < len(tokens) and source[keep] < 0:  # never end inside forced text: back to the token before it
-            keep -= 1
+        keep = _cut_at_budget(source, limit)
+        pin = tokens[keep] if keep < len(tokens) and source[keep] < 0 else None
         tokens, source = tokens[:keep], source[:keep]
         if source == list(range(len(draft))):
-            return proposal  # as proposed
+            return proposal, pin  # as proposed
         q = None
         if probs is not None:
             q = torch.zeros(len(tokens), probs.shape[-1], dtype=probs.dtype, device=probs.device)  # [k', V]
@@ -202,9 +204,9 @@ class StructuredOutput:
                     q[j, t] = 1.0
                 else:
                     q[j] = probs[src]
-        return Proposal(tokens, q, proposal.predrafted, tuple(j for j, src in enumerate(source) if src < 0))
+        return Proposal(tokens, q, proposal.predrafted, tuple(j for j, src in enumerate(source) if src < 0)), pin
 
-    def _fill(self, seqs: Seq[Sequence], proposals: list[Proposal] | None) -> bool:
+    def _fill(self, seqs: Seq[Sequence], proposals: list[Proposal] | None, pins: Seq[int | None] = ()) -> bool:
         self._rows, self._close = [], []
         if all(s.grammar is None for s in seqs):
             return False
@@ -223,8 +225,9 @@ class StructuredOutput:
             if draft:  # all accepted but perhaps the last (a sampled refusal; rows after it: all allowed)
                 accepted = matcher.fill_bitmasks_for_draft(draft, self._bitmask, row)
                 for j in proposals[b].forced:  # forced text: only its own token
-                    self._bitmask[row + j].zero_()
-                    self._bitmask[row + j, draft[j] // 32] = _bit(draft[j] % 32)
+                    self._pin(row + j, draft[j])
+                if pins and pins[b] is not None:  # the budget cut forced text: the bonus is its next token
+                    self._pin(row + len(draft), pins[b])
             else:
                 matcher.fill_bitmask(self._bitmask, row)
             left = seq.params.max_tokens - len(seq.output_ids)
@@ -234,6 +237,11 @@ class StructuredOutput:
                 if j <= accepted and left - j <= margin:
                     self._close.append((row + j, state.closing_scores_after(draft[:j])))
         return True
+
+    def _pin(self, row: int, token: int) -> None:
+        """Bitmask row `row` allows `token` only."""
+        self._bitmask[row].zero_()
+        self._bitmask[row, token // 32] = _bit(token % 32)
 
     # ---- 2. masking --------------------------------------------------------------------------
     def apply(self, logits: torch.Tensor) -> None:
@@ -269,6 +277,23 @@ class StructuredOutput:
         row = self._bitmask[-1:]  # [1, W] scratch: this step's rows were applied already
         matcher.fill_bitmask(row, 0)
         return bool(torch.equal(row[0], self._stop_row))
+
+
+def _cut_at_budget(source: Seq[int], limit: int | None) -> int:
+    """How many tokens of a walked proposal verification keeps: the first `limit`, whatever they
+    are (source[j]: the draft position token j came from, -1 for forced text).
+
+    A cut by position only keeps sampled drafts unbiased. Cutting back before forced text that
+    crosses the budget would drop a sampled draft token for its value (one with forced text
+    after it), and the target would then sample that position afresh: the position's output
+    becomes q(kept) * (accept or residual) + q(dropped) * p, not p (with q = p = [.5, .5] over a
+    token with forced text after it and one without, the first comes out a quarter of the time).
+    Where the cut falls inside forced text (or right before it), the bonus position is pinned to
+    the next forced token (cut_and_fill), as decoding without drafts appends it there, so the
+    output up to max_tokens is plain decoding's. Whether a position before the cut holds a draft
+    token or forced text depends only on the tokens before it, all accepted by the time
+    verification reaches it."""
+    return len(source) if limit is None else min(len(source), limit)
 
 
 def _bit(i: int) -> int:
