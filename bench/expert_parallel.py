@@ -3,9 +3,11 @@ experts and combine for W = 1 and W = 2 shard processes, the all-to-all share of
 decode throughput W = 2 vs W = 1 at a fixed batch; with --compile, each W also with every
 rank's passes compiled between its collectives (model_shards/compiled_shard.py).
 
-    python -m bench.expert_parallel [--checkpoint DIR] [--batch 16] [--steps 32] [--runs 3] [--worlds 1 2 4] [--compile]
+    python -m bench.expert_parallel [--checkpoint DIR] [--batch 16] [--steps 32] [--runs 7] [--worlds 1 2 4] [--compile]
 
-Runs alternate the configurations and report medians. The phase split is measured on rank 0;
+Runs alternate the configurations; run i of every configuration decodes the same prompts (seed
+i), so ratios are taken per run and reported as the median of the per-run ratios with its
+bootstrap interval (bench/timing.py); times are medians. The phase split is measured on rank 0;
 with W = 2, dispatch and combine include waiting for the other rank (that is the cost). In a
 compiled run attention and gating are inside the graphs, so they count as "other".
 """
@@ -25,6 +27,7 @@ import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from bench.report import environment, write  # noqa: E402
+from bench.timing import format_ratio, ratio_over_rounds  # noqa: E402
 from model_shards.local_group import LocalShardGroup  # noqa: E402
 from model_shards.profiling import TIMER  # noqa: E402
 from moeserve.engine import LLMEngine  # noqa: E402
@@ -59,48 +62,55 @@ def one_run(checkpoint: str, world: int, batch: int, steps: int, prompt_len: int
     return {"world": world, "step_ms": step_ms, "tokens_per_s": batch * (steps - 1) / elapsed, "phases_ms": per_step}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--checkpoint", default=demo_checkpoint("demo-moe"))
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--prompt-len", type=int, default=64)
-    ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--quick", action="store_true", help="one short run each")
+    ap.add_argument("--runs", type=int, default=7)
+    ap.add_argument("--quick", action="store_true", help="3 short runs each (a smoke run)")
     ap.add_argument("--worlds", type=int, nargs="+", default=[1, 2], help="shard counts (the first is the baseline)")
     ap.add_argument("--compile", action="store_true", help="each W also compiled (compiling is not timed)")
-    args = ap.parse_args()
+    ap.add_argument("--name", default=None, help="report name (default: expert_parallel, or expert_parallel-quick)")
+    args = ap.parse_args(argv)
     if args.quick:
-        args.runs, args.steps = 1, 8
+        args.runs, args.steps = 3, 8
+    name = args.name or ("expert_parallel-quick" if args.quick else "expert_parallel")
     torch.set_num_threads(1)  # one core per rank: W = 2 uses both cores, W = 1 one of them
     configs = {f"W={w}": (w, False) for w in args.worlds}
     if args.compile:
         configs |= {f"W={w} compiled": (w, True) for w in args.worlds}
-    results: dict[str, list[dict]] = {name: [] for name in configs}
+    results: dict[str, list[dict]] = {config: [] for config in configs}
     for run in tqdm(range(args.runs), desc=f"runs ({', '.join(configs)} alternating)"):
-        for name, (world, compiled) in configs.items():
-            results[name].append(one_run(args.checkpoint, world, args.batch, args.steps, args.prompt_len, run, compiled))
+        order = list(configs)[run % len(configs):] + list(configs)[: run % len(configs)]
+        for config in order:
+            world, compiled = configs[config]
+            results[config].append(one_run(args.checkpoint, world, args.batch, args.steps, args.prompt_len, run,
+                                           compiled))
 
     summary = {}
-    for name, runs in results.items():
-        summary[name] = {
+    for config, runs in results.items():
+        summary[config] = {
             "step_ms": statistics.median([r["step_ms"] for r in runs]),
             "tokens_per_s": statistics.median([r["tokens_per_s"] for r in runs]),
             "phases_ms": {k: statistics.median([r["phases_ms"][k] for r in runs]) for k in PHASES + ["other"]},
         }
-        a2a = summary[name]["phases_ms"]["dispatch"] + summary[name]["phases_ms"]["combine"]
-        summary[name]["dispatch_combine_share"] = a2a / summary[name]["step_ms"]
+        a2a = summary[config]["phases_ms"]["dispatch"] + summary[config]["phases_ms"]["combine"]
+        summary[config]["dispatch_combine_share"] = a2a / summary[config]["step_ms"]
     worlds, base = list(configs), next(iter(configs))
-    ratios = {f"{w}/{base}": summary[w]["tokens_per_s"] / summary[base]["tokens_per_s"] for w in worlds[1:]}
+    def per_run(a: str, b: str):
+        return ratio_over_rounds([r["tokens_per_s"] for r in results[a]], [r["tokens_per_s"] for r in results[b]])
+
+    ratios = {f"{w}/{base}": per_run(w, base) for w in worlds[1:]}
     if args.compile:
-        ratios |= {f"W={w} compiled/W={w}": summary[f"W={w} compiled"]["tokens_per_s"] / summary[f"W={w}"]["tokens_per_s"]
-                   for w in args.worlds}
+        ratios |= {f"W={w} compiled/W={w}": per_run(f"W={w} compiled", f"W={w}") for w in args.worlds}
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
     left = [0.0] * len(worlds)
-    for name in PHASES + ["other"]:
-        vals = [summary[w]["phases_ms"][name] for w in worlds]
-        ax.barh(worlds, vals, left=left, label=name)
+    for phase in PHASES + ["other"]:
+        vals = [summary[w]["phases_ms"][phase] for w in worlds]
+        ax.barh(worlds, vals, left=left, label=phase)
         left = [a + b for a, b in zip(left, vals)]
     ax.set_xlabel(f"ms per decode step (batch {args.batch})")
     ax.legend(fontsize=7, ncol=3)
@@ -109,12 +119,14 @@ def main() -> None:
     lines = [
         "# Expert parallelism: decode step split and throughput\n",
         f"Checkpoint `{args.checkpoint.split('/')[-1]}`, batch {args.batch}, prompt {args.prompt_len} tokens, "
-        f"{args.steps} decode steps, median of {args.runs} alternating runs, 1 thread per rank.\n",
+        f"{args.steps} decode steps, {args.runs} alternating runs (times: medians), 1 thread per rank. "
+        "Ratios: the median of the per-run ratios of tokens/s (run i of every configuration decodes the same "
+        "prompts), in brackets its 90% bootstrap interval over the runs.\n",
         "| phase (ms/step, rank 0) | " + " | ".join(worlds) + " |",
         "|---|" + "---|" * len(worlds),
     ]
-    for name in PHASES + ["other"]:
-        lines.append(f"| {name} | " + " | ".join(f"{summary[w]['phases_ms'][name]:.2f}" for w in worlds) + " |")
+    for phase in PHASES + ["other"]:
+        lines.append(f"| {phase} | " + " | ".join(f"{summary[w]['phases_ms'][phase]:.2f}" for w in worlds) + " |")
     lines += [
         "| **step** | " + " | ".join(f"**{summary[w]['step_ms']:.2f}**" for w in worlds) + " |",
         "",
@@ -122,14 +134,14 @@ def main() -> None:
             f"{w} {summary[w]['dispatch_combine_share']:.1%}" for w in worlds)
         + " (with W > 1: the all-to-all and waiting for the other ranks)",
         "- decode throughput: " + ", ".join(f"{w} {summary[w]['tokens_per_s']:.0f} tokens/s" for w in worlds)
-        + "; " + ", ".join(f"**{name} = {r:.2f}x**" for name, r in ratios.items()),
+        + "; " + ", ".join(f"**{label} = {format_ratio(r)}**" for label, r in ratios.items()),
         "",
-        "![phases](expert_parallel-phases.png)",
+        f"![phases]({name}-phases.png)",
     ]
     args.checkpoint = args.checkpoint.split("/")[-1]
     data = {"environment": environment(1), "args": vars(args), "summary": summary,
             "ratios": ratios, "runs": results}
-    paths = write("expert_parallel", data, "\n".join(lines), {"phases": fig})
+    paths = write(name, data, "\n".join(lines), {"phases": fig})
     print("\n".join(lines))
     print(f"report: {paths[1]}")
 
