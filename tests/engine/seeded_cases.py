@@ -8,7 +8,7 @@ tests compare both across batch compositions and runners.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -51,14 +51,14 @@ def cases(tokenizer, schema: bool) -> list[Case]:
         prompt = render_chat(tokenizer, [{"role": "user", "content": question}])
         for s, params in enumerate(PARAMS):
             if schema:
-                params = SamplingParams(**{**params.__dict__, "max_tokens": SCHEMA_MAX_TOKENS})
+                params = replace(params, max_tokens=SCHEMA_MAX_TOKENS)
             out.append(Case(f"{'schema' if schema else 'free'}-q{q}-p{s}", prompt, params, schema))
     return out
 
 
 def crowd(tokenizer, grammar: CompiledGrammar, n: int = 15) -> list[tuple[str, SamplingParams, CompiledGrammar | None]]:
-    """`n` other requests: prompts of 3 to ~150 tokens, greedy and sampled (seeded or not,
-    top-k, top-p), 3 to 40 tokens, some under the schema."""
+    """`n` other requests: prompts of about 10 to 100 tokens, greedy and sampled (seeded or not,
+    top-k, top-p), up to 40 tokens, some under the schema."""
     g = torch.Generator().manual_seed(0)
     topics = ("eggless cakes", "a refund", "delivery to Salt Lake", "store hours", "the price of rusks",
               "a birthday order", "allergens in the brownie", "my order status")
@@ -129,7 +129,7 @@ def run(engine: LLMEngine, jobs: list[Job], into: Result | None = None) -> Resul
 @dataclass
 class Runs:
     """One runner's replies to every case: alone (one at a time), amid the crowd (all cases and
-    the crowd at once), and resumed from every proper prefix of its alone reply (label@cut)."""
+    the crowd at once), and resumed from proper prefixes of its alone reply (label@cut)."""
 
     tokenizer: object
     cases: list[Case]
@@ -138,7 +138,8 @@ class Runs:
     resumed: Result
 
 
-def run_matrix(engine: LLMEngine, grammar: CompiledGrammar) -> Runs:
+def run_matrix(engine: LLMEngine, grammar: CompiledGrammar, cut_every: int = 1) -> Runs:
+    """Every case alone, amid the crowd, and resumed from every `cut_every`-th proper prefix."""
     all_cases = cases(engine.tokenizer, schema=False) + cases(engine.tokenizer, schema=True)
     job = {c.label: (c.label, c.prompt, c.params, grammar if c.schema else None) for c in all_cases}
     alone = Result()
@@ -149,5 +150,5 @@ def run_matrix(engine: LLMEngine, grammar: CompiledGrammar) -> Runs:
         jobs.insert(2 * i + 1, (*job[c.label], []))
     amid = run(engine, jobs)
     resumed = [(f"{c.label}@{cut}", *job[c.label][1:], alone.tokens[c.label][:cut])
-               for c in all_cases for cut in range(1, len(alone.tokens[c.label]))]
+               for c in all_cases for cut in range(1, len(alone.tokens[c.label]), cut_every)]
     return Runs(engine.tokenizer, all_cases, alone, amid, run(engine, resumed))

@@ -1,12 +1,13 @@
 """A seeded request's reply is a function of the request alone, on every runner: the paged runner
-(the default), the compiled step, and a 2-rank expert-parallel group (gloo); free text and under a
-JSON schema; alone, amid 15 other requests, and resumed from every prefix of its reply (as the
-gateway resumes after a failover). Demo checkpoint and tokenizer, temperature 0.8 (top-p 0.9 on one seed).
+(the default), the compiled step, a 2-rank expert-parallel group (gloo), and the paged runner with
+the demo draft model speculating (the default configuration); free text and under a JSON schema;
+alone, amid 15 other requests, and resumed from prefixes of its reply (as the gateway resumes after
+a failover). Demo checkpoint and tokenizer, temperature 0.8 (top-p 0.9 on one seed).
 
 What is bitwise and what is not (CPU, float32): the logits a token is drawn from change in their
 last bits with the batch around it (the rows and padding of a pass), between a resumed prefill and
-the decode steps it replaces, between the eager and the compiled pass, and on the group when its
-ranks hold other sequences; only a request alone on the group gets the single process's logits
+the decode steps it replaces, between the eager and the compiled pass, after verify passes (which
+cache several positions at once), and on the group when its ranks hold other sequences; only a request alone on the group gets the single process's logits
 bit for bit. The tokens are the same everywhere: a seeded draw is the argmax of p(x) / E_x with
 noise keyed by (seed, position), so a last-bits change moves a token only where two candidates
 tie to about one part in a million. The tests pin both: tokens equal, logits equal within 1e-4
@@ -26,10 +27,13 @@ from moeserve.engine.factory import EngineConfig, build_engine, demo_checkpoint
 from moeserve.grammar import GrammarCompiler, GrammarMatcher, check_output
 from tests.engine.seeded_cases import PARAMS, QUESTIONS, SCHEMA_SPEC, Result, Runs, run_matrix
 
-RUNNERS = ("paged", "compiled", "sharded")
+RUNNERS = ("paged", "compiled", "sharded", "drafted")  # drafted: the paged runner + the demo draft model
 KINDS = ("free", "schema")
 MAX_LEN = 256
-ATOL = 1e-4  # logits: the last bits move (see above); observed up to ~3e-5
+ATOL = 1e-4  # logits: only their last bits move (see above)
+# resumed from every proper prefix on the default runner; every third on the others, whose resumes
+# differ only in the numbers of their passes (the resume itself is the engine's, shared)
+CUT_EVERY = {"paged": 1, "compiled": 3, "sharded": 3, "drafted": 3}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -44,8 +48,8 @@ def one_torch_thread():
 
 @contextmanager
 def engine_on(runner: str) -> Iterator[LLMEngine]:
-    cfg = EngineConfig(model=demo_checkpoint("demo-moe"), speculation="none", max_num_seqs=16, max_model_len=MAX_LEN,
-                       compile=runner == "compiled")
+    cfg = EngineConfig(model=demo_checkpoint("demo-moe"), speculation="model" if runner == "drafted" else "none",
+                       max_num_seqs=16, max_model_len=MAX_LEN, compile=runner == "compiled")
     if runner == "sharded":
         with LocalShardGroup(cfg.model, 2, max_num_seqs=8, max_model_len=MAX_LEN) as group:
             yield build_engine(cfg, runner=group)
@@ -71,9 +75,12 @@ class Matrix:
             with engine_on(runner) as engine:
                 if self.compiler is None:
                     self.compiler = GrammarCompiler(engine.tokenizer, engine.runner.vocab_size)
-                self.runs[runner] = run_matrix(engine, self.compiler.compile(SCHEMA_SPEC))
+                grammar = self.compiler.compile(SCHEMA_SPEC)
+                self.runs[runner] = run_matrix(engine, grammar, cut_every=CUT_EVERY[runner])
                 if runner == "compiled":
                     assert engine.runner.compiled.num_calls > 0  # the graph ran, not only the eager fallback
+                if runner == "drafted":
+                    assert engine.spec_metrics.num_accepted_tokens > 0  # drafts were verified and accepted
         return self.runs[runner]
 
 
@@ -85,9 +92,11 @@ def matrix() -> Iterator[Matrix]:
         m.compiler.close()
 
 
-def assert_same(got: Result, want: Result, label: str, want_label: str, what: str, bitwise: bool = False) -> None:
+def assert_same(got: Result, want: Result, label: str, want_label: str, what: str, bitwise: bool = False,
+                drafted: bool = False) -> None:
     """Tokens and finish reason equal; the logits of every position both runs sampled equal within
-    ATOL (or bit for bit)."""
+    ATOL (or bit for bit). drafted: positions chosen by verify passes are not recorded, so the two
+    runs may share none."""
     g, w = got.tokens[label], want.tokens[want_label]
     common = [pos for (lbl, pos) in got.logits if lbl == label and (want_label, pos) in want.logits]
     diffs = {pos: float((got.logits[label, pos] - want.logits[want_label, pos]).abs().max()) for pos in common}
@@ -96,8 +105,8 @@ def assert_same(got: Result, want: Result, label: str, want_label: str, what: st
         pytest.fail(f"{what} {label}: tokens differ from output index {i} ({g[i:i + 3]} vs {w[i:i + 3]}); "
                     f"largest logit difference {max(diffs.values(), default=0.0):.2e}")
     assert got.finish[label] == want.finish[want_label], f"{what} {label}"
-    assert common, f"{what} {label}: no sampled position in common"
-    worst = max(diffs.values())
+    assert common or drafted, f"{what} {label}: no sampled position in common"
+    worst = max(diffs.values(), default=0.0)
     if bitwise:
         assert worst == 0.0, f"{what} {label}: logits not bitwise equal (up to {worst:.2e})"
     assert worst <= ATOL, f"{what} {label}: logits differ by {worst:.2e}"
@@ -131,36 +140,40 @@ def test_alone(matrix, runner, kind):
 @pytest.mark.parametrize("runner", RUNNERS)
 def test_amid_others_equals_alone(matrix, runner, kind):
     """All 12 cases and 15 other requests (greedy, sampled with and without seeds, top-k, top-p,
-    3..40 tokens, some under the schema) at once, 16 running at a time: every case as alone."""
+    up to 40 tokens, some under the schema) at once, 16 running at a time: every case as alone."""
     runs = matrix[runner]
     for label in labels(runs, kind):
-        assert_same(runs.amid, runs.alone, label, label, f"{runner} amid")
+        assert_same(runs.amid, runs.alone, label, label, f"{runner} amid", drafted=runner == "drafted")
 
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("runner", RUNNERS)
 def test_resumed_from_every_prefix_equals_alone(matrix, runner, kind):
-    """Each case resumed from every proper prefix of its reply (`resume_ids`, as the gateway does
-    after a failover; under the schema also cuts inside the text the grammar forces): the same reply."""
+    """Each case resumed from every proper prefix of its reply (every third off the default runner)
+    as `resume_ids`, as the gateway does after a failover; under the schema also from inside the
+    text the grammar forces (jump-forward): the same reply."""
     runs = matrix[runner]
     for label in labels(runs, kind):
-        cuts = range(1, len(runs.alone.tokens[label]))
-        assert len(cuts) >= 20, label
+        cuts = range(1, len(runs.alone.tokens[label]), CUT_EVERY[runner])
+        assert len(cuts) >= 20 // CUT_EVERY[runner], label
         for cut in cuts:
-            assert_same(runs.resumed, runs.alone, f"{label}@{cut}", label, f"{runner} resumed")
+            assert_same(runs.resumed, runs.alone, f"{label}@{cut}", label, f"{runner} resumed",
+                        drafted=runner == "drafted")
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_runners_agree(matrix, kind):
-    """The same tokens on every runner, in every mode. Logits: eager vs compiled within ATOL (other
-    kernels); the group vs the single process bitwise for a request alone (its rank runs just that
-    sequence, the other rank only its experts' share), within ATOL amid others (other batches per rank)."""
+    """The same tokens on every runner, in every mode. Logits (of plain steps and prefills; a verify
+    pass's are not recorded): eager vs compiled within ATOL (other kernels); the group vs the single
+    process bitwise for a request alone (its rank runs just that sequence, the other rank only its
+    experts' share), within ATOL amid others (other batches per rank); with drafts within ATOL."""
     paged = matrix["paged"]
-    for runner in ("compiled", "sharded"):
+    for runner in RUNNERS[1:]:
         other = matrix[runner]
         for label in labels(paged, kind):
-            assert_same(other.alone, paged.alone, label, label, f"{runner} vs paged, alone", bitwise=runner == "sharded")
-            assert_same(other.amid, paged.amid, label, label, f"{runner} vs paged, amid")
-            resumed = [lbl for lbl in paged.resumed.tokens if lbl.startswith(f"{label}@")]
-            for lbl in resumed:
-                assert_same(other.resumed, paged.resumed, lbl, lbl, f"{runner} vs paged, resumed")
+            drafted = runner == "drafted"
+            assert_same(other.alone, paged.alone, label, label, f"{runner} vs paged, alone", bitwise=runner == "sharded",
+                        drafted=drafted)
+            assert_same(other.amid, paged.amid, label, label, f"{runner} vs paged, amid", drafted=drafted)
+            for lbl in [lbl for lbl in other.resumed.tokens if lbl.startswith(f"{label}@")]:
+                assert_same(other.resumed, paged.resumed, lbl, lbl, f"{runner} vs paged, resumed", drafted=drafted)
