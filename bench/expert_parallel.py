@@ -69,8 +69,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--prompt-len", type=int, default=64)
     # every run starts each configuration's shard group afresh (its processes and, compiled, its
-    # graphs), which costs far more than the timed steps: 5 runs keep the README's full command
-    # (--worlds 1 2 4 --compile) to a few minutes while still giving each ratio an interval
+    # graphs), which costs far more than the timed steps: 5 runs give each ratio an interval while
+    # the README's full command (--worlds 1 2 4 --compile) stays short enough to rerun
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="3 short runs each (a smoke run)")
     ap.add_argument("--worlds", type=int, nargs="+", default=[1, 2], help="shard counts (the first is the baseline)")
