@@ -211,7 +211,7 @@ class ShardedRunner(_Shard):
         if rank is not None:
             self.managers[rank].remove(seq_id)
 
-    @torch.inference_mode()
+    @torch.no_grad()  # not inference mode: the engine masks the logits in place afterwards
     def forward(self, rows: list, logits: Literal["all", "last"] = "last") -> torch.Tensor:
         """rows: engine Rows (seq_id, tokens, start). Returns logits [B, V] or [B, Tq, V] in row order."""
         tq = max(len(r.tokens) for r in rows)

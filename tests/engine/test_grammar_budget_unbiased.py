@@ -52,13 +52,7 @@ P_CONTROL = 1e-6
 Q = {"J": 0.2, "X": 0.5, "Z": 0.3}  # the draft's law at every position
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """A tiny model on a shared 2-core machine: a second OpenMP thread only adds contention."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -36,14 +36,7 @@ ATOL = 1e-4  # logits: only their last bits move (see above)
 CUT_EVERY = {"paged": 1, "compiled": 3, "sharded": 3, "drafted": 3}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """One thread per process (as the group's ranks run): the 2-core machine is shared, and the
-    bitwise comparison between the group and the single process must not depend on threading."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 @contextmanager

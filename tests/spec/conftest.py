@@ -3,13 +3,8 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """Tiny models on a shared 2-core machine: a second OpenMP thread only adds contention."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def _one_thread(one_torch_thread):
+    """Every speculative-decoding module runs on one torch thread (tests/conftest.py)."""
