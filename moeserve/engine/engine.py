@@ -272,12 +272,16 @@ class LLMEngine:
         self._record_logprobs(seqs, logits, out.token_ids)  # the target's verify pass
         accepted = out.num_accepted.tolist()
         forced = [p.forced for p in self._last_proposals]
-        self._record_trace(seqs, out.token_ids, [n - 1 for n in fed], accepted, forced)
+        # a bonus the budget pinned to forced text (cut_and_fill) is forced text, emitted when all drafts were accepted
+        bonus = [pin and a == len(p) for pin, a, p in zip(self.structured.pinned_bonus, accepted, proposals)]
+        self._record_trace(seqs, out.token_ids, [n - 1 for n in fed], accepted,
+                           [f + (len(p),) if b else f for f, p, b in zip(forced, proposals, bonus)])
+        self.structured.num_forced_tokens += sum(bonus)
         chosen, chosen_accepted = [], []  # draft tokens, and those accepted: the grammar's forced text left out
-        for s, a, p, f, n, r in zip(seqs, accepted, proposals, forced, fed, self._requested):
+        for s, a, p, f, n, r, b in zip(seqs, accepted, proposals, forced, fed, self._requested, bonus):
             s.num_cached += n + a  # the fed tokens + accepted drafts; rejected ones are rolled back
             d, a_chosen = len(p) - len(f), a - sum(1 for j in f if j < a)
-            self._forced_emitted += a - a_chosen
+            self._forced_emitted += a - a_chosen + b
             chosen.append(d)
             chosen_accepted.append(a_chosen)
             if self.adaptive is not None:  # fewer draft tokens than asked: a refusal cut, or the output's end

@@ -113,6 +113,7 @@ class StructuredOutput:
         self._tables: ClosingTables | None = None  # per vocabulary, built on first use
         self._stop_row: torch.Tensor | None = None  # [W] only the stop tokens allowed
         self.num_forced_tokens = 0
+        self.pinned_bonus: list[bool] = []  # per row of the last cut_and_fill
 
     # ---- per request -------------------------------------------------------------------------
     def new_request(self, compiled: CompiledGrammar) -> RequestGrammar:
@@ -156,6 +157,7 @@ class StructuredOutput:
             if seq.grammar is not None and walked[b].token_ids:
                 walked[b], pins[b] = self._walk(seq.grammar.matcher, walked[b], None if limits is None else limits[b])
         self._fill(seqs, walked, pins)
+        self.pinned_bonus = [pin is not None for pin in pins]  # the bonus there is forced text, not chosen
         return walked
 
     def _walk(self, matcher: GrammarMatcher, proposal: Proposal, limit: int | None) -> tuple[Proposal, int | None]:

@@ -113,7 +113,8 @@ class IidDraft(Proposer):
         pass
 
 
-def sample_outputs(setup, cut_before: str | None = None, n: int = PER_BUDGET) -> tuple[dict[int, Counter], LLMEngine]:
+def sample_outputs(setup, cut_before: str | None = None, n: int = PER_BUDGET,
+                   trace: bool = False) -> tuple[dict[int, Counter], LLMEngine, Counter]:
     model, tokenizer, compiled, prompt, _ = setup
     q = torch.zeros(compiled.vocab_size)
     for name, mass in Q.items():
@@ -130,16 +131,19 @@ def sample_outputs(setup, cut_before: str | None = None, n: int = PER_BUDGET) ->
     ids = {}
     for m in BUDGETS:
         for _ in range(n):
-            ids[engine.add_request(prompt, SamplingParams(max_tokens=m, temperature=1.0), grammar=compiled)] = m
+            params = SamplingParams(max_tokens=m, temperature=1.0, trace_speculation=trace)
+            ids[engine.add_request(prompt, params, grammar=compiled)] = m
     got: dict[str, list[int]] = {rid: [] for rid in ids}
+    sources = Counter()  # (token, its traced source)
     while engine.has_unfinished():
         for out in engine.step():
             got[out.request_id] += out.new_token_ids
+            sources.update((e.token_id, e.source) for e in out.trace or ())
             assert out.error is None and out.finish_reason in (None, "length")
     counts = {m: Counter() for m in BUDGETS}
     for rid, m in ids.items():
         counts[m][tuple(got[rid])] += 1
-    return counts, engine
+    return counts, engine, sources
 
 
 def pearson(counts: Counter, law: dict[tuple[int, ...], float]) -> tuple[float, int]:
@@ -175,7 +179,7 @@ def old_cut_at_budget(source: list[int], limit: int | None) -> int:
 
 
 def test_outputs_near_the_budget_follow_plain_decoding(setup):
-    counts, engine = sample_outputs(setup)
+    counts, engine, _ = sample_outputs(setup)
     got = pvalues(setup, counts)
     assert min(got.values()) > P_MIN, got
     m = engine.spec_metrics
@@ -201,3 +205,14 @@ def test_control_a_refused_draft_drawn_from_the_target_is_rejected(setup):
     the position from the masked target instead of rejecting it by the rule leans toward q."""
     got = pvalues(setup, sample_outputs(setup, cut_before="Z", n=PER_BUDGET // 2)[0])
     assert got["all"] < P_CONTROL, got
+
+
+def test_forced_text_is_traced_as_forced_also_where_the_budget_pinned_the_bonus(setup):
+    """`the` and `#` are only ever forced text: whether put into a proposal, appended by
+    jump-forward or sampled at a bonus position the budget pinned, each is traced "forced"."""
+    _, tokenizer, *_ = setup
+    sources = sample_outputs(setup, n=PER_BUDGET // 8, trace=True)[2]
+    forced = {tokenizer.convert_tokens_to_ids(t) for t in ("the", "#")}
+    assert sum(c for (t, _), c in sources.items() if t in forced) > 0
+    assert {src for (t, src) in sources if t in forced} == {"forced"}, sources
+    assert "forced" not in {src for (t, src) in sources if t not in forced}, sources
