@@ -55,7 +55,7 @@ from bench.chaos_report import fault_rows, markdown, timeline
 from bench.load_test import JSON_ASKS, SERVE_CONFIG, free_port, start_server, stop_server
 from bench.locust.chaos_client import MAX_RETRIES, READ_TIMEOUT_S
 from bench.locust.chaos_ledger import fold
-from bench.prompts import FREE_FORM
+from demo.prompts import FREE_FORM
 
 ROOT = Path(__file__).resolve().parent.parent
 LOCUSTFILE = ROOT / "bench" / "locust" / "chaos_user.py"

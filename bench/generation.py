@@ -25,8 +25,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
 from bench import report, workloads  # noqa: E402
-from bench.prompts import formulaic  # noqa: E402
 from bench.timing import format_ratio, interleaved, paired, summarize  # noqa: E402
+from demo.prompts import formulaic  # noqa: E402
 from model_shards import load_checkpoint  # noqa: E402
 from moeserve.engine import LLMEngine, SchedulerConfig  # noqa: E402
 from moeserve.engine.factory import demo_checkpoint  # noqa: E402

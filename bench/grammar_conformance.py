@@ -26,10 +26,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
+from bench.conformance import check_case, conformance_dir, load_cases, summarize  # noqa: E402
 from bench.report import write  # noqa: E402
+from bench.tiny_tokenizer import build_tiny_tokenizer  # noqa: E402
 from moeserve.grammar import GrammarCompiler, GrammarSpec, allocate_bitmask, apply_bitmask, apply_bitmask_torch  # noqa: E402
-from tests.grammar.conformance import check_case, conformance_dir, load_cases, summarize  # noqa: E402
-from tests.grammar.tiny_tokenizer import build_tiny_tokenizer  # noqa: E402
 
 
 def main() -> None:

@@ -16,9 +16,9 @@ import argparse
 
 import torch
 
-from bench.prompts import formulaic
 from bench.report import environment, markdown_table, write
-from moeserve.llm import LLM
+from demo.prompts import formulaic
+from moeserve.engine.llm import LLM
 from moeserve.sampling_params import SamplingParams
 from moeserve.spec.metrics import SpecMetrics
 

@@ -31,8 +31,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
 from bench import report  # noqa: E402
-from bench.prompts import formulaic  # noqa: E402
 from bench.timing import format_ratio, ratio_over_rounds  # noqa: E402
+from demo.prompts import formulaic  # noqa: E402
 from moeserve.engine.factory import EngineConfig, build_engine  # noqa: E402
 from moeserve.sampling_params import SamplingParams  # noqa: E402
 from moeserve.tokenizer import render_chat  # noqa: E402

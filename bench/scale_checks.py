@@ -376,7 +376,7 @@ def write_report() -> None:
 def _skew_rows() -> str:
     """The demo's own expert load (its held-out chats through the engine) as a skew, and what
     that skew would cost Mixtral-8x7B on 8 H200s with and without the router's placement."""
-    from bench.prompts import formulaic
+    from demo.prompts import formulaic
     from model_shards import load_checkpoint
     from moeserve.engine import LLMEngine, ModelRunner
     from moeserve.sampling_params import SamplingParams

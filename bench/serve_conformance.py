@@ -27,9 +27,9 @@ from pathlib import Path
 
 import httpx
 
+from bench.conformance import conformance_dir, load_cases
 from bench.report import write
 from moeserve.grammar import GrammarSpec, check_output
-from tests.grammar.conformance import conformance_dir, load_cases
 
 
 async def run(base_url: str, model: str, transport: httpx.AsyncBaseTransport | None, args) -> dict:
@@ -98,10 +98,10 @@ async def run(base_url: str, model: str, transport: httpx.AsyncBaseTransport | N
 
 def in_process(args):
     """Gateway + EngineServer in this process on a tiny random MoE (no Ray)."""
+    from bench.tiny_checkpoint import MODEL_NAME, save_tiny_checkpoint
     from deployments.engine_server import EngineServer, EngineServerConfig
     from deployments.gateway import Gateway, GatewayConfig
     from moeserve.engine.factory import EngineConfig
-    from tests.deployments.tiny_checkpoint import MODEL_NAME, save_tiny_checkpoint
 
     folder = Path(args.model) if args.model else save_tiny_checkpoint(Path(tempfile.mkdtemp()) / "tiny-moe")
     engine = EngineConfig(model=str(folder), speculation=args.draft, max_num_seqs=args.concurrency,

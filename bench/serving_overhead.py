@@ -110,8 +110,8 @@ def start_server(cfg, http_port: int) -> str:
     import ray
     from ray import serve
 
+    from bench.serve_app import wait_healthy
     from deployments.app import APP_NAME, build
-    from tests.serve_app import wait_healthy
 
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": http_port})
@@ -138,9 +138,9 @@ def main(argv: list[str] | None = None) -> int:
     args.report = args.report or ("serving_overhead-quick" if args.quick else "serving_overhead")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
-    from bench.prompts import formulaic
+    from demo.prompts import formulaic
     from deployments.config import AppConfig
-    from moeserve.llm import LLM
+    from moeserve.engine.llm import LLM
     from moeserve.sampling_params import SamplingParams
 
     overrides = {"engine": {"max_num_seqs": args.streams}, "gateway": {"grpc_port": 0},

@@ -31,18 +31,18 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
 from bench import report, workloads  # noqa: E402
-from bench.prompts import formulaic, free_form  # noqa: E402
 from bench.speculative import split_cpus  # noqa: E402
 from bench.timing import interleaved, summarize  # noqa: E402
+from demo.prompts import formulaic, free_form  # noqa: E402
 from deployments.draft_process import DraftProcess  # noqa: E402
 from deployments.draft_proposer import RemoteDraftProposer  # noqa: E402
 from deployments.draft_worker import DraftServerConfig  # noqa: E402
 from deployments.local import DEMO_SCHEMA  # noqa: E402
 from model_shards import load_checkpoint  # noqa: E402
 from moeserve.engine import LLMEngine, ModelRunner, SchedulerConfig, SpecConfig  # noqa: E402
+from moeserve.engine.draft_model import DraftModelProposer  # noqa: E402
 from moeserve.engine.factory import demo_checkpoint  # noqa: E402
 from moeserve.grammar import GrammarCompiler, GrammarSpec  # noqa: E402
-from moeserve.spec.draft_model import DraftModelProposer  # noqa: E402
 from moeserve.tokenizer import load_tokenizer  # noqa: E402
 
 NONE = "no speculation"

@@ -27,13 +27,13 @@ import os
 import torch
 
 from bench import report, spec_report, workloads
-from bench.prompts import formulaic, free_form
 from bench.timing import Case, format_ratio, interleaved, paired, summarize
+from demo.prompts import formulaic, free_form
 from model_shards import load_checkpoint
 from moeserve.engine import LLMEngine, ModelRunner, SchedulerConfig, SpecConfig
+from moeserve.engine.draft_model import DraftModelProposer
 from moeserve.engine.factory import demo_checkpoint
 from moeserve.spec import NgramProposer
-from moeserve.spec.draft_model import DraftModelProposer
 from moeserve.tokenizer import load_tokenizer
 
 NONE = "no speculation"

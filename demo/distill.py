@@ -10,7 +10,7 @@ KL(target || draft) at every position, reply tokens weighed 4x, as in demo/train
 
 - the target's replies to off-domain asks made from templates (`ASKS` x `TOPICS`), greedy and
   sampled (T = 0.8), written by moeserve's engine; the benchmarks' free-form prompts
-  (bench/prompts.py) are not among them, and are only used to report the agreement reached;
+  (demo/prompts.py) are not among them, and are only used to report the agreement reached;
 - rows of the training corpus, half of every batch, so held-out chats keep their agreement.
 
 The draft is saved in place (or to --out); training_report.json gets a "distillation" entry and
@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     asks = offdomain_asks(args.asks + (4 if args.quick else 48), args.seed)
     train_asks, heldout_asks = asks[: args.asks], asks[args.asks :]  # held-out asks: never trained on
-    from bench.prompts import free_form  # the benchmarks' own off-domain prompts: reported, never trained on
+    from demo.prompts import free_form  # the benchmarks' own off-domain prompts: reported, never trained on
 
     n_eval = 2 if args.quick else 24
     evaluation = {

@@ -4,7 +4,7 @@
 
 Used three ways, all through `build_app`:
 
-- `moeserve serve [--config FILE]` (moeserve/cli.py) deploys it on an embedded local Ray;
+- `moeserve serve [--config FILE]` (deployments/cli.py) deploys it on an embedded local Ray;
 - `serve run deployments/serve_config.yaml` / `serve deploy ...` (Ray's CLI) import
   `deployments.app:build_app` with the YAML's `args`;
 - KubeRay's serveConfigV2 embeds the same Serve config.

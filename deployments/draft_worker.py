@@ -132,7 +132,7 @@ class DraftWorker:
     def __init__(self, config: DraftServerConfig) -> None:
         import torch
 
-        from moeserve.spec.draft_model import DraftModelProposer
+        from moeserve.engine.draft_model import DraftModelProposer
 
         if config.torch_threads:
             torch.set_num_threads(config.torch_threads)
@@ -310,7 +310,7 @@ class DraftWorker:
         except a notice that confirms it: every row of the engine's next step took the pushed
         proposal this round goes on from (then this round is that step's next proposal, and
         stopping would only draft it again)."""
-        from moeserve.spec.draft_model import DraftInterrupted
+        from moeserve.engine.draft_model import DraftInterrupted
 
         if not hyps:
             return None

@@ -2,7 +2,7 @@
 And `gateway_in_thread`: the gateway and an engine in this process, no Ray (browser tests, the
 playground screenshot).
 
-Kept out of moeserve/cli.py so that the CLI module never imports Ray until `serve` runs.
+Kept out of deployments/cli.py so that the CLI module never imports Ray until `serve` runs.
 """
 
 from __future__ import annotations

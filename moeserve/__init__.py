@@ -7,7 +7,7 @@ __all__ = ["LLM", "SamplingParams"]
 
 def __getattr__(name: str) -> Any:  # lazy: `import moeserve.sampling_params` need not load torch
     if name == "LLM":
-        from moeserve.llm import LLM
+        from moeserve.engine.llm import LLM
 
         return LLM
     if name == "SamplingParams":

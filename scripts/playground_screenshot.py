@@ -20,9 +20,9 @@ from playwright.sync_api import sync_playwright
 from deployments.local import DEMO_MESSAGES, DEMO_SCHEMA, gateway_in_thread
 from model_shards import load_checkpoint
 from moeserve.engine import LLMEngine, SpecConfig
+from moeserve.engine.draft_model import DraftModelProposer
 from moeserve.engine.factory import demo_checkpoint
 from moeserve.engine.paged_runner import PagedRunner
-from moeserve.spec.draft_model import DraftModelProposer
 from moeserve.tokenizer import load_tokenizer
 
 

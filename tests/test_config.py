@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 
-from moeserve.cli import build_parser, serve_config
+from deployments.cli import build_parser, serve_config
 from moeserve.config import AppConfig, EngineSection, SpeculativeSection, resolve_path
 from moeserve.engine.factory import EngineConfig
 
@@ -105,7 +105,7 @@ def test_moeserve_generate_runs_on_the_demo_pair():
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-m", "moeserve.cli", "generate", "Do you have rye bread?", "--max-tokens",
+    out = subprocess.run([sys.executable, "-m", "deployments.cli", "generate", "Do you have rye bread?", "--max-tokens",
                           "6", "--draft", "ngram", "--num-spec-tokens", "3", "-v"],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
@@ -127,7 +127,7 @@ def test_the_overflow_policy_set_in_the_yaml_reaches_every_moe_layer_and_metrics
 
 def test_the_kv_budget_in_bytes_and_the_paged_cache_reach_the_engine():
     from moeserve.config import parse_bytes
-    from moeserve.llm import LLM
+    from moeserve.engine.llm import LLM
 
     assert [parse_bytes(v) for v in (2048, "2048", "512MiB", "2 GiB", "1.5GB")] == [2048, 2048, 2**29, 2**31, 15 * 10**8]
     with pytest.raises(ValueError, match="expected bytes"):

@@ -1,6 +1,7 @@
-"""Ray stays in deployments/: the model, the gating math and the core package never import it.
+"""Layering: Ray stays in deployments/ (the model, the gating math and the core package never
+import it), and no two packages import each other.
 
-Two checks, because each misses what the other sees: the source scan finds an import on
+For Ray, two checks, because each misses what the other sees: the source scan finds an import on
 a path no test runs (inside a function, behind a flag); the import check finds ray
 pulled in indirectly, through a helper module or a third-party package.
 """
@@ -119,3 +120,87 @@ def test_import_check_catches_indirect_ray(tmp_path):
     (tmp_path / "innocent.py").write_text("import helper_with_ray  # noqa\n")
     report = _import_report(["json", "innocent"], [tmp_path])
     assert report["first_with_ray"] == "innocent"
+
+
+def test_the_cli_imports_ray_only_to_serve():
+    """`moeserve generate` runs the engine in this process: the CLI module loads no Ray."""
+    report = _import_report(["deployments.cli"], [ROOT])
+    assert report["first_with_ray"] is None and not report["errors"], report
+
+
+# Packages whose imports form a graph that must have no cycle; moeserve's subpackages count
+# apart from each other (engine, spec, grammar), its top-level modules (shared types) as moeserve.
+LAYERED = ("moeserve", "model_shards", "router_service", "deployments", "bench", "demo", "tests")
+
+
+def _unit(module: str) -> str | None:
+    parts = module.split(".")
+    if parts[0] not in LAYERED:
+        return None
+    if parts[0] == "moeserve" and len(parts) > 1 and (ROOT / "moeserve" / parts[1]).is_dir():
+        return f"moeserve.{parts[1]}"
+    return parts[0]
+
+
+def import_graph(root: Path) -> dict[str, dict[str, str]]:
+    """unit -> {unit it imports: where (first file:line)}, from every import statement, those
+    inside functions included. A package's __init__.py is its public face (lazy re-exports),
+    not a layer, so it is left out."""
+    graph: dict[str, dict[str, str]] = {}
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root)
+        if rel.parts[0] not in LAYERED or path.name == "__init__.py" or "__pycache__" in rel.parts:
+            continue
+        src = _unit(".".join(rel.with_suffix("").parts))
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            else:
+                continue
+            for name in names:
+                dst = _unit(name)
+                if dst is not None and dst != src:
+                    graph.setdefault(src, {}).setdefault(dst, f"{rel}:{node.lineno}")
+    return graph
+
+
+def find_cycle(graph: dict[str, dict[str, str]]) -> list[str]:
+    """One cycle of the graph as [a, b, ..., a], or [] if there is none (depth-first search)."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str]:
+        state[node] = 1
+        path.append(node)
+        for nxt in graph.get(node, {}):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        state[node] = 2
+        path.pop()
+        return []
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return []
+
+
+def test_no_package_imports_another_that_imports_it_back():
+    graph = import_graph(ROOT)
+    cycle = find_cycle(graph)
+    where = [f"{a} -> {b} ({graph[a][b]})" for a, b in zip(cycle, cycle[1:])]
+    assert not cycle, "package cycle: " + "; ".join(where)
+    assert "tests" not in graph.get("bench", {}), "bench/ imports from tests/"
+
+
+def test_cycle_finder_finds_a_planted_cycle(tmp_path):
+    for package, imports in {"bench": "from demo.x import y", "demo": "import bench.z", "tests": ""}.items():
+        (tmp_path / package).mkdir()
+        (tmp_path / package / "m.py").write_text(f"def f():\n    {imports or 'pass'}\n")
+    graph = import_graph(tmp_path)
+    assert find_cycle(graph) in (["bench", "demo", "bench"], ["demo", "bench", "demo"])
+    assert find_cycle({"a": {"b": ""}, "b": {"c": ""}}) == []

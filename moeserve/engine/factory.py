@@ -135,16 +135,17 @@ def same_tokenizer(model: str, draft: str) -> bool:
 
 def build_proposer(cfg: EngineConfig):
     """The proposer named by `cfg.speculation` (None for "none")."""
-    from moeserve.spec.proposer import make_proposer
-
     if cfg.speculation == "none":
         return None
     if cfg.speculation == "ngram":
-        return make_proposer("ngram")
+        from moeserve.spec.ngram import NgramProposer
+
+        return NgramProposer()
     from model_shards import load_checkpoint
+    from moeserve.engine.draft_model import DraftModelProposer  # loads the draft's model stack only when asked
 
     draft = load_checkpoint(cfg.draft_model, cfg.torch_dtype, device=cfg.torch_device)
-    return make_proposer("draft", model=draft, max_num_seqs=cfg.max_num_seqs, max_model_len=cfg.max_model_len)
+    return DraftModelProposer(model=draft, max_num_seqs=cfg.max_num_seqs, max_model_len=cfg.max_model_len)
 
 
 def build_engine(cfg: EngineConfig, runner=None, proposer=None) -> LLMEngine:

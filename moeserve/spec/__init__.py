@@ -5,11 +5,11 @@ single forward pass, and the rejection sampler keeps the longest prefix the targ
 with. What the engine imports:
 
 - `RejectionSampler`, `SpecOutput` — exact verification (greedy and sampled).
-- `Proposer`, `ProposalRequest`, `Proposal`, `make_proposer`, `pad_proposals` — drafting.
+- `Proposer`, `ProposalRequest`, `Proposal`, `pad_proposals` — drafting.
 - `NgramProposer` — prompt lookup, the model-free proposer.
-- the draft model (`moeserve.spec.draft_model.DraftModelProposer`, registered as "draft",
-  imported on demand because it loads the model stack; its lean one-token decode step is
-  in draft_decoder.py).
+- (the draft model's proposer runs a model through the engine's runner, so it lives there:
+  `moeserve.engine.draft_model.DraftModelProposer`; its lean one-token decode step is in
+  draft_decoder.py).
 - `StepCostMeter` — measured step times, refit into the CostModel adaptive k uses.
 - `AdaptiveK`, `AdaptiveKConfig`, `CostModel` — per-sequence choice of k; `PayGuard` — drafting
   refused where it has not paid, as realized.
@@ -25,10 +25,7 @@ from moeserve.spec.proposer import (
     Proposal,
     ProposalRequest,
     Proposer,
-    make_proposer,
     pad_proposals,
-    proposer_names,
-    register_proposer,
 )
 from moeserve.spec.rejection_sampler import RejectionSampler, SpecOutput
 
@@ -46,8 +43,5 @@ __all__ = [
     "SpecOutput",
     "StepCostMeter",
     "expected_tokens_per_pass",
-    "make_proposer",
     "pad_proposals",
-    "proposer_names",
-    "register_proposer",
 ]

@@ -11,7 +11,6 @@ V vocabulary size.
 
 from __future__ import annotations
 
-import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -125,36 +124,6 @@ class Proposer(ABC):
         a proposer that drafts ahead may start on their first proposals while the target
         prefills. The default does nothing (a proposer in the engine's own process would only
         take the target's time)."""
-
-
-# Names map to "module:Class" so that choosing "ngram" never imports a draft model's stack.
-_PROPOSERS: dict[str, str | type[Proposer]] = {
-    "ngram": "moeserve.spec.ngram:NgramProposer",
-    "draft": "moeserve.spec.draft_model:DraftModelProposer",
-}
-
-
-def register_proposer(name: str, target: str | type[Proposer]) -> None:
-    """Makes a proposer constructible by name; target is a class or "module:Class"."""
-    if name in _PROPOSERS:
-        raise ValueError(f"proposer {name!r} is already registered")
-    _PROPOSERS[name] = target
-
-
-def proposer_names() -> list[str]:
-    """The registered proposer names, sorted."""
-    return sorted(_PROPOSERS)
-
-
-def make_proposer(name: str, **kwargs: object) -> Proposer:
-    """Builds the proposer registered under `name` with its own keyword arguments."""
-    if name not in _PROPOSERS:
-        raise ValueError(f"unknown proposer {name!r}; known: {', '.join(proposer_names())}")
-    target = _PROPOSERS[name]
-    if isinstance(target, str):
-        module, _, attr = target.partition(":")
-        target = getattr(importlib.import_module(module), attr)
-    return target(**kwargs)
 
 
 def pad_proposals(

@@ -7,8 +7,8 @@ import json
 import torch
 from transformers import LlamaForCausalLM, MixtralForCausalLM
 
-from bench.prompts import FREE_FORM
 from demo.distill import DISTILL_BEGIN, DISTILL_END, main, offdomain_asks
+from demo.prompts import FREE_FORM
 from demo.tokenizer import load_tokenizer
 from demo.train import heldout_rows, train_model
 from demo.train import main as train_main

@@ -60,7 +60,7 @@ def test_build_app_binds_without_starting_ray():
 
 def test_cli_serve_parses_and_the_cli_module_does_not_load_ray():
     code = (
-        "import sys, json; from moeserve.cli import build_parser; "
+        "import sys, json; from deployments.cli import build_parser; "
         "a = build_parser().parse_args(['serve', '--shards', '1', '--draft', 'model', '--http-port', '8001', "
         "'--grpc-port', '9001']); "
         "print(json.dumps([a.command, a.shards, a.draft, a.http_port, a.grpc_port, 'ray' in sys.modules]))"

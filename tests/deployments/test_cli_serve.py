@@ -77,7 +77,7 @@ def test_moeserve_serve_answers_and_stops_on_ctrl_c():
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["completion_tokens"] == 8
 
-    serve_and_stop([sys.executable, "-m", "moeserve.cli"], ROOT, check)
+    serve_and_stop([sys.executable, "-m", "deployments.cli"], ROOT, check)
 
 
 def test_a_plain_pip_install_serves_the_demo(tmp_path):

@@ -8,16 +8,16 @@ import os
 
 import pytest
 
+from bench.tiny_checkpoint import save_tiny_checkpoint
 from deployments.engine_server import EngineServer, EngineServerConfig
 from deployments.frontend import Frontend, FrontendConfig
 from deployments.metrics import GatewayMetrics
 from moeserve.engine.factory import EngineConfig
+from moeserve.engine.llm import LLM
 from moeserve.grammar import GrammarSpec, check_output
-from moeserve.llm import LLM
 from moeserve.protocol import ErrorCode, GenerateRequest
 from moeserve.sampling_params import SamplingParams
 from moeserve.tokenizer import load_tokenizer
-from tests.deployments.tiny_checkpoint import save_tiny_checkpoint
 
 GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
 PROMPTS = ["order status please", "The bakery sells", "Hello my", "Tomorrow we"]

@@ -12,14 +12,14 @@ import torch
 ray = pytest.importorskip("ray")
 from ray import serve  # noqa: E402
 
+from bench.serve_app import local_ray  # noqa: E402
 from deployments.draft import RemoteDraftProposer, bind_draft  # noqa: E402
 from deployments.draft_worker import DraftCall, DraftServerConfig, DraftWorker  # noqa: E402
 from model_shards import load_checkpoint  # noqa: E402
+from moeserve.engine.draft_model import DraftModelProposer  # noqa: E402
 from moeserve.sampling_params import SamplingParams  # noqa: E402
 from moeserve.spec import ProposalRequest  # noqa: E402
-from moeserve.spec.draft_model import DraftModelProposer  # noqa: E402
 from tests.model_shards.hf_tiny import save_tiny  # noqa: E402
-from tests.serve_app import local_ray  # noqa: E402
 from tests.spec.tiny_pair import make_engine, noisy_copy, random_prompts, run  # noqa: E402
 
 PROMPTS = [p * 2 for p in random_prompts(6, 96, seed=7, lengths=(3, 16))]
@@ -595,9 +595,9 @@ def test_a_draft_worker_drafts_constrained_rows_under_its_own_grammar(tmp_path):
     (compiled in the background), so, with the target as its own draft, nearly every draft is
     accepted, as with the draft in the engine's process shown the grammar. Greedy output is plain
     decoding's and every output satisfies its grammar."""
+    from bench.tiny_checkpoint import save_tiny_checkpoint
     from deployments.draft_process import DraftProcess
     from moeserve.tokenizer import load_tokenizer
-    from tests.deployments.tiny_checkpoint import save_tiny_checkpoint
     from tests.engine.test_structured_output import PROMPTS as TEXTS
     from tests.engine.test_structured_output import SPECS, NoGrammarDraft, assert_accepted
     from tests.engine.test_structured_output import make_engine as structured_engine
@@ -636,10 +636,10 @@ def test_a_grammar_mirror_follows_each_sequences_output(tmp_path):
     """The worker's matcher for a sequence: none while its spec compiles (in the background), then
     standing after the output the call names; advanced by new output, made afresh for a history
     that does not extend it, dropped where it refuses what the engine's grammar took."""
+    from bench.tiny_checkpoint import save_tiny_checkpoint
     from deployments.draft_grammar import GrammarMirror, RemoteGrammar
     from moeserve.grammar import GrammarCompiler, GrammarMatcher, GrammarSpec
     from moeserve.tokenizer import load_tokenizer
-    from tests.deployments.tiny_checkpoint import save_tiny_checkpoint
 
     folder = save_tiny_checkpoint(tmp_path)
     tokenizer = load_tokenizer(folder)

@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from bench.tiny_checkpoint import save_tiny_checkpoint
 from deployments.engine_server import EngineServer, EngineServerConfig
 from model_shards import load_checkpoint
 from moeserve.engine import LLMEngine, ModelRunner
@@ -15,7 +16,6 @@ from moeserve.grammar import GrammarSpec, check_output
 from moeserve.protocol import ErrorCode, GenerateChunk, GenerateRequest
 from moeserve.sampling_params import SamplingParams
 from moeserve.tokenizer import load_tokenizer
-from tests.deployments.tiny_checkpoint import save_tiny_checkpoint
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 LONG = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)

@@ -13,6 +13,7 @@ import openai
 import pytest
 import torch
 
+from bench.tiny_checkpoint import MODEL_NAME, save_tiny_checkpoint
 from deployments.engine_server import EngineServer, EngineServerConfig
 from deployments.gateway import Gateway, GatewayConfig
 from model_shards import load_checkpoint
@@ -20,7 +21,6 @@ from moeserve.engine import LLMEngine, ModelRunner, SpecConfig
 from moeserve.grammar import GrammarSpec, check_output
 from moeserve.spec.ngram import NgramProposer
 from moeserve.tokenizer import load_tokenizer
-from tests.deployments.tiny_checkpoint import MODEL_NAME, save_tiny_checkpoint
 
 MAX_LEN = 256
 SCHEMA = {

@@ -8,6 +8,7 @@ import asyncio
 import grpc
 import pytest
 
+from bench.tiny_tokenizer import build_tiny_tokenizer
 from deployments.frontend import Frontend, FrontendConfig
 from deployments.grpc_server import start_grpc_server
 from deployments.metrics import GatewayMetrics
@@ -15,7 +16,6 @@ from deployments.proto import generate_pb2 as pb
 from deployments.proto import generate_pb2_grpc as pb_grpc
 from moeserve.protocol import ErrorCode, GenerateChunk, Usage, error_chunk
 from moeserve.sampling_params import TokenLogprob, TokenTrace
-from tests.grammar.tiny_tokenizer import build_tiny_tokenizer
 
 
 class ScriptedEngine:

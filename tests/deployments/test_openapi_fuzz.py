@@ -9,12 +9,12 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from schemathesis.checks import not_a_server_error, response_schema_conformance, status_code_conformance
 
+from bench.tiny_checkpoint import MODEL_NAME, save_tiny_checkpoint
 from deployments.engine_server import EngineServer, EngineServerConfig
 from deployments.gateway import Gateway, GatewayConfig
 from model_shards import load_checkpoint
 from moeserve.engine import LLMEngine, ModelRunner
 from moeserve.tokenizer import load_tokenizer
-from tests.deployments.tiny_checkpoint import MODEL_NAME, save_tiny_checkpoint
 
 MAX_LEN = 64  # short contexts: a generated request runs at most a few dozen tiny steps
 

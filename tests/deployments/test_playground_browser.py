@@ -10,13 +10,13 @@ import shutil
 import jsonschema
 import pytest
 
+from bench.tiny_checkpoint import MODEL_NAME, save_tiny_checkpoint
 from deployments.local import gateway_in_thread
 from model_shards import load_checkpoint
 from moeserve.engine import LLMEngine, SpecConfig
 from moeserve.engine.paged_runner import PagedRunner
 from moeserve.spec.ngram import NgramProposer
 from moeserve.tokenizer import load_tokenizer
-from tests.deployments.tiny_checkpoint import MODEL_NAME, save_tiny_checkpoint
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 playwright = pytest.importorskip("playwright.sync_api", reason="playwright is installed by scripts/setup.sh")

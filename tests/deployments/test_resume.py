@@ -8,6 +8,7 @@ import asyncio
 
 import pytest
 
+from bench.tiny_checkpoint import save_tiny_checkpoint
 from deployments.engine_server import EngineServer, EngineServerConfig
 from deployments.frontend import Frontend, FrontendConfig
 from deployments.metrics import GatewayMetrics
@@ -18,7 +19,6 @@ from moeserve.grammar import GrammarSpec, check_output
 from moeserve.protocol import ErrorCode, GenerateRequest, Shutdown
 from moeserve.sampling_params import SamplingParams
 from moeserve.tokenizer import load_tokenizer
-from tests.deployments.tiny_checkpoint import save_tiny_checkpoint
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 

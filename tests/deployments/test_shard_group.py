@@ -9,13 +9,13 @@ import torch
 
 ray = pytest.importorskip("ray")
 
+from bench.serve_app import local_ray  # noqa: E402
 from deployments.router_actor import RouterService, proposed_placement, router_actor  # noqa: E402
 from deployments.shard_group import ShardGroup, ShardGroupConfig  # noqa: E402
 from model_shards import load_checkpoint  # noqa: E402
 from moeserve.engine import LLMEngine, ModelRunner  # noqa: E402
 from moeserve.sampling_params import SamplingParams  # noqa: E402
 from tests.model_shards.hf_tiny import save_tiny  # noqa: E402
-from tests.serve_app import local_ray  # noqa: E402
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16], [17, 18]]
@@ -90,11 +90,11 @@ def test_served_group_moves_its_experts_live_and_stays_exact(ray_cluster, tmp_pa
     during and after are exact."""
     import asyncio
 
+    from bench.tiny_checkpoint import save_tiny_checkpoint
     from deployments.engine_server import EngineServer, EngineServerConfig
     from moeserve.engine.factory import EngineConfig
     from moeserve.protocol import GenerateRequest
     from router_service.stats import ExpertLoadStats
-    from tests.deployments.tiny_checkpoint import save_tiny_checkpoint
 
     ckpt = save_tiny_checkpoint(tmp_path)  # with a tokenizer, as a served engine needs
     expected = reference(ckpt)

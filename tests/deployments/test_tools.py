@@ -8,9 +8,9 @@ import json
 import jsonschema
 import pytest
 
+from bench.tiny_tokenizer import build_tiny_tokenizer
 from deployments.tools import Tool, ToolCalling
 from moeserve.tokenizer import render_chat
-from tests.grammar.tiny_tokenizer import build_tiny_tokenizer
 
 PARAMS = {"type": "object", "properties": {"item": {"type": "string"}}, "required": ["item"]}
 TOOLS = [Tool.model_validate({"type": "function", "function": {"name": n, "parameters": PARAMS}})

@@ -25,6 +25,7 @@ import pytest
 import torch
 from scipy.stats import chi2
 
+from bench.tiny_checkpoint import save_tiny_checkpoint
 from model_shards import CausalLM, load_checkpoint
 from moeserve.engine import LLMEngine, ModelRunner, SchedulerConfig, SpecConfig
 from moeserve.engine import structured as structured_module
@@ -40,7 +41,6 @@ from moeserve.grammar import (
 from moeserve.sampling_params import SamplingParams
 from moeserve.spec.proposer import Proposal, ProposalRequest, Proposer
 from moeserve.tokenizer import load_tokenizer
-from tests.deployments.tiny_checkpoint import save_tiny_checkpoint
 
 REGEX = "[ZU](J|Xthe#){8}"  # never complete within the budgets below: every output ends at max_tokens
 BUDGETS = (3, 4, 5, 6)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 
+from bench.tiny_checkpoint import save_tiny_checkpoint
 from model_shards import load_checkpoint
 from moeserve.engine import LLMEngine, ModelRunner, SpecConfig
 from moeserve.engine.paged_runner import PagedRunner
@@ -19,7 +20,6 @@ from moeserve.sampling_params import SamplingParams
 from moeserve.spec.ngram import NgramProposer
 from moeserve.spec.proposer import Proposal, ProposalRequest, Proposer
 from moeserve.tokenizer import load_tokenizer
-from tests.deployments.tiny_checkpoint import save_tiny_checkpoint
 
 SCHEMA = {
     "type": "object",
@@ -297,7 +297,7 @@ def test_a_draft_model_drafts_from_its_own_masked_distribution(tiny, temperature
     the output before max_tokens); not shown it, the draft proposes tokens the grammar refuses,
     which are cut before verification, so a pass yields fewer tokens. Greedy output stays exactly
     plain decoding's; the matchers end where they were (every output replays through its grammar)."""
-    from moeserve.spec.draft_model import DraftModelProposer
+    from moeserve.engine.draft_model import DraftModelProposer
 
     folder, tokenizer, compiler = tiny
     jobs = [(p, SamplingParams(max_tokens=60, temperature=temperature, seed=None), compiler.compile(s))
@@ -342,7 +342,7 @@ def test_a_greedy_draft_drafts_through_the_text_its_grammar_forces(tiny):
     for the text forced after its last draft token), proposals go on past forced text, and the documents take under half as many target passes as
     plain decoding takes steps. A draft that drafts token by token through forced text (its own
     split of it) has proposals changed by the engine. Output stays exactly plain decoding's."""
-    from moeserve.spec.draft_model import DraftModelProposer
+    from moeserve.engine.draft_model import DraftModelProposer
 
     folder, tokenizer, compiler = tiny
     jobs = [(p, SamplingParams(max_tokens=60, temperature=0.0), compiler.compile(SPECS["json_schema"]))

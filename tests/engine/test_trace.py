@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from bench.tiny_checkpoint import save_tiny_checkpoint
 from model_shards import load_checkpoint
 from moeserve.engine import LLMEngine, SpecConfig
 from moeserve.engine.paged_runner import PagedRunner
 from moeserve.sampling_params import SamplingParams
 from moeserve.spec.ngram import NgramProposer
-from tests.deployments.tiny_checkpoint import save_tiny_checkpoint
 
 TRACED = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True, trace_experts=True, trace_speculation=True)
 PROMPTS = [[5, 9, 13, 9, 13, 9, 13, 9], [7, 7, 8, 7, 7, 8], [11, 3, 11, 3, 11, 3, 11, 4, 11, 3]]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from bench.tiny_tokenizer import MODEL_VOCAB, build_tiny_tokenizer
 from moeserve.grammar import GrammarCompiler, GrammarConfig
-from tests.grammar.tiny_tokenizer import MODEL_VOCAB, build_tiny_tokenizer
 
 
 @pytest.fixture(scope="session")

@@ -8,6 +8,7 @@ import time
 import pytest
 import torch
 
+from bench.tiny_tokenizer import MODEL_VOCAB
 from moeserve.grammar import (
     GrammarCompiler,
     GrammarConfig,
@@ -17,7 +18,6 @@ from moeserve.grammar import (
     GrammarTimeoutError,
     allocate_bitmask,
 )
-from tests.grammar.tiny_tokenizer import MODEL_VOCAB
 
 SCHEMA = {"type": "object", "properties": {"id": {"type": "integer"}, "tags": {"type": "array", "items": {"type": "string"}}}}
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.grammar.conformance import check_case, conformance_dir, load_cases, summarize
+from bench.conformance import check_case, conformance_dir, load_cases, summarize
 
 FOLDER = conformance_dir()
 pytestmark = pytest.mark.skipif(FOLDER is None, reason="conformance data folder not found")

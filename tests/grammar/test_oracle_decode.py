@@ -12,9 +12,9 @@ import re
 
 import pytest
 
+from bench.grammar_decoding import random_decode
 from moeserve.grammar import GrammarSpec, check_output
 from moeserve.grammar.formats import SUPPORTED_FORMATS
-from tests.grammar.decoding import random_decode
 
 SEEDS = range(30)
 

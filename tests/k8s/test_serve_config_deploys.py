@@ -14,9 +14,9 @@ import os
 
 import httpx
 
+from bench.serve_app import serve_app
 from deployments.config import deep_merge, resolve_path
 from tests.k8s.manifests import build, one, serve_config
-from tests.serve_app import serve_app
 
 
 def import_builder(import_path: str):
@@ -33,7 +33,7 @@ def test_embedded_serve_config_deploys_and_answers(tmp_path) -> None:
     args = app["args"]
     overrides = {}
     if not os.path.isdir(resolve_path(args["model"]["path"])):
-        from tests.deployments.tiny_checkpoint import save_tiny_checkpoint
+        from bench.tiny_checkpoint import save_tiny_checkpoint
 
         overrides["model"] = {"path": str(save_tiny_checkpoint(tmp_path / "tiny-moe"))}
         overrides["engine"] = {"max_model_len": 256}

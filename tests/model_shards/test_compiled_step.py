@@ -7,13 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from bench.tiny_checkpoint import save_tiny_checkpoint
 from model_shards import compiled_step, load_checkpoint
 from model_shards.compiled_step import CompiledStep
 from model_shards.kv_cache import StepBatch
 from moeserve.engine import LLMEngine, ModelRunner, SpecConfig
 from moeserve.sampling_params import SamplingParams
 from moeserve.spec.ngram import NgramProposer
-from tests.deployments.tiny_checkpoint import save_tiny_checkpoint
 from tests.model_shards.hf_tiny import save_tiny
 
 SLOTS, MAX_LEN = 4, 128

@@ -8,9 +8,9 @@ import torch
 from scipy.stats import chisquare
 
 from model_shards import load_checkpoint
+from moeserve.engine.draft_model import DraftModelProposer
 from moeserve.sampling_params import SamplingParams
-from moeserve.spec import ProposalRequest, make_proposer
-from moeserve.spec.draft_model import DraftModelProposer
+from moeserve.spec import ProposalRequest
 from tests.model_shards.hf_tiny import save_tiny
 from tests.spec.tiny_pair import random_prompts
 
@@ -145,8 +145,8 @@ def test_sampled_draft_tokens_follow_q(draft):
     assert chisquare(counts[support].numpy(), expected.numpy()).pvalue > 1e-3
 
 
-def test_registry_builds_it_from_a_checkpoint_folder(draft):
+def test_it_builds_from_a_checkpoint_folder(draft):
     folder, hf, _ = draft
-    proposer = make_proposer("draft", model=str(folder), max_num_seqs=2, max_model_len=64)
+    proposer = DraftModelProposer(model=str(folder), max_num_seqs=2, max_model_len=64)
     prompt = random_prompts(1, 96, seed=6)[0]
     assert proposer.propose([ProposalRequest("s", prompt, 3)])[0].token_ids == continuation(hf, prompt, 3)

@@ -10,9 +10,9 @@ import torch
 from scipy.stats import chisquare
 
 from model_shards import load_checkpoint
+from moeserve.engine.draft_model import DraftModelProposer
 from moeserve.sampler import keyed_noise, keyed_sample
 from moeserve.sampling_params import SamplingParams
-from moeserve.spec.draft_model import DraftModelProposer
 from moeserve.spec.ngram import NgramProposer
 from tests.spec.tiny_pair import make_engine, noisy_copy, random_prompts, run, save_small_vocab
 

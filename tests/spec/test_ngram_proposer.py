@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from moeserve.spec import NgramProposer, ProposalRequest, make_proposer
+from moeserve.spec import NgramProposer, ProposalRequest
 
 
 def _propose(proposer: NgramProposer, tokens: list[int], k: int, seq_id: str = "s") -> list[int]:
@@ -78,8 +78,7 @@ def test_history_is_incremental_and_freed() -> None:
 
 
 def test_batch_of_sequences_keeps_them_apart() -> None:
-    proposer = make_proposer("ngram", max_n=3)
-    assert isinstance(proposer, NgramProposer)
+    proposer = NgramProposer(max_n=3)
     requests = [
         ProposalRequest("a", [1, 2, 3, 1, 2], 1),
         ProposalRequest("b", [1, 2, 4, 1, 2], 1),

@@ -1,4 +1,4 @@
-"""The Proposer interface, its registry, and packing proposals for the rejection sampler.
+"""The Proposer interface, and packing proposals for the rejection sampler.
 
 Shapes: B sequences, K draft tokens, V vocabulary.
 """
@@ -11,16 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-import moeserve.spec.proposer as proposer_module
 from moeserve.spec import (
     Proposal,
     ProposalRequest,
     Proposer,
     RejectionSampler,
-    make_proposer,
     pad_proposals,
-    proposer_names,
-    register_proposer,
 )
 
 
@@ -33,19 +29,6 @@ class _Fixed(Proposer):
 
     def on_finished(self, seq_id: str) -> None:
         pass
-
-
-def test_registry(monkeypatch: pytest.MonkeyPatch) -> None:
-    # A private copy, so the test's registration does not leak into other tests.
-    monkeypatch.setattr(proposer_module, "_PROPOSERS", dict(proposer_module._PROPOSERS))
-    assert "ngram" in proposer_names()
-    register_proposer("fixed-test", _Fixed)
-    proposer = make_proposer("fixed-test", token=3)
-    assert proposer.propose([ProposalRequest("a", [1], 2)])[0].token_ids == [3, 3]
-    with pytest.raises(ValueError, match="already registered"):
-        register_proposer("fixed-test", _Fixed)
-    with pytest.raises(ValueError, match="unknown proposer"):
-        make_proposer("nope")
 
 
 def test_interface_is_abstract() -> None:

@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 
 from model_shards import load_checkpoint
+from moeserve.engine.draft_model import DraftModelProposer
 from moeserve.sampling_params import SamplingParams
 from moeserve.spec import NgramProposer
 from moeserve.spec.cost_meter import PRIOR_COSTS
-from moeserve.spec.draft_model import DraftModelProposer
 from tests.model_shards.hf_tiny import save_tiny
 from tests.spec.tiny_pair import make_engine, noisy_copy, random_prompts, run
 

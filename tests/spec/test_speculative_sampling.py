@@ -19,9 +19,9 @@ from scipy.stats import chisquare
 
 from model_shards import CausalLM, load_checkpoint
 from moeserve.engine import LLMEngine, ModelRunner, SchedulerConfig, SpecConfig
+from moeserve.engine.draft_model import DraftModelProposer
 from moeserve.sampler import Sampler
 from moeserve.sampling_params import SamplingParams
-from moeserve.spec.draft_model import DraftModelProposer
 from tests.spec.tiny_pair import save_small_vocab
 
 VOCAB, NEW_TOKENS, NUM_SAMPLES, BATCH = 4, 4, 20_000, 2_500

@@ -1,0 +1,69 @@
+"""A local Ray for a test module, and one Serve app on it: free loopback ports, wait for
+/health, shut everything down after.
+
+A port found free can be taken by another process before Serve binds it (the proxy, or the
+gateway's gRPC server, then fails to start); the whole start is retried on fresh ports.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Callable, Iterator
+
+import httpx
+
+from model_shards.local_group import free_port
+
+
+def wait_healthy(base: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{base}/health", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"{base}/health did not answer 200 within {timeout:.0f} s")
+
+
+@contextlib.contextmanager
+def local_ray() -> Iterator[None]:
+    """Ray on this machine for one test module (4 logical CPUs, no token auth); Serve, if
+    something started it, and Ray are shut down after."""
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    import ray
+    from ray import serve
+
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    try:
+        yield
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+@contextlib.contextmanager
+def serve_app(build: Callable[[int], tuple], *, proxy_location: str | None = None,
+              attempts: int = 3) -> Iterator[dict[str, str]]:
+    """`build(grpc_port)` returns (app, name, route_prefix). Yields {"http": base URL, "grpc": host:port}."""
+    from ray import serve
+
+    with local_ray():
+        for attempt in range(attempts):
+            http_port, grpc_port = free_port(), free_port()
+            try:
+                options = {"proxy_location": proxy_location} if proxy_location else {}
+                serve.start(http_options={"host": "127.0.0.1", "port": http_port}, **options)
+                app, name, route_prefix = build(grpc_port)
+                serve.run(app, name=name, route_prefix=route_prefix)
+                base = f"http://127.0.0.1:{http_port}"
+                wait_healthy(base)
+                break
+            except Exception:
+                serve.shutdown()
+                if attempt == attempts - 1:
+                    raise
+        yield {"http": base, "grpc": f"127.0.0.1:{grpc_port}"}

@@ -1,0 +1,421 @@
+"""The draft model as a proposer: a small dense LM in this process, batched across sequences.
+
+Shapes: B rows drafting this step (sorted by k, longest first), K draft tokens (the widest
+row), V vocab, S rows that sample their drafts.
+
+One `propose` call per engine step, for the whole batch:
+
+1. sync: the draft keeps its own paged KV cache (with prefix caching, as the target's) and
+   remembers which tokens each sequence holds there. The request's token ids are compared
+   with them; the common prefix stays and the rest is forgotten. That is the rollback after a rejection (the cache held drafts the
+   target refused) and the rebuild after a miss (a new sequence, an evicted one, or a
+   history this replica never saw): rolling back is just feeding from a smaller position.
+   Each row gets the blocks for its tail and the k - 1 drafts it will feed, evicting idle
+   sequences when the blocks run out.
+2. catch-up: every row's uncached tail is fed, batched: its last token in one one-token
+   forward for all rows, whose logits give draft token 1; before it, the token before that
+   for rows whose tail is two tokens (the last draft and the bonus token, after a step that
+   accepted everything), and the model's own prefill forward for longer tails (new
+   sequences, rebuilds), so that one prompt never pads the whole batch to its length.
+3. K - 1 batched one-token forwards; a row is no longer fed once it has its k tokens
+   (rows are sorted by k, so the rows still drafting are a prefix of the batch).
+
+One-token forwards of a dense draft go through `DenseDecodeStep` (draft_decoder.py), which
+cuts the per-forward Python overhead that dominates at this model size; other drafts (an
+MoE model drafting for itself in tests) use the model's own forward.
+
+Drafts are the draft's argmax (deterministic: `Proposal.probs` is None) unless the
+proposer samples and the request does: then each draft token is drawn from the draft's
+probabilities processed with the request's own temperature, top-k and top-p, and those
+probabilities travel with the proposal as q for the rejection sampler. A seeded request
+draws its draft uniforms from a hash of (seed, position), so its output does not depend on
+the batch, on the replica, or on whether the draft cache was rebuilt.
+"""
+
+from __future__ import annotations
+
+import os
+from bisect import bisect_left
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from itertools import accumulate
+
+import torch
+
+from model_shards import CausalLM, StepBatch
+from model_shards.paged_kv import OutOfBlocks
+from moeserve.engine.model_runner import Row, forward_last
+from moeserve.engine.paged_runner import PagedRunner
+from moeserve.sampler import Sampler, keyed_sample, random_sample
+from moeserve.sampling_params import SamplingParams
+from moeserve.spec.draft_decoder import DenseDecodeStep
+from moeserve.spec.draft_masks import GrammarMasks
+from moeserve.spec.proposer import DraftGrammar, Proposal, ProposalRequest, Proposer
+
+# Tails of up to this many tokens before the last (drafts and forced text a step accepted) are fed
+# through the lean step's `feed`; longer ones (prompts) through the model's own forward.
+FEED_MAX = 16
+
+
+class DraftInterrupted(Exception):
+    """A propose call stopped early because its caller asked (see `propose(interrupted=...)`)."""
+
+
+@dataclass
+class _DraftSeq:
+    """What the draft holds for one sequence: the tokens whose keys/values are in its cache."""
+
+    cached: list[int] = field(default_factory=list)
+    seen: int = 0  # length of the last request's token ids: a prefix the engine never rewrites
+    last_used: int = 0
+
+
+@dataclass
+class _Row:
+    """One sequence drafting this step."""
+
+    index: int  # position in the request list
+    seq_id: str
+    tokens: list[int]  # the request's token ids
+    k: int
+    start: int  # tokens of `tokens` already in the draft cache (after rollback)
+    params: SamplingParams | None  # None: propose the argmax
+    grammar: DraftGrammar | None = None  # masks the draft's own distribution at each draft step
+    jump_forward: bool = False  # ProposalRequest.jump_forward: drafts through forced text
+
+
+@dataclass(frozen=True)
+class _Batch:
+    """The drafting rows' block tables and lengths as tensors, built once per step."""
+
+    tables: torch.Tensor  # [B, nb] each row's blocks, covering its tail and the drafts it feeds
+    lengths: torch.Tensor  # [B] tokens cached once caught up
+    max_len: list[int]  # max_len[n - 1] = longest of the first n rows
+    ragged: list[bool]  # ragged[n - 1]: the first n rows differ in length
+
+    @classmethod
+    def of(cls, rows: list[_Row], tables: torch.Tensor) -> _Batch:
+        lengths = [len(r.tokens) for r in rows]
+        shortest = list(accumulate(lengths, min))
+        longest = list(accumulate(lengths, max))
+        return cls(tables, torch.tensor(lengths, device=tables.device), longest,
+                   [a != b for a, b in zip(shortest, longest)])
+
+
+class DraftModelProposer(Proposer):
+    """A dense draft model proposing k tokens per sequence, with its own paged KV cache.
+
+    model: the draft (a CausalLM, or a checkpoint folder to load), sharing the target's
+        tokenizer.
+    max_num_seqs: sequences held; when full (or when the KV blocks run out), the least recently
+        used sequence not in this step's batch is evicted (it is rebuilt if it comes back), so
+        a leaked id costs nothing.
+    max_model_len: tokens per sequence; rows that would pass it draft fewer tokens.
+    greedy: True proposes the draft's argmax for every request. False samples drafts for
+        sampled requests with their own SamplingParams and returns q (greedy requests still
+        get the argmax).
+    num_blocks, block_size, prefix_caching: the paged cache (model_shards/paged_kv.py); blocks are
+        allocated as sequences grow; 0 blocks: room for max_num_seqs sequences of max_model_len.
+    """
+
+    def __init__(
+        self,
+        model: CausalLM | str | os.PathLike,
+        max_num_seqs: int = 32,
+        max_model_len: int = 1024,
+        greedy: bool = True,
+        num_blocks: int = 0,
+        block_size: int = 16,
+        prefix_caching: bool = True,
+    ) -> None:
+        if not isinstance(model, CausalLM):
+            from model_shards import load_checkpoint
+
+            model = load_checkpoint(model)
+        num_blocks = num_blocks or max_num_seqs * -(-max_model_len // block_size) + 1
+        self.runner = PagedRunner(model, max_num_seqs, max_model_len, num_blocks, block_size, prefix_caching)
+        self.device = model.device  # the draft's own tensors; sampled drafts are drawn on the CPU
+        # Dense drafts decode through the lean step; others (e.g. an MoE draft) use the model's forward.
+        self.lean = DenseDecodeStep(model, self.runner.cache, max_model_len) if DenseDecodeStep.supports(model) else None
+        self.greedy = greedy
+        self.track_runner_up = False  # keep each row's second choices (`runner_up`) for pre-drafting
+        # of the last call's rows: per draft position, the token drafted, the draft's second choice
+        # and its logit's gap below the first (small: the draft was unsure, and the target is likelier
+        # to differ there)
+        self.runner_up: dict[str, list[tuple[int, int, float]]] = {}
+        self.sampler = Sampler()
+        self._seqs: dict[str, _DraftSeq] = {}
+        self._clock = 0
+        self.num_new_seqs = 0  # sequences prefilled from scratch (new, evicted, or unseen here)
+        self.num_rebuilt_tokens = 0  # confirmed tokens re-fed because the cache had lost them
+        self.num_evictions = 0
+
+    @property
+    def num_tracked(self) -> int:
+        """Sequences holding draft KV blocks (for leak checks)."""
+        return len(self._seqs)
+
+    def on_finished(self, seq_id: str) -> None:
+        """Frees the sequence's KV blocks; unknown ids are ignored."""
+        if self._seqs.pop(seq_id, None) is not None:
+            self.runner.remove(seq_id)
+
+    @torch.inference_mode()
+    def propose(
+        self, requests: list[ProposalRequest], hypothetical: bool = False, interrupted: Callable[[], bool] | None = None
+    ) -> list[Proposal]:
+        """Up to request.num_tokens draft tokens per request, in order (possibly none), plus the
+        text their grammars force between them.
+        hypothetical: the requests' histories are guesses (pre-drafting ahead of the target), not
+        what the engine confirmed: drafting rolls back from them without counting a rebuild.
+        interrupted: checked between draft steps; when it says True, DraftInterrupted is raised
+        and each sequence's cache holds its history, no drafts (what drafting wrote lies past
+        that, and is overwritten by the next call).
+
+        A greedy row under a grammar whose forced text the engine appends (`jump_forward`) drafts
+        through that text: where its grammar forces text after a draft, the text goes into the
+        proposal and the row drafts its remaining tokens after it, in one more batched round of
+        the rows that got that far (each round feeds the forced text in one lean pass). A
+        proposal of k draft tokens can then cover several fields of a JSON document, where one
+        that stopped there covered one field."""
+        self._clock += 1
+        proposals, through = self._round(requests, hypothetical, interrupted, first=True)
+        left = {i: requests[i].num_tokens - (len(proposals[i].token_ids) - len(f)) for i, f in through.items()}
+        while through:  # rows that reached forced text with draft tokens left: one more round
+            nxt, advanced = [], []
+            for i in through:
+                req, got = requests[i], proposals[i].token_ids
+                advanced.append((req.grammar, req.grammar.accept_tokens(got)))
+                nxt.append((i, replace(req, token_ids=list(req.token_ids) + got, num_tokens=left[i])))
+            try:
+                more, ended = self._round([r for _, r in nxt], True, interrupted)
+            finally:
+                for grammar, n in advanced:
+                    grammar.rollback(n)
+            through = {}
+            for j, ((i, _), p) in enumerate(zip(nxt, more)):
+                proposals[i] = replace(proposals[i], token_ids=proposals[i].token_ids + p.token_ids)
+                if j in ended:
+                    through[i] = ended[j]
+                    left[i] -= len(p.token_ids) - len(ended[j])
+        return proposals
+
+    def _round(
+        self, requests: list[ProposalRequest], hypothetical: bool, interrupted: Callable[[], bool] | None,
+        first: bool = False,
+    ) -> tuple[list[Proposal], dict[int, list[int]]]:
+        """One batched draft of the requests: their proposals, and the rows (by request index) that
+        ended at text their grammar forces with draft tokens left, whose proposals end with that text.
+        first: the call's first round (its second choices are the ones kept, `runner_up`)."""
+        rows = self._sync(requests, hypothetical)
+        proposals = [Proposal([]) for _ in requests]
+        if not rows:
+            return proposals, {}
+        rows.sort(key=lambda r: -r.k)  # the rows still drafting stay a prefix
+        batch = _Batch.of(rows, self.runner.block_tables([r.seq_id for r in rows]))
+        logits = self._catch_up(rows, batch)
+        try:
+            tokens, probs, second, masks = self._draft(rows, batch, logits, interrupted)  # [B, K] ...
+        except DraftInterrupted:  # the catch-up stands: a new sequence's prompt is not prefilled again
+            for r in rows:
+                self._hold(r.seq_id, r.tokens, len(r.tokens))
+            raise
+        if second is not None and first:
+            drafted, alts, gaps = tokens.tolist(), second[0].tolist(), second[1].tolist()
+            self.runner_up = {r.seq_id: list(zip(d[: r.k], a[: r.k], g[: r.k]))
+                              for r, d, a, g in zip(rows, drafted, alts, gaps)}
+        sampled, through = 0, {}
+        for b, (r, row) in enumerate(zip(rows, tokens.tolist())):
+            q = None
+            if r.params is not None:
+                q = probs[sampled, : r.k].clone()  # [k, V] a copy, so pickling it sends k rows only
+                sampled += 1
+            end = masks.ends.get(b, r.k)
+            proposals[r.index] = Proposal(row[:end], q)
+            if b in masks.forced and end < r.k:
+                through[r.index] = masks.forced[b]
+                proposals[r.index] = Proposal(row[:end] + masks.forced[b])
+            fed = row[: r.k - 1]  # the last draft was sampled, never fed; -1: not drafted (ended early)
+            self._hold(r.seq_id, r.tokens + (fed[: fed.index(-1)] if -1 in fed else fed), len(r.tokens))
+        return proposals, through
+
+    def _hold(self, seq_id: str, cached: list[int], confirmed: int) -> None:
+        """The sequence's cache holds `cached`; its first `confirmed` tokens' full blocks become
+        findable by other sequences."""
+        self._seqs[seq_id].cached = cached
+        self.runner.manager.record(seq_id, cached)
+        self.runner.manager.commit(seq_id, confirmed)
+
+    # ---- the three phases -----------------------------------------------------------------
+    def _sync(self, requests: list[ProposalRequest], hypothetical: bool = False) -> list[_Row]:
+        """Rows that draft this step, each with its cache rolled back to the common prefix."""
+        busy = {r.seq_id for r in requests}
+        limit = self.runner.max_model_len
+        rows = []
+        for i, req in enumerate(requests):
+            tokens = list(req.token_ids)
+            # Draft j is fed at position len + j - 2; the last draft is never fed.
+            k = min(req.num_tokens, limit + 1 - len(tokens))
+            if k <= 0 or not tokens:
+                continue
+            state = self._seqs.get(req.seq_id)
+            if state is None:
+                if not self._make_room(busy):
+                    continue
+                cached = self.runner.add(req.seq_id, tokens)  # a prefix-cache hit skips those tokens
+                state = self._seqs[req.seq_id] = _DraftSeq(tokens[:cached])
+                self.num_new_seqs += 1
+            start = _common_prefix(state.cached, tokens, state.seen)
+            if start < state.seen:
+                self.num_rebuilt_tokens += state.seen - start
+            start = min(start, len(tokens) - 1)  # always feed one token: its logits give draft 1
+            if not self._reserve(req.seq_id, start, tokens, k, None if hypothetical else busy):
+                continue
+            state.last_used = self._clock
+            if not hypothetical:
+                state.seen = len(tokens)
+            params = None if self.greedy or req.params is None or req.params.greedy else req.params
+            rows.append(_Row(i, req.seq_id, tokens, k, start, params, req.grammar, req.jump_forward))
+        return rows
+
+    def _catch_up(self, rows: list[_Row], batch: _Batch) -> torch.Tensor:
+        """Feeds each row's uncached tail; logits [B, V] after each row's last token.
+
+        Tails are usually 1 token (a recovered token) or 2 (the last draft and the bonus
+        token): those go through one-token steps. Up to their last token, tails of a few more
+        (forced text a grammar appended, drafts a step accepted) go through one lean pass
+        (`DenseDecodeStep.feed`), longer ones (new sequences, rebuilds) through the model's own
+        forward."""
+        short = [b for b, r in enumerate(rows) if 2 < len(r.tokens) - r.start <= FEED_MAX + 1] if self.lean else []
+        if short:  # forced text and accepted drafts: one lean pass, not the model's own forward
+            idx = torch.tensor(short, device=self.device)
+            tails = [rows[b].tokens[rows[b].start : -1] for b in short]
+            width = max(map(len, tails))
+            tokens = torch.tensor([t + [0] * (width - len(t)) for t in tails], device=self.device)  # [n, T]
+            self.lean.feed(tokens, torch.tensor([len(t) for t in tails], device=self.device), batch.tables[idx],
+                           torch.tensor([rows[b].start for b in short], device=self.device))
+        fed = set(short)
+        prefill = [Row(r.seq_id, r.tokens[r.start : -1], r.start) for b, r in enumerate(rows)
+                   if len(r.tokens) - r.start > 2 and b not in fed]
+        if prefill:
+            forward_last(self.runner, prefill, prepared=True)
+        two = [b for b, r in enumerate(rows) if len(r.tokens) - r.start == 2]
+        if two:
+            idx = torch.tensor(two, device=self.device)
+            starts = [rows[b].start for b in two]
+            tokens = torch.tensor([rows[b].tokens[-2] for b in two], device=self.device)  # [n]
+            self._step(tokens, batch.tables[idx], torch.tensor(starts, device=self.device), max(starts) + 1)
+        last = torch.tensor([r.tokens[-1] for r in rows], device=self.device)  # [B]
+        return self._step(last, batch.tables, batch.lengths - 1, batch.max_len[-1], batch.ragged[-1])
+
+    def _draft(
+        self, rows: list[_Row], batch: _Batch, logits: torch.Tensor, interrupted: Callable[[], bool] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None, GrammarMasks]:
+        """Draft tokens [B, K]; for sampling rows, their q [S, K, V]; with `track_runner_up`, the
+        draft's second choice at each position [B, K] (what pre-drafting guesses the target's
+        correction to be when it rejects that draft) and its logit's gap below the first [B, K];
+        the grammar masks, whose `ends` and
+        `forced` say which rows ended at text their grammar forces (or completed their output)."""
+        width = rows[0].k
+        neg_k = [-r.k for r in rows]  # ascending
+        active = [bisect_left(neg_k, -j) for j in range(width)]  # rows with k > j: they need draft j
+        sampled = [b for b, r in enumerate(rows) if r.params is not None]
+        out = torch.full((len(rows), width), -1, dtype=torch.long, device=self.device)  # [B, K]; -1: not drafted
+        probs = torch.empty(len(sampled), width, logits.shape[-1]) if sampled else None  # [S, K, V]
+        second = None
+        if self.track_runner_up and logits.shape[-1] > 1:
+            second = torch.zeros_like(out), torch.full(out.shape, float("inf"), device=self.device)
+        # a sampled row never ends by its values: a cut that depends on what the draft drew biases the output
+        masks = GrammarMasks([r.grammar for r in rows], logits.shape[-1],
+                             [r.jump_forward and r.params is None for r in rows])
+        try:
+            for j in range(width):
+                n = active[j]
+                if j and interrupted is not None and interrupted():
+                    raise DraftInterrupted
+                if j:  # feed draft j-1 (0-based) at position len + j - 1
+                    positions = batch.lengths[:n] + (j - 1)  # [n]
+                    tk = batch.max_len[n - 1] + j
+                    logits = self._step(out[:n, j - 1], batch.tables[:n], positions, tk, batch.ragged[n - 1])
+                masks.apply(logits, out, j)
+                if masks.all_ended(n):  # every row still drafting ended (at forced text, or its output)
+                    break
+                self._pick(rows, logits, j, out, probs, second, sampled)
+        finally:
+            masks.rollback()
+        return out, probs, second, masks
+
+    def _pick(self, rows: list[_Row], logits: torch.Tensor, j: int, out: torch.Tensor, probs: torch.Tensor | None,
+              second: tuple[torch.Tensor, torch.Tensor] | None, sampled: list[int]) -> None:
+        """Draft j of the first n = len(logits) rows: the argmax, or a draw for sampling rows."""
+        n = logits.shape[0]
+        out[:n, j] = logits.argmax(dim=-1)  # [n]
+        if second is not None:
+            alt, gap = second
+            alt[:n, j] = logits.scatter(1, out[:n, j, None], float("-inf")).argmax(dim=-1)
+            gap[:n, j] = logits.gather(1, out[:n, j, None])[:, 0] - logits.gather(1, alt[:n, j, None])[:, 0]
+        if sampled:
+            s = bisect_left(sampled, n)  # sampling rows among the first n
+            if s:
+                self._sample(rows, sampled[:s], logits, j, out, probs)
+
+    def _step(
+        self, tokens: torch.Tensor, tables: torch.Tensor, positions: torch.Tensor, tk: int, ragged: bool = True
+    ) -> torch.Tensor:
+        """One token per row at its position: logits [n, V]. tables: [n, nb] the rows' blocks;
+        tk: the longest row's length after this token; ragged: rows differ in length."""
+        if self.lean is not None:
+            return self.lean.step(tokens, tables, positions, tk, ragged)
+        ones = torch.ones_like(positions)
+        batch = StepBatch(ones, positions, ones, block_table=tables, block_size=self.runner.block_size)
+        return self.runner.model(tokens[:, None], self.runner.cache, batch, logits="last")  # [n, V]
+
+    def _sample(
+        self, rows: list[_Row], idx: list[int], logits: torch.Tensor, j: int, out: torch.Tensor, probs: torch.Tensor
+    ) -> None:
+        """Draws draft j for the sampling rows `idx` from their processed q; stores q."""
+        q = self.sampler.probs(logits[idx].float().cpu(), [rows[b].params for b in idx])  # [s, V]
+        drawn = random_sample(q[:, None], [None] * len(idx)).squeeze(1)  # [s]
+        # A seeded row drafts with the target's keyed noise for that position: wherever q and
+        # the target's p agree on the sample, the draft is exactly the token the target keeps.
+        seeded = [i for i, b in enumerate(idx) if rows[b].params.seed is not None]
+        if seeded:
+            keys = [(rows[idx[i]].params.seed, len(rows[idx[i]].tokens) + j) for i in seeded]
+            drawn[seeded] = keyed_sample(q[seeded], keys)
+        out[idx, j] = drawn.to(out.device)
+        probs[: len(idx), j] = q
+
+    def _reserve(self, seq_id: str, start: int, tokens: list[int], k: int, busy: set[str] | None) -> bool:
+        """Blocks for the row's tail and the k - 1 drafts it feeds, evicting sequences outside
+        `busy` as needed (None: never evict, e.g. for a guessed history)."""
+        while True:
+            try:
+                self.runner.prepare(seq_id, start, tokens[start:], reserve=k - 1)
+                return True
+            except OutOfBlocks:
+                if busy is None or not self._evict(busy):
+                    return False
+
+    def _make_room(self, busy: set[str]) -> bool:
+        """Room for one more sequence: evicts the least recently used one outside this batch if full."""
+        return bool(self.runner.num_free_slots) or self._evict(busy)
+
+    def _evict(self, busy: set[str]) -> bool:
+        idle = [(s.last_used, sid) for sid, s in self._seqs.items() if sid not in busy]
+        if not idle:
+            return False
+        self.on_finished(min(idle)[1])
+        self.num_evictions += 1
+        return True
+
+
+def _common_prefix(cached: list[int], tokens: list[int], hint: int) -> int:
+    """Length of the common prefix. `hint` (the last request's length) is checked in one
+    C-level comparison; only the few tokens after it are compared one by one."""
+    limit = min(len(cached), len(tokens))
+    n = min(hint, limit)
+    if cached[:n] != tokens[:n]:
+        n = 0  # a rewritten history: compare from the start
+    while n < limit and cached[n] == tokens[n]:
+        n += 1
+    return n
