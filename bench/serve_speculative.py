@@ -2,14 +2,15 @@
 process), side by side in one run: no speculation, the draft in the engine's process, and the
 draft as its own deployment (its worker on a CPU of its own).
 
-    python -m bench.serve_speculative [--chats 6] [--rounds 3] [--max-tokens 128] [--no-pin]
+    python -m bench.serve_speculative [--chats 6] [--rounds 9] [--max-tokens 128] [--no-pin]
 
 The three configurations are three Serve applications on one Ray (deployments/serve_config.yaml
 with `speculative` overridden), each under its own route prefix. Every round streams each prompt
 set's chats one after another (batch 1, greedy, each reply up to its end of turn) to every
 application, in a rotating order (bench/timing.py); tokens/s is completion tokens over wall time,
-ratios the median of per-round ratios against no speculation. Every configuration must write the
-same text. Writes bench/reports/serve_speculative.{json,md}.
+every ratio the median of per-round ratios with its bootstrap interval over the rounds
+(bench.timing.paired). Every configuration must write the same text. Writes
+bench/reports/serve_speculative.{json,md}.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import httpx
 
 from bench.report import environment, markdown_table, write
 from bench.serve_latency import stream_completion
-from bench.timing import interleaved, paired_ratio, summarize
+from bench.timing import LEVEL, format_ratio, interleaved, paired, summarize
 
 NONE = "no speculation"
 DEPLOYMENT_VS_IN_PROCESS = "draft deployment / draft in-process"
@@ -38,9 +39,9 @@ def start(http_port: int, max_num_seqs: int, draft_cpus: list[int] | None) -> di
     import ray
     from ray import serve
 
+    from bench.serve_app import wait_healthy
     from deployments.app import build
     from deployments.config import AppConfig
-    from tests.serve_app import wait_healthy
 
     ray.init(num_cpus=16, include_dashboard=False, log_to_driver=False)  # logical CPUs: three apps' replicas
     serve.start(http_options={"host": "127.0.0.1", "port": http_port})
@@ -75,7 +76,7 @@ def chats_case(base: str, model: str, prompts: list[list[int]], max_tokens: int,
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--chats", type=int, default=6, help="chats per prompt set")
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=9, help="interleaved rounds: the interval is over them")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--http-port", type=int, default=8124)
     ap.add_argument("--no-pin", dest="pin", action="store_false",
@@ -83,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
-    from bench.prompts import formulaic, free_form
+    from demo.prompts import formulaic, free_form
     from moeserve.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer("checkpoints/demo-moe")
@@ -102,12 +103,12 @@ def main(argv: list[str] | None = None) -> int:
             first = texts[NONE][0]
             result["sets"][set_name] = {
                 "summary": summary,
-                DEPLOYMENT_VS_IN_PROCESS: paired_ratio(runs, "draft deployment", "draft in-process"),
+                DEPLOYMENT_VS_IN_PROCESS: paired(runs, "draft deployment", "draft in-process"),
                 "tokens_per_s": {name: [r.tokens_per_s for r in rs] for name, rs in runs.items()},
                 "same_text": all(out == first for outs in texts.values() for out in outs),
             }
-            print(set_name, {n: round(s.get("median_ratio", 1.0), 3) for n, s in summary.items()},
-                  DEPLOYMENT_VS_IN_PROCESS, round(result["sets"][set_name][DEPLOYMENT_VS_IN_PROCESS], 3))
+            print(set_name, {n: str(s["ratio"]) for n, s in summary.items() if n != NONE},
+                  DEPLOYMENT_VS_IN_PROCESS, result["sets"][set_name][DEPLOYMENT_VS_IN_PROCESS])
     finally:
         from ray import serve
 
@@ -123,14 +124,15 @@ def markdown(r: dict, args) -> str:
              f"`python -m bench.serve_speculative`: three Serve applications on one Ray (no speculation, the draft in "
              f"the engine's process, the draft deployment{' with its worker on CPU ' + str(r['draft_cpus'][0]) if r['draft_cpus'] else ''}), "
              f"{args.chats} chats per set streamed one after another over HTTP (batch 1, greedy, up to "
-             f"{args.max_tokens} tokens each, to the end of turn), {args.rounds} interleaved rounds; ratios are "
-             f"medians of per-round ratios against no speculation. Load average at start "
+             f"{args.max_tokens} tokens each, to the end of turn), {args.rounds} interleaved rounds; every ratio is "
+             f"the median of per-round ratios [its {LEVEL:.0%} bootstrap interval over the rounds]. Load average at start "
              f"{r['environment']['load_average_at_start'][0]:.1f} on {os.cpu_count()} CPUs.", ""]
     for set_name, s in r["sets"].items():
-        rows = [[name, row["median_tokens_per_s"], row.get("median_ratio", 1.0)] for name, row in s["summary"].items()]
+        rows = [[name, row["median_tokens_per_s"], row.get("ratio", "1.00x (baseline)")]
+                for name, row in s["summary"].items()]
         lines += [f"## {set_name}", "", markdown_table(["configuration", "tokens/s (median)", "vs no speculation"], rows),
-                  "", f"Draft deployment / draft in-process, median of per-round ratios: "
-                  f"**{s[DEPLOYMENT_VS_IN_PROCESS]:.2f}x**. Every configuration wrote the same text: "
+                  "", f"Draft deployment / draft in-process, median of per-round ratios [interval]: "
+                  f"**{format_ratio(s[DEPLOYMENT_VS_IN_PROCESS])}**. Every configuration wrote the same text: "
                   f"{'yes' if s['same_text'] else '**no**'}.", ""]
     return "\n".join(lines)
 

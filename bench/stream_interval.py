@@ -2,12 +2,15 @@
 
 Every chunk crosses two Serve hops (engine -> gateway -> proxy) before it becomes an SSE
 event. This runs the shipped app (one gateway, one engine replica, gRPC off) under each
-setting in turn, redeploying in place, in alternating rounds: per round one warm-up wave
-and `--waves` measured waves of `--streams` concurrent greedy streams (`--new-tokens` each,
-EOS ignored). Reports tokens/s (median over waves), client-side TTFT and inter-token latency,
-and SSE events per request; writes bench/reports/stream_interval.{json,md}.
+setting in turn, redeploying in place, in rounds whose order rotates (as bench/timing.py
+does): per round one warm-up wave and `--waves` measured waves of `--streams` concurrent
+greedy streams (`--new-tokens` each, EOS ignored). Reports tokens/s (median over waves), the
+ratio to the first setting (the median of per-round ratios, each round's tokens/s the median
+of its waves, with the bootstrap interval over the rounds: bench.timing.ratio_over_rounds),
+client-side TTFT and inter-token latency, and SSE events per request; writes
+bench/reports/stream_interval.{json,md}.
 
-    python -m bench.stream_interval [--rounds 3] [--waves 2] [--streams 32]
+    python -m bench.stream_interval [--rounds 7] [--waves 2] [--streams 32]
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ from tqdm import tqdm  # noqa: E402
 
 from bench import report  # noqa: E402
 from bench.load_test import SERVE_CONFIG, Rec, free_port, pct, send, start_server, stop_server  # noqa: E402
-from bench.prompts import formulaic  # noqa: E402
+from bench.timing import LEVEL, Ratio, ratio_over_rounds  # noqa: E402
+from demo.prompts import formulaic  # noqa: E402
 
 # name -> (engine.stream_interval_s, engine.stream_interval_max_s)
 SETTINGS = {
@@ -91,15 +95,27 @@ def summary(waves: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def per_round(waves: list[dict[str, Any]], rounds: int) -> list[float]:
+    """Each round's tokens/s: the median over that round's waves."""
+    return [statistics.median(w["tokens_per_s"] for w in waves if w["round"] == r) for r in range(rounds)]
+
+
+def ratios_to_first(rates: dict[str, list[float]]) -> dict[str, Ratio]:
+    """Every setting after the first against the first, round by round."""
+    first = next(iter(rates))
+    return {name: ratio_over_rounds(r, rates[first]) for name, r in rates.items() if name != first}
+
+
 def markdown(data: dict[str, Any]) -> str:
-    s, rows = data["setup"], data["results"]
-    base = rows[next(iter(rows))]["tokens_per_s"]
+    s, rows, ratios = data["setup"], data["results"], data["ratios_to_first"]
     out = [
         "# Stream interval: chunks per stream through the server", "",
         f"Shipped app, one gateway + one engine replica, local Ray ({s['num_cpus']} logical CPUs) on "
-        f"{data['environment'].get('cpu_count', '?')} cores. {s['rounds']} alternating rounds x {s['waves']} waves "
-        f"of {s['streams']} concurrent greedy streams ({s['new_tokens']} tokens, EOS ignored) per setting; "
-        "tokens/s is the median over waves; TTFT and ITL are per request, measured by the client.", "",
+        f"{data['environment'].get('cpu_count', '?')} cores. {s['rounds']} rounds (the settings' order rotating) "
+        f"x {s['waves']} waves of {s['streams']} concurrent greedy streams ({s['new_tokens']} tokens, EOS ignored) "
+        "per setting; tokens/s is the median over waves; vs first row is the median of per-round ratios (each "
+        f"round's tokens/s the median of its waves) [its {LEVEL:.0%} bootstrap interval over the rounds]; TTFT "
+        "and ITL are per request, measured by the client.", "",
         "| setting (engine.stream_interval_s -> _max_s) | tokens/s | vs first row | TTFT p50 / p99 ms "
         "| ITL p50 / p99 ms | SSE events per request | ok |",
         "|---|---|---|---|---|---|---|",
@@ -107,7 +123,7 @@ def markdown(data: dict[str, Any]) -> str:
     for name, r in rows.items():
         lo, hi = SETTINGS[name]
         out.append(f"| {name} ({lo * 1000:.0f} -> {hi * 1000:.0f} ms) | {r['tokens_per_s']:.0f} | "
-                   f"{r['tokens_per_s'] / base:.2f}x | {r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f} | "
+                   f"{ratios.get(name, 'baseline')} | {r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f} | "
                    f"{r['itl_p50_ms']:.1f} / {r['itl_p99_ms']:.1f} | {r['events_per_request']:.1f} | "
                    f"{r['ok']}/{r['streams']} |")
     out += ["", "The interval only delays chunks after a stream's first token, so TTFT is not traded away; "
@@ -118,7 +134,7 @@ def markdown(data: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.stream_interval", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=7, help="rounds: the ratios' interval is over them")
     ap.add_argument("--waves", type=int, default=2)
     ap.add_argument("--streams", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=64)
@@ -139,21 +155,27 @@ def main(argv: list[str] | None = None) -> int:
     try:
         start_server(first, args.num_cpus, port)
         with tqdm(total=args.rounds * len(SETTINGS), desc="rounds x settings") as bar:
-            for _ in range(args.rounds):
-                for name, interval in SETTINGS.items():
-                    cfg = app_config(interval)
+            names = list(SETTINGS)
+            for rnd in range(args.rounds):
+                shift = rnd % len(names)  # rotating, so that no setting always runs first after a redeploy
+                for name in names[shift:] + names[:shift]:
+                    cfg = app_config(SETTINGS[name])
                     deploy(cfg)
                     asyncio.run(wave(base, cfg.model.name, prompts, args.new_tokens))  # warm-up
                     for _ in range(args.waves):
-                        measured[name].append(asyncio.run(wave(base, cfg.model.name, prompts, args.new_tokens)))
+                        w = asyncio.run(wave(base, cfg.model.name, prompts, args.new_tokens))
+                        measured[name].append(w | {"round": rnd})
                     bar.update()
     finally:
         stop_server()
+    rates = {name: per_round(waves, args.rounds) for name, waves in measured.items()}
     data = {
         "bench": "stream_interval",
         "setup": vars(args) | {"settings": SETTINGS, "serve_config": "deployments/serve_config.yaml"},
         "environment": env,
         "results": {name: summary(waves) for name, waves in measured.items()},
+        "tokens_per_s_per_round": rates,
+        "ratios_to_first": ratios_to_first(rates),
         "waves": {name: [{k: v for k, v in w.items() if k not in ("ttft", "itl", "events")} for w in waves]
                   for name, waves in measured.items()},
     }

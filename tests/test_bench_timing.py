@@ -89,3 +89,17 @@ def test_summarize_reports_the_ratio_against_the_baseline_only():
     assert 0.9 <= lo <= 1.0 <= hi <= 1.1
     assert (summary["a"]["ratio"].low, summary["a"]["ratio"].high) == (lo, hi)
     assert "ratio" not in summary["b"] and "ratio_interval" not in summary["b"]
+
+
+def test_stream_interval_pairs_each_setting_with_the_first_round_by_round():
+    from bench.stream_interval import per_round, ratios_to_first
+
+    # round 1 is slow for every setting (a busy machine): pairing within rounds cancels it out
+    base = [{"round": r, "tokens_per_s": v} for r, v in ((0, 100.0), (0, 110.0), (1, 50.0), (1, 50.0), (2, 90.0))]
+    other = [w | {"tokens_per_s": 1.2 * w["tokens_per_s"]} for w in base]
+    rates = {"first": per_round(base, 3), "other": per_round(other, 3)}
+    assert rates["first"] == pytest.approx([105.0, 50.0, 90.0])
+    ratios = ratios_to_first(rates)
+    assert list(ratios) == ["other"]
+    assert (ratios["other"].median, ratios["other"].low, ratios["other"].high) == pytest.approx((1.2, 1.2, 1.2))
+    assert ratios["other"].rounds == 3
