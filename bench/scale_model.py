@@ -326,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
         calibrate_cpu()
         return 0
     if args.report:
-        from bench.scale_checks import write_report
+        from bench.scale_report import write_report
 
         write_report()
         return 0

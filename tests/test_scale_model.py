@@ -131,7 +131,8 @@ def test_attention_scores_run_at_the_cache_precision():
 
 
 def test_the_fitted_point_is_shown_but_never_counted():
-    from bench.scale_checks import Check, checks, verdict
+    from bench.scale_checks import Check, checks
+    from bench.scale_report import verdict
 
     rows = checks()
     fitted = [c for c in rows if c.fitted]
@@ -144,7 +145,8 @@ def test_the_fitted_point_is_shown_but_never_counted():
 
 
 def test_a_check_beyond_the_tolerance_is_a_miss():
-    from bench.scale_checks import TOLERANCE, Check, verdict
+    from bench.scale_checks import TOLERANCE, Check
+    from bench.scale_report import verdict
 
     assert Check("a", 1 + TOLERANCE - 0.01, 1.0, "s").verdict == f"within {TOLERANCE:.0%}"
     assert Check("a", 1 - TOLERANCE + 0.01, 1.0, "s").verdict == f"within {TOLERANCE:.0%}"
@@ -171,7 +173,8 @@ def test_each_served_check_runs_its_sources_setup():
 def test_the_docs_and_the_readme_say_what_the_checks_say():
     """docs/scaling.md holds the table the generator makes from the committed reports, and the
     README's paragraph quotes every counted CPU and served error and DeepEP's worst."""
-    from bench.scale_checks import checks, checks_table, verdict
+    from bench.scale_checks import checks
+    from bench.scale_report import checks_table, verdict
 
     root = Path(__file__).resolve().parent.parent
     rows = checks()
