@@ -78,7 +78,6 @@ class LLMEngine:
         self.eos_ids = set(runner.model.config.eos_token_id) | ({eos} if eos is not None else set())
         self._seqs: dict[str, Sequence] = {}
         self._ids = itertools.count()
-        self._resume_forced: dict[str, int] = {}  # requests resumed inside forced text: the next token
 
     # ---- requests ----------------------------------------------------------------------------
     def add_request(
@@ -109,12 +108,7 @@ class LLMEngine:
             raise ValueError("nothing left to generate after the resumed output")
         seq = Sequence(request_id, prompt_ids, params, arrival=time.monotonic(), output_ids=resume_ids)
         if grammar is not None:
-            seq.grammar = self.structured.new_request(grammar)
-            if seq.grammar.accept(resume_ids) != len(resume_ids):
-                raise ValueError("the resumed output does not match the grammar")
-            forced = seq.grammar.matcher.forced_tokens() if resume_ids and self.structured.cfg.jump_forward else []
-            if forced:  # the earlier attempt stopped inside text the grammar forces (`_force_resumed`)
-                self._resume_forced[request_id] = forced[0]
+            seq.grammar = self.structured.new_request(grammar, resume_ids)
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
         return request_id
@@ -197,22 +191,11 @@ class LLMEngine:
             s.num_cached = s.num_tokens
         if self.structured.fill_last(seqs):
             self.structured.apply(logits)
-            self._force_resumed(seqs, logits)
         tokens = self.sampler.sample(logits, [s.params for s in seqs], positions=[s.num_tokens for s in seqs])
         chosen = [[t] for t in tokens.tolist()]
         self._record_logprobs(seqs, logits.unsqueeze(1), chosen)
         self._record_trace(seqs, chosen, [-1] * len(seqs))  # chosen at each row's last fed token
         return chosen
-
-    def _force_resumed(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
-        """Rows of requests resumed inside text the grammar forces (a cut within one step's output)
-        allow only its first token; `advance` forces the rest after it. The step that emitted that
-        text appended it unsampled (jump-forward); sampled under the grammar's mask instead, it
-        could be split into other tokens, shifting every later position, the key of its draw."""
-        for i, s in enumerate(seqs):
-            token = self._resume_forced.get(s.seq_id)
-            if token is not None:
-                logits[i].masked_fill_(torch.arange(logits.shape[-1], device=logits.device) != token, float("-inf"))
 
     def _record_logprobs(self, seqs: list[Sequence], logits: torch.Tensor, tokens: list[list[int]]) -> None:
         """For requests that asked: each chosen token's logprob, from the (masked) logits
@@ -356,7 +339,6 @@ class LLMEngine:
         return added, None
 
     def _postprocess(self, seq: Sequence, tokens: list[int]) -> RequestOutput:
-        self._resume_forced.pop(seq.seq_id, None)
         added, reason = self._append(seq, tokens)
         logprobs = self._logprobs.pop(seq.seq_id, None)
         trace = self._trace.pop(seq.seq_id, None)
@@ -389,7 +371,6 @@ class LLMEngine:
         self.scheduler.finish(seq, reason)
         self._release(seq)
         self._seqs.pop(seq.seq_id, None)
-        self._resume_forced.pop(seq.seq_id, None)
 
     def _release(self, seq: Sequence) -> None:
         """Free what a sequence holds outside the scheduler: its KV slot and proposer state."""

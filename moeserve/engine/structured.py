@@ -78,6 +78,7 @@ class RequestGrammar:
 
     matcher: GrammarMatcher
     closing: ClosingPolicy
+    next_forced: int | None = None  # resumed inside forced text: the token the next draw must be
 
     def accept(self, tokens: Seq[int]) -> int:
         n = self.matcher.accept_tokens(tokens)
@@ -116,8 +117,16 @@ class StructuredOutput:
         self.pinned_bonus: list[bool] = []  # per row of the last cut_and_fill
 
     # ---- per request -------------------------------------------------------------------------
-    def new_request(self, compiled: CompiledGrammar) -> RequestGrammar:
-        """Fresh per-request state for `compiled` (from the process's GrammarCompiler)."""
+    def new_request(self, compiled: CompiledGrammar, resume_ids: Seq[int] = ()) -> RequestGrammar:
+        """Fresh per-request state for `compiled` (from the process's GrammarCompiler), advanced
+        past `resume_ids`, output an earlier attempt already delivered (ValueError if the grammar
+        refuses it).
+
+        An earlier attempt may have stopped inside text the grammar forces (a cut within one
+        step's output). That step appended the text unsampled (jump-forward); sampled under the
+        grammar's mask instead, it could be split into other tokens, shifting every later
+        position, the key of a seeded draw. So the next draw is pinned to the first forced token
+        (`next_forced`), and `advance` forces the rest after it."""
         if compiled.vocab_size != self.vocab_size:
             raise ValueError(f"grammar was compiled for {compiled.vocab_size} tokens; the model has {self.vocab_size}")
         if self._tables is None:  # a Python pass over the vocabulary, once per engine
@@ -127,7 +136,12 @@ class StructuredOutput:
             for t in compiled.stop_token_ids:
                 self._stop_row[t // 32] |= _bit(t % 32)
         closing = ClosingPolicy(self._tables, json=compiled.spec.kind in ("json_object", "json_schema"))
-        return RequestGrammar(GrammarMatcher(compiled), closing)
+        state = RequestGrammar(GrammarMatcher(compiled), closing)
+        if state.accept(resume_ids) != len(resume_ids):
+            raise ValueError("the resumed output does not match the grammar")
+        forced = state.matcher.forced_tokens() if resume_ids and self.cfg.jump_forward else []
+        state.next_forced = forced[0] if forced else None
+        return state
 
     # ---- 1. bitmask rows ---------------------------------------------------------------------
     def fill_last(self, seqs: Seq[Sequence]) -> bool:
@@ -232,6 +246,8 @@ class StructuredOutput:
                     self._pin(row + len(draft), pins[b])
             else:
                 matcher.fill_bitmask(self._bitmask, row)
+                if state.next_forced is not None:
+                    self._pin(row, state.next_forced)
             left = seq.params.max_tokens - len(seq.output_ids)
             margin = self.cfg.margin(seq.params.max_tokens)
             for j in range(len(draft) + 1):
@@ -260,6 +276,7 @@ class StructuredOutput:
         """Accept the emitted tokens; say whether the grammar is done; find forced tokens."""
         state: RequestGrammar = seq.grammar
         matcher = state.matcher
+        state.next_forced = None
         accepted = state.accept(tokens)
         if accepted < len(tokens):
             logger.error("request %s: the grammar refused sampled token %d", seq.seq_id, tokens[accepted])
