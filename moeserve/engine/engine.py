@@ -256,7 +256,7 @@ class LLMEngine:
         accepted = out.num_accepted.tolist()
         forced = [p.forced for p in self._last_proposals]
         # a bonus the budget pinned to forced text (cut_and_fill) is forced text, emitted when all drafts were accepted
-        bonus = [pin and a == len(p) for pin, a, p in zip(self.structured.pinned_bonus, accepted, proposals)]
+        bonus = [p.bonus is not None and a == p.num_tokens for p, a in zip(self._last_proposals, accepted)]
         self._record_trace(seqs, out.token_ids, [n - 1 for n in fed], accepted,
                            [f + (len(p),) if b else f for f, p, b in zip(forced, proposals, bonus)])
         self.structured.num_forced_tokens += sum(bonus)

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -114,7 +114,6 @@ class StructuredOutput:
         self._tables: ClosingTables | None = None  # per vocabulary, built on first use
         self._stop_row: torch.Tensor | None = None  # [W] only the stop tokens allowed
         self.num_forced_tokens = 0
-        self.pinned_bonus: list[bool] = []  # per row of the last cut_and_fill
 
     # ---- per request -------------------------------------------------------------------------
     def new_request(self, compiled: CompiledGrammar, resume_ids: Seq[int] = ()) -> RequestGrammar:
@@ -166,19 +165,16 @@ class StructuredOutput:
         sampled proposal is never cut by its own value at a position (only a refusal ends it; the
         budget cuts by position, `_cut_at_budget`)."""
         walked = list(proposals)
-        pins: list[int | None] = [None] * len(walked)
         for b, seq in enumerate(seqs):
             if seq.grammar is not None and walked[b].token_ids:
-                walked[b], pins[b] = self._walk(seq.grammar.matcher, walked[b], None if limits is None else limits[b])
-        self._fill(seqs, walked, pins)
-        self.pinned_bonus = [pin is not None for pin in pins]  # the bonus there is forced text, not chosen
+                walked[b] = self._walk(seq.grammar.matcher, walked[b], None if limits is None else limits[b])
+        self._fill(seqs, walked)
         return walked
 
-    def _walk(self, matcher: GrammarMatcher, proposal: Proposal, limit: int | None) -> tuple[Proposal, int | None]:
-        """The proposal as verification sees it (cut_and_fill), and the token its bonus position
-        must be (forced text the budget cut off; None: the target samples it); the matcher is
-        left unchanged. Each token is checked against the filled mask first: xgrammar logs a
-        warning for every refused token."""
+    def _walk(self, matcher: GrammarMatcher, proposal: Proposal, limit: int | None) -> Proposal:
+        """The proposal as verification sees it (cut_and_fill; `bonus` set where the budget cut
+        forced text off); the matcher is left unchanged. Each token is checked against the filled
+        mask first: xgrammar logs a warning for every refused token."""
         draft, probs = proposal.token_ids, proposal.probs
         row = self._bitmask[-1:]  # [1, W] scratch, filled again by _fill afterwards
         tokens: list[int] = []
@@ -208,10 +204,10 @@ class StructuredOutput:
             i += n
         matcher.rollback(stepped)
         keep = _cut_at_budget(source, limit)
-        pin = tokens[keep] if keep < len(tokens) and source[keep] < 0 else None
+        bonus = tokens[keep] if keep < len(tokens) and source[keep] < 0 else None
         tokens, source = tokens[:keep], source[:keep]
         if source == list(range(len(draft))):
-            return proposal, pin  # as proposed
+            return proposal if bonus is None else replace(proposal, bonus=bonus)  # as proposed
         q = None
         if probs is not None:
             q = torch.zeros(len(tokens), probs.shape[-1], dtype=probs.dtype, device=probs.device)  # [k', V]
@@ -220,9 +216,9 @@ class StructuredOutput:
                     q[j, t] = 1.0
                 else:
                     q[j] = probs[src]
-        return Proposal(tokens, q, proposal.predrafted, tuple(j for j, src in enumerate(source) if src < 0)), pin
+        return Proposal(tokens, q, proposal.predrafted, tuple(j for j, src in enumerate(source) if src < 0), bonus)
 
-    def _fill(self, seqs: Seq[Sequence], proposals: list[Proposal] | None, pins: Seq[int | None] = ()) -> bool:
+    def _fill(self, seqs: Seq[Sequence], proposals: list[Proposal] | None) -> bool:
         self._rows, self._close = [], []
         if all(s.grammar is None for s in seqs):
             return False
@@ -242,8 +238,8 @@ class StructuredOutput:
                 accepted = matcher.fill_bitmasks_for_draft(draft, self._bitmask, row)
                 for j in proposals[b].forced:  # forced text: only its own token
                     self._pin(row + j, draft[j])
-                if pins and pins[b] is not None:  # the budget cut forced text: the bonus is its next token
-                    self._pin(row + len(draft), pins[b])
+                if proposals[b].bonus is not None:  # the budget cut forced text: the bonus is its next token
+                    self._pin(row + len(draft), proposals[b].bonus)
             else:
                 matcher.fill_bitmask(self._bitmask, row)
                 if state.next_forced is not None:

@@ -83,12 +83,15 @@ class Proposal:
     forced: the positions of tokens a grammar forces there (jump-forward text inside the proposal,
         set by the engine): the target's mask allows only that token at each, so it is accepted
         whenever the tokens before it are, as decoding without drafts appends it unsampled.
+    bonus: the token the bonus position (after the last proposed token) must be, when the token
+        budget cut forced text off there (set by the engine); None: the target samples it.
     """
 
     token_ids: list[int]
     probs: Tensor | None = None  # [k, V]
     predrafted: bool = False
     forced: tuple[int, ...] = ()
+    bonus: int | None = None
 
     def __post_init__(self) -> None:
         if self.probs is not None and (self.probs.dim() != 2 or self.probs.shape[0] != len(self.token_ids)):

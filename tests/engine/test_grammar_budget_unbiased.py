@@ -20,6 +20,7 @@ drawn from the target instead of the residual).
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 import torch
@@ -195,7 +196,7 @@ def test_control_the_old_budget_rule_is_rejected(setup, monkeypatch):
 
 def test_control_an_unpinned_bonus_is_rejected(setup, monkeypatch):
     walk = StructuredOutput._walk
-    monkeypatch.setattr(StructuredOutput, "_walk", lambda self, *args: (walk(self, *args)[0], None))
+    monkeypatch.setattr(StructuredOutput, "_walk", lambda self, *args: replace(walk(self, *args), bonus=None))
     got = pvalues(setup, sample_outputs(setup, n=PER_BUDGET // 8)[0])
     assert got[3] == 0.0, got  # `X t`: the target's own split of forced text, which plain decoding never emits
 
