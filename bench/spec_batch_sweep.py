@@ -130,9 +130,9 @@ def main(argv: list[str] | None = None) -> int:
                 cases[AGAIN] = case(ps, batch, None, grammar)
                 summary = summarize(interleaved(cases, args.rounds, desc=f"{name} batch {batch}"), NONE)
                 rows.append({"prompts": name, "batch": batch, "prompts per run": len(ps),
-                             **{c: summary[c]["median_ratio"] for c in cases if c != NONE},
+                             **{c: summary[c]["ratio"].median for c in cases if c != NONE},
                              "tokens/s, no speculation": summary[NONE]["median_tokens_per_s"],
-                             "intervals": {c: summary[c]["ratio_interval"] for c in cases if c != NONE}})
+                             "intervals": {c: (summary[c]["ratio"].low, summary[c]["ratio"].high) for c in cases if c != NONE}})
                 print({key: round(v, 3) if isinstance(v, float) else v for key, v in rows[-1].items() if key != "intervals"})
     finally:
         if worker is not None:

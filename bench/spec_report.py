@@ -179,7 +179,7 @@ def render(results: dict[str, Any], args: argparse.Namespace, env: dict, name: s
               for label, res in [*[(f"batch 1, {k}", v) for k, v in results["compare"].items()],
                                  (f"batch {args.batch}, formulaic", results["batched"])]
               for name, row in res["summary"].items()
-              if row.get("median_ratio", 1.0) < 1.0 and not name.startswith("transformers")]
+              if "ratio" in row and row["ratio"].median < 1.0 and not name.startswith("transformers")]
     md += ["## Where speculation does not pay here (slower than no speculation)", "", *(losers or ["- nowhere"]), ""]
     figures = {"sweep": _sweep_figure(results["sweep"], args), "tpp": _tpp_figure(results["sweep"], args)}
     md.append(f"Goal: >= 2.5x over no speculation on formulaic prompts (draft in-process, k={k}): measured "

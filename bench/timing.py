@@ -117,27 +117,13 @@ def paired(runs: dict[str, list[Run]], a: str, b: str, level: float = LEVEL) -> 
 
 def summarize(runs: dict[str, list[Run]], baseline: str | None = None) -> dict[str, dict]:
     """Median tokens/s per case (with min and max) and, against `baseline`, the `Ratio` of the
-    case to it ("ratio"; its median and interval also as "median_ratio" and "ratio_interval")."""
+    case to it ("ratio")."""
     out = {}
     for name, rs in runs.items():
         tps = [r.tokens_per_s for r in rs]
         row = {"tokens": rs[0].tokens, "median_tokens_per_s": statistics.median(tps), "min_tokens_per_s": min(tps),
                "max_tokens_per_s": max(tps), "runs": len(rs)}
         if baseline is not None and name != baseline:
-            ratio = paired(runs, name, baseline)
-            row |= {"ratio": ratio, "median_ratio": ratio.median, "ratio_interval": (ratio.low, ratio.high)}
+            row["ratio"] = paired(runs, name, baseline)
         out[name] = row
     return out
-
-
-def ratio_interval(runs: dict[str, list[Run]], a: str, b: str, level: float = LEVEL, resamples: int = 2000,
-                   seed: int = 0) -> tuple[float, float]:
-    """The bootstrap interval of `paired(runs, a, b)` alone."""
-    r = ratio_over_rounds([x.tokens_per_s for x in runs[a]], [y.tokens_per_s for y in runs[b]], level, resamples,
-                          seed)
-    return r.low, r.high
-
-
-def paired_ratio(runs: dict[str, list[Run]], a: str, b: str) -> float:
-    """The median over rounds of tokens/s(a) / tokens/s(b) alone."""
-    return paired(runs, a, b).median
