@@ -9,14 +9,14 @@ keys, flags or values, not figures, and sizes (MiB, GB) are not figures either: 
 properties of a model or a setting. A block that holds a figure must name where it is
 reproduced: its bench command (`python -m bench.NAME`) or report (`bench/reports/NAME`),
 or, for the demo models' own quality figures, their command (`python -m demo.NAME`) or
-report (`checkpoints/TRAINING.md`). README_CONFIG_VALUES lists the few durations in prose
+report (`checkpoints/TRAINING.md`). CONFIG_VALUES lists the few durations in prose
 that are settings, not measurements. Every bench module, demo module and report the README
 names must exist.
 
 Source rule. Comments and docstrings of the source packages (and the Serve config and k8s
 manifests generated from it) quote no measured speed: no ratio, no sub-second duration, no
 approximate or ranged duration in seconds, no tokens/s figure, no "N% slower/faster".
-COMMENT_CONFIG_VALUES lists the few durations there that are settings.
+CONFIG_VALUES lists the few durations there that are settings.
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ FIGURE = re.compile(
     rf"|(?<![\w.]){_RANGE}\s?(?:ms|us|µs|s|seconds?|minutes?|hours?)\b"  # a duration
 )
 SOURCE = re.compile(r"python -m (?:bench|demo)\.\w+|bench/reports/[\w.-]+|checkpoints/TRAINING\.md")
-# Durations in README prose that are settings, not measurements.
-README_CONFIG_VALUES = (
+# Durations in README prose and in comments that are settings (defaults), not measurements.
+CONFIG_VALUES = (
     "every 25 ms",  # engine.stream_interval_s, its default
     "every 200 ms",  # engine.stream_interval_max_s, its default
 )
@@ -52,11 +52,6 @@ TIMING = re.compile(
     rf"|(?<![\w.]){_NUM}\s?[-–]\s?{_NUM}\s?(?:s|seconds?)\b"  # a ranged one: "4.5-5.5 s"
     rf"|{_NUM}\s?tokens/s\b"  # a rate
     rf"|{_RANGE}\s?%\s(?:slower|faster)"  # "10% slower"
-)
-# Durations in comments that are settings (the defaults they describe), not measurements.
-COMMENT_CONFIG_VALUES = (
-    "every 25 ms",  # engine.stream_interval_s
-    "every 200 ms",  # engine.stream_interval_max_s
 )
 SOURCE_DIRS = ("moeserve", "model_shards", "router_service", "deployments", "k8s")
 
@@ -92,7 +87,7 @@ def blocks(markdown: str) -> list[tuple[int, str]]:
     return out
 
 
-def figures(text: str, allowed: tuple[str, ...] = README_CONFIG_VALUES) -> list[str]:
+def figures(text: str, allowed: tuple[str, ...] = CONFIG_VALUES) -> list[str]:
     """The figures in a block of README text (inline code and allowed phrases left out)."""
     text = " ".join(text.split())
     for phrase in allowed:
@@ -122,9 +117,9 @@ def comments(path: Path) -> list[tuple[int, str]]:
 
 
 def timings(text: str) -> list[str]:
-    """The measured timings a comment quotes (settings in COMMENT_CONFIG_VALUES left out)."""
+    """The measured timings a comment quotes (settings in CONFIG_VALUES left out)."""
     text = " ".join(text.split())
-    for phrase in COMMENT_CONFIG_VALUES:
+    for phrase in CONFIG_VALUES:
         text = text.replace(phrase, " ")
     return [m.group(0).strip() for m in TIMING.finditer(text)]
 
