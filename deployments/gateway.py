@@ -8,7 +8,10 @@ gRPC port lives and dies with the replica (several replicas on one node share th
 through SO_REUSEPORT, which grpcio sets by default).
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
-GET /metrics. Bad input is always a 4xx in OpenAI's error shape, never a 500.
+GET /metrics. A generation route hands its body to the OpenAI adapter (openai_api.py) for a
+ServeRequest, streams that through the serving layer (frontend.py) and returns what
+openai_responses.py makes of the chunks. Bad input is always a 4xx in OpenAI's error shape,
+never a 500 (http_edge.py).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from deployments.metrics import GatewayMetrics
 from deployments.openai_api import ChatCompletionRequest, CompletionRequest, chat_request, completion_request
 from deployments.openai_responses import ResponseBuilder, full_response, sse_events
 from deployments.tools import ToolCalling
+from moeserve.errors import ErrorCode, ServingError
 
 ROUTE_COMPLETIONS = "/v1/completions"
 ROUTE_CHAT = "/v1/chat/completions"
@@ -186,8 +190,7 @@ class Gateway:
                 summary = await actor.summary.remote()
                 placement = await actor.placement.remote(world_size)
             except ray.exceptions.RayActorError as e:  # killed: the next engine report creates it again
-                return JSONResponse({"error": f"router service unavailable: {type(e).__name__}"}, status_code=503,
-                                    headers={"Retry-After": "5"})
+                raise ServingError(ErrorCode.UNAVAILABLE, f"router service unavailable: {type(e).__name__}") from None
         return JSONResponse(summary | {"placement": {"world_size": placement.world_size,
                                                      "rank_experts": placement.rank_experts}})
 
