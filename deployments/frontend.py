@@ -20,6 +20,7 @@ Every failure leaves this layer as a `ServingError` (moeserve/errors.py): bad in
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import time
 import uuid
@@ -288,14 +289,13 @@ async def _merge(streams: list[AsyncIterator[GenerateChunk]]) -> AsyncGenerator[
                 raise first
         yield None
         if len(streams) == 1:
-            chunk = firsts[0]
-            yield 0, chunk
-            while not chunk.finished:
-                chunk = await anext(streams[0])
+            yield 0, firsts[0]
+            async for chunk in streams[0]:  # ends after the finished chunk
                 yield 0, chunk
             return
-        async for item in _interleave(firsts, streams):
-            yield item
+        async with contextlib.aclosing(_interleave(firsts, streams)) as items:  # its tasks stop before the streams close
+            async for item in items:
+                yield item
     finally:
         await asyncio.gather(*(s.aclose() for s in streams), return_exceptions=True)
 
@@ -306,10 +306,8 @@ async def _interleave(firsts: list[GenerateChunk], streams: list[AsyncIterator[G
 
     async def pump(i: int) -> None:
         try:
-            chunk = firsts[i]
-            await queue.put((i, chunk))
-            while not chunk.finished:
-                chunk = await anext(streams[i])
+            await queue.put((i, firsts[i]))
+            async for chunk in streams[i]:
                 await queue.put((i, chunk))
         except BaseException as e:  # noqa: BLE001 - surfaced to the reader below
             await queue.put((i, e))
