@@ -125,18 +125,12 @@ def serve_request(req: pb.GenerateRequest, served_model: str, time_remaining: fl
 
 
 def _grammar(req: pb.GenerateRequest) -> GrammarSpec | None:
-    which = req.WhichOneof("grammar")
-    if which is None:
-        return None
-    if which == "json_schema":
-        return GrammarSpec.json_schema(req.json_schema)
+    which = req.WhichOneof("grammar")  # json_schema, regex and ebnf are named as GrammarSpec's constructors
     if which == "json_object":
         return GrammarSpec.json_object() if req.json_object else None
-    if which == "regex":
-        return GrammarSpec.regex(req.regex)
-    if which == "ebnf":
-        return GrammarSpec.ebnf(req.ebnf)
-    return GrammarSpec.choice(list(req.choice.choices))
+    if which == "choice":
+        return GrammarSpec.choice(list(req.choice.choices))
+    return None if which is None else getattr(GrammarSpec, which)(getattr(req, which))
 
 
 def _response(chunk: GenerateChunk) -> pb.GenerateResponse:
