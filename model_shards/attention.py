@@ -1,4 +1,4 @@
-"""Grouped-query attention with rotary embeddings, optional q/k norm, and the slot KV cache.
+"""Grouped-query attention with rotary embeddings, optional q/k norm, over the paged KV cache.
 
 Shapes: B rows, T (=Tq) query positions, Tk key positions, H query heads, Hkv kv heads,
 Dh head dim, D hidden.
@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model_shards.config import ModelConfig
-from model_shards.kv_cache import KVCache, StepBatch
+from model_shards.kv_cache import PagedKVCache, StepBatch
 from model_shards.layers import RMSNorm, apply_rotary
 
 
@@ -68,7 +68,7 @@ class Attention(nn.Module):
         self,
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
-        cache: KVCache | None = None,
+        cache: PagedKVCache | None = None,
         batch: StepBatch | None = None,
     ) -> torch.Tensor:
         b, t, _ = x.shape

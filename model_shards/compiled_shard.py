@@ -24,8 +24,8 @@ import torch
 from torch import nn
 
 from model_shards.compiled_step import MAX_QUERY, MAX_ROWS, CompiledStep, _paged_indices, paged_attention, pass_inputs
+from model_shards.kv_cache import PagedKVCache
 from model_shards.model import CausalLM
-from model_shards.paged_kv import PagedKVCache
 from router_service.gating import Gates, topk_gate
 
 
@@ -35,7 +35,7 @@ class CompiledShardStep:
 
     def __init__(self, model: CausalLM, cache: PagedKVCache, backend: str = "inductor") -> None:
         self.model, self.cache = model, cache
-        self.step = CompiledStep(model, cache, backend)  # its attention and stacked q/k/v weights
+        self.step = CompiledStep(model, cache, backend, static=False)  # its stacked q/k/v weights
         self.num_calls = 0
         options = {"cpp_wrapper": True} if backend == "inductor" else None
         self._head = torch.compile(self._head_fn, dynamic=True, backend=backend, options=options)

@@ -7,12 +7,8 @@ A decode step of a small MoE is nearly all per-op overhead (dozens of tiny kerne
 layer, each a Python call). `torch.compile` fuses them, but only over code whose control
 flow does not depend on tensor values. This pass is the eager forward rewritten that way:
 
-- KV writes go through index tensors (padding positions write to each slot's scratch column,
-  as the eager cache does); the rows' slots are contiguous (the runner keeps them so), and
-  attention reads a view of them, never a copy; the attention mask comes from positions;
-- or, over the paged cache (model_shards/paged_kv.py), writes go to block * Bs + offset through
-  the rows' block tables (padding to the scratch block) and attention reads one gather of the
-  rows' blocks; the cache tensors are inputs of the graph, so they may grow between calls;
+- KV writes go to block * Bs + offset through the rows' block tables (padding to the scratch
+  block) and attention reads the rows' blocks by index; the mask comes from positions;
 - each token runs through its top-k experts as a gather-multiply-sum that inductor fuses into
   one reduction loading the routed experts' weights by index (no data-dependent shapes), or,
   where that would read more expert weights than there are and they do not fit the caches,
@@ -21,12 +17,12 @@ flow does not depend on tensor values. This pass is the eager forward rewritten 
   single stream is the latency that matters most) and one shape-generic graph for 2..64 rows,
   each for T = 1 (decode) and T = k + 1 (verify);
 - on a GPU (`static`): CUDA graphs (mode "reduce-overhead"), which need fixed shapes, so rows
-  are padded to the next of CAPTURE_SIZES (as vLLM pads to its capture sizes) and the keys read
-  to the next power of two (at least MIN_KEYS); padding rows read and write only the scratch
-  column of the first row's slot. The cache tensors are marked static addresses, so the graphs
-  update them in place. One graph per (rows, T, keys) bucket: the decode ones are captured at
-  start-up, the rest on first use (inductor's on-disk cache makes a restart cheaper). Static
-  graphs need the slot cache (a paged cache's tensors move when it grows).
+  are padded to the next of CAPTURE_SIZES (as vLLM pads to its capture sizes) and the block
+  tables to the next power of two of blocks (at least MIN_KEYS keys), with the scratch block;
+  padding rows hold no tokens and write only the scratch block. The cache is reserved whole at
+  start and never moves, so its tensors are marked static addresses and the graphs update
+  them in place. One graph per (rows, T, blocks) bucket: the decode ones are captured at
+  start-up, the rest on first use (inductor's on-disk cache makes a restart cheaper).
 
 Prefill (long, ragged prompts) and capacity limits other than "none" keep the eager path
 (`CompiledStep.accepts`); expert-parallel ranks compile between their collectives
@@ -44,9 +40,8 @@ import torch.fx.experimental._config
 import torch.nn.functional as F
 
 from model_shards.dispatch import LocalDispatch
-from model_shards.kv_cache import KVCache
+from model_shards.kv_cache import PagedKVCache
 from model_shards.model import CausalLM
-from model_shards.paged_kv import PagedKVCache
 from router_service.gating import Gates, topk_gate
 
 logger = logging.getLogger(__name__)
@@ -56,33 +51,31 @@ MAX_ROWS = 64  # larger batches: eager
 # demo MoE, 3 MiB); larger ones (Mixtral-8x7B: 2.8 GB a layer) only while N * K <= E.
 ROUTED_MAX_EXPERT_BYTES = 16 << 20
 MAX_QUERY = 16  # decode (1) and verify (k + 1 <= 17) positions
-CAPTURE_SIZES = (1, 2, 4, 8, 16, 32, 64)  # static graphs: rows padded to the next of these
-MIN_KEYS = 128  # static graphs: keys read, padded to a power of two from here
+CAPTURE_SIZES = (1, 2, 4, 8, 16, 32, MAX_ROWS)  # static graphs: rows padded to the next of these
+MIN_KEYS = 128  # static graphs: keys read (blocks x Bs), padded to a power of two of blocks from here
 
 
 class CompiledStep:
     """`model`'s forward over `cache` for decode/verify batches, compiled once per variant.
 
-    `warm_up` writes into the first slots: call it before any sequence holds one. `backend`:
-    torch.compile's ("inductor": C++ kernels on CPU, Triton on GPU; "eager": traced, not compiled).
-    `static`: fixed-shape graphs over padded buckets (default: when the cache is on a GPU, where
-    inductor then captures CUDA graphs)."""
+    `warm_up` writes only to the scratch block. `backend`: torch.compile's ("inductor": C++
+    kernels on CPU, Triton on GPU; "eager": traced, not compiled). `static`: fixed-shape graphs
+    over padded buckets (default: when the cache is on a GPU, where inductor then captures CUDA
+    graphs)."""
 
-    def __init__(self, model: CausalLM, cache: KVCache | PagedKVCache, backend: str = "inductor",
+    def __init__(self, model: CausalLM, cache: PagedKVCache, backend: str = "inductor",
                  static: bool | None = None) -> None:
         self.model, self.cache = model, cache
-        self.paged = isinstance(cache, PagedKVCache)
         self.num_calls = 0
-        self._qkv: list | None = None  # per layer: q, k and v weights stacked (CPU graphs)
         # no "duck sizing": a batch that happens to equal a model dimension must not become a guard
         # (one context object, made once: making one per call would add to every step)
         self._no_duck_sizing = torch.fx.experimental._config.patch(use_duck_shape=False)
         on_gpu = model.lm_head.weight.device.type == "cuda"
-        # a graph per variant (rows, query length, cache kind): more than dynamo's default limit (past it, eager)
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-        self.static = on_gpu and not self.paged if static is None else static
-        if self.static and self.paged:
-            raise ValueError("static graphs need the slot cache (a paged cache's tensors move when it grows)")
+        self.static = on_gpu if static is None else static
+        # a graph per variant (rows, query length; static: and blocks): more than dynamo's default limit (past it, eager)
+        dynamo = torch._dynamo.config
+        dynamo.recompile_limit = max(dynamo.recompile_limit, 256 if self.static else 64)
+        self._qkv: list | None = None  # per layer: q, k and v weights stacked (CPU graphs)
         if not self.static:
             # q, k and v as one matmul a layer (a copy of those weights): one larger matmul for three small ones
             self._qkv = [layer.self_attn.stacked_qkv() for layer in model.model.layers]
@@ -91,53 +84,36 @@ class CompiledStep:
             options = {"cpp_wrapper": True} if backend == "inductor" else None
             self._graph = torch.compile(self._forward, dynamic=True, backend=backend, options=options)
             return
-        # a graph per bucket: more than dynamo's default recompile limit (past it, it runs eagerly)
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
-        torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, 1024)
+        dynamo.accumulated_recompile_limit = max(dynamo.accumulated_recompile_limit, 1024)
         if on_gpu and backend == "inductor":
-            for t in cache.k + cache.v:
+            for t in cache.kv:
                 torch._dynamo.mark_static_address(t)  # updated in place by the captured graphs
             self._graph = torch.compile(self._forward, dynamic=False, mode="reduce-overhead")
         else:
             self._graph = torch.compile(self._forward, dynamic=False, backend=backend)
 
-    def accepts(self, num_rows: int, tq: int, slots: list[int] | None = None) -> bool:
-        """Whether the graph takes this pass (else it runs eagerly). Rows on the CPU must be in
-        contiguous slots (a subset of the running batch, e.g. a request run alone, is not)."""
-        if not self.static and not self.paged and slots is not None and not _contiguous(slots):
-            return False  # a graph of its own, compiled on first use: run such passes eagerly
-        blocks = self.model.moe_blocks
-        local = all(isinstance(b.dispatch, LocalDispatch) and b.routing.overflow == "none" for b in blocks)
-        if self.static:
-            rows_ok = num_rows <= CAPTURE_SIZES[-1]
-        else:
-            rows_ok = num_rows <= MAX_ROWS
-        return local and rows_ok and tq <= MAX_QUERY
+    def accepts(self, num_rows: int, tq: int) -> bool:
+        """Whether the graph takes this pass (else it runs eagerly)."""
+        local = all(isinstance(b.dispatch, LocalDispatch) and b.routing.overflow == "none"
+                    for b in self.model.moe_blocks)
+        return local and num_rows <= MAX_ROWS and tq <= MAX_QUERY
 
     @torch.inference_mode()
-    def __call__(self, ids: torch.Tensor, slots: list[int] | torch.Tensor, start: list[int],
-                 q_lens: list[int]) -> torch.Tensor:
-        """ids [B, T] (padded on the right past q_lens) -> logits [B, T, V]. slots: each row's
-        slot, or with a paged cache the rows' block tables [B, nb] (covering max(start) + T)."""
+    def __call__(self, ids: torch.Tensor, tables: torch.Tensor, start: list[int], q_lens: list[int]) -> torch.Tensor:
+        """ids [B, T] (padded on the right past q_lens), the rows' block tables [B, nb] (covering
+        max(start) + T) -> logits [B, T, V]."""
         b, t = ids.shape
         self.num_calls += 1
         ids = ids.clone()  # an inference tensor, like every other input: one set of guards
+        if self.static:  # pad to the bucket: extra rows hold no tokens, extra blocks are the scratch one
+            rows, nb = next(n for n in CAPTURE_SIZES if n >= b), tables.shape[1]
+            width = max(MIN_KEYS // self.cache.block_size, 1 << (nb - 1).bit_length())
+            ids = F.pad(ids, (0, 0, 0, rows - b))
+            tables = F.pad(tables, (0, width - nb, 0, rows - b))
+            start, q_lens = start + [0] * (rows - b), q_lens + [0] * (rows - b)
         as_long = lambda v: torch.tensor(v, dtype=torch.long, device=ids.device)  # noqa: E731
-        if self.paged:
-            with self._no_duck_sizing:
-                logits, gates = self._graph(ids, slots, None, as_long(start), as_long(q_lens), 0, self.cache.kv)
-            self._count(gates, q_lens, t)
-            return logits
-        tk = max(s + t for s in start)
-        if self.static:  # pad to the bucket: extra rows are empty (nothing valid) in the first row's slot
-            rows = next(n for n in CAPTURE_SIZES if n >= b)
-            ids = torch.cat([ids, ids.new_zeros(rows - b, t)])
-            slots, start, q_lens = slots + [slots[0]] * (rows - b), start + [0] * (rows - b), q_lens + [0] * (rows - b)
-            tk = min(self.cache.max_len, max(MIN_KEYS, 1 << (tk - 1).bit_length()))
         with self._no_duck_sizing:
-            # slots first, first + 1, ...: attention reads views (static graphs gather their padded rows)
-            first = None if self.static or not _contiguous(slots) else slots[0]
-            logits, gates = self._graph(ids, as_long(slots), first, as_long(start), as_long(q_lens), tk)
+            logits, gates = self._graph(ids, tables, as_long(start), as_long(q_lens), self.cache.kv)
         self._count(gates, q_lens[:b], t)
         return logits[:b]
 
@@ -147,32 +123,30 @@ class CompiledStep:
         t0 = time.perf_counter()
         for t in query_lens:
             logger.info("compiling the model step for %d query position(s)...", t)
-            # start past 1: torch specialises sizes 0 and 1, and the keys read (Tk) must stay symbolic;
+            # start past 1: torch specialises sizes 0 and 1, and the keys read must stay symbolic;
+            # every row in the scratch block, twice (a table of one block would specialise);
             # large experts: a graph for batches past E / K tokens too (dense, `_moe`)
             for b in CAPTURE_SIZES if self.static else self._warm_up_rows():
-                if self.paged:  # every row in the scratch block, twice (a table of one block would specialise)
-                    slots = torch.zeros(b, max(2, -(-(2 + t) // self.cache.block_size)), dtype=torch.long,
-                                        device=self.model.device)
-                else:
-                    slots = [i % self.cache.num_slots for i in range(b)]
-                self(torch.zeros(b, t, dtype=torch.long, device=self.model.device), slots, [2] * b, [t] * b)
+                tables = torch.zeros(b, max(2, -(-(2 + t) // self.cache.block_size)), dtype=torch.long,
+                                     device=self.model.device)
+                self(torch.zeros(b, t, dtype=torch.long, device=self.model.device), tables, [2] * b, [t] * b)
         return time.perf_counter() - t0
 
     def _warm_up_rows(self) -> tuple[int, ...]:
         if all(_small_experts(b.experts) for b in self.model.moe_blocks):
             return 1, 2
-        return 1, 2, MAX_ROWS if self.paged else min(MAX_ROWS, self.cache.num_slots)
+        return 1, 2, MAX_ROWS
 
     # ---- the graph -------------------------------------------------------------------------
-    def _forward(self, ids, slots, first: int | None, start, q_lens, tk: int, kv=None) -> tuple[torch.Tensor, list[tuple]]:
+    def _forward(self, ids, tables, start, q_lens, kv) -> tuple[torch.Tensor, list[tuple]]:
         m = self.model.model
         b, t = ids.shape
         x, rope, pos, valid = pass_inputs(self.model, ids, start, q_lens)
-        paged = None if kv is None else _paged_indices(slots, pos, valid, kv[0].shape[3])
+        paged = _paged_indices(tables, pos, valid, kv[0].shape[3])
         gates = []
         for i, layer in enumerate(m.layers):
-            x = x + self._attention(layer.self_attn, layer.input_layernorm(x), rope, i, slots, first, pos, valid, tk,
-                                    None if kv is None else (kv[i], *paged))
+            qkv = None if self._qkv is None else self._qkv[i]
+            x = x + paged_attention(layer.self_attn, qkv, layer.input_layernorm(x), rope, tables, (kv[i], *paged))
             h = layer.post_attention_layernorm(x).reshape(b * t, -1)  # [B*T, D]
             if layer.is_sparse:
                 out, g = _moe(layer.mlp, h)
@@ -181,26 +155,6 @@ class CompiledStep:
                 out = layer.mlp(h)
             x = x + out.view(b, t, -1)
         return self.model.lm_logits(m.norm(x)), gates  # [B, T, V]
-
-    def _attention(self, attn, x, rope, layer: int, slots, first: int | None, pos, valid, tk: int,
-                   paged: tuple | None = None) -> torch.Tensor:
-        qkv = None if self._qkv is None else self._qkv[layer]
-        if paged is not None:
-            return paged_attention(attn, qkv, x, rope, slots, paged)
-        b, t, _ = x.shape
-        q, k, v = attn.project(x, rope, qkv)  # [B, H, T, Dh], [B, Hkv, T, Dh] x2
-        mask = (torch.arange(tk, device=x.device)[None, None, :] <= pos[:, :, None])[:, None]  # [B, 1, T, Tk]
-        keys, values = self.cache.k[layer], self.cache.v[layer]  # [S, Hkv, Tmax + 1, Dh]
-        write = torch.where(valid, pos, self.cache.max_len)  # [B, T]; padding -> scratch column
-        # advanced indices on dims 0 and 2 put the broadcast [B, T] first: values are [B, T, Hkv, Dh]
-        keys[slots[:, None], :, write] = k.transpose(1, 2)
-        values[slots[:, None], :, write] = v.transpose(1, 2)
-        if first is None:  # gathered: [B, Hkv, Tk, Dh] copies
-            keys, values = keys[slots, :, :tk], values[slots, :, :tk]
-        else:  # slots first, first + 1, ...: views
-            keys, values = keys[first : first + b, :, :tk], values[first : first + b, :, :tk]
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)  # [B, H, T, Dh]
-        return attn.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
     def _count(self, gates: list[tuple], q_lens: list[int], t: int) -> None:
         """Expert-load statistics over the real tokens of the first len(q_lens) rows (and the
@@ -309,10 +263,6 @@ def _indexed_attention(q: torch.Tensor, flat: torch.Tensor, keys_at: torch.Tenso
     scores = (q * keys[:, :, None]).sum(-1) * dh**-0.5  # [B, Hkv, H/Hkv, J]
     p = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
     return (p[..., None] * values[:, :, None]).sum(-2).reshape(b, 1, h * dh)  # [B, 1, H*Dh]
-
-
-def _contiguous(slots: list[int]) -> bool:
-    return slots == list(range(slots[0], slots[0] + len(slots)))
 
 
 def _moe(block, x: torch.Tensor) -> tuple[torch.Tensor, Gates]:

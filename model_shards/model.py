@@ -16,7 +16,7 @@ from torch import nn
 from model_shards.attention import Attention
 from model_shards.config import ModelConfig
 from model_shards.dispatch import Dispatch
-from model_shards.kv_cache import KVCache, StepBatch
+from model_shards.kv_cache import PagedKVCache, StepBatch
 from model_shards.layers import MLP, RMSNorm, RotaryEmbedding
 from model_shards.moe import MoEBlock, RoutingConfig
 from model_shards.profiling import phase
@@ -36,7 +36,7 @@ class DecoderLayer(nn.Module):
         self,
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
-        cache: KVCache | None,
+        cache: PagedKVCache | None,
         batch: StepBatch | None,
         valid: torch.Tensor | None,
     ) -> torch.Tensor:
@@ -81,7 +81,7 @@ def split_routing(trace: list, lengths: list[int], tq: int) -> list[list[tuple]]
 
 
 class CausalLM(nn.Module):
-    """`forward(input_ids)` -> logits [B, T, V]; with a KVCache and StepBatch it runs one engine step."""
+    """`forward(input_ids)` -> logits [B, T, V]; with a PagedKVCache and StepBatch it runs one engine step."""
 
     routing_trace: list | None = None  # see record_routing
 
@@ -129,18 +129,12 @@ class CausalLM(nn.Module):
     def device(self) -> torch.device:
         return self.lm_head.weight.device
 
-    def make_cache(self, num_slots: int, max_len: int) -> KVCache:
-        """A KV cache in the model's dtype, on its device."""
-        cfg = self.config
-        w = self.lm_head.weight
-        return KVCache(cfg.num_layers, num_slots, max_len, cfg.num_kv_heads, cfg.head_dim, w.dtype, w.device)
-
     # ---- forward ---------------------------------------------------------------------------
     @torch.inference_mode()
     def forward(
         self,
         input_ids: torch.Tensor,
-        cache: KVCache | None = None,
+        cache: PagedKVCache | None = None,
         batch: StepBatch | None = None,
         logits: Literal["all", "last"] = "all",
     ) -> torch.Tensor:
@@ -158,7 +152,7 @@ class CausalLM(nn.Module):
     def hidden_states(
         self,
         input_ids: torch.Tensor,
-        cache: KVCache | None = None,
+        cache: PagedKVCache | None = None,
         batch: StepBatch | None = None,
         last_only: bool = False,
     ) -> torch.Tensor:

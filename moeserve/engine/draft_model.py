@@ -43,9 +43,8 @@ from itertools import accumulate
 import torch
 
 from model_shards import CausalLM, StepBatch
-from model_shards.paged_kv import OutOfBlocks
-from moeserve.engine.model_runner import Row, forward_last
-from moeserve.engine.paged_runner import PagedRunner
+from model_shards.block_manager import OutOfBlocks
+from moeserve.engine.model_runner import ModelRunner, Row, forward_last
 from moeserve.sampler import Sampler, keyed_sample, random_sample
 from moeserve.sampling_params import SamplingParams
 from moeserve.spec.draft_decoder import DenseDecodeStep
@@ -114,8 +113,8 @@ class DraftModelProposer(Proposer):
     greedy: True proposes the draft's argmax for every request. False samples drafts for
         sampled requests with their own SamplingParams and returns q (greedy requests still
         get the argmax).
-    num_blocks, block_size, prefix_caching: the paged cache (model_shards/paged_kv.py); blocks are
-        allocated as sequences grow; 0 blocks: room for max_num_seqs sequences of max_model_len.
+    num_blocks, block_size, prefix_caching: the paged cache (model_shards/kv_cache.py), reserved whole
+        at start; 0 blocks: room for max_num_seqs sequences of max_model_len.
     """
 
     def __init__(
@@ -132,8 +131,7 @@ class DraftModelProposer(Proposer):
             from model_shards import load_checkpoint
 
             model = load_checkpoint(model)
-        num_blocks = num_blocks or max_num_seqs * -(-max_model_len // block_size) + 1
-        self.runner = PagedRunner(model, max_num_seqs, max_model_len, num_blocks, block_size, prefix_caching)
+        self.runner = ModelRunner(model, max_num_seqs, max_model_len, num_blocks, block_size, prefix_caching)
         self.device = model.device  # the draft's own tensors; sampled drafts are drawn on the CPU
         # Dense drafts decode through the lean step; others (e.g. an MoE draft) use the model's forward.
         self.lean = DenseDecodeStep(model, self.runner.cache, max_model_len) if DenseDecodeStep.supports(model) else None
@@ -366,8 +364,7 @@ class DraftModelProposer(Proposer):
         tk: the longest row's length after this token; ragged: rows differ in length."""
         if self.lean is not None:
             return self.lean.step(tokens, tables, positions, tk, ragged)
-        ones = torch.ones_like(positions)
-        batch = StepBatch(ones, positions, ones, block_table=tables, block_size=self.runner.block_size)
+        batch = StepBatch(tables, positions, torch.ones_like(positions), self.runner.block_size)
         return self.runner.model(tokens[:, None], self.runner.cache, batch, logits="last")  # [n, V]
 
     def _sample(

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from model_shards import CausalLM
-from model_shards.paged_kv import PagedKVCache
+from model_shards.kv_cache import PagedKVCache
 
 
 class DenseDecodeStep:

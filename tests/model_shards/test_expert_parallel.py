@@ -159,7 +159,7 @@ def test_ranks_cache_prefixes_and_outputs_stay_exact(ckpt):
 def test_each_rank_reports_its_own_tokens_routing(ckpt):
     """Traced requests on a 2-rank group: each token's experts (recorded on the rank that holds
     the sequence, gathered to rank 0) equal the single-process engine's trace."""
-    from moeserve.engine.paged_runner import PagedRunner
+    from moeserve.engine.model_runner import ModelRunner
 
     traced = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, trace_experts=True)
     ps = prompts(3, seed=13)
@@ -172,7 +172,7 @@ def test_each_rank_reports_its_own_tokens_routing(ckpt):
                 out[o.request_id] += o.trace
         return [[e.experts for e in out[rid]] for rid in ids]
 
-    ref = traces(LLMEngine(PagedRunner(load_checkpoint(ckpt), 8, 64, num_blocks=64, block_size=4)))
+    ref = traces(LLMEngine(ModelRunner(load_checkpoint(ckpt), 8, 64, num_blocks=64, block_size=4)))
     with LocalShardGroup(ckpt, 2, max_num_seqs=4, max_model_len=64, block_size=4) as runner:
         got = traces(LLMEngine(runner))  # the three sequences go to ranks 0, 1, 0
     for want_seq, got_seq in zip(ref, got):
