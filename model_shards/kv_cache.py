@@ -15,22 +15,65 @@ free: the owner just feeds from an earlier position; stale entries past it are n
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from model_shards.block_manager import SCRATCH
 
 
+class PagedIndex(NamedTuple):
+    """Where one pass's rows write and read the paged cache, built once and shared by every layer
+    (`paged_index`). J = nb * Bs key positions per row."""
+
+    tables: torch.Tensor  # [B, nb] each row's blocks in position order (padded with the scratch block)
+    write: torch.Tensor  # [B*T] flat cache position (block * Bs + offset) of each query's key/value
+    keys_at: torch.Tensor  # [B, J] flat cache position of each row's key j (decode attention, in a graph)
+    values_at: torch.Tensor  # the same positions, for values (see `paged_index`)
+    mask: torch.Tensor  # [B, 1, T, J] query i sees keys j <= its position
+    fresh: bool = False  # every row starts at position 0: causal attention over the pass's own keys
+
+
+@torch.library.custom_op("moeserve::materialize", mutates_args=())
+def materialize(x: torch.Tensor) -> torch.Tensor:
+    """`x`, computed once into a buffer of its own: inductor does not fuse into a custom op, so the
+    producer of `x` is not inlined into (and recomputed by) every iteration of the consumer."""
+    return x.clone()
+
+
+@materialize.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def paged_index(tables: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor, bs: int,
+                fresh: bool = False) -> PagedIndex:
+    """The pass's PagedIndex for rows with block tables [B, nb], query positions pos [B, T] and
+    real tokens valid [B, T] (padding writes to the scratch block). The mask spans every key of a
+    row's nb blocks, not a slice to the keys it holds, whose size would become a graph guard.
+
+    The positions keys are read at are computed once into a buffer: inlined, the block-table
+    lookup ran again for every layer, head and key. The values' copy stays an expression, so
+    inductor vectorizes their weighted sum over Dh; read from a buffer, it vectorized over the
+    keys instead, with gathers, the slower loop."""
+    p = torch.where(valid, pos, 0)
+    write = torch.where(valid, tables.gather(1, p // bs) * bs + p % bs, SCRATCH * bs)  # [B, T]
+    j = torch.arange(tables.shape[1] * bs, device=tables.device)  # [J]
+    at = tables[:, j // bs] * bs + j % bs  # [B, J]
+    mask = (j[None, None, :] <= pos[:, :, None])[:, None]  # [B, 1, T, J]
+    return PagedIndex(tables, materialize(write.view(-1)), materialize(at), at, mask, fresh)
+
+
 @dataclass
 class StepBatch:
-    """Where a forward pass's rows read and write the paged cache.
+    """Where an eager forward pass's rows read and write the paged cache.
 
     block_table: [B, nb] each row's blocks in position order (padded with the scratch block)
     start:       [B] tokens already cached for each row (position of the row's first query token)
     q_lens:      [B] valid query tokens in each row (<= Tq; the rest is padding)
 
-    The per-step index tensors (positions, padding, attention mask, write positions) are built
-    once by `prepare(Tq)` and shared by every layer.
+    `prepare(Tq)` builds the pass's index tensors once for every layer (a compiled step builds
+    the same PagedIndex inside its graph).
     """
 
     block_table: torch.Tensor
@@ -40,10 +83,7 @@ class StepBatch:
     tq: int = 0
     pos: torch.Tensor | None = None  # [B, Tq] absolute position of each query token
     valid_mask: torch.Tensor | None = None  # [B, Tq] False at padding (None: no padding)
-    tk: int = 0  # keys attention reads per row (the longest row after this step)
-    attn_mask: torch.Tensor | None = None  # [B, 1, Tq, Tk] query i sees keys 0 .. pos[i]; None when fresh
-    fresh: bool = False  # every row starts at position 0: plain causal attention over this step's keys
-    write_index: torch.Tensor | None = None  # [B*Tq] block * Bs + offset of each query (padding: scratch)
+    index: PagedIndex | None = None
 
     @classmethod
     def build(cls, tables: list[list[int]], start: list[int], q_lens: list[int], block_size: int,
@@ -57,31 +97,23 @@ class StepBatch:
         return cls(table, as_long(start), as_long(q_lens), block_size)
 
     def prepare(self, tq: int) -> StepBatch:
-        if self.tq == tq and self.pos is not None:
+        if self.tq == tq and self.index is not None:
             return self
         self.tq = tq
         steps = torch.arange(tq, device=self.start.device)
         self.pos = self.start[:, None] + steps  # [B, Tq]
         valid = steps[None, :] < self.q_lens[:, None]  # [B, Tq]
         self.valid_mask = None if bool(valid.all()) else valid
-        self.tk = int((self.start + tq).max())
         # Padding is on the right, so with no cached prefix a causal mask is exact for every real token.
-        self.fresh = not bool(self.start.any())
-        keys = torch.arange(self.tk, device=self.pos.device)
-        self.attn_mask = None if self.fresh else (keys[None, None, :] <= self.pos[:, :, None])[:, None]
-        pos = self.pos if self.valid_mask is None else self.pos.masked_fill(~self.valid_mask, 0)
-        blocks = self.block_table.gather(1, pos // self.block_size)  # [B, Tq]
-        if self.valid_mask is not None:
-            blocks = blocks.masked_fill(~self.valid_mask, SCRATCH)
-        self.write_index = (blocks * self.block_size + pos % self.block_size).view(-1)  # [B*Tq]
+        fresh = not bool(self.start.any())
+        self.index = paged_index(self.block_table, self.pos, valid, self.block_size, fresh)
         return self
 
 
 class PagedKVCache:
     """Keys and values of each layer in one tensor [2, Hkv, N, Bs, Dh], every block allocated
-    here: a block is Bs consecutive positions of one sequence. One index_copy in and one
-    index_select out per layer; what the gather returns is already [B, Hkv, Tk, Dh] with each
-    head's [Tk, Dh] contiguous, as attention's matmuls want it."""
+    here: a block is Bs consecutive positions of one sequence. Attention writes and reads it
+    (model_shards/attention.py) through a pass's PagedIndex."""
 
     def __init__(
         self,
@@ -120,27 +152,3 @@ class PagedKVCache:
         src, dst = (torch.tensor(ids, device=self.kv[0].device) for ids in zip(*pairs))
         for t in self.kv:
             t.index_copy_(2, dst, t.index_select(2, src))
-
-    def write(self, layer: int, batch: StepBatch, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store this step's keys/values; k, v: [B, Hkv, Tq, Dh] (batch prepared for Tq)."""
-        self.write_at(layer, batch.write_index, k, v)
-
-    def write_at(self, layer: int, index: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """k, v: [B, Hkv, Tq, Dh] to the flat positions `index` [B*Tq] (block * Bs + offset)."""
-        cache = self.kv[layer]
-        two, heads, n, bs, dh = cache.shape
-        new = torch.stack((k, v)).transpose(1, 2).reshape(two, heads, -1, dh)  # [2, Hkv, B*Tq, Dh]
-        cache.view(two, heads, n * bs, dh).index_copy_(2, index, new)
-
-    def read(self, layer: int, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """[B, Hkv, Tk, Dh] keys and values of the batch's rows."""
-        return self.gather(layer, batch.block_table, batch.tk)
-
-    def gather(self, layer: int, block_table: torch.Tensor, tk: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """[B, Hkv, Tk, Dh] keys and values through `block_table` [B, nb] (nb * Bs >= Tk): one
-        gather (index_select is several times faster than advanced indexing here) and two views."""
-        cache = self.kv[layer]
-        b, nb = block_table.shape
-        blocks = cache.index_select(2, block_table.reshape(-1))  # [2, Hkv, B*nb, Bs, Dh]
-        both = blocks.view(2, cache.shape[1], b, nb * self.block_size, cache.shape[4])[:, :, :, :tk]
-        return both[0].transpose(0, 1), both[1].transpose(0, 1)  # [B, Hkv, Tk, Dh] each

@@ -16,7 +16,7 @@ from torch import nn
 from model_shards.attention import Attention
 from model_shards.config import ModelConfig
 from model_shards.dispatch import Dispatch
-from model_shards.kv_cache import PagedKVCache, StepBatch
+from model_shards.kv_cache import PagedIndex, PagedKVCache, StepBatch
 from model_shards.layers import MLP, RMSNorm, RotaryEmbedding
 from model_shards.moe import MoEBlock, RoutingConfig
 from model_shards.profiling import phase
@@ -32,17 +32,18 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        cache: PagedKVCache | None,
-        batch: StepBatch | None,
-        valid: torch.Tensor | None,
-    ) -> torch.Tensor:
+    def attend(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv: torch.Tensor | None,
+               index: PagedIndex | None, qkv: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention with its residual, then the MLP's input norm: (x, h), each [B, T, D]. The
+        part of a layer every forward shares: eager, compiled, and a rank's graphs between its
+        all-to-alls (model_shards/compiled_step.py)."""
         with phase("attention"):
-            x = x + self.self_attn(self.input_layernorm(x), rope, cache, batch)  # [B, T, D]
-        h = self.post_attention_layernorm(x)
+            x = x + self.self_attn(self.input_layernorm(x), rope, kv, index, qkv)
+        return x, self.post_attention_layernorm(x)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv: torch.Tensor | None,
+                index: PagedIndex | None, valid: torch.Tensor | None) -> torch.Tensor:
+        x, h = self.attend(x, rope, kv, index)  # [B, T, D] each
         if not self.is_sparse:
             return x + self.mlp(h)
         if valid is None:  # no padding: every position is a real token
@@ -170,8 +171,8 @@ class CausalLM(nn.Module):
             batch.prepare(t)
             positions, valid = batch.pos, batch.valid_mask  # [B, T] each
         rope = self.model.rotary(positions, x.dtype)
-        for layer in self.model.layers:
-            x = layer(x, rope, cache, batch, valid)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, rope, None if cache is None else cache.kv[i], None if batch is None else batch.index, valid)
         if last_only:
             last = (batch.q_lens - 1) if batch is not None else torch.full((b,), t - 1, device=x.device)
             x = x[torch.arange(b, device=x.device), last][:, None]  # [B, 1, D]

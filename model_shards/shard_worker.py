@@ -90,9 +90,9 @@ class _Shard:
         cfg, w = model.config, model.lm_head.weight
         self.cache = PagedKVCache(cfg.num_layers, self.num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
                                   w.dtype, w.device)  # every block reserved now
-        self.compiled = None  # decode and verify passes compiled between the collectives (compiled_shard.py)
+        self.compiled = None  # decode and verify passes compiled between the collectives (compiled_step.py)
         if compile:
-            from model_shards.compiled_shard import CompiledShardStep
+            from model_shards.compiled_step import CompiledShardStep
 
             self.compiled = CompiledShardStep(model, self.cache)
             self.compiled.warm_up()  # this rank's graphs alone: they hold no collective

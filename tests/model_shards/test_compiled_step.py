@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from bench.tiny_checkpoint import save_tiny_checkpoint
-from model_shards import PagedKVCache, compiled_step, load_checkpoint
+from model_shards import PagedKVCache, load_checkpoint, moe
 from model_shards.compiled_step import CompiledStep
 from model_shards.kv_cache import StepBatch
 from moeserve.engine import LLMEngine, ModelRunner, SpecConfig
@@ -67,7 +67,7 @@ def test_the_graph_computes_the_eager_forward(tmp_path, family, experts, monkeyp
     scattered blocks. Experts routed always (small experts), or dense wherever N * K > E (as for
     experts too big for the caches). The graph writes the cache as eager does."""
     if experts == "dense":
-        monkeypatch.setattr(compiled_step, "ROUTED_MAX_EXPERT_BYTES", 0)
+        monkeypatch.setattr(moe, "ROUTED_MAX_EXPERT_BYTES", 0)
     save_tiny(family, tmp_path)
     model = load_checkpoint(tmp_path)
     eager, graph = prefilled(model, [7, 3, 11])
@@ -104,7 +104,7 @@ def test_warm_up_compiles_every_graph_a_batch_needs(tmp_path, experts, monkeypat
     graph for 2+ rows (the size test must not guard on N); experts too big for the caches take a
     routed graph up to E / K tokens and a dense one past it, both warmed."""
     if experts == "large":
-        monkeypatch.setattr(compiled_step, "ROUTED_MAX_EXPERT_BYTES", 0)
+        monkeypatch.setattr(moe, "ROUTED_MAX_EXPERT_BYTES", 0)
     save_tiny("mixtral", tmp_path)
     model = load_checkpoint(tmp_path)
     step = CompiledStep(model, cache_of(model), backend="eager")
