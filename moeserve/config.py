@@ -70,9 +70,10 @@ class EngineSection(_Section):
     stream_interval_max_s: float = Field(0.2, ge=0, le=1)
     # The step loop in a process of its own (no GIL shared with Serve); see deployments/engine_server.py.
     core_process: bool = True
-    # Decode and verify passes as one torch.compile'd graph (model_shards/compiled_step.py), compiled
-    # when the engine starts (slow the first time, quicker from inductor's on-disk cache). Off by
-    # default: that wait comes at every engine start; what it buys: bench/reports/generation.md.
+    # Decode and verify passes (and the in-process draft's steps) as torch.compile'd graphs
+    # (model_shards/compiled_step.py), compiled when the engine starts (slow the first time, quicker
+    # from inductor's on-disk cache). Off by default: that wait comes at every engine start; what
+    # it buys: bench/reports/generation.md.
     compile: bool = False
 
     @field_validator("kv_cache_memory", mode="before")

@@ -144,7 +144,8 @@ def build_proposer(cfg: EngineConfig):
     from moeserve.engine.draft_model import DraftModelProposer  # loads the draft's model stack only when asked
 
     draft = load_checkpoint(cfg.draft_model, cfg.torch_dtype, device=cfg.torch_device)
-    return DraftModelProposer(model=draft, max_num_seqs=cfg.max_num_seqs, max_model_len=cfg.max_model_len)
+    return DraftModelProposer(model=draft, max_num_seqs=cfg.max_num_seqs, max_model_len=cfg.max_model_len,
+                              compile=cfg.compile)
 
 
 def build_engine(cfg: EngineConfig, runner=None, proposer=None) -> LLMEngine:
