@@ -2,8 +2,8 @@
 
 A step is either a prefill (new sequences, their whole prompts, padded into one batch) or a
 decode (every running sequence feeds its pending token plus any draft tokens). Waiting
-requests join between steps whenever a KV slot and the token budget allow; prefill goes
-first so new requests start quickly.
+requests join between steps whenever the batch, the KV budget and the token budget allow;
+prefill goes first so new requests start quickly.
 
 KV budget: the running sequences may hold at most `kv_budget_tokens` tokens of KV cache
 (every token so far plus `lookahead` for the next step's draft, rounded up to whole blocks of
@@ -23,7 +23,7 @@ from moeserve.sequence import Sequence, SequenceStatus
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_seqs: int = 32  # running batch size (= KV cache slots)
+    max_num_seqs: int = 32  # running batch size (sequences at once)
     max_num_batched_tokens: int = 2048  # prompt tokens in one prefill step (one prompt always fits)
     max_model_len: int = 1024
     kv_budget_tokens: int = 0  # KV-cache tokens for all running sequences; 0: max_num_seqs * max_model_len
