@@ -13,7 +13,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from bench.report import markdown_table  # noqa: E402
 from bench.timing import Run, format_ratio, ratio_over_rounds  # noqa: E402
-from moeserve.spec.adaptive import expected_tokens_per_pass  # noqa: E402
+from moeserve.spec.metrics import expected_tokens_per_pass  # noqa: E402
 
 CACHED = "draft prefix cache on"  # the label of in-process drafts that keep their prefix cache
 SPEC_KEYS = ("alpha", "acceptance_rate", "mean_k", "tokens_per_pass", "predicted_tokens_per_pass", "draft_time_share")

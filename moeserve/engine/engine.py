@@ -26,11 +26,8 @@ from moeserve.grammar import CompiledGrammar
 from moeserve.sampler import Sampler
 from moeserve.sampling_params import SamplingParams, TokenLogprob, TokenTrace
 from moeserve.sequence import RequestOutput, Sequence
-from moeserve.spec.adaptive import AdaptiveK, AdaptiveKConfig, bucket
-from moeserve.spec.config import SpecConfig
-from moeserve.spec.cost_meter import PRIOR_COSTS, StepCostMeter
 from moeserve.spec.metrics import SpecMetrics
-from moeserve.spec.pay_guard import PayGuard
+from moeserve.spec.policy import AdaptiveK, AdaptiveKConfig, SpecConfig
 from moeserve.spec.proposer import ProposalRequest, Proposer, pad_proposals
 from moeserve.spec.rejection_sampler import RejectionSampler, SpecOutput
 from moeserve.spec.verify import verify, verify_window
@@ -57,15 +54,13 @@ class LLMEngine:
         # the KV budget reserves room for each sequence's draft tokens
         self.scheduler = Scheduler(replace(cfg, lookahead=max(cfg.lookahead, self.spec.num_tokens if proposer else 0)))
         if adaptive is None and self.spec.adaptive and proposer is not None:
-            adaptive = AdaptiveK(AdaptiveKConfig(k_max=self.spec.num_tokens, probe_budget=0.05, explore_every=32),
-                                 PRIOR_COSTS)
-        self.adaptive = adaptive
-        self.pay_guard = PayGuard() if adaptive is not None else None  # adaptive k's check against realized rates
+            adaptive = AdaptiveK(AdaptiveKConfig(k_max=self.spec.num_tokens, explore_every=32),
+                                 refit_every=self.spec.refit_every)
+        self.adaptive = adaptive  # the speculation policy: k per step, and PayGuard's check
         self._drafted = False  # whether this step's decode verified drafts
         self._requested: list[int] = []  # the k each row of the last proposing step asked for
         self._rooms: list[int] = []  # the most tokens each row's proposal may hold, that step
         self._forced_emitted = 0  # this step's accepted forced text inside proposals
-        self.step_costs = StepCostMeter()
         self.sampler = Sampler()
         self.rejection = RejectionSampler()
         self.spec_metrics = SpecMetrics()
@@ -141,36 +136,16 @@ class LLMEngine:
             if batch.is_prefill:
                 for seq in batch.seqs:  # a paged runner may hold a prefix already (prefix caching)
                     seq.num_cached = max(seq.num_cached, self.runner.add(seq.seq_id, seq.token_ids))
-                if self.proposer is not None and self.spec.num_tokens > 0 and self._may_draft(self.scheduler.running):
-                    # a draft deployment drafts their first proposals meanwhile
-                    self.proposer.prepare([self._proposal_request(s, self.spec.num_tokens) for s in batch.seqs])
                 new_tokens = self._prefill(batch)
             else:
                 new_tokens = self._decode(batch)
         except Exception as e:  # nothing was emitted: the step's requests can run it again (requeue)
             raise StepError([s.seq_id for s in batch.seqs]) from e
         outputs = [self._postprocess(seq, toks) for seq, toks in zip(batch.seqs, new_tokens)]
-        if self.pay_guard is not None and not batch.is_prefill:  # tokens the target chose, not forced text
-            self.pay_guard.record(self._guard_key(batch.seqs), self._drafted,
-                                  sum(map(len, new_tokens)) - self._forced_emitted, time.perf_counter() - t0)
+        if self.adaptive is not None and not batch.is_prefill:  # tokens the target chose, not forced text
+            self.adaptive.settle(len(batch.seqs), any(s.grammar is not None for s in batch.seqs), self._drafted,
+                                 sum(map(len, new_tokens)) - self._forced_emitted, time.perf_counter() - t0)
         return outputs
-
-    def _may_draft(self, seqs: list[Sequence]) -> bool:
-        """Whether a decode step of these rows may draft, as far as is known before it: not where
-        adaptive k's model gives k = 0 at their batch size or PayGuard refused drafting there. (A
-        draft deployment's pre-drafts for new rows that will not draft only take the machine's
-        time: where the draft shares the target's cores, they slow the target's passes.)"""
-        if self.adaptive is None:
-            return True
-        alphas = [self.adaptive.alpha(s.seq_id) for s in seqs]
-        if self.adaptive.best_batch_k(alphas, self.adaptive.costs_for(len(seqs))) == 0:
-            return False
-        return not self.pay_guard.refused(self._guard_key(seqs))
-
-    @staticmethod
-    def _guard_key(seqs: list[Sequence]) -> tuple[int, bool]:
-        """PayGuard's key: the batch-size bucket, and whether a row is constrained by a grammar."""
-        return bucket(len(seqs)), any(s.grammar is not None for s in seqs)
 
     def requeue(self, request_ids: Seq[str]) -> None:
         """Put running requests back in front of the queue: their KV cache and draft state are
@@ -245,7 +220,8 @@ class LLMEngine:
         rows = [Row(s.seq_id, s.pending_ids + p, s.num_cached) for s, p in zip(seqs, proposals)]
         if not any(proposals):
             logits = self.runner.forward(rows, logits="last")  # [B, V]
-            self._measure(len(seqs), 0, t1 - t0, time.perf_counter() - t1)
+            if self.adaptive is not None:
+                self.adaptive.measure(len(seqs), 0, t1 - t0, time.perf_counter() - t1)
             return self._sample_next(seqs, logits)
         logits = self.runner.forward(rows, logits="all")  # [B, Tq, V]
         logits = verify_window(logits, fed, max(map(len, proposals)))  # [B, K+1, V]
@@ -270,7 +246,8 @@ class LLMEngine:
             if self.adaptive is not None:  # fewer draft tokens than asked: a refusal cut, or the output's end
                 self.adaptive.observe(s.seq_id, d, a_chosen, cut=d < r and s.grammar is not None)
         self.spec_metrics.record(chosen, chosen_accepted, t1 - t0, t2 - t1)
-        self._measure(len(seqs), max(map(len, proposals)), t1 - t0, t2 - t1)
+        if self.adaptive is not None:
+            self.adaptive.measure(len(seqs), max(map(len, proposals)), t1 - t0, t2 - t1)
         return out.token_ids
 
     def _propose(self, seqs: list[Sequence]) -> list[list[int]]:
@@ -279,11 +256,10 @@ class LLMEngine:
         if 0 < self.spec.disable_by_batch_size <= len(seqs):
             self.num_spec_disabled_steps += 1
             return [[] for _ in seqs]
-        ks = self.adaptive.choose_batch([s.seq_id for s in seqs]) if self.adaptive else [self.spec.num_tokens] * len(seqs)
+        ks = ([self.spec.num_tokens] * len(seqs) if self.adaptive is None else
+              self.adaptive.choose_batch([s.seq_id for s in seqs], any(s.grammar is not None for s in seqs)))
         if not any(ks):  # a plain step: no proposer call (it would draft nothing)
             return [[] for _ in seqs]
-        if self.pay_guard is not None and not self.pay_guard.allows(self._guard_key(seqs)):
-            return [[] for _ in seqs]  # drafting has not paid at this batch size, as realized
         requests = []
         self._rooms = [min(s.params.max_tokens - len(s.output_ids), self.scheduler.cfg.max_model_len - s.num_tokens) - 1
                        for s in seqs]  # the most tokens a proposal may hold (forced text included)
@@ -297,20 +273,6 @@ class LLMEngine:
         grammar = None if seq.grammar is None else seq.grammar.matcher
         return ProposalRequest(seq.seq_id, seq.token_ids, k, seq.params, grammar,
                                jump_forward=self.structured.cfg.jump_forward)
-
-    def _measure(self, num_rows: int, width: int, draft_s: float, target_s: float) -> None:
-        """Step times -> the cost model adaptive k optimises for this batch size, refit every
-        spec.refit_every steps of its bucket. (Refitting a new bucket at its 4th and 8th steps
-        as well cut the learning under a grammar, but the fits of so few steps are noisy enough
-        to set batch-1 k low for good on free-form prompts, losing much of speculation's gain.)"""
-        if self.adaptive is None:
-            return
-        per_call = getattr(self.proposer, "cost_per_call", False)
-        probe = per_call and width > 0 and self.adaptive.probing(num_rows)
-        self.step_costs.record(num_rows, width, draft_s, target_s, probe=probe)
-        if self.step_costs.num_recorded_at(num_rows) % self.spec.refit_every == 0:
-            prior = self.adaptive.costs_for(num_rows)  # the bucket's, or its nearest neighbour's
-            self.adaptive.set_costs(self.step_costs.fit(prior, num_rows, draft_per_call=per_call), num_rows)
 
     def _verify(self, seqs: list[Sequence], logits: torch.Tensor, proposals: list[list[int]]) -> SpecOutput:
         k = max(len(p) for p in proposals)
