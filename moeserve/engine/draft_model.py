@@ -138,11 +138,6 @@ class DraftModelProposer(Proposer):
         # Dense drafts decode through the lean step; others (e.g. an MoE draft) use the model's forward.
         self.lean = DenseDecodeStep(model, self.runner.cache, max_model_len) if DenseDecodeStep.supports(model) else None
         self.greedy = greedy
-        self.track_runner_up = False  # keep each row's second choices (`runner_up`) for pre-drafting
-        # of the last call's rows: per draft position, the token drafted, the draft's second choice
-        # and its logit's gap below the first (small: the draft was unsure, and the target is likelier
-        # to differ there)
-        self.runner_up: dict[str, list[tuple[int, int, float]]] = {}
         self.sampler = Sampler()
         self._seqs: dict[str, _DraftSeq] = {}
         self._clock = 0
@@ -179,7 +174,7 @@ class DraftModelProposer(Proposer):
         proposal of k draft tokens can then cover several fields of a JSON document, where one
         that stopped there covered one field."""
         self._clock += 1
-        proposals, through = self._round(requests, hypothetical, interrupted, first=True)
+        proposals, through = self._round(requests, hypothetical, interrupted)
         left = {i: requests[i].num_tokens - (len(proposals[i].token_ids) - len(f)) for i, f in through.items()}
         while through:  # rows that reached forced text with draft tokens left: one more round
             nxt, advanced = [], []
@@ -201,12 +196,10 @@ class DraftModelProposer(Proposer):
         return proposals
 
     def _round(
-        self, requests: list[ProposalRequest], hypothetical: bool, interrupted: Callable[[], bool] | None,
-        first: bool = False,
+        self, requests: list[ProposalRequest], hypothetical: bool, interrupted: Callable[[], bool] | None
     ) -> tuple[list[Proposal], dict[int, list[int]]]:
         """One batched draft of the requests: their proposals, and the rows (by request index) that
-        ended at text their grammar forces with draft tokens left, whose proposals end with that text.
-        first: the call's first round (its second choices are the ones kept, `runner_up`)."""
+        ended at text their grammar forces with draft tokens left, whose proposals end with that text."""
         rows = self._sync(requests, hypothetical)
         proposals = [Proposal([]) for _ in requests]
         if not rows:
@@ -215,15 +208,11 @@ class DraftModelProposer(Proposer):
         batch = _Batch.of(rows, self.runner.block_tables([r.seq_id for r in rows]))
         logits = self._catch_up(rows, batch)
         try:
-            tokens, probs, second, masks = self._draft(rows, batch, logits, interrupted)  # [B, K] ...
+            tokens, probs, masks = self._draft(rows, batch, logits, interrupted)  # [B, K] ...
         except DraftInterrupted:  # the catch-up stands: a new sequence's prompt is not prefilled again
             for r in rows:
                 self._hold(r.seq_id, r.tokens, len(r.tokens))
             raise
-        if second is not None and first:
-            drafted, alts, gaps = tokens.tolist(), second[0].tolist(), second[1].tolist()
-            self.runner_up = {r.seq_id: list(zip(d[: r.k], a[: r.k], g[: r.k]))
-                              for r, d, a, g in zip(rows, drafted, alts, gaps)}
         sampled, through = 0, {}
         for b, (r, row) in enumerate(zip(rows, tokens.tolist())):
             q = None
@@ -310,21 +299,15 @@ class DraftModelProposer(Proposer):
 
     def _draft(
         self, rows: list[_Row], batch: _Batch, logits: torch.Tensor, interrupted: Callable[[], bool] | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None, GrammarMasks]:
-        """Draft tokens [B, K]; for sampling rows, their q [S, K, V]; with `track_runner_up`, the
-        draft's second choice at each position [B, K] (what pre-drafting guesses the target's
-        correction to be when it rejects that draft) and its logit's gap below the first [B, K];
-        the grammar masks, whose `ends` and
-        `forced` say which rows ended at text their grammar forces (or completed their output)."""
+    ) -> tuple[torch.Tensor, torch.Tensor | None, GrammarMasks]:
+        """Draft tokens [B, K]; for sampling rows, their q [S, K, V]; the grammar masks, whose `ends`
+        and `forced` say which rows ended at text their grammar forces (or completed their output)."""
         width = rows[0].k
         neg_k = [-r.k for r in rows]  # ascending
         active = [bisect_left(neg_k, -j) for j in range(width)]  # rows with k > j: they need draft j
         sampled = [b for b, r in enumerate(rows) if r.params is not None]
         out = torch.full((len(rows), width), -1, dtype=torch.long, device=self.device)  # [B, K]; -1: not drafted
         probs = torch.empty(len(sampled), width, logits.shape[-1]) if sampled else None  # [S, K, V]
-        second = None
-        if self.track_runner_up and logits.shape[-1] > 1:
-            second = torch.zeros_like(out), torch.full(out.shape, float("inf"), device=self.device)
         # a sampled row never ends by its values: a cut that depends on what the draft drew biases the output
         masks = GrammarMasks([r.grammar for r in rows], logits.shape[-1],
                              [r.jump_forward and r.params is None for r in rows])
@@ -340,20 +323,16 @@ class DraftModelProposer(Proposer):
                 masks.apply(logits, out, j)
                 if masks.all_ended(n):  # every row still drafting ended (at forced text, or its output)
                     break
-                self._pick(rows, logits, j, out, probs, second, sampled)
+                self._pick(rows, logits, j, out, probs, sampled)
         finally:
             masks.rollback()
-        return out, probs, second, masks
+        return out, probs, masks
 
     def _pick(self, rows: list[_Row], logits: torch.Tensor, j: int, out: torch.Tensor, probs: torch.Tensor | None,
-              second: tuple[torch.Tensor, torch.Tensor] | None, sampled: list[int]) -> None:
+              sampled: list[int]) -> None:
         """Draft j of the first n = len(logits) rows: the argmax, or a draw for sampling rows."""
         n = logits.shape[0]
         out[:n, j] = logits.argmax(dim=-1)  # [n]
-        if second is not None:
-            alt, gap = second
-            alt[:n, j] = logits.scatter(1, out[:n, j, None], float("-inf")).argmax(dim=-1)
-            gap[:n, j] = logits.gather(1, out[:n, j, None])[:, 0] - logits.gather(1, alt[:n, j, None])[:, 0]
         if sampled:
             s = bisect_left(sampled, n)  # sampling rows among the first n
             if s:
