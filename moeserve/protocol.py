@@ -21,13 +21,9 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from moeserve.grammar.spec import GrammarSpec
 from moeserve.sampling_params import SamplingParams, TokenLogprob, TokenTrace
-
-if TYPE_CHECKING:
-    from moeserve.spec.proposer import ProposalRequest
 
 
 class ErrorCode(str, enum.Enum):
@@ -189,5 +185,5 @@ class DraftCall:
     prefixed with the engine's session), and the sequences that ended since the last call (their
     draft KV blocks are freed first). Answered by a list of `Proposal`s, one per request."""
 
-    requests: list[ProposalRequest]
+    requests: list  # [ProposalRequest] (moeserve/spec/proposer.py, which imports this package)
     finished: list[str] = field(default_factory=list)
