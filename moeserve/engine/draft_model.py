@@ -5,31 +5,20 @@ row), V vocab, S rows that sample their drafts.
 
 One `propose` call per engine step, for the whole batch:
 
-1. sync: the draft keeps its own paged KV cache (with prefix caching, as the target's) and
-   remembers which tokens each sequence holds there. The request's token ids are compared
-   with them; the common prefix stays and the rest is forgotten. That is the rollback after a rejection (the cache held drafts the
-   target refused) and the rebuild after a miss (a new sequence, an evicted one, or a
-   history this replica never saw): rolling back is just feeding from a smaller position.
-   Each row gets the blocks for its tail and the k - 1 drafts it will feed, evicting idle
-   sequences when the blocks run out.
-2. catch-up: every row's uncached tail is fed, batched: its last token in one one-token
-   forward for all rows, whose logits give draft token 1; before it, the token before that
-   for rows whose tail is two tokens (the last draft and the bonus token, after a step that
-   accepted everything), and the model's own prefill forward for longer tails (new
-   sequences, rebuilds), so that one prompt never pads the whole batch to its length.
-3. K - 1 batched one-token forwards; a row is no longer fed once it has its k tokens
-   (rows are sorted by k, so the rows still drafting are a prefix of the batch).
+1. sync: the draft keeps its own paged KV cache (with prefix caching) and the tokens each
+   sequence holds there; the common prefix with the request's token ids stays, the rest is
+   forgotten. That is the rollback after a rejection and the rebuild after a miss (a new,
+   evicted or unseen sequence). Each row gets blocks for its tail and the k - 1 drafts it feeds.
+2. catch-up: every row's uncached tail is fed, batched: its last token in one one-token forward
+   whose logits give draft 1; before it, two-token tails (the last draft and the bonus) one token
+   more, and longer tails (prompts) through the model's own prefill forward.
+3. K - 1 batched one-token forwards (through `DenseDecodeStep` for a dense draft); the rows still
+   drafting stay a prefix of the batch.
 
-One-token forwards of a dense draft go through `DenseDecodeStep` (draft_decoder.py), which
-cuts the per-forward Python overhead that dominates at this model size; other drafts (an
-MoE model drafting for itself in tests) use the model's own forward.
-
-Drafts are the draft's argmax (deterministic: `Proposal.probs` is None) unless the
-proposer samples and the request does: then each draft token is drawn from the draft's
-probabilities processed with the request's own temperature, top-k and top-p, and those
-probabilities travel with the proposal as q for the rejection sampler. A seeded request
-draws its draft uniforms from a hash of (seed, position), so its output does not depend on
-the batch, on the replica, or on whether the draft cache was rebuilt.
+Drafts are the draft's argmax (`Proposal.probs` None) unless the proposer samples and the
+request does: then each is drawn from the draft's probabilities processed with the request's
+temperature, top-k and top-p, which travel with the proposal as q. A seeded request draws with
+noise keyed by (seed, position), so its output does not depend on the batch or the draft cache.
 """
 
 from __future__ import annotations
@@ -161,18 +150,15 @@ class DraftModelProposer(Proposer):
     ) -> list[Proposal]:
         """Up to request.num_tokens draft tokens per request, in order (possibly none), plus the
         text their grammars force between them.
-        hypothetical: the requests' histories are guesses (pre-drafting ahead of the target), not
-        what the engine confirmed: drafting rolls back from them without counting a rebuild.
-        interrupted: checked between draft steps; when it says True, DraftInterrupted is raised
-        and each sequence's cache holds its history, no drafts (what drafting wrote lies past
-        that, and is overwritten by the next call).
+        hypothetical: the histories are guesses (pre-drafting ahead of the target): drafting
+        rolls back from them without counting a rebuild, and evicts nothing.
+        interrupted: checked between draft steps; when True, DraftInterrupted is raised and each
+        sequence's cache holds its history, no drafts.
 
         A greedy row under a grammar whose forced text the engine appends (`jump_forward`) drafts
-        through that text: where its grammar forces text after a draft, the text goes into the
-        proposal and the row drafts its remaining tokens after it, in one more batched round of
-        the rows that got that far (each round feeds the forced text in one lean pass). A
-        proposal of k draft tokens can then cover several fields of a JSON document, where one
-        that stopped there covered one field."""
+        through that text: the text goes into the proposal and the row drafts its remaining tokens
+        after it, in one more batched round of the rows that got that far, so k draft tokens can
+        cover several fields of a JSON document."""
         self._clock += 1
         proposals, through = self._round(requests, hypothetical, interrupted)
         left = {i: requests[i].num_tokens - (len(proposals[i].token_ids) - len(f)) for i, f in through.items()}
