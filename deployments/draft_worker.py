@@ -97,11 +97,12 @@ class DraftWorker:
             self.busy_s += time.perf_counter() - t0
             return out
 
-    def predraft(self, call: DraftCall, proposals: list[Proposal], arrived: Callable[[], bool]) -> None:
+    def predraft(self, call: DraftCall, proposals: list[Proposal], peek: Callable[[], Any]) -> None:
         """While the target verifies: each row's next proposal for the outcome that every draft is
         accepted and the bonus token is the draft's own (one batched propose of k + 1 tokens: the
-        guess, then the next k). Stops at the next draft step once the engine's next message is here
-        (it is not kept waiting for a guess); the catch-up stands."""
+        guess, then the next k). `peek()` is the engine's next call once it is here: when it brings
+        a row with another history, pre-drafting stops at the next draft step (the engine is not
+        kept waiting for a guess that missed; the catch-up stands); otherwise it runs on."""
         from moeserve.engine.draft_model import DraftInterrupted
 
         if not self.config.predraft or not self.proposer.greedy:
@@ -110,10 +111,17 @@ class DraftWorker:
                    for r, p in zip(call.requests, proposals) if p.token_ids and r.num_tokens]
         if not guesses:
             return
+        assumed = {g.seq_id: tuple(g.token_ids) for g in guesses}
+
+        def missed() -> bool:
+            nxt = peek()
+            return nxt is not None and any(tuple(r.token_ids[:-1]) != assumed.get(r.seq_id, tuple(r.token_ids[:-1]))
+                                           for r in nxt.requests)
+
         with self._lock:
             self.num_predrafts += 1
             try:
-                got = self.proposer.propose(guesses, hypothetical=True, interrupted=arrived)
+                got = self.proposer.propose(guesses, hypothetical=True, interrupted=missed)
             except DraftInterrupted:
                 self.num_predraft_interrupted += 1
                 return

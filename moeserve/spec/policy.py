@@ -236,9 +236,8 @@ class _Acceptance:
 class AdaptiveK:
     """k for a batch from its rows' running acceptance and the costs measured at its size, checked
     by a PayGuard. Per decode step: `choose_batch(seq_ids, constrained)` before proposing,
-    `observe(seq_id, proposed, accepted)` per row after verification, `measure(...)` with the
-    step's draft and target times, `settle(...)` with the whole step's tokens and seconds;
-    `on_finished(seq_id)` when a sequence ends."""
+    `observe(seq_id, proposed, accepted)` per row after verification, `record(...)` with the
+    step's times and tokens; `on_finished(seq_id)` when a sequence ends."""
 
     def __init__(self, config: AdaptiveKConfig, costs: CostModel = PRIOR_COSTS, refit_every: int = 16) -> None:
         self.config, self.costs, self.refit_every = config, costs, refit_every
@@ -325,16 +324,15 @@ class AdaptiveK:
         self._state(seq_id).update(num_proposed, num_accepted, self.config.decay, cut)
         self._pool.update(num_proposed, num_accepted, self.config.pool_decay, cut)
 
-    def measure(self, num_rows: int, width: int, draft_s: float, target_s: float) -> None:
-        """A decode step's drafting and target times; the bucket's costs are refit every
-        refit_every of its steps, from its own window (the nearest bucket's costs as the prior)."""
+    def record(self, num_rows: int, constrained: bool, width: int, draft_s: float, target_s: float, tokens: int,
+               seconds: float) -> None:
+        """A decode step: its widest proposal (0: plain), drafting and target seconds (refit into the
+        bucket's costs every refit_every of its steps, the nearest bucket's as the prior), and, for
+        PayGuard, the tokens the target chose and the whole step's seconds."""
         self.meter.record(num_rows, width, draft_s, target_s)
         if self.meter.num_recorded_at(num_rows) % self.refit_every == 0:
             self.set_costs(self.meter.fit(self.costs_for(num_rows), num_rows), num_rows)
-
-    def settle(self, num_rows: int, constrained: bool, drafted: bool, tokens: int, seconds: float) -> None:
-        """A whole decode step, as PayGuard measures it: the tokens the target chose, its seconds."""
-        self.guard.record((bucket(num_rows), constrained), drafted, tokens, seconds)
+        self.guard.record((bucket(num_rows), constrained), width > 0, tokens, seconds)
 
     def on_finished(self, seq_id: str) -> None:
         """Forgets the sequence."""

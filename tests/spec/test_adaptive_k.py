@@ -236,6 +236,6 @@ def test_adaptive_k_drafts_only_where_its_guard_allows() -> None:
     """choose_batch asks the guard of its key (bucket, constrained): a refused key plain-steps."""
     adaptive = AdaptiveK(AdaptiveKConfig(k_max=4, prior_alpha=0.9, probe_every=1000), CHEAP_DRAFT)
     for drafted, seconds in [(True, 0.01), (False, 0.001)] * 8:
-        adaptive.settle(1, True, drafted, 1, seconds)
+        adaptive.record(1, True, int(drafted), 0.0, 0.0, 1, seconds)
     assert adaptive.choose_batch(["s"], constrained=True) == [0]
     assert adaptive.choose_batch(["s"], constrained=False)[0] > 0
