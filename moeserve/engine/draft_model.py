@@ -26,20 +26,19 @@ from __future__ import annotations
 import os
 from bisect import bisect_left
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
-from itertools import accumulate
+from dataclasses import replace
 
 import torch
 
 from model_shards import CausalLM, StepBatch
 from model_shards.paged_kv import OutOfBlocks
+from moeserve.engine.draft_rows import DraftBatch, DraftRow, DraftSeq, common_prefix
 from moeserve.engine.model_runner import Row, forward_last
 from moeserve.engine.paged_runner import PagedRunner
 from moeserve.sampler import Sampler, keyed_sample, random_sample
-from moeserve.sampling_params import SamplingParams
 from moeserve.spec.draft_decoder import DenseDecodeStep
 from moeserve.spec.draft_masks import GrammarMasks
-from moeserve.spec.proposer import DraftGrammar, Proposal, ProposalRequest, Proposer
+from moeserve.spec.proposer import Proposal, ProposalRequest, Proposer
 
 # Tails of up to this many tokens before the last (drafts and forced text a step accepted) are fed
 # through the lean step's `feed`; longer ones (prompts) through the model's own forward.
@@ -48,47 +47,6 @@ FEED_MAX = 16
 
 class DraftInterrupted(Exception):
     """A propose call stopped early because its caller asked (see `propose(interrupted=...)`)."""
-
-
-@dataclass
-class _DraftSeq:
-    """What the draft holds for one sequence: the tokens whose keys/values are in its cache."""
-
-    cached: list[int] = field(default_factory=list)
-    seen: int = 0  # length of the last request's token ids: a prefix the engine never rewrites
-    last_used: int = 0
-
-
-@dataclass
-class _Row:
-    """One sequence drafting this step."""
-
-    index: int  # position in the request list
-    seq_id: str
-    tokens: list[int]  # the request's token ids
-    k: int
-    start: int  # tokens of `tokens` already in the draft cache (after rollback)
-    params: SamplingParams | None  # None: propose the argmax
-    grammar: DraftGrammar | None = None  # masks the draft's own distribution at each draft step
-    jump_forward: bool = False  # ProposalRequest.jump_forward: drafts through forced text
-
-
-@dataclass(frozen=True)
-class _Batch:
-    """The drafting rows' block tables and lengths as tensors, built once per step."""
-
-    tables: torch.Tensor  # [B, nb] each row's blocks, covering its tail and the drafts it feeds
-    lengths: torch.Tensor  # [B] tokens cached once caught up
-    max_len: list[int]  # max_len[n - 1] = longest of the first n rows
-    ragged: list[bool]  # ragged[n - 1]: the first n rows differ in length
-
-    @classmethod
-    def of(cls, rows: list[_Row], tables: torch.Tensor) -> _Batch:
-        lengths = [len(r.tokens) for r in rows]
-        shortest = list(accumulate(lengths, min))
-        longest = list(accumulate(lengths, max))
-        return cls(tables, torch.tensor(lengths, device=tables.device), longest,
-                   [a != b for a, b in zip(shortest, longest)])
 
 
 class DraftModelProposer(Proposer):
@@ -128,7 +86,7 @@ class DraftModelProposer(Proposer):
         self.lean = DenseDecodeStep(model, self.runner.cache, max_model_len) if DenseDecodeStep.supports(model) else None
         self.greedy = greedy
         self.sampler = Sampler()
-        self._seqs: dict[str, _DraftSeq] = {}
+        self._seqs: dict[str, DraftSeq] = {}
         self._clock = 0
         self.num_new_seqs = 0  # sequences prefilled from scratch (new, evicted, or unseen here)
         self.num_rebuilt_tokens = 0  # confirmed tokens re-fed because the cache had lost them
@@ -191,7 +149,7 @@ class DraftModelProposer(Proposer):
         if not rows:
             return proposals, {}
         rows.sort(key=lambda r: -r.k)  # the rows still drafting stay a prefix
-        batch = _Batch.of(rows, self.runner.block_tables([r.seq_id for r in rows]))
+        batch = DraftBatch.of(rows, self.runner.block_tables([r.seq_id for r in rows]))
         logits = self._catch_up(rows, batch)
         try:
             tokens, probs, masks = self._draft(rows, batch, logits, interrupted)  # [B, K] ...
@@ -222,7 +180,7 @@ class DraftModelProposer(Proposer):
         self.runner.manager.commit(seq_id, confirmed)
 
     # ---- the three phases -----------------------------------------------------------------
-    def _sync(self, requests: list[ProposalRequest], hypothetical: bool = False) -> list[_Row]:
+    def _sync(self, requests: list[ProposalRequest], hypothetical: bool = False) -> list[DraftRow]:
         """Rows that draft this step, each with its cache rolled back to the common prefix."""
         busy = {r.seq_id for r in requests}
         limit = self.runner.max_model_len
@@ -238,9 +196,9 @@ class DraftModelProposer(Proposer):
                 if not self._make_room(busy):
                     continue
                 cached = self.runner.add(req.seq_id, tokens)  # a prefix-cache hit skips those tokens
-                state = self._seqs[req.seq_id] = _DraftSeq(tokens[:cached])
+                state = self._seqs[req.seq_id] = DraftSeq(tokens[:cached])
                 self.num_new_seqs += 1
-            start = _common_prefix(state.cached, tokens, state.seen)
+            start = common_prefix(state.cached, tokens, state.seen)
             if start < state.seen:
                 self.num_rebuilt_tokens += state.seen - start
             start = min(start, len(tokens) - 1)  # always feed one token: its logits give draft 1
@@ -250,10 +208,10 @@ class DraftModelProposer(Proposer):
             if not hypothetical:
                 state.seen = len(tokens)
             params = None if self.greedy or req.params is None or req.params.greedy else req.params
-            rows.append(_Row(i, req.seq_id, tokens, k, start, params, req.grammar, req.jump_forward))
+            rows.append(DraftRow(i, req.seq_id, tokens, k, start, params, req.grammar, req.jump_forward))
         return rows
 
-    def _catch_up(self, rows: list[_Row], batch: _Batch) -> torch.Tensor:
+    def _catch_up(self, rows: list[DraftRow], batch: DraftBatch) -> torch.Tensor:
         """Feeds each row's uncached tail; logits [B, V] after each row's last token.
 
         Tails are usually 1 token (a recovered token) or 2 (the last draft and the bonus
@@ -284,7 +242,7 @@ class DraftModelProposer(Proposer):
         return self._step(last, batch.tables, batch.lengths - 1, batch.max_len[-1], batch.ragged[-1])
 
     def _draft(
-        self, rows: list[_Row], batch: _Batch, logits: torch.Tensor, interrupted: Callable[[], bool] | None = None
+        self, rows: list[DraftRow], batch: DraftBatch, logits: torch.Tensor, interrupted: Callable[[], bool] | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None, GrammarMasks]:
         """Draft tokens [B, K]; for sampling rows, their q [S, K, V]; the grammar masks, whose `ends`
         and `forced` say which rows ended at text their grammar forces (or completed their output)."""
@@ -314,7 +272,7 @@ class DraftModelProposer(Proposer):
             masks.rollback()
         return out, probs, masks
 
-    def _pick(self, rows: list[_Row], logits: torch.Tensor, j: int, out: torch.Tensor, probs: torch.Tensor | None,
+    def _pick(self, rows: list[DraftRow], logits: torch.Tensor, j: int, out: torch.Tensor, probs: torch.Tensor | None,
               sampled: list[int]) -> None:
         """Draft j of the first n = len(logits) rows: the argmax, or a draw for sampling rows."""
         n = logits.shape[0]
@@ -336,7 +294,7 @@ class DraftModelProposer(Proposer):
         return self.runner.model(tokens[:, None], self.runner.cache, batch, logits="last")  # [n, V]
 
     def _sample(
-        self, rows: list[_Row], idx: list[int], logits: torch.Tensor, j: int, out: torch.Tensor, probs: torch.Tensor
+        self, rows: list[DraftRow], idx: list[int], logits: torch.Tensor, j: int, out: torch.Tensor, probs: torch.Tensor
     ) -> None:
         """Draws draft j for the sampling rows `idx` from their processed q; stores q."""
         q = self.sampler.probs(logits[idx].float().cpu(), [rows[b].params for b in idx])  # [s, V]
@@ -372,15 +330,3 @@ class DraftModelProposer(Proposer):
         self.on_finished(min(idle)[1])
         self.num_evictions += 1
         return True
-
-
-def _common_prefix(cached: list[int], tokens: list[int], hint: int) -> int:
-    """Length of the common prefix. `hint` (the last request's length) is checked in one
-    C-level comparison; only the few tokens after it are compared one by one."""
-    limit = min(len(cached), len(tokens))
-    n = min(hint, limit)
-    if cached[:n] != tokens[:n]:
-        n = 0  # a rewritten history: compare from the start
-    while n < limit and cached[n] == tokens[n]:
-        n += 1
-    return n
