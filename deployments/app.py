@@ -68,5 +68,5 @@ def _bind_draft(cfg: AppConfig) -> Application | None:
         DraftServerConfig(resolve_path(s.draft_path), max_num_seqs=e.max_num_seqs, max_model_len=e.max_model_len,
                           device=e.device, dtype=cfg.model.dtype,
                           cpus=tuple(s.draft_cpus) if s.draft_cpus is not None else None),
-        num_replicas=s.draft_replicas,
+        cfg.deployments.draft.serve_options(),
     )

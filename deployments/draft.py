@@ -158,16 +158,12 @@ class DraftServer:
         self._process.close()
 
 
-def bind_draft(config: DraftServerConfig, num_replicas: int | str = 1, name: str = "draft",
-               ray_actor_options: dict[str, Any] | None = None,
-               autoscaling_config: dict[str, Any] | None = None) -> Application:
+def bind_draft(config: DraftServerConfig, serve_options: dict[str, Any] | None = None,
+               name: str = "draft") -> Application:
     """The draft deployment, bound: pass it to the engine deployment's bind() and Serve hands the
-    engine a handle. With `autoscaling_config` Serve scales its replicas (num_replicas "auto");
-    each engine asks one replica for its channel when it starts."""
-    options: dict[str, Any] = {"num_replicas": num_replicas, "max_ongoing_requests": 8,
-                               "ray_actor_options": ray_actor_options or {"num_cpus": 1}}
-    if autoscaling_config is not None:
-        options.update(num_replicas="auto", autoscaling_config=autoscaling_config)
+    engine a handle. `serve_options` (the config's `deployments.draft`): replicas or autoscaling,
+    admission, resources; each engine asks one replica for its channel when it starts."""
+    options = serve_options or {"num_replicas": 1, "max_ongoing_requests": 8, "ray_actor_options": {"num_cpus": 1}}
     return serve.deployment(DraftServer, name=name, **options).bind(config)
 
 

@@ -259,7 +259,7 @@ def test_a_draft_that_is_always_right_is_answered_from_its_predrafts(ray_cluster
 
 def test_two_replicas_each_engine_on_its_own(ray_cluster, ckpts):
     target, draft_dir, plain = ckpts
-    handle = serve.run(bind_draft(config(draft_dir), num_replicas=2), name="draft-two", route_prefix=None)
+    handle = serve.run(bind_draft(config(draft_dir), {"num_replicas": 2}), name="draft-two", route_prefix=None)
     for _ in range(2):
         proposer = RemoteDraftProposer(channel_of(handle), timeout_s=30.0)
         assert run(make_engine(target, proposer, k=4), PROMPTS, PARAMS) == plain
