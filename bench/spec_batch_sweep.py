@@ -5,7 +5,7 @@ formulaic chats constrained to the demo's JSON schema), side by side in one run,
 round by round: no speculation; the draft in-process with a fixed k; the
 same with speculation paused from `disable_by_batch_size` sequences (the old static rule);
 adaptive k, chosen per batch-size bucket from measured step costs and acceptance (the
-utility rule, moeserve/spec/adaptive.py); and adaptive k with the draft in a worker process of
+utility rule, moeserve/spec/policy.py); and adaptive k with the draft in a worker process of
 its own (the draft deployment's worker and data channel, without Ray: `DraftProcess`), pinned
 to the last CPU and the engine to the others. Greedy, so every case writes the same tokens;
 ratios are medians of per-round ratios against no speculation. A run holds whole groups of the batch:
@@ -34,8 +34,7 @@ from bench import report, workloads  # noqa: E402
 from bench.speculative import split_cpus  # noqa: E402
 from bench.timing import interleaved, summarize  # noqa: E402
 from demo.prompts import formulaic, free_form  # noqa: E402
-from deployments.draft_process import DraftProcess  # noqa: E402
-from deployments.draft_proposer import RemoteDraftProposer  # noqa: E402
+from deployments.draft import DraftProcess, RemoteDraftProposer  # noqa: E402
 from deployments.draft_worker import DraftServerConfig  # noqa: E402
 from deployments.local import DEMO_SCHEMA  # noqa: E402
 from model_shards import load_checkpoint  # noqa: E402
@@ -95,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def case(prompts, batch: int, spec: SpecConfig | None, grammar, remote: bool = False):
         if remote:
-            proposer = RemoteDraftProposer(channel_source=worker.channel, timeout_s=5.0)
+            proposer = RemoteDraftProposer((worker.address, worker.authkey), timeout_s=5.0)
         else:
             proposer = None if spec is None else DraftModelProposer(draft, batch, 1024)
         engine = LLMEngine(ModelRunner(target, batch, 1024, prefix_caching=False), tokenizer, SchedulerConfig(batch, 1 << 16, 1024),

@@ -13,7 +13,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from bench.report import markdown_table  # noqa: E402
 from bench.timing import Run, format_ratio, ratio_over_rounds  # noqa: E402
-from moeserve.spec.adaptive import expected_tokens_per_pass  # noqa: E402
+from moeserve.spec.metrics import expected_tokens_per_pass  # noqa: E402
 
 CACHED = "draft prefix cache on"  # the label of in-process drafts that keep their prefix cache
 SPEC_KEYS = ("alpha", "acceptance_rate", "mean_k", "tokens_per_pass", "predicted_tokens_per_pass", "draft_time_share")
@@ -30,8 +30,7 @@ def spec_medians(runs: dict[str, list[Run]]) -> dict[str, dict[str, float]]:
 
 
 def draft_medians(runs: dict[str, list[Run]]) -> dict[str, dict[str, float]]:
-    """Per draft-deployment case: median pre-draft hit rate, share of steps from a push, wait per call (ms)
-    and fallback steps."""
+    """Per draft-deployment case: median pre-draft hit rate, wait per call (ms) and fallback steps."""
     out = {}
     for name, rs in runs.items():
         drafts = [r.extra["draft"] for r in rs if "draft" in r.extra]
@@ -82,8 +81,7 @@ def console(results: dict[str, Any], args: argparse.Namespace) -> str:
             extra = f"  alpha {spec['alpha']:.2f}, tokens/pass {spec['tokens_per_pass']:.2f}" if spec else ""
             draft = res.get("draft", {}).get(name)
             if draft:
-                extra += (f", pre-draft hits {draft['predraft_hit_rate']:.0%}, pushed {draft['pushed_share']:.0%}, "
-                          f"wait {draft['wait_ms_per_call']:.2f} ms/call")
+                extra += f", pre-draft hits {draft['predraft_hit_rate']:.0%}, wait {draft['wait_ms_per_call']:.2f} ms/call"
             ratio = format_ratio(row["ratio"]) if "ratio" in row else "baseline"
             lines.append(f"  {name:44s} {row['median_tokens_per_s']:7.1f} tokens/s  {ratio:>20s}{extra}")
         lines.append(f"  transformers assisted / transformers: {res['transformers assisted / transformers']}")
@@ -117,12 +115,10 @@ def _compare_table(res: dict[str, Any]) -> str:
     drafts = res.get("draft", {})
     if not drafts:
         return table
-    rows = [[name, d["predraft_hit_rate"], d["pushed_share"], d["wait_ms_per_call"], d["fallback_steps"]]
-            for name, d in drafts.items()]
-    return table + "\n\nDraft deployment (medians per run): rows answered from a pre-draft, steps whose drafts " \
-        "the worker had pushed already (no wait for a reply), time a step waited for its drafts, steps decoded " \
-        "without drafts.\n\n" + markdown_table(
-            ["case", "pre-draft hit rate", "steps from a push", "draft wait ms / call", "fallback steps"], rows)
+    rows = [[name, d["predraft_hit_rate"], d["wait_ms_per_call"], d["fallback_steps"]] for name, d in drafts.items()]
+    return table + "\n\nDraft deployment (medians per run): rows answered from a pre-draft, time a step waited for " \
+        "its drafts, steps decoded without drafts.\n\n" + markdown_table(
+            ["case", "pre-draft hit rate", "draft wait ms / call", "fallback steps"], rows)
 
 
 def _steps_table(res: dict[str, Any]) -> str:

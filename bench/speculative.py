@@ -81,11 +81,12 @@ class Bench:
                                 cpus=self.args.draft_cpus)
         self.draft_handle = serve.run(bind_draft(cfg), name="bench-draft", route_prefix=None)
 
-    def remote_drafter(self, direct: bool = True):
-        """direct: each step over the replica's draft worker's data channel (the default); else one Serve call."""
+    def remote_drafter(self):
+        """Each step over the replica's draft worker's data channel, asked for once."""
         from deployments.draft import RemoteDraftProposer
 
-        return RemoteDraftProposer(self.draft_handle, timeout_s=5.0, direct=direct)
+        channel = self.draft_handle.options(method_name="channel").remote().result(timeout_s=30)
+        return RemoteDraftProposer(channel, timeout_s=5.0)
 
     def stop(self) -> None:
         if self.draft_handle is not None:
@@ -110,7 +111,6 @@ def compare(b: Bench, prompts: list[list[int]], label: str) -> dict:
         cases[f"draft in-process adaptive k<=8, {CACHED}"] = b.ours(prompts, 1, b.drafter(prefix_caching=True), 8,
                                                                    adaptive=True)
         cases[f"draft deployment k={k}"] = b.ours(prompts, 1, b.remote_drafter(), k)
-        cases[f"draft deployment via Serve calls k={k}"] = b.ours(prompts, 1, b.remote_drafter(direct=False), k)
         cases["draft deployment adaptive k<=8"] = b.ours(prompts, 1, b.remote_drafter(), 8, adaptive=True)
     cases["transformers"] = b.hf(prompts)
     cases[f"transformers + assistant k={k}"] = b.hf(prompts, assistant=b.hf_draft)

@@ -57,7 +57,6 @@ def ours(engine: LLMEngine, prompts: list[list[int]], new_tokens: int, batch: in
             after = stats()
             calls, proposals = after["calls"] - before["calls"], after["proposals"] - before["proposals"]
             extra["draft"] = {"predraft_hit_rate": (after["predraft_hits"] - before["predraft_hits"]) / max(proposals, 1),
-                              "pushed_share": (after["pushed_steps"] - before["pushed_steps"]) / max(calls, 1),
                               "wait_ms_per_call": 1e3 * (after["wait_s"] - before["wait_s"]) / max(calls, 1),
                               "fallback_steps": after["fallback_steps"] - before["fallback_steps"]}
         return tokens, extra

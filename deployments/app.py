@@ -15,8 +15,8 @@ The other parts plug in here:
   deployments/engine_server.py `load_engine`), so autoscaling the engine scales whole groups;
 - draft model (`speculative.draft: model`): in the engine's process by default, or its own
   deployment with `speculative.placement: deployment` (deployments/draft.py), bound here
-  and handed to the engine, which asks it once for its replica's draft worker's data channel
-  and then sends that worker one message per step;
+  and handed to the engine, which asks it once for a replica's data channel and then sends
+  its worker one message per step;
 - router-service actor (deployments/router_actor.py): created by the first engine replica
   that reports expert load; read by the gateway's /admin/experts.
 """
@@ -67,6 +67,6 @@ def _bind_draft(cfg: AppConfig) -> Application | None:
     return bind_draft(
         DraftServerConfig(resolve_path(s.draft_path), max_num_seqs=e.max_num_seqs, max_model_len=e.max_model_len,
                           device=e.device, dtype=cfg.model.dtype,
-                          cpus=cfg.pinned_draft_cpus(), grammar=EngineConfig.from_app(cfg).grammar),
-        num_replicas=s.draft_replicas,
+                          cpus=tuple(s.draft_cpus) if s.draft_cpus is not None else None),
+        cfg.deployments.draft.serve_options(),
     )

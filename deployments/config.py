@@ -24,12 +24,7 @@ class AppConfig(tree.AppConfig):
                                   stream_interval_s=e.stream_interval_s,
                                   stream_interval_max_s=max(e.stream_interval_s, e.stream_interval_max_s),
                                   core_process=e.core_process, live_replacement=sh.live_replacement,
-                                  replacement_min_gain=sh.replacement_min_gain, draft_cpus=self.pinned_draft_cpus())
-
-    def pinned_draft_cpus(self) -> tuple[int, ...] | None:
-        """The CPU ids the draft deployment's workers are pinned to (None: not a pinned deployment)."""
-        s = self.speculative
-        return tuple(s.draft_cpus) if s.placement == "deployment" and s.draft_cpus is not None else None
+                                  replacement_min_gain=sh.replacement_min_gain)
 
     def gateway_config(self) -> GatewayConfig:
         """The gateway's part."""

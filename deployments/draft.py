@@ -1,96 +1,153 @@
-"""The draft model as its own Serve deployment (the engine's side of it:
-deployments/draft_proposer.py `RemoteDraftProposer`).
+"""The draft model as its own Serve deployment (engines reach it through
+deployments/draft_channel.py `RemoteDraftProposer`).
 
-    engine step --one message per step, whole batch, on a socket--> DraftWorker (a child
-                                                                    process of a DraftServer
-                                                                    replica)
+    engine step --one DraftCall per step, whole batch, on a socket--> DraftWorker (a child process
+                                                                       of a DraftServer replica)
 
-The user's design has "a separate draft-model deployment" propose tokens. Each replica of
-the deployment runs one `DraftWorker`, which holds the model, in a child process of its own
-(deployments/draft_process.py `DraftProcess`); the engine asks the deployment once (a Serve
-call) for its replica's data channel, then sends every step's call on that channel
-(deployments/draft_channel.py). A Serve call costs more than a decode step and even an actor
-call a good part of one, so the transport decides whether drafting pays at all
-(bench/reports/speculative.md). The per-step call carries every sequence of the step at once
-(`DraftCall`) and returns all proposals; the engine never calls per sequence or per draft
-token. After answering, the worker pre-drafts the next proposal of each row while the target
-verifies (`DraftWorker.predraft`) and pushes it; a step that finds its proposals pushed sends
-an unanswered notice instead of a call. `direct=False` keeps one Serve call per step instead.
+The user's design has "a separate draft-model deployment" propose tokens. Each replica runs one
+`DraftWorker` (deployments/draft_worker.py), which holds the model, in a child process of its own
+(`DraftProcess`), started again whenever it dies; the engine asks the deployment once (a Serve
+call) for its replica's data channel and then sends every step there. The channel's address and
+secret stay the same across the worker's restarts, so an engine only reconnects.
 
-State and routing: the draft keeps a KV cache per sequence, so each engine sticks to one
-draft replica (Serve's consistent-hash router keyed by the engine's session id, and then
-that replica's worker). Sticking is an optimisation, not a correctness condition: a worker
-that sees a sequence it does not hold, or holds a stale copy of, rolls back to the common
-prefix or rebuilds by prefilling (DraftModelProposer compares token ids every step).
-Sequence ids are prefixed with the engine's session id, so two engines never share a draft
-cache entry.
+State and routing: the draft keeps a KV cache per sequence, so each engine sticks to the replica it
+asked. A worker that sees a sequence it does not hold, or holds a stale copy of, rolls back to the
+common prefix or rebuilds by prefilling (DraftModelProposer compares token ids every step).
 
-Lifetime and failure: the worker process exits with its replica, and the replica starts a
-new one when it dies; the health check pings it, so Serve replaces a replica whose worker
-cannot come back. When a call times out, fails, or the deployment is gone,
-`RemoteDraftProposer` returns no drafts for that step (the engine decodes without
-speculation, exact all the same), drops its connection, and backs off before trying again
-(asking the deployment for the channel anew), doubling the pause up to a limit.
+Lifetime and failure: the worker exits with its replica; the health check pings it, so Serve
+replaces a replica whose worker cannot come back. When a call times out or fails, the engine
+decodes without drafts for a while (exact all the same) and then reconnects.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
+import pickle
+import socket
+import subprocess
+import sys
 import threading
+from multiprocessing.connection import Connection
 from typing import Any
 
 from ray import serve
 from ray.serve import Application
-from ray.serve.config import RequestRouterConfig
 
-from deployments.draft_channel import ChannelClient
-from deployments.draft_process import DraftProcess
-from deployments.draft_proposer import RemoteDraftProposer
-from deployments.draft_worker import DraftCall, DraftServerConfig
-from moeserve.spec.proposer import Proposal
+from deployments.draft_channel import RemoteDraftProposer
+from deployments.draft_worker import DraftServerConfig
 
-__all__ = ["DraftServer", "DraftServerConfig", "RemoteDraftProposer", "bind_draft"]
+__all__ = ["DraftProcess", "DraftServer", "DraftServerConfig", "RemoteDraftProposer", "bind_draft"]
 
-STICKY_ROUTER = "ray.serve.experimental.consistent_hash_router.ConsistentHashRouter"
+log = logging.getLogger(__name__)
+
+START_TIMEOUT_S = 600.0  # loading a draft checkpoint may take a while on a busy node
+
+
+class DraftProcess:
+    """A DraftWorker in a child process, started at once and again whenever it dies, until
+    `close()`; each child binds the same channel address (`address`, `authkey`). `stats()`/`check()`
+    ask the child over a control socket. If a restart fails, `dead` says why."""
+
+    def __init__(self, config: DraftServerConfig, start_timeout_s: float = START_TIMEOUT_S) -> None:
+        self.config, self.start_timeout_s = config, start_timeout_s
+        self.address: tuple[str, int] = (_node_ip(), 0)  # port 0: the first child picks one
+        self.authkey = os.urandom(16)
+        self.restarts = 0
+        self.dead: str | None = None
+        self.pid: int | None = None
+        self._lock = threading.Lock()  # one control round trip at a time; guards _proc and _conn
+        self._ready = threading.Event()
+        self._closing = False
+        self._proc: subprocess.Popen | None = None
+        self._conn: Connection | None = None
+        self._start()
+
+    def _start(self, restart: bool = False) -> None:
+        parent, child = socket.socketpair()
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+        proc = subprocess.Popen([sys.executable, "-m", "deployments.draft_worker", str(child.fileno())],
+                                pass_fds=(child.fileno(),), env=env)
+        child.close()
+        conn = Connection(parent.detach())
+        try:
+            conn.send_bytes(pickle.dumps((self.config, self.address, self.authkey)))
+            if not conn.poll(self.start_timeout_s):
+                raise TimeoutError(f"not ready within {self.start_timeout_s} s")
+            pid, address = pickle.loads(conn.recv_bytes())
+        except Exception as e:  # it died while loading (EOFError), or hangs
+            proc.kill()
+            proc.wait()
+            conn.close()
+            raise RuntimeError(f"the draft worker process did not start: {type(e).__name__}: {e}") from e
+        with self._lock:
+            self._proc, self._conn, self.pid, self.address = proc, conn, pid, tuple(address)
+            self.restarts += restart
+            self._ready.set()
+        threading.Thread(target=self._watch, args=(proc,), name="draft-worker-watch", daemon=True).start()
+
+    def _watch(self, proc: subprocess.Popen) -> None:
+        code = proc.wait()
+        with self._lock:
+            self._ready.clear()
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
+        if self._closing:
+            return
+        log.error("the draft worker process exited (code %s); starting a new one", code)
+        try:
+            self._start(restart=True)
+        except Exception as e:
+            self.dead = str(e)
+            log.error("%s", e)
+
+    def _ask(self, op: str, timeout_s: float) -> Any:
+        with self._lock:
+            if self._conn is None:
+                raise RuntimeError(self.dead or "the draft worker process is restarting")
+            self._conn.send_bytes(op.encode())
+            if not self._conn.poll(timeout_s):
+                raise TimeoutError(f"the draft worker process did not answer {op!r} within {timeout_s} s")
+            return pickle.loads(self._conn.recv_bytes())
+
+    def stats(self, timeout_s: float = 10.0) -> dict[str, Any]:
+        """The worker's counters, with this process's pid and how often it was restarted."""
+        return self._ask("stats", timeout_s) | {"pid": self.pid, "restarts": self.restarts}
+
+    def check(self, timeout_s: float = 10.0) -> None:
+        """Raises when the worker is dead for good, or up and not answering; a restart in progress passes."""
+        if self.dead:
+            raise RuntimeError(self.dead)
+        if self._ready.is_set():
+            self._ask("ping", timeout_s)
+
+    def kill(self) -> None:
+        """SIGKILL the child (fault injection): it is restarted like any other death."""
+        if self._proc is not None:
+            self._proc.kill()
+
+    def close(self) -> None:
+        self._closing = True
+        if self._proc is not None:
+            self._proc.kill()
 
 
 class DraftServer:
-    """A draft replica: runs a DraftWorker in a child process (`DraftProcess`) and tells
-    engines where its data channel is. The replica itself only supervises and waits, so its
-    reservation (`ray_actor_options`) is the worker's: the child runs on the replica's node,
-    with its CPUs (and its GPU, `CUDA_VISIBLE_DEVICES` being inherited).
-    """
+    """A draft replica: supervises its DraftWorker's process and tells engines where its data
+    channel is. Its reservation (`ray_actor_options`) is the worker's: the child runs on the
+    replica's node, with its CPUs (and its GPU, `CUDA_VISIBLE_DEVICES` being inherited)."""
 
     def __init__(self, config: DraftServerConfig) -> None:
         self._process = DraftProcess(config)  # the model is loaded before the replica reports ready
-        self._client: Any = None  # this replica's own connection, for Serve-call proposals
-        self._client_to: Any = None
-        self._client_lock = threading.Lock()
 
     async def channel(self) -> tuple[tuple[str, int], bytes]:
-        """The address and secret of the worker's data channel: engines send every step's call
-        there, not through Serve or Ray. Waits briefly while a dead worker is being restarted."""
-        return await asyncio.to_thread(self._process.channel, 5.0)
-
-    async def propose(self, call: DraftCall) -> list[Proposal]:
-        """Proposals through Serve (one Serve call per step; RemoteDraftProposer(direct=False)),
-        passed on over this replica's own connection to the worker."""
-        return await asyncio.to_thread(self._propose, call)
-
-    def _propose(self, call: DraftCall) -> list[Proposal]:
-        with self._client_lock:
-            address, key = self._process.channel(30.0)
-            if self._client is None or self._client_to != address:
-                self._client, self._client_to = ChannelClient(address, key), address
-            try:
-                return self._client.call(call, 30.0)
-            except Exception:
-                self._client.close()
-                self._client = None
-                raise
+        """The address and secret of the worker's data channel (the same across its restarts)."""
+        return self._process.address, self._process.authkey
 
     async def stats(self) -> dict[str, Any]:
-        """This replica's worker's counters (a Serve call reaches the session's replica when sticky)."""
+        """This replica's worker's counters."""
         return await asyncio.to_thread(self._process.stats)
 
     async def check_health(self) -> None:
@@ -101,21 +158,22 @@ class DraftServer:
         self._process.close()
 
 
-def bind_draft(
-    config: DraftServerConfig,
-    num_replicas: int = 1,
-    name: str = "draft",
-    ray_actor_options: dict[str, Any] | None = None,
-) -> Application:
-    """The draft deployment, bound and ready for `serve.run` or for composition: pass the
-    result to the engine deployment's bind() and Serve hands the engine a handle to it."""
-    deployment = serve.deployment(
-        DraftServer,
-        name=name,
-        num_replicas=num_replicas,
-        # Each engine has at most one call in flight (plus a late one after a timeout).
-        max_ongoing_requests=8,
-        request_router_config=RequestRouterConfig(request_router_class=STICKY_ROUTER),
-        ray_actor_options=ray_actor_options or {"num_cpus": 1},
-    )
-    return deployment.bind(config)
+def bind_draft(config: DraftServerConfig, serve_options: dict[str, Any] | None = None,
+               name: str = "draft") -> Application:
+    """The draft deployment, bound: pass it to the engine deployment's bind() and Serve hands the
+    engine a handle. `serve_options` (the config's `deployments.draft`): replicas or autoscaling,
+    admission, resources; each engine asks one replica for its channel when it starts."""
+    options = serve_options or {"num_replicas": 1, "max_ongoing_requests": 8, "ray_actor_options": {"num_cpus": 1}}
+    return serve.deployment(DraftServer, name=name, **options).bind(config)
+
+
+def _node_ip() -> str:
+    """This node's address as Ray knows it (other nodes can reach it), else loopback."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.util.get_node_ip_address()
+    except Exception:  # not on Ray
+        pass
+    return socket.gethostbyname("localhost")

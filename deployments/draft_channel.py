@@ -1,22 +1,15 @@
-"""The engine's persistent data channel to its draft worker: one socket, set up once through Ray.
+"""The persistent data channel between an engine and its draft worker, and the engine's end of it.
 
-    engine step --pickled DraftCall--> socket --> DraftWorker (its channel thread)
-                <--proposals----------
-                <--Push(pre-drafts)--            (unasked, once the worker has drafted ahead)
-                --Notice(DraftCall)->            (no reply: the step used a pushed pre-draft)
+    engine step --DraftCall (moeserve/protocol.py)--> socket --> DraftWorker (deployments/draft_worker.py)
+                <--list[Proposal]---------------------
 
-A Ray actor call costs milliseconds here, about as much as a decode step, so the per-step
-traffic does not go through Ray: the engine asks the worker once (a Ray call) to open a
-channel and gets its address and a one-time secret, connects, and then every step is one
-message each way over that connection (`multiprocessing.connection`: length-prefixed
-frames, HMAC handshake with the secret, so nothing else can connect). If the worker dies, the
-connection breaks at once; the engine forgets it and asks the deployment for a worker again.
-
-A call's round trip still costs the step: the worker wakes, reads, answers, the engine reads
-(bench/reports/speculative.md gives the wait per call), and a call that arrives while the
-worker still drafts ahead waits for it. So what the worker drafts ahead is pushed to the engine as soon as it is
-drafted; a step that finds its proposals there uses them at once and tells the worker which
-ones with a notice, which is not answered.
+A Serve call costs more than a decode step, so the per-step traffic does not go through Ray: the
+engine asks the draft deployment once (a Serve call) for its replica's channel address and
+secret, connects, and then every step is one message each way (`multiprocessing.connection`:
+length-prefixed frames, HMAC handshake with the secret, so nothing else can connect). The
+address outlives a worker's restart (its replica rebinds the same port), so an engine only
+reconnects. No Ray here: an engine core in a process of its own gets a `RemoteDraftProposer`
+pickled into its spec.
 """
 
 from __future__ import annotations
@@ -27,48 +20,28 @@ import pickle
 import socket
 import threading
 import time
+import uuid
+from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from multiprocessing.connection import Client, Connection, Listener
 from typing import Any
+
+from moeserve.protocol import DraftCall
+from moeserve.spec.proposer import Proposal, ProposalRequest, Proposer
 
 log = logging.getLogger(__name__)
 
 
-def _dumps(msg: Any) -> bytes:
-    return pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
-
-
-@dataclass(frozen=True)
-class Notice:
-    """An engine's message that is handled like a call but not answered."""
-
-    msg: Any
-
-
-@dataclass(frozen=True)
-class Push:
-    """What the worker's after-hook returned, sent to the engine unasked."""
-
-    payload: Any
-
-
 class ChannelServer:
-    """In the draft worker: accepts engines' connections, one thread each. Per message,
-    `handle(msg)` gives the reply, which is sent at once (not for a `Notice`); then
-    `after(msg, reply, peek, push)` runs (the worker's pre-drafting) while the engine is busy
-    with its own step. `peek()` is the engine's next message once it has arrived (None before):
-    `after` may stop early for it, and it is handled as soon as `after` returns. `push(payload)`
-    sends a payload to the engine unasked (`Push`; nothing for an empty one), unless its next
-    call has arrived already (that one is answered from what `after` did)."""
+    """In the draft worker: accepts engines' connections, one thread each. Per message, the
+    reply `handle(msg)` is sent at once; then `after(msg, reply, peek)` runs (the worker's
+    pre-drafting) while the engine verifies, `peek()` giving the engine's next message once it
+    is here (None before), which is handled as soon as `after` returns."""
 
-    def __init__(self, handle: Callable[[Any], Any],
-                 after: Callable[[Any, Any, Callable[[], Any], Callable[[Any], None]], None] | None = None,
-                 host: str | None = None) -> None:
+    def __init__(self, handle: Callable[[Any], Any], after: Callable[[Any, Any, Callable[[], Any]], None],
+                 address: tuple[str, int], authkey: bytes) -> None:
         self.handle, self.after = handle, after
-        self.authkey = os.urandom(16)
-        bind = host or _node_ip()
-        self._listener = Listener((bind, 0), authkey=self.authkey)
+        self._listener = Listener(address, authkey=authkey)
         self.address: tuple[str, int] = self._listener.address
         self.num_connections = 0
         threading.Thread(target=self._accept, daemon=True, name="draft-channel").start()
@@ -87,12 +60,7 @@ class ChannelServer:
 
     def _serve(self, conn: Connection) -> None:
         _no_delay(conn)
-        early: list[Any] = []  # the next message, when `after` peeked at it
-
-        def send_push(payload: Any) -> None:  # unless the engine's next call is here: it is answered
-            waiting = peek()
-            if payload and (waiting is None or isinstance(waiting, Notice)):
-                conn.send_bytes(_dumps(Push(payload)))
+        early: list[Any] = []  # the next message, once `after` peeked at it
 
         def peek() -> Any:
             if not early and conn.poll(0):
@@ -103,85 +71,125 @@ class ChannelServer:
             while True:
                 try:
                     msg = early.pop() if early else pickle.loads(conn.recv_bytes())
-                except (EOFError, OSError):  # the engine went away
-                    return
-                try:
-                    notice = isinstance(msg, Notice)
-                    if notice:
-                        msg = msg.msg
                     reply = self.handle(msg)
-                    if not notice:
-                        conn.send_bytes(_dumps(reply))
-                    if self.after is not None:
-                        self.after(msg, reply, peek, lambda payload: send_push(payload))
-                except (EOFError, OSError):
+                    conn.send_bytes(pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL))
+                    self.after(msg, reply, peek)
+                except (EOFError, OSError):  # the engine went away
                     return
                 except Exception:  # a bug in the handler: drop this engine's connection (it falls back)
                     log.exception("draft channel: a call failed; closing the connection")
                     return
 
-    def close(self) -> None:
-        self._listener.close()
-
-
-class ChannelClient:
-    """The engine's end: `call(msg, timeout_s)` sends one message and waits for its reply;
-    `notify(msg)` sends one that is not answered; `pushed()` gives what the worker pushed."""
-
-    def __init__(self, address: tuple[str, int], authkey: bytes) -> None:
-        self._conn = Client(tuple(address), authkey=authkey)
-        _no_delay(self._conn)
-        self._pushes: list[Any] = []
-
-    def call(self, msg: Any, timeout_s: float) -> Any:
-        """The reply; TimeoutError if none within timeout_s (the connection is then unusable:
-        a late reply would answer the next call), OSError/EOFError if the worker is gone.
-        Pushes that arrive first are kept for `pushed()`."""
-        self._conn.send_bytes(_dumps(msg))
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if not self._conn.poll(max(0.0, deadline - time.monotonic())):
-                raise TimeoutError(f"no reply on the draft channel within {timeout_s} s")
-            got = pickle.loads(self._conn.recv_bytes())
-            if not isinstance(got, Push):
-                return got
-            self._pushes.append(got.payload)
-
-    def notify(self, msg: Any) -> None:
-        """Sends msg as a `Notice`: handled like a call, not answered."""
-        self._conn.send_bytes(_dumps(Notice(msg)))
-
-    def pushed(self) -> list[Any]:
-        """The payloads pushed since the last time, oldest first (never waits)."""
-        while self._conn.poll(0):
-            got = pickle.loads(self._conn.recv_bytes())
-            if isinstance(got, Push):
-                self._pushes.append(got.payload)
-            else:  # only a call's reply, and calls wait for theirs
-                log.warning("draft channel: an unasked reply was dropped")
-        out, self._pushes = self._pushes, []
-        return out
-
-    def close(self) -> None:
-        self._conn.close()
-
 
 def _no_delay(conn: Connection) -> None:
-    """Small messages go out at once (TCP_NODELAY). Without it, a push right after a reply, or a
-    call right after a notice, waited for the peer's delayed acknowledgement, a timer far longer
-    than a decode step."""
+    """Small messages go out at once (TCP_NODELAY), not after the peer's delayed acknowledgement."""
     with socket.socket(fileno=os.dup(conn.fileno())) as sock:
         if sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
-def _node_ip() -> str:
-    """This node's address as Ray knows it (other nodes can reach it), else loopback."""
-    try:
-        import ray
+class RemoteDraftProposer(Proposer):
+    """Engine-side proposer: one `DraftCall` per engine step over the data channel.
 
-        if ray.is_initialized():
-            return ray.util.get_node_ip_address()
-    except Exception:  # not on Ray
-        pass
-    return socket.gethostbyname("localhost")
+    channel: the worker's (address, secret), or a function that asks for it within a timeout
+        (a Serve call to the draft deployment), asked again after a failure.
+    timeout_s: how long a step waits for drafts before decoding without them.
+    backoff_s, max_backoff_s: after a failure no call is made for backoff_s, doubling with each
+        further failure up to max_backoff_s; a success resets it. The engine then decodes without
+        speculation, exact all the same.
+    """
+
+    def __init__(self, channel: tuple[tuple[str, int], bytes] | Callable[[float], Any], timeout_s: float = 0.5,
+                 backoff_s: float = 1.0, max_backoff_s: float = 30.0) -> None:
+        if timeout_s <= 0 or backoff_s < 0 or max_backoff_s < backoff_s:
+            raise ValueError("need timeout_s > 0 and 0 <= backoff_s <= max_backoff_s")
+        self._channel = channel
+        self.session = uuid.uuid4().hex[:12]  # two engines never share a draft cache entry
+        self.timeout_s, self.backoff_s, self.max_backoff_s = timeout_s, backoff_s, max_backoff_s
+        self._pause_s, self._retry_at = backoff_s, 0.0
+        self._conn: Connection | None = None
+        self._finished: deque[str] = deque(maxlen=100_000)  # the worker evicts least recently used ones anyway
+        self.num_calls = self.num_proposals = self.num_predraft_hits = 0
+        self.num_fallback_steps = self.num_timeouts = self.num_errors = 0
+        self.draft_wait_s = 0.0
+
+    def __getstate__(self) -> dict[str, Any]:  # pickled into an engine core's spec before it connects
+        return {**self.__dict__, "_conn": None}
+
+    def connect(self, timeout_s: float) -> bool:
+        """Opens the channel now (so that no step pays for it); whether it is open."""
+        try:
+            if self._conn is None:
+                channel = self._channel if isinstance(self._channel, tuple) else self._channel(timeout_s)
+                self._conn = Client(tuple(channel[0]), authkey=channel[1])
+                _no_delay(self._conn)
+        except Exception as e:
+            log.warning("draft channel not open yet (%s: %s); trying again on a later step", type(e).__name__, e)
+        return self._conn is not None
+
+    def propose(self, requests: list[ProposalRequest]) -> list[Proposal]:
+        """Drafts for the batch, or none at all (fallback) when the worker is slow or gone."""
+        empty = [Proposal([]) for _ in requests]
+        asked = [r for r in requests if r.num_tokens > 0]
+        if not asked:
+            return empty
+        if time.monotonic() < self._retry_at:
+            self.num_fallback_steps += 1
+            return empty
+        self.num_calls += 1
+        finished, prefix = list(self._finished), self.session + "/"
+        self._finished.clear()
+        call = DraftCall([ProposalRequest(prefix + r.seq_id, r.token_ids, r.num_tokens, r.params) for r in asked],
+                         [prefix + s for s in finished])
+        t0 = time.perf_counter()
+        try:
+            got = self._call(call)
+        except Exception as e:  # timed out, the worker died, the deployment is gone: never fail the step
+            self._fail(finished, e)
+            return empty
+        finally:
+            self.draft_wait_s += time.perf_counter() - t0
+        self._pause_s = self.backoff_s
+        self.num_proposals += sum(1 for p in got if p.token_ids)
+        self.num_predraft_hits += sum(1 for p in got if p.predrafted)
+        by_id = dict(zip((r.seq_id for r in asked), got))
+        return [by_id.get(r.seq_id, p) for r, p in zip(requests, empty)]
+
+    def _call(self, call: DraftCall) -> list[Proposal]:
+        if self._conn is None and not self.connect(self.timeout_s):
+            raise ConnectionError("the draft channel is not open")
+        self._conn.send_bytes(pickle.dumps(call, protocol=pickle.HIGHEST_PROTOCOL))
+        if not self._conn.poll(self.timeout_s):
+            raise TimeoutError(f"no drafts within {self.timeout_s} s")
+        return pickle.loads(self._conn.recv_bytes())
+
+    def _fail(self, finished: list[str], error: Exception) -> None:
+        if self._conn is not None:  # a late reply would answer the next call: start afresh
+            self._conn.close()
+            self._conn = None
+        self.num_timeouts += isinstance(error, TimeoutError)
+        self.num_errors += not isinstance(error, TimeoutError)
+        self.num_fallback_steps += 1
+        self._finished.extendleft(reversed(finished))  # sent again next time (freeing twice is harmless)
+        self._retry_at = time.monotonic() + self._pause_s
+        log.warning("draft deployment %s: %s; decoding without drafts for %.1f s", type(error).__name__, error,
+                    self._pause_s)
+        self._pause_s = min(self._pause_s * 2, self.max_backoff_s)
+
+    def on_finished(self, seq_id: str) -> None:
+        """Queued; sent with the next call."""
+        self._finished.append(seq_id)
+
+    def stats(self) -> dict[str, float]:
+        """Counters for /metrics (`moeserve_engine{name="draft_..."}`)."""
+        return {
+            "calls": self.num_calls,
+            "proposals": self.num_proposals,
+            "predraft_hits": self.num_predraft_hits,
+            "predraft_hit_rate": self.num_predraft_hits / max(self.num_proposals, 1),
+            "fallback_steps": self.num_fallback_steps,
+            "timeouts": self.num_timeouts,
+            "errors": self.num_errors,
+            "wait_s": self.draft_wait_s,
+            "wait_s_per_call": self.draft_wait_s / max(self.num_calls, 1),
+        }

@@ -31,8 +31,6 @@ class EngineServerConfig:
     core_process: run the engine core (the step loop) in a process of its own, so it never
         shares a GIL with Serve's event loop. A shard group's rank 0 needs the replica's Ray
         connection, so with one the core runs on a thread.
-    draft_cpus: CPU ids a draft deployment's workers are pinned to (speculative.draft_cpus): the
-        core process keeps off them where other CPUs remain, so draft and target each have cores.
     """
 
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -49,7 +47,6 @@ class EngineServerConfig:
     core_process: bool = default_of(EngineSection, "core_process")
     live_replacement: bool = default_of(ShardsSection, "live_replacement")
     replacement_min_gain: float = default_of(ShardsSection, "replacement_min_gain")
-    draft_cpus: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         top = self.stream_interval_max_s

@@ -11,8 +11,8 @@ chunks under load (every chunk is two Serve hops). Deadlines are enforced here.
 Where the core runs: in a process of its own (`EngineServerConfig.core_process`, the served
 default), so the step loop never shares a GIL with Serve's event loop; or on a thread of this
 process (moeserve/engine/core_client.py `InprocCore`) when the engine is handed in (tests)
-or needs this replica's Ray handles (an expert-parallel shard group). A core process with a
-draft deployment asks this replica once where the draft's data channel is.
+or needs this replica's Ray handles (an expert-parallel shard group). With a draft deployment
+the core's one proposer is a `RemoteDraftProposer` on the channel this replica asked it for.
 
 No stream can hang: every chunk the core sends for a request reaches its stream; a dead core
 ends every live stream with UNAVAILABLE (the gateway resumes them; a core process is
@@ -24,11 +24,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import threading
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Collection
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,15 +51,6 @@ class _Stream:
     loop: asyncio.AbstractEventLoop
     chunks: asyncio.Queue
     usage: Usage = field(default_factory=Usage)
-
-
-def cpus_besides(taken: Collection[int] | None) -> set[int] | None:
-    """The CPUs this process may use other than `taken` (None: all of them, also when `taken`
-    would leave none)."""
-    if not taken:
-        return None
-    rest = os.sched_getaffinity(0) - set(taken)
-    return rest or None
 
 
 class EngineServer:
@@ -89,41 +79,24 @@ class EngineServer:
         self._streams: dict[str, _Stream] = {}  # admitted, and the core has not ended them yet
         self._counters: Counter[str] = Counter()
         self._stopping = False
+        proposer = None
+        if draft is not None:  # the draft deployment's channel, asked once (a worker's restart keeps it)
+            from deployments.draft_channel import RemoteDraftProposer
+
+            proposer = RemoteDraftProposer(draft.options(method_name="channel").remote().result(timeout_s=60.0))
         if engine is None and config.core_process and config.num_shards == 1:
-            self.core = self._process_core(draft)
+            self.core = ProcessCore((config.engine, config.torch_threads, proposer), self._on_chunks, self._on_dead)
             self.max_num_seqs = config.engine.max_num_seqs
         else:
-            self.core = self._thread_core(engine, compiler, draft)
+            self.core = self._thread_core(engine, compiler, proposer)
             self.max_num_seqs = self.engine.scheduler.cfg.max_num_seqs
         self._reporter: threading.Thread | None = None
         if config.report_expert_load_s > 0:
             self._reporter = threading.Thread(target=self._report_expert_load, name="expert-load", daemon=True)
             self._reporter.start()
 
-    def _process_core(self, draft: Any) -> ProcessCore:
-        """The core in its own process. With a draft deployment, the core's proposer asks this
-        replica where the draft's channel is (one Serve call, sticky to one draft replica) and
-        then sends every step there itself."""
-        spec = (self.config.engine, self.config.torch_threads)
-        if draft is None:
-            return ProcessCore(spec, self._on_chunks, self._on_dead)
-        import uuid
-
-        from deployments.draft_proposer import over_lookup
-
-        channel = draft.options(method_name="channel", session_id=uuid.uuid4().hex[:12])
-        return ProcessCore((*spec, over_lookup), self._on_chunks, self._on_dead,
-                           lookup=lambda: channel.remote().result(timeout_s=30.0),
-                           cpus=cpus_besides(self.config.draft_cpus))
-
-    def _thread_core(self, engine: LLMEngine | None, compiler: Any, draft: Any) -> InprocCore:
+    def _thread_core(self, engine: LLMEngine | None, compiler: Any, proposer: Any) -> InprocCore:
         if engine is None:
-            proposer = None
-            if draft is not None:
-                from deployments.draft_proposer import START_CONNECT_TIMEOUT_S, RemoteDraftProposer
-
-                proposer = RemoteDraftProposer(draft)
-                proposer.connect(START_CONNECT_TIMEOUT_S)
             engine, self.shard_group = load_engine(self.config, proposer)
             self.engine = engine
         if compiler is None and engine.tokenizer is not None:

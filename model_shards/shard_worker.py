@@ -175,7 +175,7 @@ class ShardWorker(_Shard):
 
 
 class ShardedRunner(_Shard):
-    """Rank 0: the engine's model runner for a whole shard group (same interface as PagedRunner).
+    """Rank 0: the engine's model runner for a whole shard group (same interface as ModelRunner).
     `max_num_seqs` is per rank; a sequence goes to the rank with most of its prefix cached,
     within BALANCE_SLACK sequences of the least busy one."""
 

@@ -101,10 +101,8 @@ class SpeculativeSection(_Section):
     adaptive: bool = True
     # model draft: in the engine's process, or its own Serve deployment (one call per engine step)
     placement: Literal["in_process", "deployment"] = "in_process"
-    draft_replicas: int = Field(1, ge=1)
     # placement deployment: pin each draft worker process to these CPU ids of its node (None: the OS
-    # places it), and keep the engine's core process off them where other CPUs remain, so a draft
-    # with cores of its own drafts ahead without taking the engine's
+    # places it), so a draft with cores of its own drafts ahead without taking the engine's
     draft_cpus: list[NonNegativeInt] | None = Field(None, min_length=1)
     # No speculation while this many sequences run (0: never), whatever adaptive k measures.
     # Off by default: adaptive k drafts where it pays at each batch size, which a fixed cut-off can
@@ -261,6 +259,8 @@ def _engine_defaults() -> DeploymentSection:
 class DeploymentsSection(_Section):
     gateway: DeploymentSection = Field(default_factory=_gateway_defaults)
     engine: DeploymentSection = Field(default_factory=_engine_defaults)
+    # speculative.placement deployment: each engine asks a replica for its channel once at start
+    draft: DeploymentSection = Field(default_factory=lambda: DeploymentSection(num_replicas=1, max_ongoing_requests=8))
 
 
 class AppConfig(_Section):

@@ -9,7 +9,8 @@ compiles the spec itself, once, from its cache).
 
 Between the engine replica and its core (moeserve/engine/core.py) travel also `Abort`,
 `StatsRequest`/`StatsReply`, `Shutdown` and, as the core's last word, `CoreStopped`; the
-core sends its chunks as one list per step.
+core sends its chunks as one list per step. Between an engine and a draft deployment's worker
+(deployments/draft_channel.py) travels one `DraftCall` per step, answered by its proposals.
 
 Errors travel in-band: a chunk with `error` set is the last chunk of its stream. Its
 `code` is the one error vocabulary of the project, mapped once to HTTP statuses
@@ -176,3 +177,13 @@ class CoreStopped:
     """The core's last message: its loop ended (every live request already got an error chunk)."""
 
     reason: str
+
+
+@dataclass(frozen=True)
+class DraftCall:
+    """One engine step's request to a draft worker: every drafting sequence of the step (ids
+    prefixed with the engine's session), and the sequences that ended since the last call (their
+    draft KV blocks are freed first). Answered by a list of `Proposal`s, one per request."""
+
+    requests: list  # [ProposalRequest] (moeserve/spec/proposer.py, which imports this package)
+    finished: list[str] = field(default_factory=list)

@@ -3,6 +3,6 @@
 from moeserve.engine.engine import Completion, LLMEngine
 from moeserve.engine.model_runner import ModelRunner, Row
 from moeserve.engine.scheduler import Scheduler, SchedulerConfig
-from moeserve.spec.config import SpecConfig
+from moeserve.spec.policy import SpecConfig
 
 __all__ = ["Completion", "LLMEngine", "ModelRunner", "Row", "Scheduler", "SchedulerConfig", "SpecConfig"]

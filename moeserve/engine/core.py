@@ -274,7 +274,7 @@ class EngineCore:
             # a draft deployment's own counters: pre-draft hit rate, time waited for drafts, fallbacks
             "draft": eng.proposer.stats() if hasattr(eng.proposer, "stats") else {},
             "spec_disabled_steps": eng.num_spec_disabled_steps,
-            "spec_refused_steps": eng.pay_guard.num_refused if eng.pay_guard is not None else 0,
+            "spec_refused_steps": eng.adaptive.guard.num_refused if eng.adaptive is not None else 0,
             "grammar_guard_refusals": eng.num_guard_refusals,
             "grammar_cache": self.compiler.cache_info() if self.compiler is not None else {},
             "routing": _routing_gauges(eng.runner.model),

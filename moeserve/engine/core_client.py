@@ -13,8 +13,7 @@ closes its end of the socket, so the client notices at once (not after a heartbe
 
 `InprocCore` runs the same loop on a thread over two in-memory queues: the reference the
 tests drive directly, and the home of cores that need this process's Ray handles (an
-expert-parallel group's rank 0). A core process with a draft deployment asks this process
-where the draft's channel is (`ProcessCore(lookup=...)`) and then talks to the draft itself.
+expert-parallel group's rank 0).
 """
 
 from __future__ import annotations
@@ -29,7 +28,7 @@ import subprocess
 import sys
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -157,19 +156,12 @@ class _ConnChannel:
 class ProcessCore(CoreClient):
     """The core in a child process; restarted when it dies, until `close()`.
 
-    `spec` is pickled to the child, which builds its core with `build_core(spec)`. `lookup`,
-    when given, answers the child's questions on a second socket (the draft deployment's
-    channel, which only this process can ask Ray for): `lookup()` is called on a thread of this
-    process for each, and its result, or its error as text, is sent back with the question's
-    number. `cpus`: the CPU ids the child runs on (None: any this process may use).
+    `spec` is pickled to the child, which builds its core with `build_core(spec)`.
     """
 
-    def __init__(self, spec: Any, on_message: Callable, on_dead: Callable,
-                 lookup: Callable[[], Any] | None = None, cpus: Collection[int] | None = None) -> None:
+    def __init__(self, spec: Any, on_message: Callable, on_dead: Callable) -> None:
         super().__init__(on_message, on_dead)
         self.spec = spec
-        self.lookup = lookup
-        self.cpus = cpus
         self.pid: int | None = None
         self._lock = threading.Lock()  # guards _conn, _backlog, _ready
         self._ready = threading.Event()
@@ -216,18 +208,10 @@ class ProcessCore(CoreClient):
     # ---- the child ---------------------------------------------------------------------------
     def _start(self) -> None:
         parent, child = socket.socketpair()
-        pairs = [(parent, child)] + ([socket.socketpair()] if self.lookup is not None else [])
-        fds = [c.fileno() for _, c in pairs]
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-        proc = subprocess.Popen([sys.executable, "-m", "moeserve.engine.core_client", *map(str, fds)],
-                                pass_fds=fds, env=env)
-        if self.cpus:  # before the child imports torch: its thread pool inherits the mask
-            os.sched_setaffinity(proc.pid, self.cpus)
-        for _, c in pairs:
-            c.close()
-        if self.lookup is not None:
-            asked = Connection(pairs[1][0].detach())
-            threading.Thread(target=self._answer, args=(asked,), name="engine-core-lookups", daemon=True).start()
+        proc = subprocess.Popen([sys.executable, "-m", "moeserve.engine.core_client", str(child.fileno())],
+                                pass_fds=(child.fileno(),), env=env)
+        child.close()
         conn = Connection(parent.detach())
         conn.send_bytes(pickle.dumps(self.spec))
         with self._lock:
@@ -269,51 +253,32 @@ class ProcessCore(CoreClient):
         self.restarts += 1
         self._start()
 
-    def _answer(self, conn: Connection) -> None:
-        """The lookups of one child, until it goes."""
-        with conn:
-            while True:
-                try:
-                    n = pickle.loads(conn.recv_bytes())
-                except (EOFError, OSError):
-                    return
-                try:
-                    answer = self.lookup()
-                except Exception as e:  # told to the child, whose proposer then backs off
-                    answer = f"{type(e).__name__}: {e}"
-                try:
-                    conn.send_bytes(pickle.dumps((n, answer)))
-                except OSError:
-                    return
 
-
-def build_core(spec: Any, lookup: Connection | None = None) -> EngineCore:
-    """The child's core from its spec: an EngineConfig, torch threads, and optionally a
-    function that makes the engine's proposer from the lookup socket (a draft deployment's
-    proposer, which asks the replica where the draft is: ProcessCore `lookup`)."""
+def build_core(spec: Any) -> EngineCore:
+    """The child's core from its spec: an EngineConfig, torch threads, and optionally the
+    engine's proposer (a draft deployment's, which connects to its channel on first use)."""
     import torch
 
     from moeserve.engine.factory import build_engine
     from moeserve.grammar import GrammarCompiler
 
     engine_config, torch_threads, *rest = spec
-    make_proposer = rest[0] if rest else None
+    proposer = rest[0] if rest else None
     # unset: leave a core to the serving processes (the replica, the gateway, Serve's proxy)
     torch.set_num_threads(torch_threads or max(1, torch.get_num_threads() - 1))
-    proposer = make_proposer(lookup) if make_proposer is not None else None
     engine = build_engine(engine_config, proposer=proposer)
     return EngineCore(engine, GrammarCompiler(engine.tokenizer, engine.runner.vocab_size, config=engine_config.grammar))
 
 
-def main(fd: int, lookup_fd: int | None = None) -> None:
+def main(fd: int) -> None:
     """The core process: read the spec, build the core, say ready, run until told to stop."""
     logging.basicConfig(level=logging.INFO, format="engine-core %(levelname)s %(message)s")
     conn = Connection(fd)
-    core = build_core(pickle.loads(conn.recv_bytes()), Connection(lookup_fd) if lookup_fd is not None else None)
+    core = build_core(pickle.loads(conn.recv_bytes()))
     channel = _ConnChannel(conn)
     channel.send(CoreReady(os.getpid(), core.engine.scheduler.cfg.max_num_seqs))
     core.run(channel)
 
 
 if __name__ == "__main__":
-    main(*map(int, sys.argv[1:]))
+    main(int(sys.argv[1]))

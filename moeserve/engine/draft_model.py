@@ -5,31 +5,22 @@ row), V vocab, S rows that sample their drafts.
 
 One `propose` call per engine step, for the whole batch:
 
-1. sync: the draft keeps its own paged KV cache (with prefix caching, as the target's) and
-   remembers which tokens each sequence holds there. The request's token ids are compared
-   with them; the common prefix stays and the rest is forgotten. That is the rollback after a rejection (the cache held drafts the
-   target refused) and the rebuild after a miss (a new sequence, an evicted one, or a
-   history this replica never saw): rolling back is just feeding from a smaller position.
-   Each row gets the blocks for its tail and the k - 1 drafts it will feed, evicting idle
-   sequences when the blocks run out.
-2. catch-up: every row's uncached tail is fed, batched: its last token in one one-token
-   forward for all rows, whose logits give draft token 1; before it, the token before that
-   for rows whose tail is two tokens (the last draft and the bonus token, after a step that
-   accepted everything), and the model's own prefill forward for longer tails (new
-   sequences, rebuilds), so that one prompt never pads the whole batch to its length.
-3. K - 1 batched one-token forwards; a row is no longer fed once it has its k tokens
-   (rows are sorted by k, so the rows still drafting are a prefix of the batch).
+1. sync: the draft keeps its own paged KV cache (with prefix caching) and the tokens each
+   sequence holds there; the common prefix with the request's token ids stays, the rest is
+   forgotten. That is the rollback after a rejection and the rebuild after a miss (a new,
+   evicted or unseen sequence). Each row gets blocks for its tail and the k - 1 drafts it feeds.
+2. catch-up: every row's uncached tail is fed, batched: its last token in one one-token forward
+   whose logits give draft 1; before it, two-token tails (the last draft and the bonus) one token
+   more, and longer tails (prompts) through the model's own prefill forward.
+3. K - 1 batched one-token forwards; the rows still drafting stay a prefix of the batch.
 
-Every forward is the model's own (CausalLM over the runner's paged cache), as the target's;
-with `compile`, the one-token steps run as the runner's compiled step (model_shards/compiled_step.py),
-which cuts the per-op overhead that dominates at this model size.
+Every forward is the model's own (CausalLM over the runner's paged cache), as the target's; with
+`compile`, the one-token steps run as the runner's compiled step (model_shards/compiled_step.py).
 
-Drafts are the draft's argmax (deterministic: `Proposal.probs` is None) unless the
-proposer samples and the request does: then each draft token is drawn from the draft's
-probabilities processed with the request's own temperature, top-k and top-p, and those
-probabilities travel with the proposal as q for the rejection sampler. A seeded request
-draws its draft uniforms from a hash of (seed, position), so its output does not depend on
-the batch, on the replica, or on whether the draft cache was rebuilt.
+Drafts are the draft's argmax (`Proposal.probs` None) unless the proposer samples and the
+request does: then each is drawn from the draft's probabilities processed with the request's
+temperature, top-k and top-p, which travel with the proposal as q. A seeded request draws with
+noise keyed by (seed, position), so its output does not depend on the batch or the draft cache.
 """
 
 from __future__ import annotations
@@ -37,56 +28,21 @@ from __future__ import annotations
 import os
 from bisect import bisect_left
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import torch
 
 from model_shards import CausalLM, StepBatch
 from model_shards.block_manager import OutOfBlocks
+from moeserve.engine.draft_rows import DraftBatch, DraftRow, DraftSeq, common_prefix
 from moeserve.engine.model_runner import ModelRunner, Row, forward_last
 from moeserve.sampler import Sampler, keyed_sample, random_sample
-from moeserve.sampling_params import SamplingParams
 from moeserve.spec.draft_masks import GrammarMasks
-from moeserve.spec.proposer import DraftGrammar, Proposal, ProposalRequest, Proposer
+from moeserve.spec.proposer import Proposal, ProposalRequest, Proposer
 
 
 class DraftInterrupted(Exception):
     """A propose call stopped early because its caller asked (see `propose(interrupted=...)`)."""
-
-
-@dataclass
-class _DraftSeq:
-    """What the draft holds for one sequence: the tokens whose keys/values are in its cache."""
-
-    cached: list[int] = field(default_factory=list)
-    seen: int = 0  # length of the last request's token ids: a prefix the engine never rewrites
-    last_used: int = 0
-
-
-@dataclass
-class _Row:
-    """One sequence drafting this step."""
-
-    index: int  # position in the request list
-    seq_id: str
-    tokens: list[int]  # the request's token ids
-    k: int
-    start: int  # tokens of `tokens` already in the draft cache (after rollback)
-    params: SamplingParams | None  # None: propose the argmax
-    grammar: DraftGrammar | None = None  # masks the draft's own distribution at each draft step
-    jump_forward: bool = False  # ProposalRequest.jump_forward: drafts through forced text
-
-
-@dataclass(frozen=True)
-class _Batch:
-    """The drafting rows' block tables and lengths as tensors, built once per step."""
-
-    tables: torch.Tensor  # [B, nb] each row's blocks, covering its tail and the drafts it feeds
-    lengths: torch.Tensor  # [B] tokens cached once caught up
-
-    @classmethod
-    def of(cls, rows: list[_Row], tables: torch.Tensor) -> _Batch:
-        return cls(tables, torch.tensor([len(r.tokens) for r in rows], device=tables.device))
 
 
 class DraftModelProposer(Proposer):
@@ -125,15 +81,9 @@ class DraftModelProposer(Proposer):
         if compile:
             self.runner.compiled.warm_up((1,))
         self.device = model.device  # the draft's own tensors; sampled drafts are drawn on the CPU
-        # Dense drafts decode through the lean step; others (e.g. an MoE draft) use the model's forward.
         self.greedy = greedy
-        self.track_runner_up = False  # keep each row's second choices (`runner_up`) for pre-drafting
-        # of the last call's rows: per draft position, the token drafted, the draft's second choice
-        # and its logit's gap below the first (small: the draft was unsure, and the target is likelier
-        # to differ there)
-        self.runner_up: dict[str, list[tuple[int, int, float]]] = {}
         self.sampler = Sampler()
-        self._seqs: dict[str, _DraftSeq] = {}
+        self._seqs: dict[str, DraftSeq] = {}
         self._clock = 0
         self.num_new_seqs = 0  # sequences prefilled from scratch (new, evicted, or unseen here)
         self.num_rebuilt_tokens = 0  # confirmed tokens re-fed because the cache had lost them
@@ -155,20 +105,17 @@ class DraftModelProposer(Proposer):
     ) -> list[Proposal]:
         """Up to request.num_tokens draft tokens per request, in order (possibly none), plus the
         text their grammars force between them.
-        hypothetical: the requests' histories are guesses (pre-drafting ahead of the target), not
-        what the engine confirmed: drafting rolls back from them without counting a rebuild.
-        interrupted: checked between draft steps; when it says True, DraftInterrupted is raised
-        and each sequence's cache holds its history, no drafts (what drafting wrote lies past
-        that, and is overwritten by the next call).
+        hypothetical: the histories are guesses (pre-drafting ahead of the target): drafting
+        rolls back from them without counting a rebuild, and evicts nothing.
+        interrupted: checked between draft steps; when True, DraftInterrupted is raised and each
+        sequence's cache holds its history, no drafts.
 
         A greedy row under a grammar whose forced text the engine appends (`jump_forward`) drafts
-        through that text: where its grammar forces text after a draft, the text goes into the
-        proposal and the row drafts its remaining tokens after it, in one more batched round of
-        the rows that got that far (each round feeds the forced text in one lean pass). A
-        proposal of k draft tokens can then cover several fields of a JSON document, where one
-        that stopped there covered one field."""
+        through that text: the text goes into the proposal and the row drafts its remaining tokens
+        after it, in one more batched round of the rows that got that far, so k draft tokens can
+        cover several fields of a JSON document."""
         self._clock += 1
-        proposals, through = self._round(requests, hypothetical, interrupted, first=True)
+        proposals, through = self._round(requests, hypothetical, interrupted)
         left = {i: requests[i].num_tokens - (len(proposals[i].token_ids) - len(f)) for i, f in through.items()}
         while through:  # rows that reached forced text with draft tokens left: one more round
             nxt, advanced = [], []
@@ -190,29 +137,23 @@ class DraftModelProposer(Proposer):
         return proposals
 
     def _round(
-        self, requests: list[ProposalRequest], hypothetical: bool, interrupted: Callable[[], bool] | None,
-        first: bool = False,
+        self, requests: list[ProposalRequest], hypothetical: bool, interrupted: Callable[[], bool] | None
     ) -> tuple[list[Proposal], dict[int, list[int]]]:
         """One batched draft of the requests: their proposals, and the rows (by request index) that
-        ended at text their grammar forces with draft tokens left, whose proposals end with that text.
-        first: the call's first round (its second choices are the ones kept, `runner_up`)."""
+        ended at text their grammar forces with draft tokens left, whose proposals end with that text."""
         rows = self._sync(requests, hypothetical)
         proposals = [Proposal([]) for _ in requests]
         if not rows:
             return proposals, {}
         rows.sort(key=lambda r: -r.k)  # the rows still drafting stay a prefix
-        batch = _Batch.of(rows, self.runner.block_tables([r.seq_id for r in rows]))
+        batch = DraftBatch.of(rows, self.runner.block_tables([r.seq_id for r in rows]))
         logits = self._catch_up(rows, batch)
         try:
-            tokens, probs, second, masks = self._draft(rows, batch, logits, interrupted)  # [B, K] ...
+            tokens, probs, masks = self._draft(rows, batch, logits, interrupted)  # [B, K] ...
         except DraftInterrupted:  # the catch-up stands: a new sequence's prompt is not prefilled again
             for r in rows:
                 self._hold(r.seq_id, r.tokens, len(r.tokens))
             raise
-        if second is not None and first:
-            drafted, alts, gaps = tokens.tolist(), second[0].tolist(), second[1].tolist()
-            self.runner_up = {r.seq_id: list(zip(d[: r.k], a[: r.k], g[: r.k]))
-                              for r, d, a, g in zip(rows, drafted, alts, gaps)}
         sampled, through = 0, {}
         for b, (r, row) in enumerate(zip(rows, tokens.tolist())):
             q = None
@@ -236,7 +177,7 @@ class DraftModelProposer(Proposer):
         self.runner.manager.commit(seq_id, confirmed)
 
     # ---- the three phases -----------------------------------------------------------------
-    def _sync(self, requests: list[ProposalRequest], hypothetical: bool = False) -> list[_Row]:
+    def _sync(self, requests: list[ProposalRequest], hypothetical: bool = False) -> list[DraftRow]:
         """Rows that draft this step, each with its cache rolled back to the common prefix."""
         busy = {r.seq_id for r in requests}
         limit = self.runner.max_model_len
@@ -252,9 +193,9 @@ class DraftModelProposer(Proposer):
                 if not self._make_room(busy):
                     continue
                 cached = self.runner.add(req.seq_id, tokens)  # a prefix-cache hit skips those tokens
-                state = self._seqs[req.seq_id] = _DraftSeq(tokens[:cached])
+                state = self._seqs[req.seq_id] = DraftSeq(tokens[:cached])
                 self.num_new_seqs += 1
-            start = _common_prefix(state.cached, tokens, state.seen)
+            start = common_prefix(state.cached, tokens, state.seen)
             if start < state.seen:
                 self.num_rebuilt_tokens += state.seen - start
             start = min(start, len(tokens) - 1)  # always feed one token: its logits give draft 1
@@ -264,10 +205,10 @@ class DraftModelProposer(Proposer):
             if not hypothetical:
                 state.seen = len(tokens)
             params = None if self.greedy or req.params is None or req.params.greedy else req.params
-            rows.append(_Row(i, req.seq_id, tokens, k, start, params, req.grammar, req.jump_forward))
+            rows.append(DraftRow(i, req.seq_id, tokens, k, start, params, req.grammar, req.jump_forward))
         return rows
 
-    def _catch_up(self, rows: list[_Row], batch: _Batch) -> torch.Tensor:
+    def _catch_up(self, rows: list[DraftRow], batch: DraftBatch) -> torch.Tensor:
         """Feeds each row's uncached tail; logits [B, V] after each row's last token.
 
         Tails are usually 1 token (a recovered token) or 2 (the last draft and the bonus
@@ -287,22 +228,16 @@ class DraftModelProposer(Proposer):
         return self._step(last, batch.tables, batch.lengths - 1)
 
     def _draft(
-        self, rows: list[_Row], batch: _Batch, logits: torch.Tensor, interrupted: Callable[[], bool] | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None, GrammarMasks]:
-        """Draft tokens [B, K]; for sampling rows, their q [S, K, V]; with `track_runner_up`, the
-        draft's second choice at each position [B, K] (what pre-drafting guesses the target's
-        correction to be when it rejects that draft) and its logit's gap below the first [B, K];
-        the grammar masks, whose `ends` and
-        `forced` say which rows ended at text their grammar forces (or completed their output)."""
+        self, rows: list[DraftRow], batch: DraftBatch, logits: torch.Tensor, interrupted: Callable[[], bool] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None, GrammarMasks]:
+        """Draft tokens [B, K]; for sampling rows, their q [S, K, V]; the grammar masks, whose `ends`
+        and `forced` say which rows ended at text their grammar forces (or completed their output)."""
         width = rows[0].k
         neg_k = [-r.k for r in rows]  # ascending
         active = [bisect_left(neg_k, -j) for j in range(width)]  # rows with k > j: they need draft j
         sampled = [b for b, r in enumerate(rows) if r.params is not None]
         out = torch.full((len(rows), width), -1, dtype=torch.long, device=self.device)  # [B, K]; -1: not drafted
         probs = torch.empty(len(sampled), width, logits.shape[-1]) if sampled else None  # [S, K, V]
-        second = None
-        if self.track_runner_up and logits.shape[-1] > 1:
-            second = torch.zeros_like(out), torch.full(out.shape, float("inf"), device=self.device)
         # a sampled row never ends by its values: a cut that depends on what the draft drew biases the output
         masks = GrammarMasks([r.grammar for r in rows], logits.shape[-1],
                              [r.jump_forward and r.params is None for r in rows])
@@ -313,24 +248,21 @@ class DraftModelProposer(Proposer):
                     raise DraftInterrupted
                 if j:  # feed draft j-1 (0-based) at position len + j - 1
                     positions = batch.lengths[:n] + (j - 1)  # [n]
-                    logits = self._step(out[:n, j - 1], batch.tables[:n], positions)
+                    tk = batch.max_len[n - 1] + j
+                    logits = self._step(out[:n, j - 1], batch.tables[:n], positions, tk, batch.ragged[n - 1])
                 masks.apply(logits, out, j)
                 if masks.all_ended(n):  # every row still drafting ended (at forced text, or its output)
                     break
-                self._pick(rows, logits, j, out, probs, second, sampled)
+                self._pick(rows, logits, j, out, probs, sampled)
         finally:
             masks.rollback()
-        return out, probs, second, masks
+        return out, probs, masks
 
-    def _pick(self, rows: list[_Row], logits: torch.Tensor, j: int, out: torch.Tensor, probs: torch.Tensor | None,
-              second: tuple[torch.Tensor, torch.Tensor] | None, sampled: list[int]) -> None:
+    def _pick(self, rows: list[DraftRow], logits: torch.Tensor, j: int, out: torch.Tensor, probs: torch.Tensor | None,
+              sampled: list[int]) -> None:
         """Draft j of the first n = len(logits) rows: the argmax, or a draw for sampling rows."""
         n = logits.shape[0]
         out[:n, j] = logits.argmax(dim=-1)  # [n]
-        if second is not None:
-            alt, gap = second
-            alt[:n, j] = logits.scatter(1, out[:n, j, None], float("-inf")).argmax(dim=-1)
-            gap[:n, j] = logits.gather(1, out[:n, j, None])[:, 0] - logits.gather(1, alt[:n, j, None])[:, 0]
         if sampled:
             s = bisect_left(sampled, n)  # sampling rows among the first n
             if s:
@@ -345,7 +277,7 @@ class DraftModelProposer(Proposer):
         return self.runner.model(tokens[:, None], self.runner.cache, batch, logits="last")  # [n, V]
 
     def _sample(
-        self, rows: list[_Row], idx: list[int], logits: torch.Tensor, j: int, out: torch.Tensor, probs: torch.Tensor
+        self, rows: list[DraftRow], idx: list[int], logits: torch.Tensor, j: int, out: torch.Tensor, probs: torch.Tensor
     ) -> None:
         """Draws draft j for the sampling rows `idx` from their processed q; stores q."""
         q = self.sampler.probs(logits[idx].float().cpu(), [rows[b].params for b in idx])  # [s, V]
@@ -381,15 +313,3 @@ class DraftModelProposer(Proposer):
         self.on_finished(min(idle)[1])
         self.num_evictions += 1
         return True
-
-
-def _common_prefix(cached: list[int], tokens: list[int], hint: int) -> int:
-    """Length of the common prefix. `hint` (the last request's length) is checked in one
-    C-level comparison; only the few tokens after it are compared one by one."""
-    limit = min(len(cached), len(tokens))
-    n = min(hint, limit)
-    if cached[:n] != tokens[:n]:
-        n = 0  # a rewritten history: compare from the start
-    while n < limit and cached[n] == tokens[n]:
-        n += 1
-    return n

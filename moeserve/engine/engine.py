@@ -26,13 +26,10 @@ from moeserve.grammar import CompiledGrammar
 from moeserve.sampler import Sampler
 from moeserve.sampling_params import SamplingParams, TokenLogprob, TokenTrace
 from moeserve.sequence import RequestOutput, Sequence
-from moeserve.spec.adaptive import AdaptiveK, AdaptiveKConfig, bucket
-from moeserve.spec.config import SpecConfig
-from moeserve.spec.cost_meter import PRIOR_COSTS, StepCostMeter
 from moeserve.spec.metrics import SpecMetrics
-from moeserve.spec.pay_guard import PayGuard
+from moeserve.spec.policy import AdaptiveK, AdaptiveKConfig, SpecConfig
 from moeserve.spec.proposer import ProposalRequest, Proposer, pad_proposals
-from moeserve.spec.rejection_sampler import RejectionSampler, SpecOutput
+from moeserve.spec.rejection_sampler import RejectionSampler
 from moeserve.spec.verify import verify, verify_window
 
 
@@ -54,18 +51,15 @@ class LLMEngine:
             raise ValueError("scheduler limits exceed the model runner's KV cache")
         self.proposer = proposer
         self.spec = spec or SpecConfig(num_tokens=4 if proposer else 0)
-        # the KV budget reserves room for each sequence's draft tokens
-        self.scheduler = Scheduler(replace(cfg, lookahead=max(cfg.lookahead, self.spec.num_tokens if proposer else 0)))
+        lookahead = max(cfg.lookahead, self.spec.num_tokens if proposer else 0)  # KV room for the draft tokens
+        self.scheduler = Scheduler(replace(cfg, lookahead=lookahead))
         if adaptive is None and self.spec.adaptive and proposer is not None:
-            adaptive = AdaptiveK(AdaptiveKConfig(k_max=self.spec.num_tokens, probe_budget=0.05, explore_every=32),
-                                 PRIOR_COSTS)
-        self.adaptive = adaptive
-        self.pay_guard = PayGuard() if adaptive is not None else None  # adaptive k's check against realized rates
-        self._drafted = False  # whether this step's decode verified drafts
+            adaptive = AdaptiveK(AdaptiveKConfig(self.spec.num_tokens, explore_every=32), refit_every=self.spec.refit_every)
+        self.adaptive = adaptive  # the speculation policy: k per step, and PayGuard's check
+        self._times = (0, 0.0, 0.0)  # the last decode step's widest proposal, drafting and target seconds
         self._requested: list[int] = []  # the k each row of the last proposing step asked for
         self._rooms: list[int] = []  # the most tokens each row's proposal may hold, that step
         self._forced_emitted = 0  # this step's accepted forced text inside proposals
-        self.step_costs = StepCostMeter()
         self.sampler = Sampler()
         self.rejection = RejectionSampler()
         self.spec_metrics = SpecMetrics()
@@ -88,9 +82,8 @@ class LLMEngine:
         grammar: CompiledGrammar | None = None,
         resume_ids: Seq[int] = (),
     ) -> str:
-        """Queue a request; `grammar` (from GrammarCompiler.compile) constrains its output.
-        `resume_ids`: output an earlier attempt already delivered (a retry after a failed
-        replica); generation continues after them and they count toward max_tokens."""
+        """Queue a request; `grammar` (from GrammarCompiler.compile) constrains its output. `resume_ids`:
+        output an earlier attempt delivered (a retry), continued after and counted toward max_tokens."""
         params = params or SamplingParams()
         prompt_ids = list(self.tokenizer.encode(prompt)) if isinstance(prompt, str) else [int(t) for t in prompt]
         limit = self.scheduler.cfg.max_model_len
@@ -114,8 +107,7 @@ class LLMEngine:
         return request_id
 
     def abort(self, request_id: str) -> None:
-        seq = self._seqs.get(request_id)
-        if seq is not None and not seq.is_finished:
+        if (seq := self._seqs.get(request_id)) is not None and not seq.is_finished:
             self._finish(seq, "abort")
 
     def has_unfinished(self) -> bool:
@@ -141,44 +133,22 @@ class LLMEngine:
             if batch.is_prefill:
                 for seq in batch.seqs:  # a paged runner may hold a prefix already (prefix caching)
                     seq.num_cached = max(seq.num_cached, self.runner.add(seq.seq_id, seq.token_ids))
-                if self.proposer is not None and self.spec.num_tokens > 0 and self._may_draft(self.scheduler.running):
-                    # a draft deployment drafts their first proposals meanwhile
-                    self.proposer.prepare([self._proposal_request(s, self.spec.num_tokens) for s in batch.seqs])
                 new_tokens = self._prefill(batch)
             else:
                 new_tokens = self._decode(batch)
         except Exception as e:  # nothing was emitted: the step's requests can run it again (requeue)
             raise StepError([s.seq_id for s in batch.seqs]) from e
         outputs = [self._postprocess(seq, toks) for seq, toks in zip(batch.seqs, new_tokens)]
-        if self.pay_guard is not None and not batch.is_prefill:  # tokens the target chose, not forced text
-            self.pay_guard.record(self._guard_key(batch.seqs), self._drafted,
-                                  sum(map(len, new_tokens)) - self._forced_emitted, time.perf_counter() - t0)
+        if self.adaptive is not None and not batch.is_prefill:  # tokens the target chose, not forced text
+            self.adaptive.record(len(batch.seqs), any(s.grammar is not None for s in batch.seqs), *self._times,
+                                 sum(map(len, new_tokens)) - self._forced_emitted, time.perf_counter() - t0)
         return outputs
 
-    def _may_draft(self, seqs: list[Sequence]) -> bool:
-        """Whether a decode step of these rows may draft, as far as is known before it: not where
-        adaptive k's model gives k = 0 at their batch size or PayGuard refused drafting there. (A
-        draft deployment's pre-drafts for new rows that will not draft only take the machine's
-        time: where the draft shares the target's cores, they slow the target's passes.)"""
-        if self.adaptive is None:
-            return True
-        alphas = [self.adaptive.alpha(s.seq_id) for s in seqs]
-        if self.adaptive.best_batch_k(alphas, self.adaptive.costs_for(len(seqs))) == 0:
-            return False
-        return not self.pay_guard.refused(self._guard_key(seqs))
-
-    @staticmethod
-    def _guard_key(seqs: list[Sequence]) -> tuple[int, bool]:
-        """PayGuard's key: the batch-size bucket, and whether a row is constrained by a grammar."""
-        return bucket(len(seqs)), any(s.grammar is not None for s in seqs)
-
     def requeue(self, request_ids: Seq[str]) -> None:
-        """Put running requests back in front of the queue: their KV cache and draft state are
-        freed, their output so far is kept and recomputed by their next prefill (after a failed
-        step, or when the model runner was replaced)."""
+        """Put running requests back in front of the queue (after a failed step, or a replaced runner):
+        KV cache and draft state freed, output kept and recomputed by their next prefill."""
         for rid in reversed(list(request_ids)):
-            seq = self._seqs.get(rid)
-            if seq is not None and self.scheduler.requeue(seq):
+            if (seq := self._seqs.get(rid)) is not None and self.scheduler.requeue(seq):
                 self._release(seq)
 
     def _prefill(self, batch: ScheduledBatch) -> list[list[int]]:
@@ -198,8 +168,8 @@ class LLMEngine:
         return chosen
 
     def _record_logprobs(self, seqs: list[Sequence], logits: torch.Tensor, tokens: list[list[int]]) -> None:
-        """For requests that asked: each chosen token's logprob, from the (masked) logits
-        [B, T, V] it was chosen at (position j of row i for the j-th token of row i)."""
+        """For requests that asked: each chosen token's logprob, from the (masked) logits [B, T, V]
+        it was chosen at (position j of row i for the j-th token of row i)."""
         want = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
         if not want:
             return
@@ -210,8 +180,8 @@ class LLMEngine:
             self._logprobs[seqs[i].seq_id] = [next(entries) for _ in tokens[i]]
 
     def _record_routing(self, on: bool) -> None:
-        """Record the model's routing while a request in the batch asked for its experts (with
-        runners that report it per row; a shard group's rank 0 then tells every rank to)."""
+        """Record the model's routing while a request in the batch asked for its experts (runners that
+        report it per row; a shard group's rank 0 then tells every rank to)."""
         routing = getattr(self.runner, "routing", None)
         if routing is None:
             return
@@ -235,7 +205,6 @@ class LLMEngine:
         seqs = batch.seqs
         t0 = time.perf_counter()
         proposals = self._propose(seqs)
-        self._drafted = any(proposals)
         self._forced_emitted = 0
         if any(proposals):  # refused drafts cut, forced text put in; masks for all k+1 positions filled
             self._last_proposals = self.structured.cut_and_fill(seqs, self._last_proposals, self._rooms)
@@ -245,13 +214,15 @@ class LLMEngine:
         rows = [Row(s.seq_id, s.pending_ids + p, s.num_cached) for s, p in zip(seqs, proposals)]
         if not any(proposals):
             logits = self.runner.forward(rows, logits="last")  # [B, V]
-            self._measure(len(seqs), 0, t1 - t0, time.perf_counter() - t1)
+            self._times = (0, t1 - t0, time.perf_counter() - t1)
             return self._sample_next(seqs, logits)
         logits = self.runner.forward(rows, logits="all")  # [B, Tq, V]
-        logits = verify_window(logits, fed, max(map(len, proposals)))  # [B, K+1, V]
+        width = max(map(len, proposals))
+        logits = verify_window(logits, fed, width)  # [B, K+1, V]
         self.structured.apply(logits)
         t2 = time.perf_counter()
-        out = self._verify(seqs, logits, proposals)
+        draft_ids, draft_probs, num_draft = pad_proposals(self._last_proposals, width=width)
+        out = verify(self.sampler, self.rejection, seqs, logits, draft_ids, draft_probs, num_draft)
         self._record_logprobs(seqs, logits, out.token_ids)  # the target's verify pass
         accepted = out.num_accepted.tolist()
         forced = [p.forced for p in self._last_proposals]
@@ -270,7 +241,7 @@ class LLMEngine:
             if self.adaptive is not None:  # fewer draft tokens than asked: a refusal cut, or the output's end
                 self.adaptive.observe(s.seq_id, d, a_chosen, cut=d < r and s.grammar is not None)
         self.spec_metrics.record(chosen, chosen_accepted, t1 - t0, t2 - t1)
-        self._measure(len(seqs), max(map(len, proposals)), t1 - t0, t2 - t1)
+        self._times = (width, t1 - t0, t2 - t1)
         return out.token_ids
 
     def _propose(self, seqs: list[Sequence]) -> list[list[int]]:
@@ -279,59 +250,27 @@ class LLMEngine:
         if 0 < self.spec.disable_by_batch_size <= len(seqs):
             self.num_spec_disabled_steps += 1
             return [[] for _ in seqs]
-        ks = self.adaptive.choose_batch([s.seq_id for s in seqs]) if self.adaptive else [self.spec.num_tokens] * len(seqs)
+        ks = ([self.spec.num_tokens] * len(seqs) if self.adaptive is None else
+              self.adaptive.choose_batch([s.seq_id for s in seqs], any(s.grammar is not None for s in seqs)))
         if not any(ks):  # a plain step: no proposer call (it would draft nothing)
             return [[] for _ in seqs]
-        if self.pay_guard is not None and not self.pay_guard.allows(self._guard_key(seqs)):
-            return [[] for _ in seqs]  # drafting has not paid at this batch size, as realized
-        requests = []
         self._rooms = [min(s.params.max_tokens - len(s.output_ids), self.scheduler.cfg.max_model_len - s.num_tokens) - 1
                        for s in seqs]  # the most tokens a proposal may hold (forced text included)
-        for s, k, room in zip(seqs, ks, self._rooms):
-            requests.append(self._proposal_request(s, max(0, min(k, room))))
+        requests = [ProposalRequest(s.seq_id, s.token_ids, max(0, min(k, room)), s.params,
+                                    None if s.grammar is None else s.grammar.matcher, self.structured.cfg.jump_forward)
+                    for s, k, room in zip(seqs, ks, self._rooms)]
         self._requested = [r.num_tokens for r in requests]
         self._last_proposals = self.proposer.propose(requests)
         return [list(p.token_ids) for p in self._last_proposals]
 
-    def _proposal_request(self, seq: Sequence, k: int) -> ProposalRequest:
-        grammar = None if seq.grammar is None else seq.grammar.matcher
-        return ProposalRequest(seq.seq_id, seq.token_ids, k, seq.params, grammar,
-                               jump_forward=self.structured.cfg.jump_forward)
-
-    def _measure(self, num_rows: int, width: int, draft_s: float, target_s: float) -> None:
-        """Step times -> the cost model adaptive k optimises for this batch size, refit every
-        spec.refit_every steps of its bucket. (Refitting a new bucket at its 4th and 8th steps
-        as well cut the learning under a grammar, but the fits of so few steps are noisy enough
-        to set batch-1 k low for good on free-form prompts, losing much of speculation's gain.)"""
-        if self.adaptive is None:
-            return
-        per_call = getattr(self.proposer, "cost_per_call", False)
-        probe = per_call and width > 0 and self.adaptive.probing(num_rows)
-        self.step_costs.record(num_rows, width, draft_s, target_s, probe=probe)
-        if self.step_costs.num_recorded_at(num_rows) % self.spec.refit_every == 0:
-            prior = self.adaptive.costs_for(num_rows)  # the bucket's, or its nearest neighbour's
-            self.adaptive.set_costs(self.step_costs.fit(prior, num_rows, draft_per_call=per_call), num_rows)
-
-    def _verify(self, seqs: list[Sequence], logits: torch.Tensor, proposals: list[list[int]]) -> SpecOutput:
-        k = max(len(p) for p in proposals)
-        draft_ids, draft_probs, num_draft = pad_proposals(self._last_proposals, width=k)
-        return verify(self.sampler, self.rejection, seqs, logits[:, : k + 1], draft_ids, draft_probs, num_draft)
-
     # ---- after a step ------------------------------------------------------------------------
-    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
-        p = seq.params
-        ignore_eos = p.ignore_eos and seq.grammar is None  # under a grammar EOS means "complete"
-        if (token in self.eos_ids and not ignore_eos) or token in p.stop_token_ids:
-            return "stop"
-        return None
-
     def _append(self, seq: Sequence, tokens: list[int]) -> tuple[list[int], str | None]:
         """Append tokens up to a stop or length limit: (the tokens added, the finish reason)."""
         added: list[int] = []
+        eos = self.eos_ids if not seq.params.ignore_eos or seq.grammar is not None else ()  # under a grammar EOS means "complete"
         for t in tokens:
-            reason = self._stop_reason(seq, t)
-            if reason:
-                return added, reason
+            if t in eos or t in seq.params.stop_token_ids:
+                return added, "stop"
             added.append(t)
             seq.output_ids.append(t)
             if len(seq.output_ids) >= seq.params.max_tokens or seq.num_tokens >= self.scheduler.cfg.max_model_len:
@@ -356,7 +295,8 @@ class LLMEngine:
             elif adv.forced:  # jump-forward: fed with the next step's pending token
                 forced, reason = self._append(seq, adv.forced)
                 if logprobs is not None:  # the grammar allowed nothing else: probability 1
-                    logprobs = logprobs[: len(added)] + [_forced_logprob(t, seq.params) for t in forced]
+                    logprobs = logprobs[: len(added)] + [TokenLogprob(t, 0.0, ((t, 0.0),) if seq.params.logprobs else ())
+                                                         for t in forced]
                 if trace is not None:
                     trace = trace[: len(added)] + forced_traces(seq.params, forced)
                 added += forced
@@ -380,7 +320,6 @@ class LLMEngine:
         if self.adaptive is not None:
             self.adaptive.on_finished(seq.seq_id)
 
-    # ---- conveniences ------------------------------------------------------------------------
     def generate(self, prompts: Seq[str | Seq[int]], params: SamplingParams | None = None) -> list[Completion]:
         """Run a batch of prompts to completion (token ids only; `moeserve.LLM` adds text)."""
         ids = [self.add_request(p, params) for p in prompts]
@@ -392,10 +331,6 @@ class LLMEngine:
                     c.token_ids += out.new_token_ids
                     c.finished, c.finish_reason = out.finished, out.finish_reason
         return [done[rid] for rid in ids]
-
-
-def _forced_logprob(token: int, params: SamplingParams) -> TokenLogprob:
-    return TokenLogprob(token, 0.0, ((token, 0.0),) if params.logprobs else ())
 
 
 class StepError(RuntimeError):

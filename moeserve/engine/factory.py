@@ -17,7 +17,7 @@ from moeserve.engine.engine import LLMEngine
 from moeserve.engine.model_runner import ModelRunner
 from moeserve.engine.scheduler import SchedulerConfig
 from moeserve.grammar.compiler import GrammarConfig
-from moeserve.spec.config import SpecConfig
+from moeserve.spec.policy import SpecConfig
 
 SPECULATION = ("none", "ngram", "model")
 

@@ -9,17 +9,15 @@ with. What the engine imports:
 - `NgramProposer` — prompt lookup, the model-free proposer.
 - (the draft model's proposer runs a model through the engine's runner, so it lives there:
   `moeserve.engine.draft_model.DraftModelProposer`).
-- `StepCostMeter` — measured step times, refit into the CostModel adaptive k uses.
-- `AdaptiveK`, `AdaptiveKConfig`, `CostModel` — per-sequence choice of k; `PayGuard` — drafting
+- `AdaptiveK`, `AdaptiveKConfig`, `CostModel`, `StepCostMeter`, `PayGuard`, `SpecConfig` — the
+  speculation policy (policy.py): k per step from acceptance and measured step costs, and drafting
   refused where it has not paid, as realized.
 - `SpecMetrics` — acceptance rate, tokens per pass, and the formula next to it.
 """
 
-from moeserve.spec.adaptive import AdaptiveK, AdaptiveKConfig, CostModel, expected_tokens_per_pass
-from moeserve.spec.cost_meter import StepCostMeter
-from moeserve.spec.metrics import SpecMetrics
+from moeserve.spec.metrics import SpecMetrics, expected_tokens_per_pass
 from moeserve.spec.ngram import NgramProposer
-from moeserve.spec.pay_guard import PayGuard
+from moeserve.spec.policy import AdaptiveK, AdaptiveKConfig, CostModel, PayGuard, SpecConfig, StepCostMeter
 from moeserve.spec.proposer import (
     Proposal,
     ProposalRequest,
@@ -39,6 +37,7 @@ __all__ = [
     "Proposer",
     "RejectionSampler",
     "SpecMetrics",
+    "SpecConfig",
     "SpecOutput",
     "StepCostMeter",
     "expected_tokens_per_pass",

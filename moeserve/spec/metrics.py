@@ -10,7 +10,18 @@ from dataclasses import asdict, dataclass
 
 from torch import Tensor
 
-from moeserve.spec.adaptive import expected_tokens_per_pass
+
+def expected_tokens_per_pass(alpha: float, k: float) -> float:
+    """(1 - alpha^(k+1)) / (1 - alpha): expected tokens one target pass emits with k drafts (the
+    accepted prefix is geometric, plus one recovered or bonus token); k may be a mean."""
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"alpha must lie in [0, 1], got {alpha}")
+    if k < 0:
+        raise ValueError(f"k must be >= 0, got {k}")
+    if alpha > 1.0 - 1e-9:
+        return k + 1.0
+    return (1.0 - alpha ** (k + 1.0)) / (1.0 - alpha)
+
 
 
 def _as_list(values: Tensor | Sequence[int]) -> list[int]:

@@ -77,9 +77,8 @@ class Proposal:
     probs: [k, V] the draft distributions the tokens were sampled from, or None when the
         proposal is deterministic (prompt lookup, greedy draft), which the rejection
         sampler treats as one-hot q.
-    predrafted: drafted ahead, while the target verified the step before or prefilled the
-        sequence (a draft deployment's pre-draft that guessed this step's history), so no one
-        waited for it.
+    predrafted: drafted ahead while the target verified the step before (a draft deployment's
+        pre-draft that guessed this step's history), so no one waited for it.
     forced: the positions of tokens a grammar forces there (jump-forward text inside the proposal,
         set by the engine): the target's mask allows only that token at each, so it is accepted
         whenever the tokens before it are, as decoding without drafts appends it unsampled.
@@ -106,13 +105,7 @@ class Proposal:
 
 
 class Proposer(ABC):
-    """Guesses draft tokens for a batch of sequences.
-
-    cost_per_call: most of a call's time is fixed per call, not per draft token (a remote draft
-    that drafts ahead); adaptive k's cost fit counts it so (moeserve/spec/cost_meter.py).
-    """
-
-    cost_per_call: bool = False
+    """Guesses draft tokens for a batch of sequences."""
 
     @abstractmethod
     def propose(self, requests: list[ProposalRequest]) -> list[Proposal]:
@@ -121,12 +114,6 @@ class Proposer(ABC):
     @abstractmethod
     def on_finished(self, seq_id: str) -> None:
         """Frees per-sequence state (index, KV cache); unknown ids are ignored."""
-
-    def prepare(self, requests: list[ProposalRequest]) -> None:  # noqa: B027 (optional: a no-op by default)
-        """A hint that these sequences are about to be prefilled (token_ids: what is prefilled):
-        a proposer that drafts ahead may start on their first proposals while the target
-        prefills. The default does nothing (a proposer in the engine's own process would only
-        take the target's time)."""
 
 
 def pad_proposals(

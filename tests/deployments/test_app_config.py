@@ -83,15 +83,15 @@ def test_draft_deployment_is_bound_only_when_asked_for():
     from deployments.app import _bind_draft, build
 
     assert _bind_draft(AppConfig.from_dict({"speculative": {"draft": "model"}})) is None  # in-process by default
-    cfg = AppConfig.from_dict({"speculative": {"draft": "model", "placement": "deployment", "draft_replicas": 2,
-                                               "draft_cpus": [1]}})
+    cfg = AppConfig.from_dict({"speculative": {"draft": "model", "placement": "deployment", "draft_cpus": [1]},
+                               "deployments": {"draft": {"num_replicas": 2, "max_ongoing_requests": 8}}})
     draft = _bind_draft(cfg)
     assert draft is not None and draft._bound_deployment.name == "draft"
     assert draft._bound_deployment.num_replicas == 2
+    scaled = AppConfig.from_dict({"speculative": {"draft": "model", "placement": "deployment"}, "deployments": {
+        "draft": {"max_ongoing_requests": 8, "autoscaling": {"min_replicas": 1, "max_replicas": 3, "target_ongoing_requests": 2}}}})
+    assert _bind_draft(scaled)._bound_deployment._deployment_config.autoscaling_config.max_replicas == 3
     assert draft._bound_deployment.init_args[0].cpus == (1,)  # each worker process pinned to CPU 1
-    assert cfg.engine_server_config().draft_cpus == (1,)  # which the engine's core process keeps off
-    in_process = AppConfig.from_dict({"speculative": {"draft": "model", "draft_cpus": [1]}})
-    assert in_process.engine_server_config().draft_cpus is None  # no worker to make room for
     for bad in ([], [-1]):
         with pytest.raises(ValueError, match="draft_cpus"):
             AppConfig.from_dict({"speculative": {"draft_cpus": bad}})

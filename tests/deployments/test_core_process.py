@@ -131,8 +131,8 @@ class _DraftHandle:
     def __init__(self, process) -> None:
         self.process, self.asked = process, 0
 
-    def options(self, method_name: str, session_id: str) -> _DraftHandle:
-        assert method_name == "channel" and session_id
+    def options(self, method_name: str) -> _DraftHandle:
+        assert method_name == "channel"
         return self
 
     def remote(self) -> _DraftHandle:
@@ -140,47 +140,31 @@ class _DraftHandle:
         return self
 
     def result(self, timeout_s: float):
-        return self.process.channel(timeout_s)
+        return self.process.address, self.process.authkey
 
 
 def test_a_core_process_drafts_over_the_draft_deployments_channel(folder, expected):
-    """With a draft deployment the core still runs in its own process: it asks the replica once
-    where the draft worker's channel is, then drafts every step there, and writes the target's
-    greedy tokens (the target is its own draft here, so every draft is accepted, and every
-    proposal, a request's first too, was drafted ahead). With the worker pinned to a CPU, the
-    core process runs on the others."""
-    from deployments.draft_process import DraftProcess
+    """With a draft deployment the core still runs in its own process: the replica asks the
+    deployment once where the draft worker's channel is and hands the core a proposer on it, which
+    drafts every step there, and writes the target's greedy tokens (the target is its own draft
+    here, so every draft is accepted)."""
+    from deployments.draft import DraftProcess
     from deployments.draft_worker import DraftServerConfig
 
-    cpus = sorted(os.sched_getaffinity(0))
-    pinned = (cpus[-1],)
-    draft = DraftProcess(DraftServerConfig(folder, max_num_seqs=4, max_model_len=256, torch_threads=1, cpus=pinned))
+    draft = DraftProcess(DraftServerConfig(folder, max_num_seqs=4, max_model_len=256, torch_threads=1))
     handle = _DraftHandle(draft)
     engine = EngineConfig(model=folder, draft_model=folder, speculation="model", num_spec_tokens=4, adaptive_k=False,
                           max_num_seqs=4, max_model_len=256)
-    srv = EngineServer(EngineServerConfig(engine, torch_threads=1, draft_cpus=pinned), draft=handle)
+    srv = EngineServer(EngineServerConfig(engine, torch_threads=1), draft=handle)
     try:
         assert srv.engine is None and srv.core.pid not in (None, os.getpid())
-        assert os.sched_getaffinity(srv.core.pid) == (set(cpus[:-1]) or set(cpus))
         outs = asyncio.run(stream_all(frontend(srv, folder)))
         assert [[t for c in chunks for t in c.token_ids] for chunks in outs] == expected
         stats = asyncio.run(srv.stats())
         assert stats["spec"]["alpha"] == 1.0, stats["spec"]
         assert stats["draft"]["calls"] > 0 and stats["draft"]["fallback_steps"] == 0
-        assert stats["draft"]["prepares"] > 0 and stats["draft"]["predraft_hit_rate"] == 1.0, stats["draft"]
+        assert stats["draft"]["predraft_hits"] > 0, stats["draft"]
         assert handle.asked == 1 and draft.stats()["calls"] == stats["draft"]["calls"]
     finally:
         srv.shutdown()
         draft.close()
-
-
-def test_the_core_keeps_off_a_pinned_draft_only_where_cpus_remain():
-    from deployments.engine_server import cpus_besides
-
-    mine = os.sched_getaffinity(0)
-    assert cpus_besides(None) is None and cpus_besides(()) is None
-    assert cpus_besides(mine) is None  # nothing would be left: anywhere
-    if len(mine) > 1:
-        last = max(mine)
-        assert cpus_besides([last]) == mine - {last}
-    assert cpus_besides([max(mine) + 1000]) == mine  # a CPU this node lacks takes nothing away

@@ -287,10 +287,10 @@ def test_drafting_that_does_not_pay_as_realized_is_refused(tiny):
         free = CostModel(target_base_s=1e-3, target_per_token_s=1e-6, draft_per_token_s=1e-6)
         engine = LLMEngine(runner, proposer=SlowPerfectDraft(continuations, delay),
                            spec=SpecConfig(num_tokens=1, adaptive=True, refit_every=10**6),
-                           adaptive=AdaptiveK(AdaptiveKConfig(k_max=1), free))
+                           adaptive=AdaptiveK(AdaptiveKConfig(k_max=1), free, refit_every=10**6))
         assert [o.token_ids for o in engine.generate([ps[0]], params)] == [plain[0]]
         before = engine.spec_metrics.num_seq_passes
         assert [o.token_ids for o in engine.generate([ps[1]], params)] == [plain[1]]
         drafted[delay] = engine.spec_metrics.num_seq_passes - before  # steps that drafted, second request
     # slow: at most one recheck's min_steps (8) drafting steps in the second request's ~60 steps
-    assert drafted[0.03] <= engine.pay_guard.min_steps and drafted[0.0] >= 25, drafted
+    assert drafted[0.03] <= engine.adaptive.guard.min_steps and drafted[0.0] >= 25, drafted

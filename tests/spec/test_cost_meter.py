@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from moeserve.spec import AdaptiveK, AdaptiveKConfig, CostModel, StepCostMeter
-from moeserve.spec.cost_meter import PRIOR_COSTS
+from moeserve.spec.policy import PRIOR_COSTS
 
 
 def _record(meter: StepCostMeter, truth: CostModel, rows: int, width: int) -> None:
@@ -38,73 +38,31 @@ def test_one_width_only_keeps_the_target_slope_and_counts_drafting_per_token():
     assert StepCostMeter().fit(PRIOR_COSTS) == PRIOR_COSTS  # nothing measured: the prior
 
 
-def test_a_draft_that_costs_per_call_is_counted_per_call_at_one_width():
-    """A draft deployment's k = 1 probes (a 1.5 ms round trip each) must not price k = 4 at 6 ms:
-    counted per call, drafting at k = 4 costs what a probe did, and adaptive k drafts again."""
-    meter = StepCostMeter()
-    for _ in range(10):
-        meter.record(1, 1, draft_s=1.5e-3, target_s=2.2e-3)
-    for _ in range(10):
-        meter.record(1, 0, draft_s=0.0, target_s=2.0e-3)
-    per_call = meter.fit(PRIOR_COSTS, draft_per_call=True)
-    assert (per_call.draft_base_s, per_call.draft_per_token_s) == (pytest.approx(1.5e-3), 0.0)
-    per_token = meter.fit(PRIOR_COSTS)
-    assert (per_token.draft_base_s, per_token.draft_per_token_s) == (0.0, pytest.approx(1.5e-3))
-    config = AdaptiveKConfig(k_max=8)
-    assert AdaptiveK(config, per_call).best_k(0.8) >= 4
-    assert AdaptiveK(config, per_token).best_k(0.8) <= 1
-
-
-def test_a_per_call_drafts_probes_do_not_price_its_drafting():
-    """A draft deployment's probe follows plain steps: the worker catches up (6 ms here) where a
-    steady step costs 1 ms. Probes count for the target pass, not for the draft's cost."""
-    meter = StepCostMeter()
-    for _ in range(8):
-        meter.record(1, 4, draft_s=1e-3, target_s=2.5e-3)
-        meter.record(1, 1, draft_s=6e-3, target_s=2.1e-3, probe=True)
-        meter.record(1, 0, draft_s=0.0, target_s=2.0e-3)
-    fit = meter.fit(PRIOR_COSTS, draft_per_call=True)
-    assert (fit.draft_base_s, fit.draft_per_token_s) == (pytest.approx(1e-3), 0.0)
-    assert fit.target_base_s + 2 * fit.target_per_token_s == pytest.approx(2.1e-3, rel=0.05)  # probes' passes count
-    only_probes = StepCostMeter()
-    for _ in range(8):
-        only_probes.record(1, 1, draft_s=6e-3, target_s=2.1e-3, probe=True)
-    prior = only_probes.fit(PRIOR_COSTS, draft_per_call=True)
-    assert (prior.draft_base_s, prior.draft_per_token_s) == (PRIOR_COSTS.draft_base_s, PRIOR_COSTS.draft_per_token_s)
-
-
 def test_a_remote_draft_hop_makes_adaptive_k_stop_drafting():
     """A 15 ms call per step to a draft deployment outweighs 3.4 tokens per pass at a 4 ms step."""
     meter = StepCostMeter()
     slow = CostModel(target_base_s=4e-3, target_per_token_s=2e-4, draft_per_token_s=5e-4, draft_base_s=15e-3)
     for i in range(32):
         _record(meter, slow, rows=1, width=i % 5)
-    adaptive = AdaptiveK(AdaptiveKConfig(k_max=8, probe_every=16, probe_budget=0.05), meter.fit())
-    assert adaptive.best_k(0.8) == 0
-    # a probe adds 15.7 ms to a 4.2 ms step: at a 5% budget, one probe per 75 plain steps
-    assert adaptive.probe_interval() == 75
-    ks = [adaptive.choose_k("s") for _ in range(250)]  # probes that do not pay: 75, then 150 steps apart
-    assert [i for i, k in enumerate(ks) if k] == [74, 224]
+    adaptive = AdaptiveK(AdaptiveKConfig(k_max=8, probe_every=16), meter.fit())
+    assert adaptive.best_batch_k([0.8]) == 0
+    ks = [adaptive.choose_batch(["s"])[0] for _ in range(50)]  # plain steps, a one-token probe every 16
+    assert [i for i, k in enumerate(ks) if k] == [15, 31, 47] and max(ks) == 1
     fast = StepCostMeter()
     for i in range(32):
         _record(fast, CostModel(4e-3, 2e-4, 4e-4, 2e-4), rows=1, width=i % 5)
-    assert AdaptiveK(AdaptiveKConfig(k_max=8), fast.fit()).best_k(0.8) >= 3
+    assert AdaptiveK(AdaptiveKConfig(k_max=8), fast.fit()).best_batch_k([0.8]) >= 3
 
 
 def test_validation():
-    with pytest.raises(ValueError):
-        StepCostMeter(window=1)
-    with pytest.raises(ValueError):
-        StepCostMeter().record(0, 1, 0.0, 0.1)
-    with pytest.raises(ValueError):
-        StepCostMeter().record(1, 1, -1.0, 0.1)
     with pytest.raises(ValueError):
         CostModel(1e-3, 0.0, 0.0, draft_base_s=-1.0)
 
 
 def test_a_one_off_stall_does_not_set_the_costs():
-    """The first call to a draft deployment sets up its channel (~100x a draft step): without
-    leaving it out, that one step would make drafting look ruinous for the whole window."""
+    """A one-off stall (a draft deployment's channel set up on its first call, a pause of the
+    process): without leaving it out, that one step would make drafting look ruinous for the whole
+    window."""
     truth = CostModel(target_base_s=4e-3, target_per_token_s=3e-4, draft_per_token_s=4e-4, draft_base_s=1e-3)
     meter = StepCostMeter()
     meter.record(1, 4, draft_s=0.3, target_s=5e-3)  # the stall

@@ -1,0 +1,349 @@
+"""Speculation policy: how many tokens each decode step drafts, from what drafting has earned.
+
+With per-token acceptance alpha, k drafts yield (1 - alpha^(k+1)) / (1 - alpha) tokens per target
+pass, but cost k draft steps and k + 1 verified positions. `AdaptiveK` picks the k with the most
+expected tokens per second from each sequence's running acceptance and the step costs measured
+per batch-size bucket (`StepCostMeter`: at one row a pass is nearly all fixed cost, at 32 rows
+k + 1 positions cost nearly k + 1 passes). The model leaves things out (under a JSON schema the
+pass also carries forced text), so `PayGuard` refuses drafting where whole steps with drafts
+emitted fewer tokens per second than plain ones (bench/reports/spec_batch_sweep.md, JSON rows).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+MAX_BACKOFF = 16  # a recheck that does not pay doubles its interval, up to this many times
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """Speculative decoding: `num_tokens` draft tokens per step (the cap when adaptive).
+
+    adaptive: choose k per step (AdaptiveK); the cost model is refit every `refit_every` decode
+        steps of a batch-size bucket.
+    disable_by_batch_size: decode without speculation while this many sequences or more are
+        running (0: never).
+    """
+
+    num_tokens: int = 4
+    adaptive: bool = False
+    refit_every: int = 16
+    disable_by_batch_size: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.num_tokens <= 16 or self.refit_every < 1 or self.disable_by_batch_size < 0:
+            raise ValueError(f"need 0 <= num_tokens <= 16, refit_every >= 1, disable_by_batch_size >= 0; got "
+                             f"{self.num_tokens}, {self.refit_every}, {self.disable_by_batch_size}")
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Per-sequence step costs (seconds): a target pass over t positions costs target_base_s +
+    target_per_token_s * t; drafting k tokens costs draft_base_s + draft_per_token_s * k."""
+
+    target_base_s: float
+    target_per_token_s: float
+    draft_per_token_s: float
+    draft_base_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        costs = (self.target_base_s, self.target_per_token_s, self.draft_per_token_s, self.draft_base_s)
+        if min(costs) < 0 or self.target_base_s + self.target_per_token_s <= 0:
+            raise ValueError(f"costs must be >= 0 and a target pass must cost something, got {costs}")
+
+    def step_cost(self, k: int) -> float:
+        """Seconds for one speculative step with k draft tokens (k = 0: plain decoding)."""
+        draft = self.draft_base_s + self.draft_per_token_s * k if k > 0 else 0.0
+        return self.target_base_s + self.target_per_token_s * (k + 1) + draft
+
+
+# Relative costs before anything is measured: a draft token ~1/10 of a target pass.
+PRIOR_COSTS = CostModel(target_base_s=1e-2, target_per_token_s=1e-4, draft_per_token_s=1e-3, draft_base_s=1e-3)
+OUTLIER = 4.0  # a step this many times the median (per row) is a one-off stall, not the cost of drafting
+
+
+def bucket(num_rows: int) -> int:
+    """The batch-size bucket of num_rows: 1, 2-3, 4-7, 8-15, ... are buckets 1, 2, 3, 4, ..."""
+    return max(1, num_rows).bit_length()
+
+
+class StepCostMeter:
+    """A window of recent decode steps per batch-size bucket, and the CostModel they imply.
+
+    Per sequence of a B-row step whose widest row drafts K tokens: target_s / B ~ base + slope *
+    (K + 1), draft_s / B ~ base + slope * K, both fitted by least squares. Where the window holds
+    one width only, no slope can be measured: the target keeps the prior's slope, and drafting is
+    counted per draft token (wider k look dearer, so adaptive k tries narrower ones and a second
+    width gets measured)."""
+
+    def __init__(self, window: int = 256) -> None:
+        self._steps: dict[int, deque[tuple[int, int, float, float]]] = {}  # (rows, width, draft_s, target_s)
+        self._counts: dict[int, int] = {}  # per bucket: steps recorded (the windows keep the last `window`)
+        self.window = window
+
+    def record(self, num_rows: int, width: int, draft_s: float, target_s: float) -> None:
+        """Adds one decode step (width 0: a step without drafts)."""
+        b = bucket(num_rows)
+        self._steps.setdefault(b, deque(maxlen=self.window)).append((num_rows, width, draft_s, target_s))
+        self._counts[b] = self._counts.get(b, 0) + 1
+
+    def num_recorded_at(self, num_rows: int) -> int:
+        return self._counts.get(bucket(num_rows), 0)
+
+    def fit(self, prior: CostModel = PRIOR_COSTS, num_rows: int | None = None) -> CostModel:
+        """Per-sequence costs from num_rows' bucket (None: all steps); the prior where the window
+        says nothing. Steps over OUTLIER times the median per-row time are left out."""
+        window = [s for b, steps in self._steps.items() if num_rows is None or b == bucket(num_rows) for s in steps]
+        steps = _typical(window, 3)
+        base, slope = _fit_line([(w + 1, t / n) for n, w, _, t in steps], (prior.target_base_s, prior.target_per_token_s))
+        drafted = _typical([s for s in window if s[1] > 0], 2)
+        draft = _fit_line([(w, d / n) for n, w, d, _ in drafted], (prior.draft_base_s, prior.draft_per_token_s),
+                          per_unit=True)
+        if base + slope <= 0:
+            base = prior.target_base_s
+        return CostModel(base, slope, draft_per_token_s=draft[1], draft_base_s=draft[0])
+
+
+def _typical(steps: list, field: int) -> list:
+    """The steps whose per-row time (steps' `field`) is at most OUTLIER times the median."""
+    if len(steps) < 4:
+        return steps
+    times = sorted(s[field] / s[0] for s in steps)
+    limit = OUTLIER * times[len(times) // 2]
+    return [s for s in steps if s[field] / s[0] <= limit]
+
+
+def _fit_line(points: list[tuple[int, float]], prior: tuple[float, float], per_unit: bool = False) -> tuple[float, float]:
+    """(intercept, slope) of y ~ a + b x, both >= 0. With one x only: all of y per unit of x
+    (per_unit), else the prior's slope."""
+    if not points:
+        return prior
+    n = len(points)
+    mx, my = sum(x for x, _ in points) / n, sum(y for _, y in points) / n
+    sxx = sum((x - mx) ** 2 for x, _ in points)
+    if sxx < 1e-9 and per_unit and mx > 0:
+        return 0.0, my / mx
+    slope = prior[1] if sxx < 1e-9 else max(0.0, sum((x - mx) * (y - my) for x, y in points) / sxx)
+    return max(0.0, my - slope * mx), slope
+
+
+@dataclass
+class _Rate:
+    """Decayed sums of tokens emitted and seconds spent by steps of one kind."""
+
+    tokens: float = 0.0
+    seconds: float = 0.0
+    steps: int = 0
+
+    def add(self, tokens: int, seconds: float, decay: float) -> None:
+        self.tokens, self.seconds, self.steps = decay * self.tokens + tokens, decay * self.seconds + seconds, self.steps + 1
+
+    @property
+    def per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+class PayGuard:
+    """Does drafting pay, as realized? Tokens per second of whole decode steps with drafts and
+    without, per key (the engine's: batch-size bucket, and whether a row is constrained). While
+    either has fewer than min_steps steps, plain and drafting steps take turns, so both are
+    measured side by side over the same stretch of text and load; then drafting is refused at a
+    key where it emitted fewer per second. Every `recheck` refused steps (doubling after each
+    recheck that does not pay, up to MAX_BACKOFF times) drafting is measured afresh."""
+
+    def __init__(self, decay: float = 0.97, min_steps: int = 8, recheck: int = 64) -> None:
+        if not 0.0 < decay <= 1.0 or min_steps < 1 or recheck < 1:
+            raise ValueError(f"need 0 < decay <= 1, min_steps >= 1, recheck >= 1; got {decay}, {min_steps}, {recheck}")
+        self.decay, self.min_steps, self.recheck = decay, min_steps, recheck
+        self._rates: dict[tuple, tuple[_Rate, _Rate]] = {}  # key -> (plain steps, drafting steps)
+        self._refused: dict[tuple, int] = {}  # key -> refused steps since the last recheck
+        self._scale: dict[tuple, int] = {}  # key -> recheck interval multiplier
+        self._last = False  # whether the last step drafted
+        self.num_refused = 0
+
+    def record(self, key: tuple, drafted: bool, tokens: int, seconds: float) -> None:
+        """One decode step at `key`: whether it drafted, the tokens the target chose, its seconds."""
+        self._last = drafted
+        self._rates.setdefault(key, (_Rate(), _Rate()))[drafted].add(tokens, seconds, self.decay)
+
+    def allows(self, key: tuple) -> bool:
+        """Whether a step at `key` may draft (asked only where the model says k > 0)."""
+        plain, drafting = self._rates.setdefault(key, (_Rate(), _Rate()))
+        if min(plain.steps, drafting.steps) < self.min_steps:  # undecided: take turns
+            return not self._last
+        if drafting.per_s >= plain.per_s:
+            self._scale[key] = 1
+            return True
+        self.num_refused += 1
+        refused = self._refused[key] = self._refused.get(key, 0) + 1
+        if refused >= self.recheck * self._scale.get(key, 1):
+            self._refused[key] = 0
+            self._scale[key] = min(MAX_BACKOFF, 2 * self._scale.get(key, 1))
+            self._rates[key] = (plain, _Rate())  # measure drafting afresh
+            return True
+        return False
+
+
+@dataclass(frozen=True)
+class AdaptiveKConfig:
+    """How AdaptiveK chooses k (at most k_max). decay, pool_decay: weight a sequence's (the pool's)
+    acceptance evidence keeps per step. A sequence's estimate leans on the pool's alpha (the pool's on
+    prior_alpha) by prior_weight pseudo-trials: a new one starts there, an idle one drifts back.
+    probe_every: after this many steps at k = 0, draft one token anyway (text that turned formulaic
+    wins k back). explore_every: while drafting, every this many steps is plain, so a plain pass's
+    cost stays measured (0: never)."""
+
+    k_max: int = 8
+    decay: float = 0.8
+    prior_alpha: float = 0.5
+    prior_weight: float = 2.0
+    probe_every: int = 16
+    pool_decay: float = 0.99
+    explore_every: int = 0
+
+    def __post_init__(self) -> None:
+        if (self.k_max < 0 or not 0.0 < self.decay <= 1.0 or not 0.0 < self.pool_decay <= 1.0
+                or not 0.0 <= self.prior_alpha <= 1.0 or self.prior_weight <= 0 or self.probe_every < 1
+                or self.explore_every < 0):
+            raise ValueError(f"invalid {self}: need k_max >= 0, decay and pool_decay in (0, 1], prior_alpha in "
+                             "[0, 1], prior_weight > 0, probe_every >= 1, explore_every >= 0")
+
+
+class _Acceptance:
+    """Decayed counts of draft tokens accepted and of acceptance trials; the evidence ages at every
+    step, drafting or not, so what a stretch of text said about acceptance fades as it moves on."""
+
+    def __init__(self) -> None:
+        self.accepted = self.trials = 0.0
+
+    def alpha(self, prior: float, weight: float) -> float:
+        return (self.accepted + prior * weight) / (self.trials + weight)
+
+    def age(self, decay: float) -> None:
+        self.accepted *= decay
+        self.trials *= decay
+
+    def update(self, num_proposed: int, num_accepted: int, decay: float, cut: bool = False) -> None:
+        # Each accepted token is a trial that succeeded; the first rejection (or a cut, which ends
+        # a pass as a rejection does) one that failed; drafts after it were never tried.
+        self.age(decay)
+        self.accepted += num_accepted
+        self.trials += num_accepted + (1 if num_accepted < num_proposed or cut else 0)
+
+
+class AdaptiveK:
+    """k for a batch from its rows' running acceptance and the costs measured at its size, checked
+    by a PayGuard. Per decode step: `choose_batch(seq_ids, constrained)` before proposing,
+    `observe(seq_id, proposed, accepted)` per row after verification, `record(...)` with the
+    step's times and tokens; `on_finished(seq_id)` when a sequence ends."""
+
+    def __init__(self, config: AdaptiveKConfig, costs: CostModel = PRIOR_COSTS, refit_every: int = 16) -> None:
+        self.config, self.costs, self.refit_every = config, costs, refit_every
+        self.meter = StepCostMeter()
+        self.guard = PayGuard()
+        self._bucket_costs: dict[int, CostModel] = {}
+        self._pool = _Acceptance()
+        self._seqs: dict[str, _Acceptance] = {}
+        self._steps_at_zero: dict[int, int] = {}  # per bucket: consecutive plain steps
+        self._steps_drafting: dict[int, int] = {}  # per bucket: consecutive drafting steps
+
+    def set_costs(self, costs: CostModel, num_rows: int | None = None) -> None:
+        """Replaces the cost model of num_rows' bucket (None: the default)."""
+        if num_rows is None:
+            self.costs = costs
+        else:
+            self._bucket_costs[bucket(num_rows)] = costs
+
+    def costs_for(self, num_rows: int) -> CostModel:
+        """The costs of num_rows' bucket, else of the nearest bucket measured, else the default."""
+        if not self._bucket_costs:
+            return self.costs
+        b = bucket(num_rows)
+        return self._bucket_costs[min(self._bucket_costs, key=lambda k: (abs(k - b), k))]
+
+    def alpha(self, seq_id: str) -> float:
+        """The sequence's running acceptance estimate (the pool's for unknown ids)."""
+        return self._alpha(self._seqs.get(seq_id))
+
+    def best_batch_k(self, alphas: list[float], costs: CostModel | None = None) -> int:
+        """The one k for a batch whose rows accept with these alphas (the pass is as wide as its
+        widest row, so every row pays for k + 1 positions): argmax of the batch's expected tokens
+        per second; ties go to smaller k."""
+        costs = costs or self.costs
+        best, best_rate = 0, 0.0
+        tokens, powers = float(len(alphas)), [1.0] * len(alphas)  # at k: sum of 1 + a + ... + a^k; a^k
+        for k in range(self.config.k_max + 1):
+            if k:
+                powers = [p * a for p, a in zip(powers, alphas)]
+                tokens += sum(powers)
+            rate = tokens / costs.step_cost(k)
+            if rate > best_rate * (1.0 + 1e-9):
+                best, best_rate = k, rate
+        return best
+
+    def choose_batch(self, seq_ids: list[str], constrained: bool = False) -> list[int]:
+        """k for each row of this step's batch (one k for all); 0 means a plain step.
+
+        When no row drafts, every probe_every-th step all rows draft one token (a probe); while
+        rows draft, every explore_every-th step is plain. A drafting step is refused where PayGuard saw drafting
+        not pay (`constrained`: whether a row has a grammar, part of its key)."""
+        n, b = len(seq_ids), bucket(len(seq_ids))
+        states = [self._state(s) for s in seq_ids]
+        k = self.best_batch_k([self._alpha(s) for s in states], self.costs_for(n))
+        if self.config.k_max == 0 or n == 0:
+            return [k] * n
+        if k == 0:
+            self._steps_drafting[b] = 0
+            self._steps_at_zero[b] = self._steps_at_zero.get(b, 0) + 1
+            if self._steps_at_zero[b] >= self.config.probe_every:
+                self._steps_at_zero[b] = 0
+                k = 1
+            else:
+                for state in states:  # a plain step: the rows' evidence ages toward the pool's alpha
+                    state.age(self.config.decay)
+        else:
+            self._steps_at_zero[b] = 0
+            d = self._steps_drafting[b] = self._steps_drafting.get(b, 0) + 1
+            if self.config.explore_every and d % self.config.explore_every == 0:
+                k = 0
+        if k and not self.guard.allows((b, constrained)):
+            k = 0
+        return [k] * n
+
+    def observe(self, seq_id: str, num_proposed: int, num_accepted: int, cut: bool = False) -> None:
+        """One verification: num_proposed drafted (what the proposer returned), num_accepted of
+        them kept. cut: the proposal ended short for a reason that ends the pass there (a draft
+        its grammar refused, or the output's end), which counts as a failed trial, so alpha
+        estimates what a pass yields."""
+        if not 0 <= num_accepted <= num_proposed:
+            raise ValueError(f"need 0 <= num_accepted <= num_proposed, got {num_accepted}, {num_proposed}")
+        if num_proposed == 0 and not cut:
+            return
+        self._state(seq_id).update(num_proposed, num_accepted, self.config.decay, cut)
+        self._pool.update(num_proposed, num_accepted, self.config.pool_decay, cut)
+
+    def record(self, num_rows: int, constrained: bool, width: int, draft_s: float, target_s: float, tokens: int,
+               seconds: float) -> None:
+        """A decode step: its widest proposal (0: plain), drafting and target seconds (refit into the
+        bucket's costs every refit_every of its steps, the nearest bucket's as the prior), and, for
+        PayGuard, the tokens the target chose and the whole step's seconds."""
+        self.meter.record(num_rows, width, draft_s, target_s)
+        if self.meter.num_recorded_at(num_rows) % self.refit_every == 0:
+            self.set_costs(self.meter.fit(self.costs_for(num_rows), num_rows), num_rows)
+        self.guard.record((bucket(num_rows), constrained), width > 0, tokens, seconds)
+
+    def on_finished(self, seq_id: str) -> None:
+        """Forgets the sequence."""
+        self._seqs.pop(seq_id, None)
+
+    def _alpha(self, state: _Acceptance | None) -> float:  # None: the pool's
+        pool = self._pool.alpha(self.config.prior_alpha, self.config.prior_weight)
+        return pool if state is None else state.alpha(pool, self.config.prior_weight)
+
+    def _state(self, seq_id: str) -> _Acceptance:
+        state = self._seqs.get(seq_id)
+        if state is None:
+            state = self._seqs[seq_id] = _Acceptance()
+        return state
