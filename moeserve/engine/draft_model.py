@@ -248,8 +248,7 @@ class DraftModelProposer(Proposer):
                     raise DraftInterrupted
                 if j:  # feed draft j-1 (0-based) at position len + j - 1
                     positions = batch.lengths[:n] + (j - 1)  # [n]
-                    tk = batch.max_len[n - 1] + j
-                    logits = self._step(out[:n, j - 1], batch.tables[:n], positions, tk, batch.ragged[n - 1])
+                    logits = self._step(out[:n, j - 1], batch.tables[:n], positions)
                 masks.apply(logits, out, j)
                 if masks.all_ended(n):  # every row still drafting ended (at forced text, or its output)
                     break
