@@ -5,7 +5,6 @@ from model_shards.dispatch import Dispatch, LocalDispatch
 from model_shards.kv_cache import KVCache, StepBatch
 from model_shards.loader import CheckpointError, load_checkpoint
 from model_shards.model import CausalLM
-from model_shards.moe import RoutingConfig
 
 __all__ = [
     "CausalLM",
@@ -14,7 +13,6 @@ __all__ = [
     "KVCache",
     "LocalDispatch",
     "ModelConfig",
-    "RoutingConfig",
     "StepBatch",
     "load_checkpoint",
 ]

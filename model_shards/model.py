@@ -18,8 +18,9 @@ from model_shards.config import ModelConfig
 from model_shards.dispatch import Dispatch
 from model_shards.kv_cache import KVCache, StepBatch
 from model_shards.layers import MLP, RMSNorm, RotaryEmbedding
-from model_shards.moe import MoEBlock, RoutingConfig
+from model_shards.moe import MoEBlock
 from model_shards.profiling import phase
+from moeserve.config import RoutingSection
 from router_service.stats import ExpertLoadStats
 
 
@@ -106,7 +107,7 @@ class CausalLM(nn.Module):
         for block in self.moe_blocks:
             block.dispatch = dispatch
 
-    def set_routing(self, routing: RoutingConfig) -> None:
+    def set_routing(self, routing: RoutingSection) -> None:
         for block in self.moe_blocks:
             block.routing = routing
 

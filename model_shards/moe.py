@@ -7,7 +7,6 @@ The gating math lives in router_service/; how routes reach experts is the `Dispa
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -17,27 +16,10 @@ from model_shards.dispatch import Dispatch, LocalDispatch
 from model_shards.experts import LocalExperts
 from model_shards.layers import MLP
 from model_shards.profiling import phase
+from moeserve.config import RoutingSection
 from router_service.capacity import apply_capacity, expert_capacity
 from router_service.gating import GateConfig, Gates, topk_gate
 from router_service.stats import ExpertLoadStats
-
-
-@dataclass(frozen=True)
-class RoutingConfig:
-    """Expert capacity: `overflow="none"` is exact (no limit); `drop`/`reroute` cap each expert at
-    max(min_capacity, ceil(capacity_factor * tokens * K / E)) routes per forward pass."""
-
-    overflow: str = "none"
-    capacity_factor: float = 1.25
-    min_capacity: int = 4
-
-    def __post_init__(self) -> None:
-        if self.overflow not in ("none", "drop", "reroute"):
-            raise ValueError(f"overflow: must be 'none', 'drop' or 'reroute', got {self.overflow!r}")
-        if self.capacity_factor <= 0:
-            raise ValueError(f"capacity_factor: must be positive, got {self.capacity_factor}")
-        if self.min_capacity < 0:
-            raise ValueError(f"min_capacity: must be >= 0, got {self.min_capacity}")
 
 
 class MoEBlock(nn.Module):
@@ -59,7 +41,7 @@ class MoEBlock(nn.Module):
             self.shared_expert = None
         # Set by the owning model; plain attributes, not submodules or parameters.
         self.dispatch: Dispatch = LocalDispatch()
-        self.routing = RoutingConfig()
+        self.routing = RoutingSection()
         self.stats: ExpertLoadStats | None = None
         self.trace: list | None = None  # while routing is recorded: (expert_ids, weights) [N, K] per forward
 

@@ -151,14 +151,17 @@ class ShardsSection(_Section):
 
 
 class GrammarSection(_Section):
-    """Structured output (moeserve/grammar/compiler.py's GrammarConfig)."""
+    """Structured output: what grammar compilation gets (moeserve/grammar/compiler.py's GrammarConfig)."""
 
     # How JSON under a schema is written: "spaced" {"a": 1, "b": 2} as json.dumps and most models
     # write it, or "compact" {"a":1,"b":2}. Set it to the style the model learned: a model made to
     # write the other style answers worse (the demo pair learned spaced JSON).
     json_style: Literal["spaced", "compact"] = "spaced"
-    compile_timeout_s: float = Field(10.0, gt=0)  # a grammar compiling longer than this is refused (400)
-    max_spec_chars: int = Field(256 * 1024, ge=1)  # longest schema, regex or grammar accepted
+    # A grammar compiling longer than this is refused (400): room for the slowest real schema known
+    # (JSONSchemaBench sp_0) on a small shared machine.
+    compile_timeout_s: float = Field(10.0, gt=0)
+    # Longest schema, regex or grammar accepted (the largest JSONSchemaBench schema is ~158 k characters).
+    max_spec_chars: int = Field(256 * 1024, ge=1)
 
     def grammar_config(self) -> Any:
         from moeserve.grammar import GrammarConfig

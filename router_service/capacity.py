@@ -27,7 +27,7 @@ OverflowPolicy = Literal["none", "drop", "reroute"]
 
 
 def expert_capacity(
-    num_tokens: int, num_experts: int, top_k: int, capacity_factor: float, min_capacity: int = 4
+    num_tokens: int, num_experts: int, top_k: int, capacity_factor: float, min_capacity: int
 ) -> int:
     """Routes one expert may take: ``max(min_capacity, ceil(capacity_factor * tokens * k / experts))``.
 

@@ -16,6 +16,7 @@ from bench.serve_app import local_ray  # noqa: E402
 from deployments.draft import RemoteDraftProposer, bind_draft  # noqa: E402
 from deployments.draft_worker import DraftCall, DraftServerConfig, DraftWorker  # noqa: E402
 from model_shards import load_checkpoint  # noqa: E402
+from moeserve.config import GrammarSection  # noqa: E402
 from moeserve.engine.draft_model import DraftModelProposer  # noqa: E402
 from moeserve.sampling_params import SamplingParams  # noqa: E402
 from moeserve.spec import ProposalRequest  # noqa: E402
@@ -607,7 +608,7 @@ def test_a_draft_worker_drafts_constrained_rows_under_its_own_grammar(tmp_path):
     tokenizer = load_tokenizer(folder)
     from moeserve.grammar import GrammarCompiler
 
-    compiler = GrammarCompiler(tokenizer, len(tokenizer))
+    compiler = GrammarCompiler(tokenizer, len(tokenizer), config=GrammarSection().grammar_config())
     jobs = [(p, SamplingParams(max_tokens=60, temperature=0.0), compiler.compile(s))
             for p in TEXTS[:2] for s in (SPECS["json_schema"], SPECS["regex"], SPECS["ebnf"])]
     plain = run_jobs(structured_engine(folder, tokenizer), jobs)
@@ -644,7 +645,7 @@ def test_a_grammar_mirror_follows_each_sequences_output(tmp_path):
     folder = save_tiny_checkpoint(tmp_path)
     tokenizer = load_tokenizer(folder)
     spec = GrammarSpec.regex(r"ab+c")
-    engine_side = GrammarMatcher(GrammarCompiler(tokenizer, len(tokenizer)).compile(spec))
+    engine_side = GrammarMatcher(GrammarCompiler(tokenizer, len(tokenizer), config=GrammarSection().grammar_config()).compile(spec))
     output = tokenizer.encode("abbb", add_special_tokens=False)
     assert engine_side.accept_tokens(output) == len(output)
     mirror = GrammarMirror(str(folder), len(tokenizer))
