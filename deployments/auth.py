@@ -8,7 +8,7 @@ compared in constant time (hmac.compare_digest), and all of them every time, so 
 nothing about which one nearly matched.
 
 A key may hold at most `max_streams_per_key` requests at once (0: no limit); past it the call
-is refused with 429 + Retry-After / RESOURCE_EXHAUSTED, before it costs the engine anything.
+is refused (RATE_LIMITED: 429 + Retry-After / RESOURCE_EXHAUSTED), before it costs the engine anything.
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ import hmac
 import os
 from collections import Counter
 from collections.abc import Iterable
+
+from moeserve.errors import ErrorCode, ServingError
 
 ENV_VAR = "MOESERVE_API_KEY"
 
@@ -41,6 +43,18 @@ class ApiKeys:
             if hmac.compare_digest(token, key.encode()) and scheme.lower() == "bearer":
                 found = key
         return found
+
+    def admit(self, authorization: str | None, how: str) -> str:
+        """The caller's key, holding one of its slots (give it back with `release`); ServingError
+        UNAUTHENTICATED without a valid key (`how`: where to send one), RATE_LIMITED past its limit."""
+        key = self.identify(authorization)
+        if key is None:
+            raise ServingError(ErrorCode.UNAUTHENTICATED, f"missing or invalid API key ({how})",
+                               reason="invalid_api_key")
+        if not self.acquire(key):
+            raise ServingError(ErrorCode.RATE_LIMITED, f"this API key already holds {self.max_streams_per_key} "
+                               "requests; retry when one ends", reason="rate_limit_exceeded")
+        return key
 
     def acquire(self, key: str) -> bool:
         """Take one of `key`'s stream slots; False when it holds its limit already."""

@@ -1,38 +1,44 @@
-"""The serving layer HTTP and gRPC share: validate and tokenize on the way in; detokenize, stop
-strings, usage and resume on the way back.
+"""The serving layer HTTP and gRPC share: validate, tokenize and render the chat on the way in;
+detokenize, stop strings, usage and resume on the way back.
 
-    body -> (gateway.py | grpc_server.py) -> Frontend.prepare: prompt ids, SamplingParams,
-    GrammarSpec -> Frontend.stream: ONE streaming engine call, token ids back -> text here
+    transport -> ServeRequest -> Frontend.prepare: prompt ids, SamplingParams, GrammarSpec, one
+    engine request per choice -> Frontend.generate / stream: ONE streaming engine call per choice,
+    token ids back -> text here -> transport
 
 The engine is token-in, token-out. Text is made once, here, by one incremental detokenizer per
 request that also watches the stop strings: when one completes, the stream ends with "stop"
 and closing the engine stream aborts the request there. Grammars are compiled only in the
 engine core, where the masks are used; an invalid one comes back as the stream's first chunk
-(INVALID_ARGUMENT, 400 before any token). The core checks every token it emits against its
+(INVALID_ARGUMENT before any token). The core checks every token it emits against its
 grammar matcher (the guard); a refusal ends the stream with INTERNAL and counts in
 `grammar_guard_refusals_total`, which the tests assert stays 0.
+
+Every failure leaves this layer as a `ServingError` (moeserve/errors.py): bad input from
+`prepare`, an engine's in-band error (or a failed or stalled engine call) from the stream.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from deployments.metrics import GatewayMetrics
-from deployments.openai_api import APIError
 from moeserve.detokenizer import IncrementalDetokenizer
+from moeserve.errors import ErrorCode, ServingError, as_serving_error
 from moeserve.grammar.spec import GrammarSpec
-from moeserve.protocol import ErrorCode, GenerateChunk, GenerateRequest, error_chunk
-from moeserve.sampling_params import SamplingParams
+from moeserve.protocol import ErrorCode as StreamCode
+from moeserve.protocol import GenerateChunk, GenerateRequest, StreamError, error_chunk
+from moeserve.sampling_params import MAX_SEED, SamplingParams
 from moeserve.tokenizer import render_chat
 
 # A failed step (INTERNAL) or an unreachable replica (UNAVAILABLE) is worth one more attempt.
-RESUMABLE = (ErrorCode.INTERNAL, ErrorCode.UNAVAILABLE)
+RESUMABLE = (StreamCode.INTERNAL, StreamCode.UNAVAILABLE)
 STALL_GRACE_S = 5.0  # past the request timeout, how long the gateway still waits for the engine's own error
 
 
@@ -56,9 +62,31 @@ class FrontendConfig:
     max_retries: int = 2  # resumes of one stream after an engine replica or shard failure
 
 
-@dataclass
+@dataclass(frozen=True)
+class ServeRequest:
+    """A request as a transport hands it over, before validation.
+
+    The prompt is `prompt` (text or token ids) or `messages` (a chat, rendered by the tokenizer's
+    template with `tools`). `sampling` holds SamplingParams fields except max_tokens, which is
+    None for "what fits in the context". Choice i of `n` samples with seed + i when seeded.
+    `timeout_s` (the caller's deadline) can only shorten the configured request timeout.
+    """
+
+    model: str
+    prompt: str | Sequence[int] | None = None
+    messages: Sequence[Mapping[str, Any]] | None = None
+    tools: Sequence[Mapping[str, Any]] | None = None
+    max_tokens: int | None = None
+    sampling: Mapping[str, Any] = field(default_factory=dict)
+    grammar: GrammarSpec | None = None
+    n: int = 1
+    request_id: str | None = None
+    timeout_s: float | None = None
+
+
+@dataclass(frozen=True)
 class Prepared:
-    """A validated request, ready to stream."""
+    """A validated request for one choice, ready to stream."""
 
     request: GenerateRequest
     route: str
@@ -70,7 +98,6 @@ class Frontend:
         self.tokenizer = tokenizer
         self.engine = engine
         self.metrics = metrics
-        self.eos_token_id = tokenizer.eos_token_id
 
     @functools.cached_property
     def _vocab_bytes(self) -> list[bytes]:
@@ -84,53 +111,69 @@ class Frontend:
         return vocab[token_id] if 0 <= token_id < len(vocab) else b""
 
     # ---- validation ----------------------------------------------------------------------------
-    def check_model(self, model: str) -> None:
-        if model != self.cfg.model_name:
-            raise APIError(404, f"model {model!r} does not exist; this server serves {self.cfg.model_name!r}",
-                           param="model", code="model_not_found")
+    def prepare(self, req: ServeRequest, route: str) -> list[Prepared]:
+        """One engine request per choice; raises ServingError for bad input."""
+        try:
+            return self._prepare(req, route)
+        except ValueError as e:  # SamplingParams and chat messages name the field
+            raise as_serving_error(e) from None
 
-    def encode_prompt(self, prompt: str | Sequence[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise APIError(400, "prompt is empty", param="prompt")
-            return list(self.tokenizer.encode(prompt))
-        vocab = len(self.tokenizer)
-        bad = [t for t in prompt if not 0 <= t < vocab]
-        if bad:
-            raise APIError(400, f"prompt token ids must be in [0, {vocab}), got {bad[0]}", param="prompt")
-        return list(prompt)
-
-    def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
-        text = render_chat(self.tokenizer, messages, tools=tools)  # ValueError names the message -> 400
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
-
-    async def prepare(
-        self,
-        prompt_ids: list[int],
-        make_params: Callable[[int], SamplingParams],
-        max_tokens: int | None,
-        grammar: GrammarSpec | None,
-        route: str,
-        request_id: str | None = None,
-    ) -> Prepared:
-        """Check the context length and build SamplingParams (max_tokens defaults to what fits).
-        Raises APIError (or ValueError naming the field) for bad input."""
+    def _prepare(self, req: ServeRequest, route: str) -> list[Prepared]:
+        if req.model != self.cfg.model_name:
+            raise ServingError(ErrorCode.NOT_FOUND, f"model {req.model!r} does not exist; this server serves "
+                               f"{self.cfg.model_name!r}", param="model", reason="model_not_found")
+        prompt_ids = self.encode(req)
         limit, n = self.cfg.max_model_len, len(prompt_ids)
         if n >= limit:
-            raise APIError(400, f"prompt has {n} tokens but the model's context is {limit} tokens "
-                                "(the completion needs at least one more)", param="prompt",
-                           code="context_length_exceeded")
-        if max_tokens is not None and n + max_tokens > limit:
-            raise APIError(400, f"this model's context is {limit} tokens; the prompt has {n} and max_tokens asks "
-                                f"for {max_tokens} more ({n + max_tokens} in all)", param="max_tokens",
-                           code="context_length_exceeded")
-        params = make_params(limit - n if max_tokens is None else max_tokens)
-        rid = request_id or f"req-{uuid.uuid4().hex}"
-        return Prepared(GenerateRequest(rid, tuple(prompt_ids), params, grammar, self.cfg.request_timeout_s), route)
+            raise ServingError(ErrorCode.INVALID_ARGUMENT, f"prompt has {n} tokens but the model's context is {limit} "
+                               "tokens (the completion needs at least one more)", param="prompt",
+                               reason="context_length_exceeded")
+        if req.max_tokens is not None and n + req.max_tokens > limit:
+            raise ServingError(ErrorCode.INVALID_ARGUMENT, f"this model's context is {limit} tokens; the prompt has {n} "
+                               f"and max_tokens asks for {req.max_tokens} more ({n + req.max_tokens} in all)",
+                               param="max_tokens", reason="context_length_exceeded")
+        max_tokens = limit - n if req.max_tokens is None else req.max_tokens
+        timeout = self.cfg.request_timeout_s
+        if req.timeout_s is not None:  # the caller's deadline bounds the engine's work too
+            timeout = max(min(req.timeout_s, timeout or req.timeout_s), 1e-3)
+        base = req.request_id or f"req-{uuid.uuid4().hex}"
+        preps = []
+        for i in range(req.n):
+            sampling = dict(req.sampling)
+            if i and sampling.get("seed") is not None:
+                sampling["seed"] = (sampling["seed"] + i) % (MAX_SEED + 1)
+            params = SamplingParams(max_tokens=max_tokens, **sampling)
+            rid = base if req.n == 1 else f"{base}-{i}"
+            preps.append(Prepared(GenerateRequest(rid, tuple(prompt_ids), params, req.grammar, timeout), route))
+        return preps
+
+    def encode(self, req: ServeRequest) -> list[int]:
+        """The prompt's token ids: the chat rendered by the template, the text encoded, or the ids checked."""
+        if req.messages is not None:
+            text = render_chat(self.tokenizer, req.messages, tools=req.tools)  # ValueError names the message
+            return list(self.tokenizer.encode(text, add_special_tokens=False))
+        if not req.prompt:
+            raise ServingError(ErrorCode.INVALID_ARGUMENT, "prompt is empty", param="prompt")
+        if isinstance(req.prompt, str):
+            return list(self.tokenizer.encode(req.prompt))
+        vocab = len(self.tokenizer)
+        bad = [t for t in req.prompt if not 0 <= t < vocab]
+        if bad:
+            raise ServingError(ErrorCode.INVALID_ARGUMENT, f"prompt token ids must be in [0, {vocab}), got {bad[0]}",
+                               param="prompt")
+        return list(req.prompt)
 
     # ---- streaming -----------------------------------------------------------------------------
+    async def generate(self, preps: list[Prepared]) -> AsyncGenerator[tuple[int, GenerateChunk], None]:
+        """Every choice's stream as (choice index, chunk), until each has finished. Returns once every
+        choice's first chunk is in, so an early error (a refused grammar, a full queue) raises here,
+        before a response starts; closing the generator aborts what still runs."""
+        merged = _merge([self.stream(p) for p in preps])
+        await anext(merged)
+        return merged
+
     async def stream(self, prep: Prepared) -> AsyncIterator[GenerateChunk]:
-        """The engine's chunks with their text; ends with a finished chunk (maybe an error)."""
+        """The engine's chunks with their text, until a finished one; an error raises ServingError."""
         m, route, req = self.metrics, prep.route, prep.request
         detok = IncrementalDetokenizer(self.tokenizer, req.prompt_ids, req.params.stop)
         t0 = last = time.perf_counter()
@@ -152,28 +195,31 @@ class Frontend:
                     yield replace(chunk, text=text, finish_reason="stop", error=None)
                     return
                 if chunk.error is not None:
-                    chunk = self._error(req, chunk)
-                elif chunk.finished:
+                    raise self._failure(req, chunk.error)
+                if chunk.finished:
                     text += detok.finish()
                 yield replace(chunk, text=text)
                 if chunk.finished:
                     return
-            yield error_chunk(req.request_id, ErrorCode.UNAVAILABLE, "engine stream ended without a finish")
+            raise ServingError(ErrorCode.UNAVAILABLE, "engine stream ended without a finish")
         finally:
             m.in_flight.dec()
             m.prompt_tokens.inc(len(req.prompt_ids))
             m.e2e_seconds.labels(route=route).observe(time.perf_counter() - t0)
 
-    def _error(self, req: GenerateRequest, chunk: GenerateChunk) -> GenerateChunk:
-        """Name the request field behind a grammar error, and count refusals."""
-        err = chunk.error
-        if err.param != "grammar" or req.grammar is None:
-            return chunk
-        if err.code is ErrorCode.INVALID_ARGUMENT:
-            self.metrics.grammar_refused.labels(kind=req.grammar.kind).inc()
-        else:
-            self.metrics.grammar_guard_refusals.inc()
-        return replace(chunk, error=replace(err, param=_grammar_param(req.grammar)))
+    def _failure(self, req: GenerateRequest, err: StreamError) -> ServingError:
+        """An engine's in-band error as a ServingError (the one place they enter this layer): name
+        the request field behind a grammar error, and count grammar refusals."""
+        param, reason = err.param, None
+        if err.param == "grammar" and req.grammar is not None:
+            param = _grammar_param(req.grammar)
+            if err.code is StreamCode.INVALID_ARGUMENT:
+                self.metrics.grammar_refused.labels(kind=req.grammar.kind).inc()
+            else:
+                self.metrics.grammar_guard_refusals.inc()
+        if param and err.code is StreamCode.INVALID_ARGUMENT:
+            reason = "invalid_grammar"
+        return ServingError(ErrorCode(err.code.value), err.message, param=param, reason=reason)
 
     async def _resumable_stream(self, req: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         """The engine's chunks; when an attempt fails in a way a fresh attempt can fix (a dead
@@ -218,11 +264,11 @@ class Frontend:
                     return
                 except asyncio.TimeoutError:
                     msg = f"no answer from the engine within {req.timeout_s:g} s"
-                    yield error_chunk(req.request_id, ErrorCode.DEADLINE_EXCEEDED, msg)
+                    yield error_chunk(req.request_id, StreamCode.DEADLINE_EXCEEDED, msg)
                     return
                 except Exception as e:  # a dead replica or a lost connection: an error, never a hang
                     msg = f"engine call failed: {type(e).__name__}: {e}"
-                    yield error_chunk(req.request_id, ErrorCode.UNAVAILABLE, msg)
+                    yield error_chunk(req.request_id, StreamCode.UNAVAILABLE, msg)
                     return
         finally:
             await chunks.aclose()
@@ -230,3 +276,52 @@ class Frontend:
 def _grammar_param(spec: GrammarSpec) -> str:
     return {"json_object": "response_format", "json_schema": "response_format", "regex": "guided_regex",
             "ebnf": "guided_grammar", "choice": "guided_choice"}[spec.kind]
+
+
+async def _merge(streams: list[AsyncIterator[GenerateChunk]]) -> AsyncGenerator[Any, None]:
+    """Yields None once every stream's first chunk is in (or raises the first one's error), then
+    (stream index, chunk) as they come until each has finished; one stream is read directly (no
+    task per request). Closing it closes the streams (their engine requests abort)."""
+    try:
+        firsts = await asyncio.gather(*(anext(s) for s in streams), return_exceptions=True)
+        for first in firsts:
+            if isinstance(first, BaseException):
+                raise first
+        yield None
+        if len(streams) == 1:
+            yield 0, firsts[0]
+            async for chunk in streams[0]:  # ends after the finished chunk
+                yield 0, chunk
+            return
+        async with contextlib.aclosing(_interleave(firsts, streams)) as items:  # its tasks stop before the streams close
+            async for item in items:
+                yield item
+    finally:
+        await asyncio.gather(*(s.aclose() for s in streams), return_exceptions=True)
+
+
+async def _interleave(firsts: list[GenerateChunk], streams: list[AsyncIterator[GenerateChunk]]
+                      ) -> AsyncIterator[tuple[int, GenerateChunk]]:
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int) -> None:
+        try:
+            await queue.put((i, firsts[i]))
+            async for chunk in streams[i]:
+                await queue.put((i, chunk))
+        except BaseException as e:  # noqa: BLE001 - surfaced to the reader below
+            await queue.put((i, e))
+
+    tasks = [asyncio.create_task(pump(i)) for i in range(len(streams))]
+    try:
+        open_ = len(streams)
+        while open_:
+            i, item = await queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            open_ -= item.finished
+            yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -8,14 +8,16 @@ gRPC port lives and dies with the replica (several replicas on one node share th
 through SO_REUSEPORT, which grpcio sets by default).
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
-GET /metrics. Bad input is always a 4xx in OpenAI's error shape, never a 500.
+GET /metrics. A generation route hands its body to the OpenAI adapter (openai_api.py) for a
+ServeRequest, streams that through the serving layer (frontend.py) and returns what
+openai_responses.py makes of the chunks. Bad input is always a 4xx in OpenAI's error shape,
+never a 500 (http_edge.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -26,22 +28,13 @@ from fastapi import FastAPI
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 
 from deployments.auth import ApiKeys
-from deployments.frontend import Frontend, FrontendConfig, Prepared
-from deployments.http_edge import install_edge
+from deployments.frontend import Frontend, FrontendConfig, ServeRequest
+from deployments.http_edge import error_responses, install_edge
 from deployments.metrics import GatewayMetrics
-from deployments.openai_api import (
-    SSE_DONE,
-    APIError,
-    ChatCompletionRequest,
-    Choice,
-    CompletionRequest,
-    ResponseBuilder,
-    error_responses,
-    sse,
-)
+from deployments.openai_api import ChatCompletionRequest, CompletionRequest, chat_request, completion_request
+from deployments.openai_responses import ResponseBuilder, full_response, sse_events
 from deployments.tools import ToolCalling
-from moeserve.grammar.spec import GrammarSpec
-from moeserve.protocol import GenerateChunk, Usage
+from moeserve.errors import ErrorCode, ServingError
 
 ROUTE_COMPLETIONS = "/v1/completions"
 ROUTE_CHAT = "/v1/chat/completions"
@@ -125,33 +118,27 @@ class Gateway:
     # ---- routes ----------------------------------------------------------------------------
     async def completions(self, body: CompletionRequest) -> Response:
         """OpenAI `POST /v1/completions` (one prompt, n choices), streaming or not."""
-        body.check_supported()
-        self.frontend.check_model(body.model)
-        prompt_ids = self.frontend.encode_prompt(body.single_prompt())
-        preps = await self._prepare(body, prompt_ids, body.max_tokens, body.grammar_spec(), ROUTE_COMPLETIONS)
-        builder = ResponseBuilder(f"cmpl-{preps[0].request.request_id[4:]}", body.model, chat=False,
-                                  token_bytes=self.frontend.token_bytes)
-        return await self._respond(preps, builder, body.stream, body.include_usage)
+        hex_id = uuid.uuid4().hex
+        req = completion_request(body, f"req-{hex_id}")
+        builder = ResponseBuilder(f"cmpl-{hex_id}", body.model, chat=False, token_bytes=self.frontend.token_bytes)
+        return await self._respond(req, ROUTE_COMPLETIONS, builder, body.stream, body.include_usage)
 
     async def chat_completions(self, body: ChatCompletionRequest) -> Response:
         """OpenAI `POST /v1/chat/completions` through the tokenizer's chat template."""
-        body.check_supported()
-        self.frontend.check_model(body.model)
-        calling = body.tool_calling()
-        prompt_ids = self.frontend.encode_chat(body.message_dicts(), calling.template_tools() if calling else None)
-        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        preps = await self._prepare(body, prompt_ids, max_tokens, body.grammar_spec(calling), ROUTE_CHAT)
-        builder = ResponseBuilder(f"chatcmpl-{preps[0].request.request_id[4:]}", body.model, chat=True,
-                                  token_bytes=self.frontend.token_bytes)
-        return await self._respond(preps, builder, body.stream, body.include_usage, calling)
+        hex_id = uuid.uuid4().hex
+        req, calling = chat_request(body, f"req-{hex_id}")
+        builder = ResponseBuilder(f"chatcmpl-{hex_id}", body.model, chat=True, token_bytes=self.frontend.token_bytes)
+        return await self._respond(req, ROUTE_CHAT, builder, body.stream, body.include_usage, calling)
 
-    async def _prepare(self, body: CompletionRequest | ChatCompletionRequest, prompt_ids: list[int],
-                       max_tokens: int | None, grammar: GrammarSpec | None, route: str) -> list[Prepared]:
-        """One engine request per choice (choice i of a seeded request samples with seed + i)."""
-        base = f"req-{uuid.uuid4().hex}"
-        return [await self.frontend.prepare(prompt_ids, functools.partial(body.sampling_params, choice=i), max_tokens,
-                                            grammar, route, base if body.n == 1 else f"{base}-{i}")
-                for i in range(body.n)]
+    async def _respond(self, req: ServeRequest, route: str, builder: ResponseBuilder, stream: bool,
+                       include_usage: bool, calling: ToolCalling | None = None) -> Response:
+        # every choice's first token is in before the status line, so early errors keep their status
+        merged = await self.frontend.generate(self.frontend.prepare(req, route))
+        if not stream:
+            return JSONResponse(await full_response(merged, req.n, builder, calling))
+        return StreamingResponse(sse_events(merged, req.n, builder, include_usage, calling),
+                                 media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     async def models(self) -> dict[str, Any]:
         """OpenAI `GET /v1/models`: the one served model."""
@@ -203,8 +190,7 @@ class Gateway:
                 summary = await actor.summary.remote()
                 placement = await actor.placement.remote(world_size)
             except ray.exceptions.RayActorError as e:  # killed: the next engine report creates it again
-                return JSONResponse({"error": f"router service unavailable: {type(e).__name__}"}, status_code=503,
-                                    headers={"Retry-After": "5"})
+                raise ServingError(ErrorCode.UNAVAILABLE, f"router service unavailable: {type(e).__name__}") from None
         return JSONResponse(summary | {"placement": {"world_size": placement.world_size,
                                                      "rank_experts": placement.rank_experts}})
 
@@ -212,127 +198,6 @@ class Gateway:
         """The playground page (one file in the package, no CDN): chat with the served model and see
         each token's experts and speculation outcome, a JSON-schema box, live expert load and stats."""
         return HTMLResponse(PLAYGROUND.read_text(encoding="utf-8"))
-
-    # ---- responses -------------------------------------------------------------------------
-    async def _respond(self, preps: list[Prepared], builder: ResponseBuilder, stream: bool,
-                       include_usage: bool, calling: ToolCalling | None = None) -> Response:
-        streams = [self.frontend.stream(p) for p in preps]
-        handed_off, merged = False, None
-        try:
-            # wait for every choice's first token, so early errors keep their status code
-            firsts = await asyncio.gather(*(anext(s) for s in streams))
-            for first in firsts:
-                if first.error is not None:
-                    raise APIError.from_stream(first.error)
-            merged = _merge(firsts, streams)
-            if stream:  # the SSE generator owns (and closes) the streams from here
-                handed_off = True
-                return StreamingResponse(self._sse(merged, streams, builder, include_usage, calling),
-                                         media_type="text/event-stream",
-                                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-            choices = [Choice(i) for i in range(len(preps))]
-            usage: list[Usage] = [Usage()] * len(preps)
-            async for i, chunk in merged:
-                if chunk.error is not None:
-                    raise APIError.from_stream(chunk.error)
-                c = choices[i]
-                c.text += chunk.text
-                if chunk.logprobs is not None:
-                    c.logprobs = (c.logprobs or []) + list(chunk.logprobs)
-                if chunk.trace is not None:
-                    c.trace = (c.trace or []) + list(chunk.trace)
-                c.finish_reason, usage[i] = chunk.finish_reason, chunk.usage
-        finally:
-            if not handed_off:
-                await _close(streams, merged)  # also on cancellation: a client that went away aborts its requests
-        if calling is not None:
-            for c in choices:
-                c.text, c.tool_calls = calling.split(c.text)
-                c.finish_reason = "tool_calls" if c.tool_calls else c.finish_reason
-        return JSONResponse(builder.full(choices, _total(usage)))
-
-    async def _sse(self, merged: AsyncIterator[tuple[int, GenerateChunk]], streams: list[AsyncIterator],
-                   builder: ResponseBuilder, include_usage: bool, calling: ToolCalling | None = None
-                   ) -> AsyncIterator[str]:
-        usage: list[Usage] = [Usage()] * len(streams)
-        tools = [calling.stream() for _ in streams] if calling is not None else None
-        try:
-            if builder.chat:
-                for i in range(len(streams)):
-                    yield builder.chunk("", first=True, index=i)
-            async for i, chunk in merged:
-                if chunk.error is not None:
-                    yield sse(APIError.from_stream(chunk.error).body())
-                    break
-                text, calls = chunk.text, []
-                if tools is not None:  # content only outside tool calls; the calls once complete
-                    text = tools[i].feed(text)
-                    if chunk.finished:
-                        rest, calls = tools[i].finish()
-                        text += rest
-                if calls:
-                    if text or chunk.logprobs or chunk.trace:
-                        yield builder.chunk(text, index=i, logprobs=chunk.logprobs, trace=chunk.trace)
-                    yield builder.tool_calls_chunk(calls, index=i)
-                    yield builder.chunk("", "tool_calls", index=i)
-                elif text or chunk.finished or chunk.logprobs or chunk.trace:
-                    yield builder.chunk(text, chunk.finish_reason, index=i, logprobs=chunk.logprobs, trace=chunk.trace)
-                usage[i] = chunk.usage
-            else:
-                if include_usage:
-                    yield builder.usage_chunk(_total(usage))
-            yield SSE_DONE
-        finally:
-            await _close(streams, merged)  # a client that went away aborts its requests
-
-
-async def _merge(firsts: list[GenerateChunk], streams: list[AsyncIterator[GenerateChunk]]
-                 ) -> AsyncIterator[tuple[int, GenerateChunk]]:
-    """(choice index, chunk) from every choice's stream as they come, until each has finished;
-    one choice is read directly (no task per request)."""
-    if len(streams) == 1:
-        chunk = firsts[0]
-        yield 0, chunk
-        while not chunk.finished:
-            chunk = await anext(streams[0])
-            yield 0, chunk
-        return
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(i: int) -> None:
-        try:
-            chunk = firsts[i]
-            await queue.put((i, chunk))
-            while not chunk.finished:
-                chunk = await anext(streams[i])
-                await queue.put((i, chunk))
-        except BaseException as e:  # noqa: BLE001 - surfaced to the reader below
-            await queue.put((i, e))
-
-    tasks = [asyncio.create_task(pump(i)) for i in range(len(streams))]
-    try:
-        open_ = len(streams)
-        while open_:
-            i, item = await queue.get()
-            if isinstance(item, BaseException):
-                raise item
-            open_ -= item.finished
-            yield i, item
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
-async def _close(streams: list[AsyncIterator], merged: AsyncIterator | None = None) -> None:
-    if merged is not None:  # first its tasks (n > 1), which read the streams
-        await merged.aclose()
-    await asyncio.gather(*(s.aclose() for s in streams), return_exceptions=True)
-
-
-def _total(usage: list[Usage]) -> Usage:
-    """Usage of all choices: the prompt once, every choice's completion tokens."""
-    return Usage(usage[0].prompt_tokens, sum(u.completion_tokens for u in usage))
 
 
 def _openapi(app: FastAPI) -> dict[str, Any]:

@@ -15,15 +15,15 @@ With API keys configured (deployments/auth.py) Generate needs `authorization: Be
 metadata: UNAUTHENTICATED without it, RESOURCE_EXHAUSTED past the key's concurrent calls;
 the health services stay open.
 
-Status codes: INVALID_ARGUMENT (bad input, message names the field), NOT_FOUND (model),
-RESOURCE_EXHAUSTED (engine queue full), UNAVAILABLE (engine down), DEADLINE_EXCEEDED
+Every failure is a ServingError, whose ErrorCode `GRPC_STATUS` maps to the call's status code
+(once), with its message: INVALID_ARGUMENT (bad input, message names the field), NOT_FOUND
+(model), RESOURCE_EXHAUSTED (engine queue full), UNAVAILABLE (engine down), DEADLINE_EXCEEDED
 (the call's deadline, passed on to the engine as the request timeout), INTERNAL.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -33,39 +33,29 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from deployments.auth import ApiKeys
-from deployments.frontend import Frontend, Prepared
-from deployments.openai_api import APIError
+from deployments.frontend import Frontend, ServeRequest
 from deployments.proto import generate_pb2 as pb
 from deployments.proto import generate_pb2_grpc as pb_grpc
+from moeserve.errors import ErrorCode, ServingError, as_serving_error
 from moeserve.grammar.spec import GrammarSpec
-from moeserve.protocol import ErrorCode, GenerateChunk
-from moeserve.sampling_params import SamplingParams
+from moeserve.protocol import GenerateChunk
 
 logger = logging.getLogger(__name__)
 
 ROUTE = "grpc:/moeserve.v1.GenerateService/Generate"
 HEALTH_POLL_S = 2.0  # how often grpc.health.v1 re-reads the engine's health
 
-_BY_ERROR_CODE = {
+GRPC_STATUS = {
     ErrorCode.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
+    ErrorCode.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
+    ErrorCode.UNAUTHENTICATED: grpc.StatusCode.UNAUTHENTICATED,
+    ErrorCode.RATE_LIMITED: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    ErrorCode.TOO_LARGE: grpc.StatusCode.RESOURCE_EXHAUSTED,
     ErrorCode.RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
     ErrorCode.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
     ErrorCode.DEADLINE_EXCEEDED: grpc.StatusCode.DEADLINE_EXCEEDED,
     ErrorCode.INTERNAL: grpc.StatusCode.INTERNAL,
 }
-_BY_HTTP_STATUS = {400: grpc.StatusCode.INVALID_ARGUMENT, 404: grpc.StatusCode.NOT_FOUND,
-                   413: grpc.StatusCode.RESOURCE_EXHAUSTED, 504: grpc.StatusCode.DEADLINE_EXCEEDED}
-
-
-def status_for(e: APIError) -> grpc.StatusCode:
-    """The gRPC status for an HTTP-shaped APIError."""
-    if e.code:
-        for code, status in _BY_ERROR_CODE.items():
-            if code.value == e.code:
-                return status
-    if e.status == 503:
-        return grpc.StatusCode.UNAVAILABLE
-    return _BY_HTTP_STATUS.get(e.status, grpc.StatusCode.INTERNAL)
 
 
 class GenerateServicer(pb_grpc.GenerateServiceServicer):
@@ -78,33 +68,18 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
         key = None
         try:
             if self.auth.enabled:
-                key = self.auth.identify(dict(context.invocation_metadata()).get("authorization"))
-                if key is None:
-                    status = grpc.StatusCode.UNAUTHENTICATED
-                    await context.abort(status, "missing or invalid API key (metadata authorization: Bearer KEY)")
-                if not self.auth.acquire(key):
-                    key, status = None, grpc.StatusCode.RESOURCE_EXHAUSTED
-                    await context.abort(status, f"this API key already holds {self.auth.max_streams_per_key} "
-                                                "requests; retry when one ends")
-            try:
-                prep = await self._prepare(request, context.time_remaining())
-            except APIError as e:
-                status = status_for(e)
-                await context.abort(status, e.message)
-            except ValueError as e:  # SamplingParams / GrammarSpec / chat messages, naming the field
-                status = grpc.StatusCode.INVALID_ARGUMENT
-                await context.abort(status, str(e))
+                key = self.auth.admit(dict(context.invocation_metadata()).get("authorization"),
+                                      "metadata authorization: Bearer KEY")
+            req = serve_request(request, self.frontend.cfg.model_name, context.time_remaining())
+            (prep,) = self.frontend.prepare(req, ROUTE)
             async for chunk in self.frontend.stream(prep):
-                if chunk.error is not None:
-                    status = _BY_ERROR_CODE[chunk.error.code]
-                    await context.abort(status, chunk.error.message)
                 yield _response(chunk)
-        except grpc.aio.AbortError:
-            raise
         except Exception as e:
-            logger.exception("gRPC Generate failed")
-            status = grpc.StatusCode.INTERNAL
-            await context.abort(status, f"internal error: {type(e).__name__}: {e}")
+            error = as_serving_error(e)
+            if error.code is ErrorCode.INTERNAL:
+                logger.exception("gRPC Generate failed")
+            status = GRPC_STATUS[error.code]
+            await context.abort(status, error.message)
         finally:
             if key is not None:
                 self.auth.release(key)
@@ -118,59 +93,44 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
             return pb.HealthResponse(status=pb.HealthResponse.NOT_SERVING, message=f"{type(e).__name__}: {e}")
         return pb.HealthResponse(status=pb.HealthResponse.SERVING, message="ok")
 
-    async def _prepare(self, req: pb.GenerateRequest, time_remaining: float | None) -> Prepared:
-        fe = self.frontend
-        fe.check_model(req.model or fe.cfg.model_name)
-        which = req.WhichOneof("input")
-        if which == "prompt":
-            prompt_ids = fe.encode_prompt(req.prompt)
-        elif which == "prompt_token_ids":
-            if not req.prompt_token_ids.ids:
-                raise APIError(400, "prompt_token_ids is empty", param="prompt_token_ids")
-            prompt_ids = fe.encode_prompt(list(req.prompt_token_ids.ids))
-        elif which == "chat":
-            messages = [{"role": m.role, "content": m.content} for m in req.chat.messages]
-            prompt_ids = fe.encode_chat(messages)
-        else:
-            raise APIError(400, "one of prompt, prompt_token_ids or chat is required", param="input")
-        max_tokens = req.max_tokens if req.HasField("max_tokens") else None
-        prep = await fe.prepare(prompt_ids, lambda n: _params(req, n), max_tokens, _grammar(req), ROUTE,
-                                request_id=req.request_id or None)
-        if time_remaining is not None:  # the caller's deadline bounds the engine's work too
-            timeout = min(time_remaining, prep.request.timeout_s or time_remaining)
-            prep.request = dataclasses.replace(prep.request, timeout_s=max(timeout, 1e-3))
-        return prep
 
-
-def _params(req: pb.GenerateRequest, max_tokens: int) -> SamplingParams:
-    kwargs: dict[str, Any] = {"max_tokens": max_tokens, "ignore_eos": req.ignore_eos}
-    for name in ("temperature", "top_p", "top_k", "seed"):
+def serve_request(req: pb.GenerateRequest, served_model: str, time_remaining: float | None) -> ServeRequest:
+    """The message as the serving layer's request; an unset model is the served one."""
+    which = req.WhichOneof("input")
+    prompt, messages = None, None
+    if which == "prompt":
+        prompt = req.prompt
+    elif which == "prompt_token_ids":
+        if not req.prompt_token_ids.ids:
+            raise ServingError(ErrorCode.INVALID_ARGUMENT, "prompt_token_ids is empty", param="prompt_token_ids")
+        prompt = list(req.prompt_token_ids.ids)
+    elif which == "chat":
+        messages = [{"role": m.role, "content": m.content} for m in req.chat.messages]
+    else:
+        raise ServingError(ErrorCode.INVALID_ARGUMENT, "one of prompt, prompt_token_ids or chat is required",
+                           param="input")
+    sampling: dict[str, Any] = {"ignore_eos": req.ignore_eos}
+    for name in ("temperature", "top_p", "top_k", "seed", "logprobs"):
         if req.HasField(name):
-            kwargs[name] = getattr(req, name)
+            sampling[name] = getattr(req, name)
     if req.stop:
-        kwargs["stop"] = tuple(req.stop)
+        sampling["stop"] = tuple(req.stop)
     if req.stop_token_ids:
-        kwargs["stop_token_ids"] = tuple(req.stop_token_ids)
-    if req.HasField("logprobs"):
-        kwargs["logprobs"] = req.logprobs
+        sampling["stop_token_ids"] = tuple(req.stop_token_ids)
     if req.HasField("trace"):
-        kwargs |= {"trace_experts": req.trace.experts, "trace_speculation": req.trace.speculation}
-    return SamplingParams(**kwargs)
+        sampling |= {"trace_experts": req.trace.experts, "trace_speculation": req.trace.speculation}
+    return ServeRequest(req.model or served_model, prompt=prompt, messages=messages,
+                        max_tokens=req.max_tokens if req.HasField("max_tokens") else None, sampling=sampling,
+                        grammar=_grammar(req), request_id=req.request_id or None, timeout_s=time_remaining)
 
 
 def _grammar(req: pb.GenerateRequest) -> GrammarSpec | None:
-    which = req.WhichOneof("grammar")
-    if which is None:
-        return None
-    if which == "json_schema":
-        return GrammarSpec.json_schema(req.json_schema)
+    which = req.WhichOneof("grammar")  # json_schema, regex and ebnf are named as GrammarSpec's constructors
     if which == "json_object":
         return GrammarSpec.json_object() if req.json_object else None
-    if which == "regex":
-        return GrammarSpec.regex(req.regex)
-    if which == "ebnf":
-        return GrammarSpec.ebnf(req.ebnf)
-    return GrammarSpec.choice(list(req.choice.choices))
+    if which == "choice":
+        return GrammarSpec.choice(list(req.choice.choices))
+    return None if which is None else getattr(GrammarSpec, which)(getattr(req, which))
 
 
 def _response(chunk: GenerateChunk) -> pb.GenerateResponse:

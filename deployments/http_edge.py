@@ -1,29 +1,74 @@
-"""The gateway's HTTP edge: body size limit (413), errors in OpenAI's shape, request counts.
+"""The gateway's HTTP edge: ErrorCode -> HTTP status (once), errors in OpenAI's shape, API keys,
+the body size limit (413) and request counts.
 
-Every error leaves as `{"error": {"message", "type", "param", "code"}}`: APIError with its
-status; pydantic validation errors and ValueErrors (SamplingParams, GrammarSpec and chat
-validation, whose messages start with the field name) as 400; anything unexpected as a
-logged 500 with a message, so bad input is never a bare 500 or a dropped connection.
+Every error leaves as `{"error": {"message", "type", "param", "code"}}` with the status of its
+ErrorCode: ServingError as it is; pydantic validation errors and ValueErrors (SamplingParams,
+GrammarSpec, tools and chat validation, whose messages start with the field name) as
+INVALID_ARGUMENT; anything unexpected as a logged INTERNAL with a message, so bad input is never a
+bare 500 or a dropped connection.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import re
 from collections.abc import Iterable
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deployments.auth import ApiKeys
 from deployments.metrics import GatewayMetrics
-from deployments.openai_api import APIError
+from moeserve.errors import ErrorCode, ServingError, as_serving_error
 
 logger = logging.getLogger(__name__)
+
+HTTP_STATUS = {
+    ErrorCode.INVALID_ARGUMENT: 400,
+    ErrorCode.UNAUTHENTICATED: 401,
+    ErrorCode.NOT_FOUND: 404,
+    ErrorCode.TOO_LARGE: 413,
+    ErrorCode.RATE_LIMITED: 429,
+    ErrorCode.INTERNAL: 500,
+    ErrorCode.RESOURCE_EXHAUSTED: 503,
+    ErrorCode.UNAVAILABLE: 503,
+    ErrorCode.DEADLINE_EXCEEDED: 504,
+}
+_MEANING = {
+    400: "bad input; the message names the field", 401: "missing or invalid API key",
+    404: "unknown model", 413: "request body too large", 429: "this API key's concurrent-request limit",
+    500: "server error", 503: "engine queue full or engine unavailable (Retry-After)", 504: "request timed out",
+}
+_TYPE = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+         405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error"}
+
+
+class ErrorBody(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """Every error the HTTP API returns, whatever its status (OpenAI's shape)."""
+
+    error: ErrorBody
+
+
+def error_responses(*statuses: int) -> dict[int, dict[str, Any]]:
+    """FastAPI `responses=` documenting these error statuses with the error body's schema."""
+    return {s: {"model": ErrorResponse, "description": _MEANING[s]} for s in statuses}
+
+
+def error_body(e: ServingError, status: int | None = None) -> dict[str, Any]:
+    """OpenAI's error body for `e` (`status`: the HTTP status, when not its code's)."""
+    status = status or HTTP_STATUS[e.code]
+    kind = _TYPE.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    return {"error": {"message": e.message, "type": kind, "param": e.param, "code": e.reason}}
 
 
 def install_edge(app: FastAPI, routes: Iterable[str], max_body_bytes: int, metrics: GatewayMetrics,
@@ -31,47 +76,43 @@ def install_edge(app: FastAPI, routes: Iterable[str], max_body_bytes: int, metri
     """Add the edge middleware and the error handlers to `app`."""
     app.add_middleware(_EdgeMiddleware, routes=frozenset(routes), max_body_bytes=max_body_bytes, metrics=metrics,
                        auth=auth or ApiKeys(from_env=False), public=frozenset(public_paths))
-    app.add_exception_handler(APIError, _api_error)
+    app.add_exception_handler(ServingError, _serving_error)
+    app.add_exception_handler(ValueError, _serving_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
-    app.add_exception_handler(ValueError, _value_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
 
 
-# ---- errors --------------------------------------------------------------------------------------
-def _error_response(e: APIError) -> JSONResponse:
-    headers = {"Retry-After": "1"} if e.status in (429, 503) else None  # worth retrying: say when
-    return JSONResponse(e.body(), status_code=e.status, headers=headers)
+def _error_response(e: ServingError, status: int | None = None) -> JSONResponse:
+    status = status or HTTP_STATUS[e.code]
+    headers = {"Retry-After": "1"} if status in (429, 503) else None  # worth retrying: say when
+    if e.code is ErrorCode.UNAUTHENTICATED:
+        headers = {"WWW-Authenticate": "Bearer"}
+    return JSONResponse(error_body(e, status), status_code=status, headers=headers)
 
 
-async def _api_error(request: Request, e: APIError) -> JSONResponse:
-    return _error_response(e)
+async def _serving_error(request: Request, e: Exception) -> JSONResponse:
+    return _error_response(as_serving_error(e))
 
 
 async def _validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
     errors = e.errors()
     if errors and errors[0].get("type") == "json_invalid":
         reason = (errors[0].get("ctx") or {}).get("error", "")
-        return _error_response(APIError(400, f"request body is not valid JSON: {reason}".rstrip(": ")))
+        return _error_response(ServingError(ErrorCode.INVALID_ARGUMENT,
+                                            f"request body is not valid JSON: {reason}".rstrip(": ")))
     problems, params = [], []
     for err in errors:
         loc = ".".join(str(p) for p in err.get("loc", ()) if p != "body") or "body"
         params.append(loc)
         problems.append(f"{loc}: {err.get('msg', 'invalid')}")
-    return _error_response(APIError(400, "invalid request: " + "; ".join(problems), param=params[0] if params else None))
+    return _error_response(ServingError(ErrorCode.INVALID_ARGUMENT, "invalid request: " + "; ".join(problems),
+                                        param=params[0] if params else None))
 
 
 async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
-    """Starlette's and FastAPI's own errors (an unparseable body, an unknown route) in our shape."""
-    return _error_response(APIError(e.status_code, str(e.detail)))
-
-
-_LEADING_FIELD = re.compile(r"^([a-z_]+(?:\[\d+\])?(?:\.[a-z_]+(?:\[\d+\])?)*) ")
-
-
-async def _value_error(request: Request, e: ValueError) -> JSONResponse:
-    """SamplingParams, GrammarSpec and chat validation start their messages with the field name."""
-    m = _LEADING_FIELD.match(str(e))
-    return _error_response(APIError(400, str(e), param=m.group(1) if m else None))
+    """Starlette's and FastAPI's own errors (an unknown route, a wrong method) in our shape, their status kept."""
+    code = ErrorCode.NOT_FOUND if e.status_code == 404 else ErrorCode.INVALID_ARGUMENT
+    return _error_response(ServingError(code, str(e.detail)), e.status_code)
 
 
 # ---- the edge: body size limit and request counts by route and code ----------------------------
@@ -101,32 +142,21 @@ class _EdgeMiddleware:
         key = None
         try:
             if self.auth.enabled and scope.get("path") not in self.public:
-                headers = dict(scope.get("headers", ()))
-                key = self.auth.identify(headers.get(b"authorization", b"").decode("latin-1"))
-                if key is None:
-                    error = APIError(401, "missing or invalid API key (send Authorization: Bearer KEY)",
-                                     code="invalid_api_key")
-                    await _send_json(counting_send, 401, error.body(), [(b"www-authenticate", b"Bearer")])
-                    return
-                if not self.auth.acquire(key):
-                    key = None
-                    error = APIError(429, f"this API key already holds {self.auth.max_streams_per_key} requests; "
-                                          "retry when one ends", code="rate_limit_exceeded")
-                    await _send_json(counting_send, 429, error.body(), [(b"retry-after", b"1")])
-                    return
+                authorization = dict(scope.get("headers", ())).get(b"authorization", b"").decode("latin-1")
+                key = self.auth.admit(authorization, "send Authorization: Bearer KEY")
             if scope.get("method") == "POST":
                 body = await self._read_body(scope, receive)
                 if body is None:
-                    error = APIError(413, f"request body is larger than {self.limit} bytes", code="request_too_large")
-                    await _send_json(counting_send, 413, error.body())
-                    return
+                    raise ServingError(ErrorCode.TOO_LARGE, f"request body is larger than {self.limit} bytes",
+                                       reason="request_too_large")
                 receive = _replay(body, receive)
             await self.app(scope, receive, counting_send)
         except Exception as e:
-            logger.exception("unexpected error on %s", scope.get("path"))
+            error = as_serving_error(e)
+            if error.code is ErrorCode.INTERNAL:
+                logger.exception("unexpected error on %s", scope.get("path"))
             if not status["code"]:
-                error = APIError(500, f"internal error: {type(e).__name__}: {e}", code="internal")
-                await _send_json(counting_send, 500, error.body())
+                await _error_response(error)(scope, receive, counting_send)
         finally:
             if key is not None:
                 self.auth.release(key)
@@ -162,12 +192,3 @@ def _replay(body: bytes, receive: Any) -> Any:
         return await receive()
 
     return replay
-
-
-async def _send_json(send: Any, status: int, payload: dict, extra_headers: list | None = None) -> None:
-    data = json.dumps(payload).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
-    headers += extra_headers or []
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": data})
-

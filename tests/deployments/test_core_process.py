@@ -10,7 +10,7 @@ import pytest
 
 from bench.tiny_checkpoint import save_tiny_checkpoint
 from deployments.engine_server import EngineServer, EngineServerConfig
-from deployments.frontend import Frontend, FrontendConfig
+from deployments.frontend import Frontend, FrontendConfig, ServeRequest
 from deployments.metrics import GatewayMetrics
 from moeserve.engine.factory import EngineConfig
 from moeserve.engine.llm import LLM
@@ -20,6 +20,7 @@ from moeserve.sampling_params import SamplingParams
 from moeserve.tokenizer import load_tokenizer
 
 GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+GREEDY_FIELDS = {"temperature": 0.0, "ignore_eos": True}  # GREEDY as a ServeRequest asks for it
 PROMPTS = ["order status please", "The bakery sells", "Hello my", "Tomorrow we"]
 
 
@@ -49,7 +50,7 @@ def frontend(server: EngineServer, folder: str) -> Frontend:
 
 async def stream_all(fe: Frontend, grammar=None, on_first=None) -> list[list]:
     async def one(prompt: str):
-        prep = await fe.prepare(fe.tokenizer.encode(prompt), lambda n: GREEDY, 40, grammar, "t")
+        (prep,) = fe.prepare(ServeRequest("tiny", prompt, max_tokens=40, sampling=GREEDY_FIELDS, grammar=grammar), "t")
         chunks = []
         async for chunk in fe.stream(prep):
             chunks.append(chunk)
@@ -109,7 +110,7 @@ def test_a_paged_core_process_matches_and_reports_its_prefix_cache(folder):
 
         async def run() -> list[list[int]]:
             async def one(prompt: str) -> list[int]:
-                prep = await fe.prepare(fe.tokenizer.encode(prompt), lambda n: GREEDY, 40, None, "t")
+                (prep,) = fe.prepare(ServeRequest("tiny", prompt, max_tokens=40, sampling=GREEDY_FIELDS), "t")
                 return [t async for c in fe.stream(prep) for t in c.token_ids]
             return list(await asyncio.wait_for(asyncio.gather(*(one(p) for p in prompts)), 120))
 

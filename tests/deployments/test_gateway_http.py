@@ -15,6 +15,7 @@ import torch
 
 from bench.tiny_checkpoint import MODEL_NAME, save_tiny_checkpoint
 from deployments.engine_server import EngineServer, EngineServerConfig
+from deployments.frontend import ServeRequest
 from deployments.gateway import Gateway, GatewayConfig
 from model_shards import load_checkpoint
 from moeserve.engine import LLMEngine, ModelRunner, SpecConfig
@@ -225,7 +226,8 @@ def test_tool_calls_required_and_named_streamed_and_not_then_a_round_trip(long_g
         assert entry["name"] == "get_price"
         jsonschema.validate(json.loads(entry["arguments"]), PRICE)
 
-    prompt = load_tokenizer(gateway.config.model_path).decode(gateway.frontend.encode_chat(follow, TOOLS))
+    ids = gateway.frontend.encode(ServeRequest(MODEL_NAME, messages=follow, tools=TOOLS))
+    prompt = load_tokenizer(gateway.config.model_path).decode(ids)
     assert "<tool_response>" in prompt and call.function.name in prompt and "place_order" in prompt
     assert after.choices[0].message.role == "assistant"
 

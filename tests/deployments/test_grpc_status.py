@@ -154,3 +154,28 @@ def test_the_trace_travels_both_ways(frontend):
     (entry,) = sources[-1].trace
     assert entry.source == "draft" and not entry.experts
     assert not plain[-1].trace
+
+
+@pytest.mark.parametrize("request_,status,needle", [
+    (pb.GenerateRequest(model="gpt-4", prompt="fine"), grpc.StatusCode.NOT_FOUND, "does not exist"),
+    (pb.GenerateRequest(prompt="fine", temperature=-1), grpc.StatusCode.INVALID_ARGUMENT, "temperature"),
+    (pb.GenerateRequest(prompt="fine", max_tokens=0), grpc.StatusCode.INVALID_ARGUMENT, "max_tokens"),
+    (pb.GenerateRequest(prompt="fine", max_tokens=1000), grpc.StatusCode.INVALID_ARGUMENT, "context"),
+    (pb.GenerateRequest(prompt=""), grpc.StatusCode.INVALID_ARGUMENT, "empty"),
+    (pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=[10**6])), grpc.StatusCode.INVALID_ARGUMENT, "token ids"),
+    (pb.GenerateRequest(), grpc.StatusCode.INVALID_ARGUMENT, "one of prompt"),
+    (pb.GenerateRequest(prompt="fine", json_schema="{not json"), grpc.StatusCode.INVALID_ARGUMENT, "json_schema"),
+])
+def test_bad_requests_are_mapped_with_a_message(frontend, request_, status, needle):
+    async def main():
+        server, port = await start_grpc_server(frontend, "127.0.0.1", 0)
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    [r async for r in pb_grpc.GenerateServiceStub(channel).Generate(request_, timeout=10)]
+                return e.value
+        finally:
+            await server.stop(grace=None)
+
+    error = asyncio.run(main())
+    assert error.code() == status and needle in error.details(), error.details()

@@ -10,17 +10,19 @@ import pytest
 
 from bench.tiny_checkpoint import save_tiny_checkpoint
 from deployments.engine_server import EngineServer, EngineServerConfig
-from deployments.frontend import Frontend, FrontendConfig
+from deployments.frontend import Frontend, FrontendConfig, ServeRequest
 from deployments.metrics import GatewayMetrics
 from model_shards import load_checkpoint
 from moeserve.engine import LLMEngine, ModelRunner
 from moeserve.engine.core import EngineCore
+from moeserve.errors import ErrorCode as ServingCode
+from moeserve.errors import ServingError
 from moeserve.grammar import GrammarSpec, check_output
 from moeserve.protocol import ErrorCode, GenerateRequest, Shutdown
 from moeserve.sampling_params import SamplingParams
 from moeserve.tokenizer import load_tokenizer
 
-GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+GREEDY = {"temperature": 0.0, "ignore_eos": True}  # and max_tokens 24
 
 
 @pytest.fixture(scope="module")
@@ -79,32 +81,44 @@ def run(folder, fail_at: int | None, grammar: GrammarSpec | None = None, retries
     frontend = Frontend(FrontendConfig("tiny", 256, max_retries=retries), tokenizer, replica, metrics)
 
     async def go():
-        prep = await frontend.prepare(tokenizer.encode("order status please"), lambda n: GREEDY, 24, grammar, "t")
-        return [c async for c in frontend.stream(prep)]
+        (prep,) = frontend.prepare(ServeRequest("tiny", "order status please", max_tokens=24, sampling=GREEDY,
+                                                grammar=grammar), "t")
+        return await collect(frontend.stream(prep))
 
     try:
-        chunks = asyncio.run(go())
+        chunks, error = asyncio.run(go())
     finally:
         server.shutdown()
     tokens = [t for c in chunks for t in c.token_ids]
-    return tokens, "".join(c.text for c in chunks), chunks[-1], metrics
+    return tokens, "".join(c.text for c in chunks), chunks[-1], error, metrics
+
+
+async def collect(stream) -> tuple[list, ServingError | None]:
+    """A stream's chunks, and the error that ended it (None: it finished)."""
+    chunks = []
+    try:
+        async for chunk in stream:
+            chunks.append(chunk)
+    except ServingError as e:
+        return chunks, e
+    return chunks, None
 
 
 @pytest.mark.parametrize("grammar", [None, GrammarSpec.regex("[a-z]{3,20}( [a-z]{2,9}){2,6}")])
 def test_failed_step_mid_stream_is_resumed_without_loss(folder, grammar):
-    expected, text, last, _ = run(folder, None, grammar)
-    assert last.error is None and len(expected) > 6
-    tokens, text2, last2, metrics = run(folder, fail_at=5, grammar=grammar)  # 5 chunks, then the replica is gone
+    expected, text, _, error, _ = run(folder, None, grammar)
+    assert error is None and len(expected) > 6
+    tokens, text2, last2, error2, metrics = run(folder, fail_at=5, grammar=grammar)  # 5 chunks, then the replica is gone
     assert tokens == expected and text2 == text
-    assert last2.error is None and last2.usage.completion_tokens == len(expected)
+    assert error2 is None and last2.usage.completion_tokens == len(expected)
     assert metrics.retries._value.get() == 1
     if grammar is not None:
         assert check_output(grammar, text2) is None
 
 
 def test_without_retries_the_client_gets_a_clear_error(folder):
-    tokens, _, last, _ = run(folder, fail_at=5, retries=0)
-    assert last.error is not None and "replica connection lost" in last.error.message
+    tokens, _, _, error, _ = run(folder, fail_at=5, retries=0)
+    assert error.code is ServingCode.UNAVAILABLE and "replica connection lost" in error.message
     assert 0 < len(tokens) < 24
 
 
@@ -114,15 +128,15 @@ def test_a_poisoned_request_fails_alone_and_its_neighbours_carry_on(folder):
     tokenizer = load_tokenizer(folder)
     prompts = [tokenizer.encode(p) for p in ("order status please", "the bakery sells", "hello my friend")]
     poisoned = [5, PoisonRunner.POISON, 9, 11]
-    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    params = {"temperature": 0.0, "ignore_eos": True}
 
     def serve(runner):
         server = EngineServer(EngineServerConfig(), engine=LLMEngine(runner, tokenizer))
         frontend = Frontend(FrontendConfig("tiny", 256), tokenizer, server, GatewayMetrics())
 
         async def one(ids):
-            prep = await frontend.prepare(ids, lambda n: params, 16, None, "t")
-            return [c async for c in frontend.stream(prep)]
+            (prep,) = frontend.prepare(ServeRequest("tiny", ids, max_tokens=16, sampling=params), "t")
+            return await collect(frontend.stream(prep))
 
         async def all_of(batch):
             return await asyncio.wait_for(asyncio.gather(*(one(p) for p in batch)), 120)
@@ -134,12 +148,12 @@ def test_a_poisoned_request_fails_alone_and_its_neighbours_carry_on(folder):
 
     clean, _, _ = serve(ModelRunner(load_checkpoint(folder), 4, 256))
     outs, metrics, server = serve(PoisonRunner(ModelRunner(load_checkpoint(folder), 4, 256)))
-    for good, got in zip(clean[:3], outs[:3]):
-        assert got[-1].error is None and [t for c in got for t in c.token_ids] == [t for c in good for t in c.token_ids]
-    assert outs[3][-1].error.code is ErrorCode.INTERNAL and "alone" in outs[3][-1].error.message
+    for (good, _), (got, error) in zip(clean[:3], outs[:3]):
+        assert error is None and [t for c in got for t in c.token_ids] == [t for c in good for t in c.token_ids]
+    _, poisoned = outs[3]
+    assert poisoned.code is ServingCode.INTERNAL and "alone" in poisoned.message
     assert metrics.retries._value.get() == 0  # nobody resumed: the neighbours never saw an error, and the
-    # poisoned request's error says a fresh attempt would fail the same way
-    assert not outs[3][-1].error.retryable
+    # poisoned request's error said a fresh attempt would fail the same way (INTERNAL is resumable otherwise)
 
 
 class ScriptChannel:
