@@ -16,18 +16,20 @@ from __future__ import annotations
 import hmac
 import os
 from collections import Counter
-from collections.abc import Iterable
 
+from moeserve.config import GatewaySection
 from moeserve.errors import ErrorCode, ServingError
 
 ENV_VAR = "MOESERVE_API_KEY"
 
 
 class ApiKeys:
-    def __init__(self, keys: Iterable[str] = (), max_streams_per_key: int = 0, from_env: bool = True) -> None:
+    def __init__(self, cfg: GatewaySection, from_env: bool = True) -> None:
+        """cfg.api_keys (and $MOESERVE_API_KEY's when `from_env`), each holding at most
+        cfg.max_streams_per_key requests at once (0: no limit). No key configured: open."""
         env = os.environ.get(ENV_VAR, "") if from_env else ""
-        self.keys = tuple(k.strip() for k in (*keys, *env.split(",")) if k.strip())
-        self.max_streams_per_key = max_streams_per_key
+        self.keys = tuple(k.strip() for k in (*cfg.api_keys, *env.split(",")) if k.strip())
+        self.max_streams_per_key = cfg.max_streams_per_key
         self._streams: Counter[str] = Counter()
 
     @property

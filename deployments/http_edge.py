@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deployments.auth import ApiKeys
 from deployments.metrics import GatewayMetrics
+from moeserve.config import GatewaySection
 from moeserve.errors import ErrorCode, ServingError, as_serving_error
 
 logger = logging.getLogger(__name__)
@@ -72,10 +73,10 @@ def error_body(e: ServingError, status: int | None = None) -> dict[str, Any]:
 
 
 def install_edge(app: FastAPI, routes: Iterable[str], max_body_bytes: int, metrics: GatewayMetrics,
-                 auth: ApiKeys | None = None, public_paths: Iterable[str] = ()) -> None:
+                 auth: ApiKeys | None = None, public_paths: Iterable[str] | None = None) -> None:
     """Add the edge middleware and the error handlers to `app`."""
     app.add_middleware(_EdgeMiddleware, routes=frozenset(routes), max_body_bytes=max_body_bytes, metrics=metrics,
-                       auth=auth or ApiKeys(from_env=False), public=frozenset(public_paths))
+                       auth=auth or ApiKeys(GatewaySection(), from_env=False), public=frozenset(public_paths or ()))
     app.add_exception_handler(ServingError, _serving_error)
     app.add_exception_handler(ValueError, _serving_error)
     app.add_exception_handler(RequestValidationError, _validation_error)

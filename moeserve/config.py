@@ -181,6 +181,7 @@ class GatewaySection(_Section):
     api_keys: list[str] = Field(default_factory=list)
     max_streams_per_key: int = Field(0, ge=0)  # concurrent requests per key (0: no limit), then 429
     public_paths: list[str] = Field(default_factory=lambda: ["/health", "/metrics", "/playground"])  # open with keys
+    max_retries: int = Field(2, ge=0)  # resumes of one stream after an engine replica or shard failure
 
 
 class AutoscalingSection(_Section):
