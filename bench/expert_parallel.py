@@ -1,9 +1,10 @@
 """Expert parallelism on this machine: a decode step split into attention, gating, dispatch,
 experts and combine for W = 1 and W = 2 shard processes, the all-to-all share of a step, and
 decode throughput W = 2 vs W = 1 at a fixed batch; with --compile, each W also with every
-rank's passes compiled between its collectives (model_shards/compiled_shard.py).
+rank's passes compiled between its collectives (model_shards/compiled_shard.py); with --padded,
+each W > 1 also with the all-to-all's padded layout (model_shards/all_to_all.py, the GPU's).
 
-    python -m bench.expert_parallel [--checkpoint DIR] [--batch 16] [--steps 32] [--runs 5] [--worlds 1 2 4] [--compile]
+    python -m bench.expert_parallel [--checkpoint DIR] [--batch 16] [--steps 32] [--runs 5] [--worlds 1 2 4] [--compile] [--padded]
 
 Runs alternate the configurations; run i of every configuration decodes the same prompts (seed
 i), so ratios are taken per run and reported as the median of the per-run ratios with its
@@ -38,12 +39,12 @@ PHASES = ["attention", "gating", "dispatch", "experts", "combine"]
 
 
 def one_run(checkpoint: str, world: int, batch: int, steps: int, prompt_len: int, seed: int,
-            compile: bool = False) -> dict:
+            compile: bool = False, padded: bool = False) -> dict:
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(10, 1000, (prompt_len,), generator=g).tolist() for _ in range(batch)]
     params = SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True)
     with LocalShardGroup(checkpoint, world, max_num_seqs=batch, max_model_len=prompt_len + steps + 8,
-                         compile=compile) as runner:
+                         compile=compile, padded=padded) as runner:
         engine = LLMEngine(runner)
         for p in prompts:
             engine.add_request(p, params)
@@ -75,22 +76,25 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--quick", action="store_true", help="3 short runs each (a smoke run)")
     ap.add_argument("--worlds", type=int, nargs="+", default=[1, 2], help="shard counts (the first is the baseline)")
     ap.add_argument("--compile", action="store_true", help="each W also compiled (compiling is not timed)")
+    ap.add_argument("--padded", action="store_true", help="each W > 1 also with the padded all-to-all layout")
     ap.add_argument("--name", default=None, help="report name (default: expert_parallel, or expert_parallel-quick)")
     args = ap.parse_args(argv)
     if args.quick:
         args.runs, args.steps = 3, 8
     name = args.name or ("expert_parallel-quick" if args.quick else "expert_parallel")
     torch.set_num_threads(1)  # one core per rank: W = 2 uses both cores, W = 1 one of them
-    configs = {f"W={w}": (w, False) for w in args.worlds}
+    configs = {f"W={w}": (w, False, False) for w in args.worlds}
     if args.compile:
-        configs |= {f"W={w} compiled": (w, True) for w in args.worlds}
+        configs |= {f"W={w} compiled": (w, True, False) for w in args.worlds}
+    if args.padded:
+        configs |= {f"W={w} padded": (w, False, True) for w in args.worlds if w > 1}
     results: dict[str, list[dict]] = {config: [] for config in configs}
     for run in tqdm(range(args.runs), desc=f"runs ({', '.join(configs)} alternating)"):
         order = list(configs)[run % len(configs):] + list(configs)[: run % len(configs)]
         for config in order:
-            world, compiled = configs[config]
+            world, compiled, padded = configs[config]
             results[config].append(one_run(args.checkpoint, world, args.batch, args.steps, args.prompt_len, run,
-                                           compiled))
+                                           compiled, padded))
 
     summary = {}
     for config, runs in results.items():
@@ -108,6 +112,8 @@ def main(argv: list[str] | None = None) -> None:
     ratios = {f"{w}/{base}": per_run(w, base) for w in worlds[1:]}
     if args.compile:
         ratios |= {f"W={w} compiled/W={w}": per_run(f"W={w} compiled", f"W={w}") for w in args.worlds}
+    if args.padded:
+        ratios |= {f"W={w} padded/W={w}": per_run(f"W={w} padded", f"W={w}") for w in args.worlds if w > 1}
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
     left = [0.0] * len(worlds)

@@ -55,6 +55,8 @@ class ShardGroupConfig:
             raise ValueError(f"strategy: must be a Ray placement strategy, got {self.strategy!r}")
         if not Path(self.checkpoint).is_dir():
             raise ValueError(f"checkpoint: folder not found: {self.checkpoint}")
+        if self.gpus_per_shard:  # rank 0 runs in this process: say so now, not after a placement group waits
+            resolve_device(self.device)
 
     @property
     def device(self) -> torch.device:

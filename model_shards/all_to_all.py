@@ -1,11 +1,24 @@
 """Expert parallelism: routes travel to the rank holding their expert by all-to-all and come back.
 
 Shapes: N tokens on this rank, K routes per token, D hidden, R routes this rank sends,
-Q routes it receives, W ranks.
+Q routes it receives, W ranks, S the most expert slots any rank holds, El this rank's slots,
+C = max_tokens * K rows per destination in the padded exchange.
 
-Per MoE layer, three collectives on the shard group: the split sizes, the tokens (with each
-route's local expert slot packed as an extra column, so one message carries both), and the
-expert outputs back. A rank with no tokens still takes part, sending and receiving nothing.
+Per MoE layer, three collectives on the shard group, in one of two layouts:
+
+- exact (prefill, and every pass on the CPU): the routes planned on the host
+  (router_service/dispatch_plan.py); first each rank tells each other how many rows it sends to
+  each of their expert slots, then exactly those rows go, grouped by slot, and the expert
+  outputs come back the same way. Those counts are read on the host three times a layer.
+- padded (decode and verify passes on a GPU, as DeepEP's low-latency mode): every rank sends
+  every other a fixed C rows (room for all of its routes), each with its expert slot (-1:
+  padding) in an int tensor of its own; the receiver sorts by slot and runs the grouped matmul
+  with group ends it computes on the device, and the outputs return in the same fixed layout.
+  Nothing is read on the host, so a rank's step can be captured in a CUDA graph. All ranks must
+  agree on C: the step driver sets `max_tokens`, the most tokens any rank routes in the pass.
+  On gloo the padded exchange moves more bytes for no sync saved, so the CPU takes the exact one.
+
+A rank with no tokens still takes part, sending (in the padded layout: padding) and receiving.
 """
 
 from __future__ import annotations
@@ -21,6 +34,10 @@ from model_shards.experts import LocalExperts
 from model_shards.profiling import phase
 from router_service.dispatch_plan import build_dispatch_plan
 from router_service.placement import Placement
+
+# The padded layout is for decode and verify passes; a pass with more tokens on some rank (a
+# prefill) sends exactly what it has, as DeepEP switches from its low-latency to its normal mode.
+PADDED_MAX_TOKENS = 256
 
 
 def init_shard_group(
@@ -39,36 +56,90 @@ def init_shard_group(
 
 
 class AllToAllDispatch(Dispatch):
-    def __init__(self, placement: Placement, rank: int, group: dist.ProcessGroup | None = None) -> None:
+    """`padded`: the layout (module docstring); None picks by device, padded on a GPU.
+    `max_tokens`: the most tokens any rank of the group routes in the coming pass, the same on
+    every rank (set by the step driver); None, or more than PADDED_MAX_TOKENS, means the exact layout."""
+
+    def __init__(
+        self, placement: Placement, rank: int, group: dist.ProcessGroup | None = None, padded: bool | None = None
+    ) -> None:
         self.placement = placement
         self.rank = rank
         self.group = group
+        self.padded = padded
+        self.max_tokens: int | None = None
 
     def route(self, x: torch.Tensor, expert_ids: torch.Tensor, experts: LocalExperts) -> torch.Tensor:
+        padded = self.padded if self.padded is not None else x.device.type == "cuda"
+        if padded and self.max_tokens is not None and self.max_tokens <= PADDED_MAX_TOKENS:
+            if x.shape[0] > self.max_tokens:
+                raise ValueError(f"{x.shape[0]} tokens routed, more than max_tokens={self.max_tokens}")
+            return self._route_padded(x, expert_ids, experts)
+        return self._route_exact(x, expert_ids, experts)
+
+    def _route_exact(self, x: torch.Tensor, expert_ids: torch.Tensor, experts: LocalExperts) -> torch.Tensor:
         n, k = expert_ids.shape
-        d = x.shape[-1]
+        d, w = x.shape[-1], self.placement.world_size
         with phase("dispatch"):
-            # planned on the CPU (the split sizes are needed there anyway); indices then go to x's device
             plan = build_dispatch_plan(expert_ids.cpu(), self.placement)
             token_index, route_index = plan.token_index.to(x.device), plan.route_index.to(x.device)
-            send = torch.cat([x[token_index], plan.local_expert[:, None].to(x.device, x.dtype)], dim=1)  # [R, D+1]
-            send_counts = torch.tensor(plan.send_counts, dtype=torch.long, device=x.device)  # [W]
-            recv_counts = torch.empty_like(send_counts)
-            dist.all_to_all_single(recv_counts, send_counts, group=self.group)
-            recv_splits = recv_counts.tolist()
-            recv = x.new_empty(sum(recv_splits), d + 1)  # [Q, D+1]
-            dist.all_to_all_single(recv, send, recv_splits, plan.send_counts, group=self.group)
+            recv_counts = torch.empty_like(plan.slot_counts.to(x.device))  # [W, S]
+            dist.all_to_all_single(recv_counts, plan.slot_counts.to(x.device), group=self.group)
+            recv_counts = recv_counts.cpu()  # from each rank, rows for each of this rank's slots
+            recv_splits = recv_counts.sum(dim=1).tolist()
+            recv = x.new_empty(sum(recv_splits), d)  # [Q, D]: by source rank, then by slot
+            dist.all_to_all_single(recv, x[token_index], recv_splits, plan.send_counts, group=self.group)
 
         with phase("experts"):
-            local = recv[:, -1].long()  # [Q] local expert slot of each received route
-            order = torch.argsort(local, stable=True)
-            counts = torch.bincount(local, minlength=experts.num_local).tolist()
-            y = torch.empty_like(recv[:, :d])  # [Q, D]
-            y[order] = experts(recv[order, :d], counts)
+            slots = torch.arange(recv_counts.shape[1]).repeat(w)  # [W*S]
+            local = torch.repeat_interleave(slots, recv_counts.reshape(-1))  # [Q] slot of each received row
+            order = torch.argsort(local, stable=True).to(x.device)
+            counts = recv_counts.sum(dim=0)[: experts.num_local].tolist()
+            y = torch.empty_like(recv)  # [Q, D]
+            y[order] = experts(recv[order], counts)
 
         with phase("combine"):
             back = x.new_empty(len(route_index), d)  # [R, D]
             dist.all_to_all_single(back, y, plan.send_counts, recv_splits, group=self.group)
             out = x.new_zeros(n * k, d)  # [N*K, D]
             out[route_index] = back
+        return out.view(n, k, d)
+
+    def _route_padded(self, x: torch.Tensor, expert_ids: torch.Tensor, experts: LocalExperts) -> torch.Tensor:
+        n, k = expert_ids.shape
+        d, w, c = x.shape[-1], self.placement.world_size, self.max_tokens * k
+        dev = x.device
+        with phase("dispatch"):
+            flat = expert_ids.reshape(-1)  # [N*K]
+            token = torch.arange(n * k, device=dev) // k  # [N*K]
+            ranks = self.placement.ranks_of(flat, token)  # [N*K], -1 for a dropped route
+            slot = self.placement.local_slots(flat, ranks)  # [N*K]
+            dest = torch.where(ranks >= 0, ranks, w)  # [N*K]; dropped routes to bucket W, never sent
+            s = max(len(r) for r in self.placement.rank_experts)
+            order = torch.sort(dest * (s + 1) + slot + 1, stable=True).indices  # [N*K] by rank, slot, route
+            per_dest = torch.zeros(w + 1, dtype=torch.long, device=dev).scatter_add_(0, dest, torch.ones_like(dest))
+            first = per_dest.cumsum(0) - per_dest  # [W+1] where each destination's routes start in `order`
+            row = torch.empty_like(dest)  # [N*K] each route's row in the send buffer
+            row[order] = dest[order] * c + torch.arange(n * k, device=dev) - first[dest[order]]
+            send = x.new_zeros((w + 1) * c, d)  # [(W+1)*C, D]
+            send[row] = x[token]
+            send_slot = torch.full(((w + 1) * c,), -1, dtype=torch.long, device=dev)  # [(W+1)*C]
+            send_slot[row] = slot
+            recv, recv_slot = x.new_empty(w * c, d), send_slot.new_empty(w * c)  # [W*C, D], [W*C]
+            dist.all_to_all_single(recv_slot, send_slot[: w * c], group=self.group)
+            dist.all_to_all_single(recv, send[: w * c], group=self.group)
+
+        with phase("experts"):
+            el = experts.num_local
+            key = torch.where(recv_slot >= 0, recv_slot, el)  # [W*C]; padding sorts last
+            by_slot = torch.sort(key, stable=True).indices  # [W*C]
+            per_slot = torch.zeros(el + 1, dtype=torch.long, device=dev).scatter_add_(0, key, torch.ones_like(key))
+            ends = per_slot[:el].cumsum(0).to(torch.int32)  # [El]
+            y = torch.empty_like(recv)  # [W*C, D]
+            y[by_slot] = experts.forward_ends(recv[by_slot], ends)
+
+        with phase("combine"):
+            back = x.new_zeros((w + 1) * c, d)  # [(W+1)*C, D]: bucket W stays zero for dropped routes
+            dist.all_to_all_single(back[: w * c], y, group=self.group)
+            out = back[row]  # [N*K, D]
         return out.view(n, k, d)

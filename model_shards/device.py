@@ -8,7 +8,12 @@ CPUs are slower than fp32, and fp32 keeps greedy output identical to transformer
 
 from __future__ import annotations
 
+import functools
+import logging
+
 import torch
+
+log = logging.getLogger(__name__)
 
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -19,7 +24,7 @@ def resolve_device(name: str | torch.device = "auto") -> torch.device:
     if isinstance(name, torch.device):
         name = str(name)
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return _auto_device()
     try:
         device = torch.device(name)
     except RuntimeError as e:
@@ -30,6 +35,19 @@ def resolve_device(name: str | torch.device = "auto") -> torch.device:
         raise ValueError("device: 'cuda' asked for, but this process sees no CUDA GPU "
                          "(on Ray, give the deployment or shard num_gpus)")
     return device
+
+
+@functools.cache
+def _auto_device() -> torch.device:
+    """What "auto" means in this process, said once in its log: a GPU left unused by mistake (a
+    replica without num_gpus, a CPU build of torch) shows there."""
+    if torch.cuda.is_available():
+        log.info("device auto: cuda (%s, %d visible)", torch.cuda.get_device_name(), torch.cuda.device_count())
+        return torch.device("cuda")
+    gpu_build = torch.version.cuda or torch.version.hip
+    why = f"no GPU visible to its {gpu_build} build" if gpu_build else "a CPU-only build"
+    log.info("device auto: cpu (torch %s: %s)", torch.__version__, why)
+    return torch.device("cpu")
 
 
 def resolve_dtype(name: str | torch.dtype, device: torch.device) -> torch.dtype:

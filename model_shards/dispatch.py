@@ -61,4 +61,4 @@ class LocalDispatch(Dispatch):
         with phase("combine"):
             out = x.new_zeros(n * k, x.shape[-1])  # [N*K, D]
             out[order] = y
-        return out.view(n, k, -1)
+        return out.view(n, k, x.shape[-1])

@@ -4,7 +4,8 @@ Shapes: R routes (token copies) sorted by expert, El local experts, D hidden, I 
 
 A layer's experts run as one grouped matmul per projection (`torch._grouped_mm`: one kernel
 for every expert's rows, given where each expert's rows end) wherever torch has it for the
-tensors' device and dtype: CUDA bf16 on compute capability 9.0+ (H100/H200), and the CPU. On
+tensors' device and dtype: CUDA bf16 where torch has its fused kernel (`cuda_grouped_kernel`),
+and the CPU. On
 the CPU it pays for decode-sized batches and not for prefill: one kernel saves a dispatch per
 expert, which counts when each expert has few rows; on prefill-sized groups a plain matmul per
 expert is the faster kernel (the crossover, measured on the demo's expert shape with one
@@ -30,8 +31,16 @@ def grouped_mm_supported(x: torch.Tensor, w: torch.Tensor) -> bool:
         return False
     aligned = all(s * x.element_size() % 16 == 0 for s in w.shape[-2:])  # every row stride: 16 bytes
     if x.device.type == "cuda":
-        return x.dtype == torch.bfloat16 and aligned and torch.cuda.get_device_capability(x.device) >= (9, 0)
+        return x.dtype == torch.bfloat16 and aligned and cuda_grouped_kernel(x.device)
     return x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and aligned
+
+
+def cuda_grouped_kernel(device: torch.device) -> bool:
+    """Whether torch's fused bf16 grouped GEMM (CUTLASS, offsets read on the device) runs on this
+    GPU: torch takes it on CUDA (not ROCm) builds for compute capability 9.x and 10.x only (H100,
+    H200, B200); on any other GPU `torch._grouped_mm` copies the offsets to the host and loops
+    over the groups, which is no better than `_padded` and syncs."""
+    return torch.version.hip is None and torch.cuda.get_device_capability(device)[0] in (9, 10)
 
 
 class LocalExperts(nn.Module):
@@ -55,13 +64,34 @@ class LocalExperts(nn.Module):
             return x.new_zeros(0, x.shape[-1])
         gate_up, down = self.gate_up_proj.transpose(1, 2), self.down_proj.transpose(1, 2)  # [El, D, 2I], [El, I, D]
         small = x.device.type != "cpu" or x.shape[0] <= GROUPED_MAX_ROUTES_CPU
-        if small and grouped_mm_supported(x, gate_up) and grouped_mm_supported(x, down):  # both projections
-            ends = torch.tensor(list(accumulate(counts)), dtype=torch.int32, device=x.device)  # [El]
-            gate, up = torch._grouped_mm(x, gate_up, offs=ends).chunk(2, dim=-1)  # [R, I] x2
-            return torch._grouped_mm(F.silu(gate) * up, down, offs=ends)  # [R, D]
+        if small and self._grouped_supported(x):
+            return self._grouped(x, torch.tensor(list(accumulate(counts)), dtype=torch.int32, device=x.device))
         if x.device.type == "cpu":
             return self._per_expert(x, counts)
         return self._padded(x, counts, gate_up, down)
+
+    def forward_ends(self, x: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+        """x: [P, D] routes grouped by local expert, expert j's rows ending at row `ends[j]` ([El]
+        int32 on x's device), padding after the last. Returns [P, D]; padding rows hold anything.
+        No host sync wherever the grouped matmul runs; elsewhere the group sizes are read once."""
+        if x.shape[0] == 0 or self.num_local == 0:
+            return x.new_zeros(x.shape)
+        if self._grouped_supported(x):
+            return self._grouped(x, ends)
+        counts = torch.diff(ends, prepend=ends.new_zeros(1)).tolist()  # this device has no grouped kernel
+        out = x.new_zeros(x.shape)  # [P, D]
+        out[: sum(counts)] = self(x[: sum(counts)], counts)
+        return out
+
+    def _grouped_supported(self, x: torch.Tensor) -> bool:
+        gate_up, down = self.gate_up_proj.transpose(1, 2), self.down_proj.transpose(1, 2)
+        return grouped_mm_supported(x, gate_up) and grouped_mm_supported(x, down)  # both projections
+
+    def _grouped(self, x: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+        """One grouped matmul per projection; rows past ends[-1] are left out (their output: anything)."""
+        gate_up, down = self.gate_up_proj.transpose(1, 2), self.down_proj.transpose(1, 2)  # [El, D, 2I], [El, I, D]
+        gate, up = torch._grouped_mm(x, gate_up, offs=ends).chunk(2, dim=-1)  # [R, I] x2
+        return torch._grouped_mm(F.silu(gate) * up, down, offs=ends)  # [R, D]
 
     def _per_expert(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """A matmul per expert with rows (the CPU's fastest for prefill-sized batches)."""

@@ -29,12 +29,14 @@ def load_shard(
     routing: RoutingSection | None = None,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
+    padded: bool | None = None,
 ) -> CausalLM:
-    """This rank's model: dense weights + only its experts, wired to the all-to-all when W > 1."""
+    """This rank's model: dense weights + only its experts, wired to the all-to-all when W > 1
+    (`padded`: its layout, model_shards/all_to_all.py; None: by device)."""
     experts = placement.rank_experts[rank] if placement is not None else None
     model = load_checkpoint(checkpoint, dtype, experts=experts, device=device)
     if placement is not None and placement.world_size > 1:
-        model.set_dispatch(AllToAllDispatch(placement, rank))
+        model.set_dispatch(AllToAllDispatch(placement, rank, padded=padded))
     if routing is not None:
         model.set_routing(routing)
     return model
@@ -52,11 +54,11 @@ def rank_device(device: str, rank: int) -> torch.device:
 
 
 def _follower(checkpoint, placement, rank, world, master, max_num_seqs, max_model_len, block_size, routing,
-              threads, device, dtype, compile) -> None:
+              threads, device, dtype, compile, padded) -> None:
     torch.set_num_threads(threads)
     dev = rank_device(device, rank)
     init_shard_group(rank, world, master, device=dev)
-    model = load_shard(checkpoint, placement, rank, routing, resolve_dtype(dtype, dev), dev)
+    model = load_shard(checkpoint, placement, rank, routing, resolve_dtype(dtype, dev), dev, padded)
     try:
         ShardWorker(model, rank, world, max_num_seqs, max_model_len, block_size, compile).serve_forever()
     finally:
@@ -80,6 +82,7 @@ class LocalShardGroup:
         device: str = "cpu",
         dtype: str = "auto",
         compile: bool = False,
+        padded: bool | None = None,
     ) -> None:
         from model_shards.config import ModelConfig
 
@@ -88,20 +91,21 @@ class LocalShardGroup:
         if self.placement.world_size != world_size:
             raise ValueError(f"placement is for {self.placement.world_size} ranks, not {world_size}")
         self.args = (checkpoint, self.placement, world_size, max_num_seqs, max_model_len, block_size, routing,
-                     threads_per_rank, device, dtype, compile)
+                     threads_per_rank, device, dtype, compile, padded)
         self.prefix_caching = prefix_caching
         self.runner: ShardedRunner | None = None
         self.procs: list = []
 
     def __enter__(self) -> ShardedRunner:
-        checkpoint, placement, world, max_num_seqs, max_model_len, block_size, routing, threads, device, dtype, compile = self.args
+        (checkpoint, placement, world, max_num_seqs, max_model_len, block_size, routing, threads, device, dtype, compile,
+         padded) = self.args
         master = f"127.0.0.1:{free_port()}"
         ctx = mp.get_context("spawn")
         self.procs = [
             ctx.Process(
                 target=_follower,
                 args=(checkpoint, placement, r, world, master, max_num_seqs, max_model_len, block_size, routing, threads,
-                      device, dtype, compile),
+                      device, dtype, compile, padded),
                 daemon=True,
             )
             for r in range(1, world)
@@ -110,7 +114,7 @@ class LocalShardGroup:
             p.start()
         dev = rank_device(device, 0)
         init_shard_group(0, world, master, device=dev)
-        model = load_shard(checkpoint, placement, 0, routing, resolve_dtype(dtype, dev), dev)
+        model = load_shard(checkpoint, placement, 0, routing, resolve_dtype(dtype, dev), dev, padded)
         self.runner = ShardedRunner(model, world, max_num_seqs, max_model_len, block_size, self.prefix_caching, compile)
         return self.runner
 

@@ -101,7 +101,9 @@ class _Shard:
     def place(self, placement: Placement) -> None:
         """Hold `placement`'s experts for this rank from now on (every rank does this together)."""
         reload_experts(self.model, placement.rank_experts[self.rank])
-        self.model.set_dispatch(AllToAllDispatch(placement, self.rank))
+        current = self.model.moe_blocks[0].dispatch
+        padded = current.padded if isinstance(current, AllToAllDispatch) else None  # the layout stays
+        self.model.set_dispatch(AllToAllDispatch(placement, self.rank, padded=padded))
 
     def run(self, header: list[int], body: torch.Tensor) -> tuple[torch.Tensor, tuple | None]:
         """Make this rank's block copies, run its rows, gather hidden states to rank 0.
@@ -116,6 +118,11 @@ class _Shard:
             trace.clear()
         copies, rows = _split(header, body)
         mine = rows[rows[:, 0] == self.rank]  # [Br, 3 + Tq + n]
+        counts = torch.bincount(rows[:, 0], minlength=self.world_size)  # [W] rows per rank
+        bmax = int(counts.max())
+        dispatch = self.model.moe_blocks[0].dispatch if self.model.moe_blocks else None  # every layer's
+        if isinstance(dispatch, AllToAllDispatch):
+            dispatch.max_tokens = bmax * tq  # no rank routes more tokens this pass: the padded layout's size
         ids, tables = mine[:, _ROW : _ROW + tq], mine[:, _ROW + tq :]
         if len(mine):
             self.cache.reserve(int(tables.max()) + 1)
@@ -129,14 +136,13 @@ class _Shard:
                 h = self.model.hidden_states(ids, self.cache, batch, last_only=bool(last_only))  # [Br, T', D]
         else:
             h = self.model.hidden_states(ids, last_only=bool(last_only))
-        counts = torch.bincount(rows[:, 0], minlength=self.world_size)
-        padded = h.new_zeros(int(counts.max()), 1 if last_only else tq, h.shape[-1])  # [Bmax, T', D]
+        padded = h.new_zeros(bmax, 1 if last_only else tq, h.shape[-1])  # [Bmax, T', D]
         padded[: len(h)] = h
         gathered = [torch.empty_like(padded) for _ in range(self.world_size)] if self.rank == 0 else None
         dist.gather(padded, gathered, dst=0)
         routing = None
         if trace is not None:
-            routing = self._gather_routing(trace, mine[:, 2].tolist(), int(counts.max()), tq)
+            routing = self._gather_routing(trace, mine[:, 2].tolist(), bmax, tq)
         return (torch.stack(gathered) if gathered is not None else h.new_empty(0)), routing
 
     def _gather_routing(self, trace: list, lengths: list[int], bmax: int, tq: int) -> tuple | None:

@@ -32,6 +32,8 @@ class DispatchPlan:
     dest_rank:     [R] destination rank of each sent row (non-decreasing)
     local_expert:  [R] slot of the expert on its destination rank
     send_counts:   [W] rows sent to each rank (python ints, for all_to_all_single)
+    slot_counts:   [W, S] rows sent to each slot of each rank (S: the most slots any rank has):
+                   what a receiver needs to know which of its experts each received row is for
     """
 
     order: Tensor
@@ -41,6 +43,7 @@ class DispatchPlan:
     dest_rank: Tensor
     local_expert: Tensor
     send_counts: list[int]
+    slot_counts: Tensor
 
 
 def build_dispatch_plan(expert_ids: Tensor, placement: Placement, world_size: int | None = None) -> DispatchPlan:
@@ -63,10 +66,11 @@ def build_dispatch_plan(expert_ids: Tensor, placement: Placement, world_size: in
     slots = placement.local_slots(experts, ranks)  # [R]
 
     max_slots = max(len(r) for r in placement.rank_experts)
-    order = torch.sort(ranks * max_slots + slots, stable=True).indices  # [R]
+    key = ranks * max_slots + slots  # [R]
+    order = torch.sort(key, stable=True).indices  # [R]
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device)
-    counts = torch.bincount(ranks, minlength=placement.world_size)  # [W]
+    slot_counts = torch.bincount(key, minlength=placement.world_size * max_slots).view(-1, max_slots)  # [W, S]
     return DispatchPlan(
         order=order,
         inverse_order=inverse,
@@ -74,5 +78,6 @@ def build_dispatch_plan(expert_ids: Tensor, placement: Placement, world_size: in
         token_index=tokens[order],
         dest_rank=ranks[order],
         local_expert=slots[order],
-        send_counts=counts.tolist(),
+        send_counts=slot_counts.sum(dim=1).tolist(),
+        slot_counts=slot_counts,
     )

@@ -66,7 +66,7 @@ class Placement:
 
         expert_ids, token_index: same shape; expert id -1 (a dropped route) gives rank -1.
         """
-        replicas, num_replicas = self._replica_table
+        replicas, num_replicas, _ = self.tables(expert_ids.device)
         valid = expert_ids >= 0
         e = expert_ids.clamp_min(0)
         choice = token_index % num_replicas[e]
@@ -74,7 +74,7 @@ class Placement:
 
     def local_slots(self, expert_ids: Tensor, ranks: Tensor) -> Tensor:
         """Vectorised ``local_index``: slot of each expert on its rank (-1 where rank is -1)."""
-        table = self._slot_table  # [W, E]
+        table = self.tables(ranks.device)[2]  # [W, E]
         valid = ranks >= 0
         return torch.where(valid, table[ranks.clamp_min(0), expert_ids.clamp_min(0)], -1)
 
@@ -85,22 +85,32 @@ class Placement:
         share = load / replicas  # [E]
         return torch.stack([share[list(r)].sum() if r else share.new_zeros(()) for r in self.rank_experts])
 
-    @cached_property
-    def _replica_table(self) -> tuple[Tensor, Tensor]:
-        ranks = self.expert_to_ranks()
-        width = max(len(r) for r in ranks)
-        table = torch.full((self.num_experts, width), -1, dtype=torch.int64)  # [E, max replicas]
-        for e, r in enumerate(ranks):
-            table[e, : len(r)] = torch.tensor(r)
-        return table, torch.tensor([len(r) for r in ranks], dtype=torch.int64)
+    def tables(self, device: torch.device | str = "cpu") -> tuple[Tensor, Tensor, Tensor]:
+        """The lookup tables of `ranks_of` and `local_slots` on `device`, made once per device (so
+        routing on a GPU reads them there, with no copy per call): the replicas of each expert
+        [E, max replicas] (-1 past its count), the replica count of each [E], the slot of each
+        expert on each rank [W, E] (-1: not held)."""
+        device = torch.device(device)
+        if device not in self._tables:
+            self._tables[device] = tuple(t.to(device) for t in self._cpu_tables)
+        return self._tables[device]
 
     @cached_property
-    def _slot_table(self) -> Tensor:
-        table = torch.full((self.world_size, self.num_experts), -1, dtype=torch.int64)  # [W, E]
+    def _tables(self) -> dict:
+        return {}
+
+    @cached_property
+    def _cpu_tables(self) -> tuple[Tensor, Tensor, Tensor]:
+        ranks = self.expert_to_ranks()
+        width = max(len(r) for r in ranks)
+        replicas = torch.full((self.num_experts, width), -1, dtype=torch.int64)  # [E, max replicas]
+        for e, r in enumerate(ranks):
+            replicas[e, : len(r)] = torch.tensor(r)
+        slots = torch.full((self.world_size, self.num_experts), -1, dtype=torch.int64)  # [W, E]
         for rank, experts in enumerate(self.rank_experts):
             for slot, e in enumerate(experts):
-                table[rank, e] = slot
-        return table
+                slots[rank, e] = slot
+        return replicas, torch.tensor([len(r) for r in ranks], dtype=torch.int64), slots
 
 
 def contiguous_placement(num_experts: int, world_size: int) -> Placement:

@@ -68,7 +68,9 @@ class ExpertLoadStats:
         if gates.num_experts != self.num_experts:
             raise ValueError(f"gates: {gates.num_experts} experts, stats track {self.num_experts}")
         self._to(gates.expert_ids.device)  # accumulate where the gates live: no device sync per step
-        demand = torch.bincount(gates.expert_ids.reshape(-1), minlength=self.num_experts)  # [E]
+        ids = gates.expert_ids.reshape(-1)  # [T * K]
+        # [E]; not bincount, which on a GPU reads the ids' max on the host
+        demand = torch.zeros(self.num_experts, dtype=torch.int64, device=ids.device).scatter_add_(0, ids, torch.ones_like(ids))
         self.route_counts[layer] += demand
         self.prob_sums[layer] += gates.probs.detach().double().sum(dim=0)
         self.tokens[layer] += gates.num_tokens

@@ -39,6 +39,13 @@ def reference(ckpt) -> list[list[int]]:
     return [c.token_ids for c in LLMEngine(runner).generate(PROMPTS, GREEDY)]
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error a machine without CUDA gives")
+def test_gpu_shards_without_cuda_are_an_error_before_any_placement_group(ckpt):
+    with pytest.raises(ValueError, match="no CUDA GPU"):
+        ShardGroupConfig(str(ckpt), gpus_per_shard=1)
+    assert ShardGroupConfig(str(ckpt)).device.type == "cpu"
+
+
 def test_group_generates_survives_a_dead_shard_and_reports_load(ray_cluster, ckpt):
     expected = reference(ckpt)
     group = ShardGroup(ShardGroupConfig(str(ckpt), world_size=2, max_num_seqs=4, max_model_len=64, timeout_s=10))

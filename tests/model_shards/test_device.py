@@ -91,3 +91,26 @@ def test_an_engine_built_for_bf16_generates():
     assert engine.proposer.runner.model.lm_head.weight.dtype == torch.bfloat16  # the draft too
     out = engine.generate(["Hello"], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
     assert len(out[0].token_ids) == 6
+
+
+def test_auto_says_in_the_log_what_it_picked(caplog):
+    from model_shards import device as device_mod
+
+    device_mod._auto_device.cache_clear()
+    with caplog.at_level("INFO", logger="model_shards.device"):
+        picked = resolve_device("auto")
+        resolve_device("auto")
+    said = [r.getMessage() for r in caplog.records if r.name == "model_shards.device"]
+    assert len(said) == 1 and said[0].startswith(f"device auto: {picked.type}")  # once a process
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error a machine without CUDA gives")
+def test_cuda_without_a_gpu_is_a_start_error_for_the_engine_and_the_draft():
+    """The engine with its in-process draft and a draft deployment's worker both refuse at start."""
+    from deployments.draft_worker import DraftServerConfig, DraftWorker
+    from moeserve.engine.factory import build_engine
+
+    with pytest.raises(ValueError, match="no CUDA GPU"):
+        build_engine(EngineConfig(device="cuda", speculation="model"))
+    with pytest.raises(ValueError, match="no CUDA GPU"):
+        DraftWorker(DraftServerConfig(demo_checkpoint("demo-draft"), device="cuda"))

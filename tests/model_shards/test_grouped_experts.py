@@ -86,3 +86,16 @@ def test_no_routes():
     e = make_experts()
     with torch.no_grad():
         assert e(torch.zeros(0, 16), [0, 0, 0, 0]).shape == (0, 16)
+
+
+@pytest.mark.parametrize("capability, hip, fused", [
+    ((8, 0), None, False), ((8, 9), None, False), ((9, 0), None, True), ((10, 0), None, True),
+    ((12, 0), None, False), ((9, 4), "6.3", False),
+])
+def test_the_cuda_gate_admits_exactly_torchs_fused_kernel(monkeypatch, capability, hip, fused):
+    """torch runs its fused bf16 grouped GEMM on CUDA builds for compute capability 9.x and 10.x
+    (H100/H200, B200); elsewhere `_grouped_mm` loops over groups after reading the offsets on the
+    host (A100, L40S, RTX 50xx at 12.0, and ROCm, which reports gfx942 as 9.4)."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.version, "hip", hip)
+    assert experts_mod.cuda_grouped_kernel(torch.device("cuda")) is fused

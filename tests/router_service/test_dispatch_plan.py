@@ -35,6 +35,7 @@ def test_hand_example():
     assert plan.dest_rank.tolist() == [0, 0, 1, 1, 1]
     assert plan.local_expert.tolist() == [0, 1, 0, 1, 1]
     assert plan.send_counts == [2, 3]
+    assert plan.slot_counts.tolist() == [[1, 1], [1, 2]]  # rank 1 gets one route for expert 2, two for 3
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
