@@ -3,12 +3,11 @@
     python -m bench.request_path [--draft none|ngram|model] [--schema] [--report]
 
 Runs the gateway and an engine in this process (deployments/local.py's `gateway_in_thread`: the
-same gateway, serving layer, engine replica and engine core as the served app, minus the Serve
-hop and the core's own process), sends one streamed chat request with a JSON schema to warm every
-lazy path, then traces a second one: every function that runs in the product packages, on any
-thread, from the request's arrival to its last byte. Prints the files in the order the request
-first reached them. The served app adds the Serve handle (deployments/engine_client.py) and the
-core's socket (moeserve/engine/core_client.py, moeserve/protocol.py) on top of what runs here.
+same gateway, serving layer, engine replica and engine core as the served app; the Serve handle's
+client is in gateway.py and the core's socket in core_client.py, both crossed here too), sends
+one streamed chat request to warm every lazy path, then traces a second one: every function that
+runs in the product packages, on any thread, from the request's arrival to its last byte. Prints
+the files in the order the request first reached them.
 """
 
 from __future__ import annotations
@@ -20,7 +19,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("moeserve", "model_shards", "router_service", "deployments")
-SERVE_HOPS = ("deployments/engine_client.py", "moeserve/engine/core_client.py", "moeserve/protocol.py")
 
 
 class Tracer:
@@ -75,11 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         url = f"{base}/v1/chat/completions"
         tracer.files(url, body)  # warm-up: lazy imports, grammar compile, first-call paths
         files = tracer.files(url, body)
-    hops = [f for f in SERVE_HOPS if f not in files]
-    lines = [f"{i:2d}. `{f}`" for i, f in enumerate(files, 1)]
-    lines += [f"    (served app only) `{f}`" for f in hops]
-    total = len(files) + len(hops)
-    text = "\n".join(lines) + f"\n\n{total} files ({len(files)} traced here, {len(hops)} more in the served app)\n"
+    text = "\n".join(f"{i:2d}. `{f}`" for i, f in enumerate(files, 1)) + f"\n\n{len(files)} files\n"
     print(text)
     if args.report:
         out = ROOT / "bench" / "reports" / "request_path.md"

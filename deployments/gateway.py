@@ -25,21 +25,55 @@ from typing import Any
 
 from fastapi import FastAPI
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from ray.serve.handle import DeploymentHandle
 
-from deployments.auth import ApiKeys
 from deployments.frontend import Frontend, ServeRequest
-from deployments.http_edge import error_responses, install_edge
+from deployments.http_edge import ApiKeys, error_responses, install_edge
 from deployments.metrics import GatewayMetrics
 from deployments.openai_api import ChatCompletionRequest, CompletionRequest, chat_request, completion_request
 from deployments.openai_responses import ResponseBuilder, full_response, sse_events
 from deployments.tools import ToolCalling
 from moeserve.config import AppConfig, resolve_path
 from moeserve.errors import ErrorCode, ServingError
+from moeserve.protocol import GenerateChunk, GenerateRequest
 
 ROUTE_COMPLETIONS = "/v1/completions"
 ROUTE_CHAT = "/v1/chat/completions"
 ROUTES = (ROUTE_COMPLETIONS, ROUTE_CHAT, "/v1/models", "/health", "/metrics", "/playground")
 PLAYGROUND = Path(__file__).resolve().parent / "playground" / "index.html"
+
+
+class ServeEngineClient:
+    """The engine deployment through a Serve handle, as the serving layer's EngineClient. One
+    streaming handle call per request (a Serve call costs more than a decode step): the chunks then
+    flow over that call. Leaving the stream early (client gone, guard refusal) cancels the call, and
+    Serve's cancellation closes EngineServer.generate in the engine replica, which aborts the request."""
+
+    def __init__(self, handle: DeploymentHandle) -> None:
+        self._handle = handle
+        self._stream = handle.options(stream=True)
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+        response = self._stream.generate.remote(request)
+        finished = False
+        try:
+            async for chunk in response:
+                finished = chunk.finished
+                yield chunk
+        finally:
+            if not finished:
+                response.cancel()
+
+    async def health(self) -> dict[str, Any]:
+        return await self._handle.health.remote()
+
+    async def stats(self) -> dict[str, Any]:
+        return await self._handle.stats.remote()
+
+
+def as_engine_client(engine: Any) -> Any:
+    """Wrap a Serve handle; anything else (an EngineServer in tests) is used as it is."""
+    return ServeEngineClient(engine) if isinstance(engine, DeploymentHandle) else engine
 
 
 class Gateway:
@@ -48,8 +82,6 @@ class Gateway:
     def __init__(self, engine: Any, config: AppConfig, tokenizer: Any = None) -> None:
         """config: the whole tree; the gateway reads its `gateway` section, the served model's
         name and path, and engine.max_model_len."""
-        from deployments.engine_client import as_engine_client
-
         self.config, self.edge = config, config.gateway
         if tokenizer is None:
             from moeserve.tokenizer import load_tokenizer

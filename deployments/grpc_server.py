@@ -11,7 +11,7 @@ while the engine answers its health check, polled every few seconds; what Kubern
 probes and grpc_health_probe ask) and server reflection (grpcurl). An unset `model` means
 the served one, as proto3 reads an unset field as its default.
 
-With API keys configured (deployments/auth.py) Generate needs `authorization: Bearer KEY`
+With API keys configured (deployments/http_edge.py) Generate needs `authorization: Bearer KEY`
 metadata: UNAUTHENTICATED without it, RESOURCE_EXHAUSTED past the key's concurrent calls;
 the health services stay open.
 
@@ -32,8 +32,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from deployments.auth import ApiKeys
 from deployments.frontend import Frontend, ServeRequest
+from deployments.http_edge import ApiKeys
 from deployments.proto import generate_pb2 as pb
 from deployments.proto import generate_pb2_grpc as pb_grpc
 from moeserve.config import GatewaySection

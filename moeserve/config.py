@@ -177,7 +177,7 @@ class GatewaySection(_Section):
     max_body_bytes: int = Field(2 * 1024 * 1024, ge=1024)
     request_timeout_s: float | None = Field(300.0, gt=0)
     # API keys (Bearer on HTTP, `authorization` metadata on gRPC); $MOESERVE_API_KEY adds more,
-    # comma-separated. None configured: open. deployments/auth.py.
+    # comma-separated. None configured: open. deployments/http_edge.py.
     api_keys: list[str] = Field(default_factory=list)
     max_streams_per_key: int = Field(0, ge=0)  # concurrent requests per key (0: no limit), then 429
     public_paths: list[str] = Field(default_factory=lambda: ["/health", "/metrics", "/playground"])  # open with keys
