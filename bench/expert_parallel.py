@@ -1,7 +1,7 @@
 """Expert parallelism on this machine: a decode step split into attention, gating, dispatch,
 experts and combine for W = 1 and W = 2 shard processes, the all-to-all share of a step, and
 decode throughput W = 2 vs W = 1 at a fixed batch; with --compile, each W also with every
-rank's passes compiled between its collectives (model_shards/compiled_shard.py); with --padded,
+rank's passes compiled between its collectives (model_shards/compiled_step.py); with --padded,
 each W > 1 also with the all-to-all's padded layout (model_shards/all_to_all.py, the GPU's).
 
     python -m bench.expert_parallel [--checkpoint DIR] [--batch 16] [--steps 32] [--runs 5] [--worlds 1 2 4] [--compile] [--padded]

@@ -30,7 +30,7 @@ from demo.prompts import formulaic  # noqa: E402
 from model_shards import load_checkpoint  # noqa: E402
 from moeserve.engine import LLMEngine, SchedulerConfig  # noqa: E402
 from moeserve.engine.factory import demo_checkpoint  # noqa: E402
-from moeserve.engine.paged_runner import PagedRunner  # noqa: E402
+from moeserve.engine.model_runner import ModelRunner  # noqa: E402
 from moeserve.tokenizer import load_tokenizer  # noqa: E402
 
 WARM = "prefix cache warm"  # the label of every case that is not like for like
@@ -73,8 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     compile_s: list[float] = []
 
     def our_engine(compile: bool, prefix_caching: bool = False) -> LLMEngine:
-        runner = PagedRunner(load_checkpoint(args.target), args.batch, 1024, args.batch * 1024 // 16 + 1, 16,
-                             prefix_caching, compile=compile)
+        runner = ModelRunner(load_checkpoint(args.target), args.batch, 1024, prefix_caching=prefix_caching,
+                             compile=compile)
         if compile:  # with prefix caching, a prefill after a hit is a short multi-position pass: its graph too
             compile_s.append(runner.compiled.warm_up((1, 2) if prefix_caching else (1,)))
         return LLMEngine(runner, tokenizer, scheduler=SchedulerConfig(

@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     for mode in modes:
         t0 = time.perf_counter()
         runner = ModelRunner(model, max(args.batches), args.context + args.warmup + args.steps + 1,
-                             compile=mode == "compiled")
+                             prefix_caching=False, compile=mode == "compiled")
         for b in args.batches:
             r = decode(runner, b, args.context, args.steps, args.warmup)
             need = bytes_per_step(model, b, args.context, r["experts_touched"])

@@ -140,7 +140,7 @@ def demo_step_ms(batch: int = 16, context: int = 80, reps: int = 30) -> float:
     from model_shards import load_checkpoint
     from moeserve.engine.model_runner import ModelRunner, Row
 
-    runner = ModelRunner(load_checkpoint(DEMO), batch, context + reps + 8)
+    runner = ModelRunner(load_checkpoint(DEMO), batch, context + reps + 8, prefix_caching=False)
     ids = [f"s{i}" for i in range(batch)]
     for sid in ids:
         runner.add(sid)

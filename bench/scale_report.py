@@ -148,7 +148,7 @@ def _skew_rows() -> str:
 
     model = load_checkpoint(DEMO)
     stats = model.enable_stats()
-    engine = LLMEngine(ModelRunner(model, 16, 1024), load_tokenizer(str(DEMO)))
+    engine = LLMEngine(ModelRunner(model, 16, 1024, prefix_caching=False), load_tokenizer(str(DEMO)))
     engine.generate(formulaic(engine.tokenizer, 16), SamplingParams(max_tokens=32, temperature=0.0))
     lines = []
     mix = load_shape("mixtral-8x7b")

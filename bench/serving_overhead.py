@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
 
     result = {
         "settings": vars(args), "environment": environment(best),
-        "prefix_caching": "on" if cfg.engine.prefix_caching and cfg.engine.kv_cache != "slots" else "off",
+        "prefix_caching": "on" if cfg.engine.prefix_caching else "off",
         "served_tokens_per_s": med(r["tokens_per_s"] for r in runs["served"]),
         "offline_tokens_per_s": offline_tps[best], "offline_threads": best,
         "offline_tokens_per_s_by_threads": offline_tps,

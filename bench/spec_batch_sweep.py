@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
             proposer = RemoteDraftProposer(channel_source=worker.channel, timeout_s=5.0)
         else:
             proposer = None if spec is None else DraftModelProposer(draft, batch, 1024)
-        engine = LLMEngine(ModelRunner(target, batch, 1024), tokenizer, SchedulerConfig(batch, 1 << 16, 1024),
+        engine = LLMEngine(ModelRunner(target, batch, 1024, prefix_caching=False), tokenizer, SchedulerConfig(batch, 1 << 16, 1024),
                            proposer=proposer, spec=spec or SpecConfig(num_tokens=0))
         return workloads.ours(engine, prompts, args.new_tokens, batch, stop_at_eos=False, grammar=grammar)
 

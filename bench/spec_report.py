@@ -148,7 +148,7 @@ def render(results: dict[str, Any], args: argparse.Namespace, env: dict, name: s
            if args.stop_at_eos else f"{args.new_tokens} tokens per prompt, EOS ignored")
         + f". {args.rounds} interleaved rounds after one untimed warm-up each; tokens/s are medians, every ratio "
         "is the median of the per-round ratios with, in brackets, its 90% bootstrap interval over the rounds. "
-        "Like for like: every case prefills each prompt in full every run (our target on the slot cache, "
+        "Like for like: every case prefills each prompt in full every run (our target "
         "without prefix caching; our in-process drafts with prefix caching off; transformers' caches live for "
         "one call), except the draft deployment, whose draft keeps its prefix cache as in serving: its "
         f"partners in 'deployment / in-process' are the in-process drafts marked '{CACHED}'. "

@@ -53,7 +53,7 @@ class Bench:
         self.draft_handle = None
 
     def engine(self, proposer=None, k: int = 0, adaptive: bool = False, seqs: int = 16) -> LLMEngine:
-        runner = ModelRunner(self.target, seqs, 1024)
+        runner = ModelRunner(self.target, seqs, 1024, prefix_caching=False)
         spec = SpecConfig(num_tokens=k, adaptive=adaptive)
         return LLMEngine(runner, self.tokenizer, SchedulerConfig(seqs, 1 << 16, 1024), proposer=proposer, spec=spec)
 

@@ -54,7 +54,7 @@ def serve_config(args: argparse.Namespace, config_class: type[AppConfig] = AppCo
         overrides["gateway"] = {"grpc_port": args.grpc_port}
     if args.model is not None:
         overrides["model"] = {"path": args.model}
-    for name in ("max_num_seqs", "max_model_len", "kv_cache", "kv_cache_memory"):
+    for name in ("max_num_seqs", "max_model_len", "kv_cache_memory"):
         if getattr(args, name) is not None:
             overrides["engine"][name] = getattr(args, name)
     if args.api_key:
@@ -106,11 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--model", help="target checkpoint folder (default: checkpoints/demo-moe)")
     s.add_argument("--max-num-seqs", type=int, help="running batch of one engine replica (engine.max_num_seqs)")
     s.add_argument("--max-model-len", type=int, help="context length, prompt and output (engine.max_model_len)")
-    s.add_argument("--kv-cache", choices=("auto", "paged", "slots"),
-                   help="KV cache layout (engine.kv_cache): paged blocks with prefix caching (auto: unless "
-                        "CUDA graphs), or per-sequence slots")
     s.add_argument("--kv-cache-memory", metavar="BYTES",
-                   help="KV budget of one engine replica, e.g. 2GiB (engine.kv_cache_memory)")
+                   help="KV cache of one engine replica, reserved at start, e.g. 2GiB (engine.kv_cache_memory)")
     s.add_argument("--api-key", action="append", metavar="KEY",
                    help="require this API key (repeatable; $MOESERVE_API_KEY adds comma-separated ones)")
     s.add_argument("--http-port", type=int, default=8000)

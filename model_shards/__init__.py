@@ -2,7 +2,7 @@
 
 from model_shards.config import ModelConfig
 from model_shards.dispatch import Dispatch, LocalDispatch
-from model_shards.kv_cache import KVCache, StepBatch
+from model_shards.kv_cache import PagedKVCache, StepBatch
 from model_shards.loader import CheckpointError, load_checkpoint
 from model_shards.model import CausalLM
 
@@ -10,9 +10,9 @@ __all__ = [
     "CausalLM",
     "CheckpointError",
     "Dispatch",
-    "KVCache",
     "LocalDispatch",
     "ModelConfig",
+    "PagedKVCache",
     "StepBatch",
     "load_checkpoint",
 ]

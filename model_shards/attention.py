@@ -1,7 +1,14 @@
-"""Grouped-query attention with rotary embeddings, optional q/k norm, and the slot KV cache.
+"""Grouped-query attention with rotary embeddings and optional q/k norm, over the paged KV cache.
 
-Shapes: B rows, T (=Tq) query positions, Tk key positions, H query heads, Hkv kv heads,
-Dh head dim, D hidden.
+Shapes: B rows, T (=Tq) query positions, J key positions a row reads (its nb blocks x Bs),
+H query heads, Hkv kv heads, Dh head dim, D hidden, N cache blocks.
+
+One function for the eager forward and the compiled step: no control flow depends on tensor
+values, so `torch.compile` traces it as it is (model_shards/compiled_step.py). A pass writes its
+keys and values through the PagedIndex (model_shards/kv_cache.py) first, then reads each row's
+blocks: a prefill with nothing cached attends causally over its own keys; decode inside a graph
+loads the cached keys and values by index within fused reductions (`indexed_attention`); the
+rest gathers the rows' blocks (one index_select) for scaled_dot_product_attention.
 """
 
 from __future__ import annotations
@@ -11,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model_shards.config import ModelConfig
-from model_shards.kv_cache import KVCache, StepBatch
+from model_shards.kv_cache import PagedIndex, materialize
 from model_shards.layers import RMSNorm, apply_rotary
 
 
@@ -68,18 +75,65 @@ class Attention(nn.Module):
         self,
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
-        cache: KVCache | None = None,
-        batch: StepBatch | None = None,
+        kv: torch.Tensor | None = None,
+        index: PagedIndex | None = None,
+        qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None,
     ) -> torch.Tensor:
+        """x [B, T, D] -> [B, T, D]. kv: this layer's cache [2, Hkv, N, Bs, Dh] with the pass's
+        `index` (None: no cache, causal over x). qkv: stacked weights (`stacked_qkv`)."""
         b, t, _ = x.shape
-        q, k, v = self.project(x, rope)  # [B, H, T, Dh], [B, Hkv, T, Dh] x2
-        if cache is not None:
-            cache.write(self.layer_idx, batch, k, v)
-        if cache is None or batch.fresh:  # nothing cached before this step: causal over its own keys
+        q, k, v = self.project(x, rope, qkv)  # [B, H, T, Dh], [B, Hkv, T, Dh] x2
+        if kv is None or index.fresh:  # nothing cached before this pass: causal over its own keys
+            if kv is not None:
+                _write(kv, index, k, v)
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         else:
-            keys, values = cache.read(self.layer_idx, batch)  # [B, Hkv, Tk, Dh]
-            # Query i of a row sits at absolute position start + i and sees keys 0..start + i.
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=batch.attn_mask, enable_gqa=True)
-        out = out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim)  # [B, T, H*Dh]
-        return self.o_proj(out)
+            flat = _write(kv, index, k, v)  # [2, Hkv, N*Bs, Dh]
+            if t == 1 and torch.compiler.is_compiling():
+                return self.o_proj(indexed_attention(q, flat, index))
+            two, heads, _, _, dh = kv.shape
+            read = gather_blocks(kv, index.tables.reshape(-1)).view(two, heads, b, -1, dh)  # [2, Hkv, B, J, Dh]
+            out = F.scaled_dot_product_attention(q, read[0].transpose(0, 1), read[1].transpose(0, 1),
+                                                 attn_mask=index.mask, enable_gqa=True)  # [B, H, T, Dh]
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
+
+
+def _write(kv: torch.Tensor, index: PagedIndex, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """This pass's keys and values k, v [B, Hkv, T, Dh] into the cache at `index.write`; returns
+    the cache as [2, Hkv, N*Bs, Dh] (a view)."""
+    two, heads, n, bs, dh = kv.shape
+    flat = kv.view(two, heads, n * bs, dh)
+    flat.index_copy_(2, index.write, torch.stack((k, v)).transpose(1, 2).reshape(two, heads, -1, dh))
+    return flat
+
+
+@torch.library.custom_op("moeserve::gather_blocks", mutates_args=())
+def gather_blocks(paged: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """paged [2, Hkv, N, Bs, Dh] -> its blocks `blocks` [M] in order, [2, Hkv, M, Bs, Dh]: aten's
+    index_select, a block-sized copy each, where inductor's own gather computes an index per
+    element, which costs more than the copy it drives."""
+    return paged.index_select(2, blocks)
+
+
+@gather_blocks.register_fake
+def _(paged: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    two, heads, _, bs, dh = paged.shape
+    return paged.new_empty(two, heads, blocks.shape[0], bs, dh)
+
+
+def indexed_attention(q: torch.Tensor, flat: torch.Tensor, index: PagedIndex) -> torch.Tensor:
+    """Decode attention straight from the paged cache: q [B, H, 1, Dh], flat [2, Hkv, N*Bs, Dh]
+    (keys, values) -> [B, 1, H*Dh].
+
+    As gather-multiply-sums, which inductor fuses into reductions that load the cached rows by
+    index: the rows' blocks are never copied out first (a gather then `scaled_dot_product_attention`
+    copies every row's blocks once per layer, which costs more than the attention it feeds)."""
+    b, h, _, dh = q.shape
+    heads = flat.shape[1]
+    keys = flat[0][:, index.keys_at].transpose(0, 1)  # [B, Hkv, J, Dh]
+    values = flat[1][:, index.values_at].transpose(0, 1)  # [B, Hkv, J, Dh]
+    # the query's rotary embedding (cos, sin) would otherwise be recomputed for every key
+    q = materialize(q).view(b, heads, h // heads, 1, dh)  # query head i reads key head i // (H/Hkv), as enable_gqa
+    scores = (q * keys[:, :, None]).sum(-1) * dh**-0.5  # [B, Hkv, H/Hkv, J]
+    p = torch.softmax(scores.masked_fill(~index.mask, float("-inf")), dim=-1)
+    return (p[..., None] * values[:, :, None]).sum(-2).reshape(b, 1, h * dh)  # [B, 1, H*Dh]

@@ -1,37 +1,36 @@
-"""The decode and verify pass as one captured graph: the same model, no data-dependent Python.
+"""The decode and verify pass compiled: the model's own layer code, traced by `torch.compile`.
 
-Shapes: B rows (padded to >= 2), T query positions, Tk keys read per row, D hidden,
-E experts, K experts per token, I expert width, V vocab, L layers.
+Shapes: B rows, T query positions, J keys read per row (its nb blocks x Bs), D hidden,
+K experts per token, V vocab, L layers, N = B*T tokens.
 
 A decode step of a small MoE is nearly all per-op overhead (dozens of tiny kernels per
 layer, each a Python call). `torch.compile` fuses them, but only over code whose control
-flow does not depend on tensor values. This pass is the eager forward rewritten that way:
+flow does not depend on tensor values, which is how the layers are written: the pass here runs
+the eager forward's own `DecoderLayer.attend` and MLPs, with what an eager pass decides from
+tensor values fixed up front:
 
-- KV writes go through index tensors (padding positions write to each slot's scratch column,
-  as the eager cache does); the rows' slots are contiguous (the runner keeps them so), and
-  attention reads a view of them, never a copy; the attention mask comes from positions;
-- or, over the paged cache (model_shards/paged_kv.py), writes go to block * Bs + offset through
-  the rows' block tables (padding to the scratch block) and attention reads one gather of the
-  rows' blocks; the cache tensors are inputs of the graph, so they may grow between calls;
-- each token runs through its top-k experts as a gather-multiply-sum that inductor fuses into
-  one reduction loading the routed experts' weights by index (no data-dependent shapes), or,
-  where that would read more expert weights than there are and they do not fit the caches,
-  through every expert as one dense matmul weighted by the gates (`_moe`); exact for capacity "none";
+- the pass's PagedIndex is built in the graph (model_shards/kv_cache.py): KV writes go to
+  block * Bs + offset through the rows' block tables (padding to the scratch block), and decode
+  attention loads the rows' keys by index inside fused reductions (model_shards/attention.py);
+- each MoE layer runs `MoEBlock.fused` (every expert local, capacity "none": no dispatch, no
+  data-dependent shapes); padding positions are computed and never read;
 - rows, on the CPU: one graph for a batch of one (torch specialises size-1 dimensions; the
   single stream is the latency that matters most) and one shape-generic graph for 2..64 rows,
   each for T = 1 (decode) and T = k + 1 (verify);
 - on a GPU (`static`): CUDA graphs (mode "reduce-overhead"), which need fixed shapes, so rows
-  are padded to the next of CAPTURE_SIZES (as vLLM pads to its capture sizes) and the keys read
-  to the next power of two (at least MIN_KEYS); padding rows read and write only the scratch
-  column of the first row's slot. The cache tensors are marked static addresses, so the graphs
-  update them in place. One graph per (rows, T, keys) bucket: the decode ones are captured at
-  start-up, the rest on first use (inductor's on-disk cache makes a restart cheaper). Static
-  graphs need the slot cache (a paged cache's tensors move when it grows).
+  are padded to the next of CAPTURE_SIZES (as vLLM pads to its capture sizes) and the block
+  tables to the next power of two of blocks (at least MIN_KEYS keys), with the scratch block;
+  padding rows hold no tokens and write only the scratch block. The cache is reserved whole at
+  start and never moves, so its tensors are marked static addresses and the graphs update
+  them in place. One graph per (rows, T, blocks) bucket: the decode ones are captured at
+  start-up, the rest on first use (inductor's on-disk cache makes a restart cheaper).
 
-Prefill (long, ragged prompts) and capacity limits other than "none" keep the eager path
-(`CompiledStep.accepts`); expert-parallel ranks compile between their collectives
-(model_shards/compiled_shard.py). The router's choices come back with
-the logits so the expert-load statistics still count every real token (never padding).
+An expert-parallel rank (`CompiledShardStep`) cannot be one graph: every MoE layer's all-to-all
+waits on the other ranks, with split sizes known only once the router has run. So per layer the
+same `DecoderLayer.attend` plus the router is one compiled graph and the dispatch stays eager
+(`MoEBlock.after_gating`). Prefill (long, ragged prompts) and capacity limits other than "none"
+run eagerly (`accepts`). The router's choices come back with the logits, so the expert-load
+statistics still count every real token (never padding).
 """
 
 from __future__ import annotations
@@ -42,47 +41,42 @@ import time
 import torch
 import torch.fx.experimental._config
 import torch.nn.functional as F
+from torch import nn
 
 from model_shards.dispatch import LocalDispatch
-from model_shards.kv_cache import KVCache
+from model_shards.kv_cache import PagedKVCache, paged_index
 from model_shards.model import CausalLM
-from model_shards.paged_kv import PagedKVCache
 from router_service.gating import Gates, topk_gate
 
 logger = logging.getLogger(__name__)
 
 MAX_ROWS = 64  # larger batches: eager
-# A layer's experts up to this size are read routed at any batch (they stay in the CPU's caches:
-# demo MoE, 3 MiB); larger ones (Mixtral-8x7B: 2.8 GB a layer) only while N * K <= E.
-ROUTED_MAX_EXPERT_BYTES = 16 << 20
 MAX_QUERY = 16  # decode (1) and verify (k + 1 <= 17) positions
-CAPTURE_SIZES = (1, 2, 4, 8, 16, 32, 64)  # static graphs: rows padded to the next of these
-MIN_KEYS = 128  # static graphs: keys read, padded to a power of two from here
+CAPTURE_SIZES = (1, 2, 4, 8, 16, 32, MAX_ROWS)  # static graphs: rows padded to the next of these
+MIN_KEYS = 128  # static graphs: keys read (blocks x Bs), padded to a power of two of blocks from here
 
 
 class CompiledStep:
     """`model`'s forward over `cache` for decode/verify batches, compiled once per variant.
 
-    `warm_up` writes into the first slots: call it before any sequence holds one. `backend`:
-    torch.compile's ("inductor": C++ kernels on CPU, Triton on GPU; "eager": traced, not compiled).
-    `static`: fixed-shape graphs over padded buckets (default: when the cache is on a GPU, where
-    inductor then captures CUDA graphs)."""
+    `warm_up` writes only to the scratch block. `backend`: torch.compile's ("inductor": C++
+    kernels on CPU, Triton on GPU; "eager": traced, not compiled). `static`: fixed-shape graphs
+    over padded buckets (default: when the cache is on a GPU, where inductor then captures CUDA
+    graphs)."""
 
-    def __init__(self, model: CausalLM, cache: KVCache | PagedKVCache, backend: str = "inductor",
+    def __init__(self, model: CausalLM, cache: PagedKVCache, backend: str = "inductor",
                  static: bool | None = None) -> None:
         self.model, self.cache = model, cache
-        self.paged = isinstance(cache, PagedKVCache)
         self.num_calls = 0
-        self._qkv: list | None = None  # per layer: q, k and v weights stacked (CPU graphs)
         # no "duck sizing": a batch that happens to equal a model dimension must not become a guard
         # (one context object, made once: making one per call would add to every step)
         self._no_duck_sizing = torch.fx.experimental._config.patch(use_duck_shape=False)
         on_gpu = model.lm_head.weight.device.type == "cuda"
-        # a graph per variant (rows, query length, cache kind): more than dynamo's default limit (past it, eager)
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-        self.static = on_gpu and not self.paged if static is None else static
-        if self.static and self.paged:
-            raise ValueError("static graphs need the slot cache (a paged cache's tensors move when it grows)")
+        self.static = on_gpu if static is None else static
+        # a graph per variant (rows, query length; static: and blocks): more than dynamo's default limit (past it, eager)
+        dynamo = torch._dynamo.config
+        dynamo.recompile_limit = max(dynamo.recompile_limit, 256 if self.static else 64)
+        self._qkv: list | None = None  # per layer: q, k and v weights stacked (CPU graphs)
         if not self.static:
             # q, k and v as one matmul a layer (a copy of those weights): one larger matmul for three small ones
             self._qkv = [layer.self_attn.stacked_qkv() for layer in model.model.layers]
@@ -91,53 +85,36 @@ class CompiledStep:
             options = {"cpp_wrapper": True} if backend == "inductor" else None
             self._graph = torch.compile(self._forward, dynamic=True, backend=backend, options=options)
             return
-        # a graph per bucket: more than dynamo's default recompile limit (past it, it runs eagerly)
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
-        torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, 1024)
+        dynamo.accumulated_recompile_limit = max(dynamo.accumulated_recompile_limit, 1024)
         if on_gpu and backend == "inductor":
-            for t in cache.k + cache.v:
+            for t in cache.kv:
                 torch._dynamo.mark_static_address(t)  # updated in place by the captured graphs
             self._graph = torch.compile(self._forward, dynamic=False, mode="reduce-overhead")
         else:
             self._graph = torch.compile(self._forward, dynamic=False, backend=backend)
 
-    def accepts(self, num_rows: int, tq: int, slots: list[int] | None = None) -> bool:
-        """Whether the graph takes this pass (else it runs eagerly). Rows on the CPU must be in
-        contiguous slots (a subset of the running batch, e.g. a request run alone, is not)."""
-        if not self.static and not self.paged and slots is not None and not _contiguous(slots):
-            return False  # a graph of its own, compiled on first use: run such passes eagerly
-        blocks = self.model.moe_blocks
-        local = all(isinstance(b.dispatch, LocalDispatch) and b.routing.overflow == "none" for b in blocks)
-        if self.static:
-            rows_ok = num_rows <= CAPTURE_SIZES[-1]
-        else:
-            rows_ok = num_rows <= MAX_ROWS
-        return local and rows_ok and tq <= MAX_QUERY
+    def accepts(self, num_rows: int, tq: int) -> bool:
+        """Whether the graph takes this pass (else it runs eagerly)."""
+        local = all(isinstance(b.dispatch, LocalDispatch) and b.routing.overflow == "none"
+                    for b in self.model.moe_blocks)
+        return local and num_rows <= MAX_ROWS and tq <= MAX_QUERY
 
     @torch.inference_mode()
-    def __call__(self, ids: torch.Tensor, slots: list[int] | torch.Tensor, start: list[int],
-                 q_lens: list[int]) -> torch.Tensor:
-        """ids [B, T] (padded on the right past q_lens) -> logits [B, T, V]. slots: each row's
-        slot, or with a paged cache the rows' block tables [B, nb] (covering max(start) + T)."""
+    def __call__(self, ids: torch.Tensor, tables: torch.Tensor, start: list[int], q_lens: list[int]) -> torch.Tensor:
+        """ids [B, T] (padded on the right past q_lens), the rows' block tables [B, nb] (covering
+        max(start) + T) -> logits [B, T, V]."""
         b, t = ids.shape
         self.num_calls += 1
         ids = ids.clone()  # an inference tensor, like every other input: one set of guards
+        if self.static:  # pad to the bucket: extra rows hold no tokens, extra blocks are the scratch one
+            rows, nb = next(n for n in CAPTURE_SIZES if n >= b), tables.shape[1]
+            width = max(MIN_KEYS // self.cache.block_size, 1 << (nb - 1).bit_length())
+            ids = F.pad(ids, (0, 0, 0, rows - b))
+            tables = F.pad(tables, (0, width - nb, 0, rows - b))
+            start, q_lens = start + [0] * (rows - b), q_lens + [0] * (rows - b)
         as_long = lambda v: torch.tensor(v, dtype=torch.long, device=ids.device)  # noqa: E731
-        if self.paged:
-            with self._no_duck_sizing:
-                logits, gates = self._graph(ids, slots, None, as_long(start), as_long(q_lens), 0, self.cache.kv)
-            self._count(gates, q_lens, t)
-            return logits
-        tk = max(s + t for s in start)
-        if self.static:  # pad to the bucket: extra rows are empty (nothing valid) in the first row's slot
-            rows = next(n for n in CAPTURE_SIZES if n >= b)
-            ids = torch.cat([ids, ids.new_zeros(rows - b, t)])
-            slots, start, q_lens = slots + [slots[0]] * (rows - b), start + [0] * (rows - b), q_lens + [0] * (rows - b)
-            tk = min(self.cache.max_len, max(MIN_KEYS, 1 << (tk - 1).bit_length()))
         with self._no_duck_sizing:
-            # slots first, first + 1, ...: attention reads views (static graphs gather their padded rows)
-            first = None if self.static or not _contiguous(slots) else slots[0]
-            logits, gates = self._graph(ids, as_long(slots), first, as_long(start), as_long(q_lens), tk)
+            logits, gates = self._graph(ids, tables, as_long(start), as_long(q_lens), self.cache.kv)
         self._count(gates, q_lens[:b], t)
         return logits[:b]
 
@@ -147,60 +124,35 @@ class CompiledStep:
         t0 = time.perf_counter()
         for t in query_lens:
             logger.info("compiling the model step for %d query position(s)...", t)
-            # start past 1: torch specialises sizes 0 and 1, and the keys read (Tk) must stay symbolic;
-            # large experts: a graph for batches past E / K tokens too (dense, `_moe`)
+            # start past 1: torch specialises sizes 0 and 1, and the keys read must stay symbolic;
+            # every row in the scratch block, twice (a table of one block would specialise);
+            # large experts: a graph for batches past E / K tokens too (dense, `MoEBlock.fused`)
             for b in CAPTURE_SIZES if self.static else self._warm_up_rows():
-                if self.paged:  # every row in the scratch block, twice (a table of one block would specialise)
-                    slots = torch.zeros(b, max(2, -(-(2 + t) // self.cache.block_size)), dtype=torch.long,
-                                        device=self.model.device)
-                else:
-                    slots = [i % self.cache.num_slots for i in range(b)]
-                self(torch.zeros(b, t, dtype=torch.long, device=self.model.device), slots, [2] * b, [t] * b)
+                tables = torch.zeros(b, max(2, -(-(2 + t) // self.cache.block_size)), dtype=torch.long,
+                                     device=self.model.device)
+                self(torch.zeros(b, t, dtype=torch.long, device=self.model.device), tables, [2] * b, [t] * b)
         return time.perf_counter() - t0
 
     def _warm_up_rows(self) -> tuple[int, ...]:
-        if all(_small_experts(b.experts) for b in self.model.moe_blocks):
+        if all(b.small_experts() for b in self.model.moe_blocks):
             return 1, 2
-        return 1, 2, MAX_ROWS if self.paged else min(MAX_ROWS, self.cache.num_slots)
+        return 1, 2, MAX_ROWS
 
     # ---- the graph -------------------------------------------------------------------------
-    def _forward(self, ids, slots, first: int | None, start, q_lens, tk: int, kv=None) -> tuple[torch.Tensor, list[tuple]]:
-        m = self.model.model
+    def _forward(self, ids, tables, start, q_lens, kv) -> tuple[torch.Tensor, list[tuple]]:
         b, t = ids.shape
-        x, rope, pos, valid = pass_inputs(self.model, ids, start, q_lens)
-        paged = None if kv is None else _paged_indices(slots, pos, valid, kv[0].shape[3])
+        x, rope, index = pass_inputs(self.model, ids, tables, start, q_lens, kv[0].shape[3])
         gates = []
-        for i, layer in enumerate(m.layers):
-            x = x + self._attention(layer.self_attn, layer.input_layernorm(x), rope, i, slots, first, pos, valid, tk,
-                                    None if kv is None else (kv[i], *paged))
-            h = layer.post_attention_layernorm(x).reshape(b * t, -1)  # [B*T, D]
+        for i, layer in enumerate(self.model.model.layers):
+            x, h = layer.attend(x, rope, kv[i], index, None if self._qkv is None else self._qkv[i])  # [B, T, D] x2
+            h = h.reshape(b * t, -1)  # [N, D]
             if layer.is_sparse:
-                out, g = _moe(layer.mlp, h)
+                out, g = layer.mlp.fused(h)
                 gates.append((g.weights, g.expert_ids, g.probs))
             else:
                 out = layer.mlp(h)
             x = x + out.view(b, t, -1)
-        return self.model.lm_logits(m.norm(x)), gates  # [B, T, V]
-
-    def _attention(self, attn, x, rope, layer: int, slots, first: int | None, pos, valid, tk: int,
-                   paged: tuple | None = None) -> torch.Tensor:
-        qkv = None if self._qkv is None else self._qkv[layer]
-        if paged is not None:
-            return paged_attention(attn, qkv, x, rope, slots, paged)
-        b, t, _ = x.shape
-        q, k, v = attn.project(x, rope, qkv)  # [B, H, T, Dh], [B, Hkv, T, Dh] x2
-        mask = (torch.arange(tk, device=x.device)[None, None, :] <= pos[:, :, None])[:, None]  # [B, 1, T, Tk]
-        keys, values = self.cache.k[layer], self.cache.v[layer]  # [S, Hkv, Tmax + 1, Dh]
-        write = torch.where(valid, pos, self.cache.max_len)  # [B, T]; padding -> scratch column
-        # advanced indices on dims 0 and 2 put the broadcast [B, T] first: values are [B, T, Hkv, Dh]
-        keys[slots[:, None], :, write] = k.transpose(1, 2)
-        values[slots[:, None], :, write] = v.transpose(1, 2)
-        if first is None:  # gathered: [B, Hkv, Tk, Dh] copies
-            keys, values = keys[slots, :, :tk], values[slots, :, :tk]
-        else:  # slots first, first + 1, ...: views
-            keys, values = keys[first : first + b, :, :tk], values[first : first + b, :, :tk]
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)  # [B, H, T, Dh]
-        return attn.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+        return self.model.lm_logits(self.model.model.norm(x)), gates  # [B, T, V]
 
     def _count(self, gates: list[tuple], q_lens: list[int], t: int) -> None:
         """Expert-load statistics over the real tokens of the first len(q_lens) rows (and the
@@ -216,145 +168,95 @@ class CompiledStep:
             block.stats.update(block.layer_idx, Gates(weights[keep], expert_ids[keep], probs[keep]))
 
 
-def pass_inputs(model: CausalLM, ids: torch.Tensor, start: torch.Tensor, q_lens: torch.Tensor) -> tuple:
-    """Inside a graph: the embedded tokens [B, T, D], their rotary embedding, positions [B, T] and
-    which are real tokens [B, T] (row b holds q_lens[b] tokens from position start[b])."""
+def pass_inputs(model: CausalLM, ids: torch.Tensor, tables: torch.Tensor, start: torch.Tensor, q_lens: torch.Tensor,
+                bs: int) -> tuple:
+    """Inside a graph: the embedded tokens [B, T, D], their rotary embedding and the pass's
+    PagedIndex (row b holds q_lens[b] tokens from position start[b], in its blocks `tables` of bs)."""
     m = model.model
     x = m.embed_tokens(ids)  # [B, T, D]
     steps = torch.arange(ids.shape[1], device=ids.device)
     pos = start[:, None] + steps  # [B, T]
     valid = steps[None, :] < q_lens[:, None]  # [B, T]
-    return x, m.rotary(pos, x.dtype), pos, valid
+    return x, m.rotary(pos, x.dtype), paged_index(tables, pos, valid, bs)
 
 
-def paged_attention(attn, qkv: torch.Tensor | None, x: torch.Tensor, rope, tables: torch.Tensor,
-                    paged: tuple) -> torch.Tensor:
-    """One layer's attention over a paged cache, inside a graph: x [B, T, D], the rows' block tables
-    [B, nb], paged = (the layer's cache [2, Hkv, N, Bs, Dh], *`_paged_indices`) -> [B, T, D].
-    Writes this pass's keys and values first. `qkv`: the layer's stacked q/k/v weights, or None."""
-    b, t, _ = x.shape
-    q, k, v = attn.project(x, rope, qkv)  # [B, H, T, Dh], [B, Hkv, T, Dh] x2
-    cache, write, keys_at, values_at, mask = paged
-    two, heads, n, bs, dh = cache.shape
-    new = torch.stack((k, v)).transpose(1, 2).reshape(two, heads, b * t, dh)  # [2, Hkv, B*T, Dh]
-    flat = cache.view(two, heads, n * bs, dh)
-    flat.index_copy_(2, write, new)
-    if t == 1:  # decode: keys and values loaded by index inside fused reductions, never copied
-        return attn.o_proj(_indexed_attention(q, flat, keys_at, values_at, mask))
-    read = _gather_blocks(cache, tables.reshape(-1)).view(two, heads, b, -1, dh)  # [2, Hkv, B, nb*Bs, Dh]
-    out = F.scaled_dot_product_attention(q, read[0].transpose(0, 1), read[1].transpose(0, 1), attn_mask=mask,
-                                         enable_gqa=True)  # [B, H, T, Dh]
-    return attn.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+class CompiledShardStep:
+    """`model`'s pass over this rank's `cache` for decode/verify rows: compiled per layer up to
+    the router, eager from the dispatch on. `backend` as CompiledStep's."""
 
+    def __init__(self, model: CausalLM, cache: PagedKVCache, backend: str = "inductor") -> None:
+        self.model, self.cache = model, cache
+        self.step = CompiledStep(model, cache, backend, static=False)  # its stacked q/k/v weights
+        self.num_calls = 0
+        options = {"cpp_wrapper": True} if backend == "inductor" else None
+        self._head = torch.compile(self._head_fn, dynamic=True, backend=backend, options=options)
+        self._layer = torch.compile(self._layer_fn, dynamic=True, backend=backend, options=options)
 
-@torch.library.custom_op("moeserve::materialize", mutates_args=())
-def _materialize(x: torch.Tensor) -> torch.Tensor:
-    """`x`, computed once into a buffer of its own: inductor does not fuse into a custom op, so the
-    producer of `x` is not inlined into (and recomputed by) every iteration of the consumer."""
-    return x.clone()
+    def warm_up(self, query_lens: tuple[int, ...] = (1, 2)) -> float:
+        """Compile the graphs now, for one row and several, decode (1) and verify or short prefill
+        (2: one shape-generic graph for 2..MAX_QUERY positions). Without the dispatch, so a rank
+        warms up alone; it writes only to the scratch block. Returns the seconds it took."""
+        t0 = time.perf_counter()
+        for t in query_lens:
+            for b in (1, 2):
+                ids = torch.zeros(b, t, dtype=torch.long, device=self.model.device)
+                tables = torch.zeros(b, max(2, -(-(2 + t) // self.cache.block_size)), dtype=torch.long, device=ids.device)
+                self._pass(ids, tables, torch.full_like(ids[:, 0], 2), torch.full_like(ids[:, 0], t), dispatch=False)
+        return time.perf_counter() - t0
 
+    def accepts(self, num_rows: int, tq: int) -> bool:
+        blocks = self.model.moe_blocks
+        return 0 < num_rows <= MAX_ROWS and tq <= MAX_QUERY and all(b.routing.overflow == "none" for b in blocks)
 
-@_materialize.register_fake
-def _(x: torch.Tensor) -> torch.Tensor:
-    return torch.empty_like(x)
+    def hidden_states(self, ids: torch.Tensor, tables: torch.Tensor, start: torch.Tensor, q_lens: torch.Tensor,
+                      last_only: bool) -> torch.Tensor:
+        """ids [B, T], the rows' block tables [B, nb], start and q_lens [B] -> final normed hidden
+        states [B, T, D] (or [B, 1, D] at each row's last real token), as CausalLM.hidden_states."""
+        self.num_calls += 1
+        x = self._pass(ids, tables, start, q_lens)
+        if last_only:
+            x = x[torch.arange(len(x), device=x.device), q_lens - 1][:, None]  # [B, 1, D]
+        return self.model.model.norm(x)
 
+    @torch.inference_mode()
+    def _pass(self, ids: torch.Tensor, tables: torch.Tensor, start: torch.Tensor, q_lens: torch.Tensor,
+              dispatch: bool = True) -> torch.Tensor:
+        b, t = ids.shape
+        with self.step._no_duck_sizing:
+            x, rope, index, valid = self._head(ids.clone(), tables, start, q_lens, self.cache.block_size)
+            real = None if bool(valid.all()) else valid.reshape(-1).nonzero().squeeze(1)  # [N_real]
+            for i, layer in enumerate(self.model.model.layers):
+                x, h, route = self._layer(layer, self.step._qkv[i], x, rope, self.cache.kv[i], index)
+                if route is not None and dispatch:
+                    x = x + self._moe(layer.mlp, h, route, real).view(b, t, -1)
+        return x  # [B, T, D]
 
-@torch.library.custom_op("moeserve::gather_blocks", mutates_args=())
-def _gather_blocks(paged: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-    """paged [2, Hkv, N, Bs, Dh] -> its blocks `blocks` [M] in order, [2, Hkv, M, Bs, Dh]: aten's
-    index_select, a block-sized copy each, where inductor's own gather computes an index per
-    element, which costs more than the copy it drives."""
-    return paged.index_select(2, blocks)
+    def _moe(self, block: nn.Module, h: torch.Tensor, route: tuple, real: torch.Tensor | None) -> torch.Tensor:
+        """The eager rest of an MoE layer for this rank's tokens h [N, D] (`MoEBlock.after_gating`:
+        statistics, the all-to-all, combine, the shared expert), over the real tokens only.
+        Returns [N, D] (zeros at padding)."""
+        weights, expert_ids, probs, shared = route
+        if real is None:
+            return block.after_gating(h, Gates(weights, expert_ids, probs), shared)
+        out = block.after_gating(h[real], Gates(weights[real], expert_ids[real], probs[real]),
+                                 None if shared is None else shared[real])  # [N_real, D]
+        return out.new_zeros(h.shape[0], out.shape[-1]).index_copy_(0, real, out)
 
+    # ---- the graphs ------------------------------------------------------------------------
+    def _head_fn(self, ids, tables, start, q_lens, bs: int):
+        x, rope, index = pass_inputs(self.model, ids, tables, start, q_lens, bs)
+        return x, rope, index, torch.arange(ids.shape[1], device=ids.device)[None, :] < q_lens[:, None]  # valid [B, T]
 
-@_gather_blocks.register_fake
-def _(paged: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-    two, heads, _, bs, dh = paged.shape
-    return paged.new_empty(two, heads, blocks.shape[0], bs, dh)
-
-
-def _paged_indices(slots: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor, bs: int) -> tuple[torch.Tensor, ...]:
-    """What every layer's attention over the paged cache reads, for the whole pass: the flat
-    cache position each query's key and value go to [B*T] (padding -> the scratch block), each
-    row's key positions [B, J] (every key of its nb blocks, J = nb * Bs) twice, and the causal
-    mask over them [B, 1, T, J] (no slice to the keys a row holds, whose size would become a
-    guard and recompile).
-
-    The positions the keys are read at are computed once into a buffer: inlined, the block-table
-    lookup ran again for every layer, head and key. The values' copy stays an expression, so
-    inductor vectorizes their weighted sum over Dh; read from a buffer, it vectorized over the
-    keys instead, with gathers, the slower loop."""
-    p = torch.where(valid, pos, 0)
-    write = torch.where(valid, slots.gather(1, p // bs) * bs + p % bs, 0)  # [B, T]
-    j = torch.arange(slots.shape[1] * bs, device=slots.device)  # [J]
-    at = slots[:, j // bs] * bs + j % bs  # [B, J]
-    mask = (j[None, None, :] <= pos[:, :, None])[:, None]  # [B, 1, T, J]
-    return _materialize(write.view(-1)), _materialize(at), at, mask
-
-
-def _indexed_attention(q: torch.Tensor, flat: torch.Tensor, keys_at: torch.Tensor, values_at: torch.Tensor,
-                       mask: torch.Tensor) -> torch.Tensor:
-    """Decode attention straight from a paged cache: q [B, H, 1, Dh], flat [2, Hkv, N*Bs, Dh] (keys,
-    values), keys_at = values_at [B, J] each row's key positions in it (`_paged_indices`), mask
-    [B, 1, 1, J] -> [B, 1, H*Dh].
-
-    As gather-multiply-sums, which inductor fuses into reductions that load the cached rows by
-    index: the rows' blocks are never copied out first (a gather then `scaled_dot_product_attention`
-    copies every row's blocks once per layer, which costs more than the attention it feeds)."""
-    b, h, _, dh = q.shape
-    heads = flat.shape[1]
-    keys, values = flat[0][:, keys_at].transpose(0, 1), flat[1][:, values_at].transpose(0, 1)  # [B, Hkv, J, Dh]
-    # the query's rotary embedding (cos, sin) would otherwise be recomputed for every key
-    q = _materialize(q).view(b, heads, h // heads, 1, dh)  # query head i reads key head i // (H/Hkv), as enable_gqa
-    scores = (q * keys[:, :, None]).sum(-1) * dh**-0.5  # [B, Hkv, H/Hkv, J]
-    p = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
-    return (p[..., None] * values[:, :, None]).sum(-2).reshape(b, 1, h * dh)  # [B, 1, H*Dh]
-
-
-def _contiguous(slots: list[int]) -> bool:
-    return slots == list(range(slots[0], slots[0] + len(slots)))
-
-
-def _moe(block, x: torch.Tensor) -> tuple[torch.Tensor, Gates]:
-    """The MoE block on [N, D] tokens, exact for capacity "none": routed (each token through its
-    top-k experts) when that reads no more expert weights than running every token through every
-    expert (N * K <= E), or when a layer's experts are small enough to stay in the caches
-    (ROUTED_MAX_EXPERT_BYTES); else dense."""
-    g = topk_gate(block.gate(x), block.gate_cfg)  # weights, expert_ids [N, K]; probs [N, E]
-    e = block.experts
-    n, k = g.expert_ids.shape
-    # the size test first: N is symbolic, so testing it puts a guard on the graph (a recompile
-    # when a batch crosses E / K tokens), which small experts never need
-    if _small_experts(e) or n * k <= e.num_local:
-        out = _routed_experts(e, x, g)
-    else:
-        out = _dense_experts(e, x, g)
-    if block.shared_expert is not None:
-        out = out + block.shared_out(x)
-    return out, g
-
-
-def _small_experts(e) -> bool:
-    return (e.gate_up_proj.numel() + e.down_proj.numel()) * e.gate_up_proj.element_size() <= ROUTED_MAX_EXPERT_BYTES
-
-
-def _routed_experts(e, x: torch.Tensor, g: Gates) -> torch.Tensor:
-    """[N, D]: each token through its top-k experts, as gather-multiply-sums that inductor fuses
-    into one reduction per projection loading the routed experts' rows by index (no copy of the
-    gathered weights, no data-dependent shapes). A route reads its expert's weights: from the
-    caches when they fit there (a token reads its K experts' weights, where dense reads all E),
-    from memory once per route otherwise."""
-    gate, up = (e.gate_up_proj[g.expert_ids] * x[:, None, None, :]).sum(-1).chunk(2, dim=-1)  # [N, K, I] x2
-    y = (e.down_proj[g.expert_ids] * (F.silu(gate) * up)[:, :, None, :]).sum(-1)  # [N, K, D]
-    return (g.weights.to(x.dtype)[..., None] * y).sum(1)  # [N, D]
-
-
-def _dense_experts(e, x: torch.Tensor, g: Gates) -> torch.Tensor:
-    """[N, D]: every token through every local expert, combined by the top-k gate weights (zero
-    elsewhere): E / K times the arithmetic, but each expert's weights read once, by one matmul
-    against the stacked weights (a view, no copy) and one batched one."""
-    n, d = x.shape
-    w = x.new_zeros(n, e.num_local).scatter(1, g.expert_ids, g.weights.to(x.dtype))  # [N, E]
-    gate, up = F.linear(x, e.gate_up_proj.view(-1, d)).view(n, e.num_local, -1).chunk(2, dim=-1)  # [N, E, I] x2
-    y = torch.bmm((F.silu(gate) * up).transpose(0, 1), e.down_proj.transpose(1, 2))  # [E, N, D]
-    return torch.einsum("ne,end->nd", w, y)  # [N, D]
+    def _layer_fn(self, layer, qkv, x, rope, kv, index):
+        """`DecoderLayer.attend` (writing this pass's keys and values), then for an MoE layer the
+        router and the shared expert: (x, h [N, D], (weights, expert ids, probs, shared expert out));
+        a dense layer's MLP is applied here (route None)."""
+        b, t, _ = x.shape
+        x, h = layer.attend(x, rope, kv, index, qkv)
+        h = h.reshape(b * t, -1)  # [N, D]
+        if not layer.is_sparse:
+            return x + layer.mlp(h).view(b, t, -1), h, None
+        block = layer.mlp
+        g = topk_gate(block.gate(h), block.gate_cfg)
+        shared = None if block.shared_expert is None else block.shared_out(h)
+        return x, h, (g.weights, g.expert_ids, g.probs, shared)

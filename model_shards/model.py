@@ -16,7 +16,7 @@ from torch import nn
 from model_shards.attention import Attention
 from model_shards.config import ModelConfig
 from model_shards.dispatch import Dispatch
-from model_shards.kv_cache import KVCache, StepBatch
+from model_shards.kv_cache import PagedIndex, PagedKVCache, StepBatch
 from model_shards.layers import MLP, RMSNorm, RotaryEmbedding
 from model_shards.moe import MoEBlock
 from model_shards.profiling import phase
@@ -33,17 +33,18 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        cache: KVCache | None,
-        batch: StepBatch | None,
-        valid: torch.Tensor | None,
-    ) -> torch.Tensor:
+    def attend(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv: torch.Tensor | None,
+               index: PagedIndex | None, qkv: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention with its residual, then the MLP's input norm: (x, h), each [B, T, D]. The
+        part of a layer every forward shares: eager, compiled, and a rank's graphs between its
+        all-to-alls (model_shards/compiled_step.py)."""
         with phase("attention"):
-            x = x + self.self_attn(self.input_layernorm(x), rope, cache, batch)  # [B, T, D]
-        h = self.post_attention_layernorm(x)
+            x = x + self.self_attn(self.input_layernorm(x), rope, kv, index, qkv)
+        return x, self.post_attention_layernorm(x)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv: torch.Tensor | None,
+                index: PagedIndex | None, valid: torch.Tensor | None) -> torch.Tensor:
+        x, h = self.attend(x, rope, kv, index)  # [B, T, D] each
         if not self.is_sparse:
             return x + self.mlp(h)
         if valid is None:  # no padding: every position is a real token
@@ -82,7 +83,7 @@ def split_routing(trace: list, lengths: list[int], tq: int) -> list[list[tuple]]
 
 
 class CausalLM(nn.Module):
-    """`forward(input_ids)` -> logits [B, T, V]; with a KVCache and StepBatch it runs one engine step."""
+    """`forward(input_ids)` -> logits [B, T, V]; with a PagedKVCache and StepBatch it runs one engine step."""
 
     routing_trace: list | None = None  # see record_routing
 
@@ -130,18 +131,12 @@ class CausalLM(nn.Module):
     def device(self) -> torch.device:
         return self.lm_head.weight.device
 
-    def make_cache(self, num_slots: int, max_len: int) -> KVCache:
-        """A KV cache in the model's dtype, on its device."""
-        cfg = self.config
-        w = self.lm_head.weight
-        return KVCache(cfg.num_layers, num_slots, max_len, cfg.num_kv_heads, cfg.head_dim, w.dtype, w.device)
-
     # ---- forward ---------------------------------------------------------------------------
     @torch.inference_mode()
     def forward(
         self,
         input_ids: torch.Tensor,
-        cache: KVCache | None = None,
+        cache: PagedKVCache | None = None,
         batch: StepBatch | None = None,
         logits: Literal["all", "last"] = "all",
     ) -> torch.Tensor:
@@ -159,7 +154,7 @@ class CausalLM(nn.Module):
     def hidden_states(
         self,
         input_ids: torch.Tensor,
-        cache: KVCache | None = None,
+        cache: PagedKVCache | None = None,
         batch: StepBatch | None = None,
         last_only: bool = False,
     ) -> torch.Tensor:
@@ -177,8 +172,8 @@ class CausalLM(nn.Module):
             batch.prepare(t)
             positions, valid = batch.pos, batch.valid_mask  # [B, T] each
         rope = self.model.rotary(positions, x.dtype)
-        for layer in self.model.layers:
-            x = layer(x, rope, cache, batch, valid)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, rope, None if cache is None else cache.kv[i], None if batch is None else batch.index, valid)
         if last_only:
             last = (batch.q_lens - 1) if batch is not None else torch.full((b,), t - 1, device=x.device)
             x = x[torch.arange(b, device=x.device), last][:, None]  # [B, 1, D]

@@ -26,16 +26,15 @@ import torch
 import torch.distributed as dist
 
 from model_shards.all_to_all import AllToAllDispatch
-from model_shards.kv_cache import StepBatch
+from model_shards.block_manager import BlockManager
+from model_shards.kv_cache import PagedKVCache, StepBatch
 from model_shards.loader import reload_experts
 from model_shards.model import CausalLM, split_routing
-from model_shards.paged_kv import BlockManager, PagedKVCache
 from router_service.placement import Placement
 
 CMD_STEP, CMD_STOP, CMD_PLACE = 1, 2, 3
 _HEADER = 7
 _ROW = 3  # rank, start, q_len
-INITIAL_BLOCKS = 64  # each rank's cache starts with this many blocks and doubles as needed
 # A new sequence goes to the rank holding most of its prefix, unless that rank runs this many
 # more sequences than the least busy one.
 BALANCE_SLACK = 2
@@ -90,10 +89,10 @@ class _Shard:
         self.num_blocks = max_num_seqs * -(-max_model_len // block_size) + 1  # room for every sequence (+ scratch)
         cfg, w = model.config, model.lm_head.weight
         self.cache = PagedKVCache(cfg.num_layers, self.num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
-                                  w.dtype, w.device, initial_blocks=INITIAL_BLOCKS)
-        self.compiled = None  # decode and verify passes compiled between the collectives (compiled_shard.py)
+                                  w.dtype, w.device)  # every block reserved now
+        self.compiled = None  # decode and verify passes compiled between the collectives (compiled_step.py)
         if compile:
-            from model_shards.compiled_shard import CompiledShardStep
+            from model_shards.compiled_step import CompiledShardStep
 
             self.compiled = CompiledShardStep(model, self.cache)
             self.compiled.warm_up()  # this rank's graphs alone: they hold no collective
@@ -125,14 +124,12 @@ class _Shard:
             dispatch.max_tokens = bmax * tq  # no rank routes more tokens this pass: the padded layout's size
         ids, tables = mine[:, _ROW : _ROW + tq], mine[:, _ROW + tq :]
         if len(mine):
-            self.cache.reserve(int(tables.max()) + 1)
             self.cache.copy_blocks([(src, dst) for _, src, dst in copies[copies[:, 0] == self.rank].tolist()])
             start, q_lens = mine[:, 1], mine[:, 2]
             if self.compiled is not None and bool((start > 0).all()) and self.compiled.accepts(len(mine), tq):
                 h = self.compiled.hidden_states(*(v.contiguous() for v in (ids, tables, start, q_lens)), bool(last_only))
             else:
-                batch = StepBatch(slots=mine[:, 0], start=start, q_lens=q_lens, block_table=tables,
-                                  block_size=self.block_size)
+                batch = StepBatch(tables, start, q_lens, self.block_size)
                 h = self.model.hidden_states(ids, self.cache, batch, last_only=bool(last_only))  # [Br, T', D]
         else:
             h = self.model.hidden_states(ids, last_only=bool(last_only))

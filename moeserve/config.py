@@ -46,19 +46,16 @@ class EngineSection(_Section):
     max_num_seqs: int = Field(16, ge=1)  # running batch: sequences at once
     max_model_len: int = Field(1024, ge=2)
     max_num_batched_tokens: int = Field(2048, ge=1)
-    # KV-cache tokens for all running sequences (0: every slot may fill); past it the newest are preempted.
-    # With the paged cache this is the memory really allocated (in tokens: blocks x block_size).
+    # The paged KV cache (model_shards/kv_cache.py), reserved whole at start and never grown: KV tokens
+    # for all running sequences (0: max_num_seqs sequences of max_model_len); past it the newest are
+    # preempted. The cache is this many tokens in blocks of block_size, plus one scratch block.
     kv_budget_tokens: int = Field(0, ge=0)
-    # paged: blocks of block_size tokens allocated on demand, with prefix caching (model_shards/paged_kv.py);
-    # slots: one max_model_len slot per sequence, attention reads views (model_shards/kv_cache.py);
-    # auto: paged, except slots with `compile` on a GPU (CUDA graphs need the slot cache's fixed tensors).
-    # Expert-parallel ranks and the draft model are always paged (with prefix caching per `prefix_caching`).
-    kv_cache: Literal["auto", "paged", "slots"] = "auto"
-    # The same budget in bytes instead ("2GiB", "512MiB", or a number): converted with the model's
-    # KV bytes per token (layers x kv heads x head dim x 2 x dtype size). Set this or kv_budget_tokens.
+    # The same budget in bytes instead ("2GiB", "512MiB", or a number): the cache is as many blocks as
+    # fit (a block: block_size x layers x kv heads x head dim x 2 x dtype size bytes), the scratch block
+    # included, so it takes at most this much. Set this or kv_budget_tokens.
     kv_cache_memory: int = 0
     block_size: int = Field(16, ge=1, le=1024)
-    prefix_caching: bool = True  # paged cache: reuse the KV of shared prompt prefixes (full blocks)
+    prefix_caching: bool = True  # reuse the KV of shared prompt prefixes (full blocks)
     # Backpressure: past max_num_seqs running + this many waiting, new requests get 503 / RESOURCE_EXHAUSTED.
     max_queued_requests: int = Field(64, ge=0)
     # torch threads of the engine; unset: torch's default in-process, all cores but one in the
@@ -73,9 +70,10 @@ class EngineSection(_Section):
     stream_interval_max_s: float = Field(0.2, ge=0, le=1)
     # The step loop in a process of its own (no GIL shared with Serve); see deployments/engine_server.py.
     core_process: bool = True
-    # Decode and verify passes as one torch.compile'd graph (model_shards/compiled_step.py), compiled
-    # when the engine starts (slow the first time, quicker from inductor's on-disk cache). Off by
-    # default: that wait comes at every engine start; what it buys: bench/reports/generation.md.
+    # Decode and verify passes (and the in-process draft's steps) as torch.compile'd graphs
+    # (model_shards/compiled_step.py), compiled when the engine starts (slow the first time, quicker
+    # from inductor's on-disk cache). Off by default: that wait comes at every engine start; what
+    # it buys: bench/reports/generation.md.
     compile: bool = False
 
     @field_validator("kv_cache_memory", mode="before")

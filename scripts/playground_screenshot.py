@@ -22,7 +22,7 @@ from model_shards import load_checkpoint
 from moeserve.engine import LLMEngine, SpecConfig
 from moeserve.engine.draft_model import DraftModelProposer
 from moeserve.engine.factory import demo_checkpoint
-from moeserve.engine.paged_runner import PagedRunner
+from moeserve.engine.model_runner import ModelRunner
 from moeserve.tokenizer import load_tokenizer
 
 
@@ -31,7 +31,7 @@ def main() -> None:
     ap.add_argument("--out", default="docs/playground.png")
     args = ap.parse_args()
     target, draft = demo_checkpoint("demo-moe"), demo_checkpoint("demo-draft")
-    engine = LLMEngine(PagedRunner(load_checkpoint(target), 4, 1024, num_blocks=512), load_tokenizer(target),
+    engine = LLMEngine(ModelRunner(load_checkpoint(target), 4, 1024, num_blocks=512), load_tokenizer(target),
                        proposer=DraftModelProposer(load_checkpoint(draft), 4, 1024), spec=SpecConfig(num_tokens=4))
     with gateway_in_thread(engine, "demo-moe", target, 1024) as url, sync_playwright() as p:
         browser = p.chromium.launch(executable_path=shutil.which("chromium") or shutil.which("chromium-browser"),

@@ -18,7 +18,6 @@ model:
 engine:
   max_num_seqs: 8
   max_model_len: 512
-  kv_cache: paged
   kv_cache_memory: 4MiB
 speculative:
   draft: none
@@ -30,16 +29,16 @@ def test_yaml_cli_and_llm_options_give_the_same_config(tmp_path):
     path.write_text(SETTINGS_YAML)
     from_yaml = AppConfig.load(path)
     args = build_parser().parse_args(["serve", "--model", "checkpoints/demo-moe", "--draft", "none",
-                                      "--max-num-seqs", "8", "--max-model-len", "512", "--kv-cache", "paged",
+                                      "--max-num-seqs", "8", "--max-model-len", "512",
                                       "--kv-cache-memory", "4MiB"])
     from_cli = serve_config(args)
     from_llm = AppConfig.from_options("checkpoints/demo-moe", "none", max_num_seqs=8, max_model_len=512,
-                                      kv_cache="paged", kv_cache_memory="4MiB")
+                                      kv_cache_memory="4MiB")
     assert from_yaml.model_dump() == from_cli.model_dump() == from_llm.model_dump()
     engines = {EngineConfig.from_app(c) for c in (from_yaml, from_cli, from_llm)}
     assert len(engines) == 1
     engine = engines.pop()
-    assert (engine.max_num_seqs, engine.kv_cache, engine.kv_cache_memory) == (8, "paged", 4 * 2**20)
+    assert (engine.max_num_seqs, engine.kv_cache_memory) == (8, 4 * 2**20)
 
 
 def test_every_component_default_is_the_trees():
@@ -134,27 +133,31 @@ def test_the_kv_budget_in_bytes_and_the_paged_cache_reach_the_engine():
         parse_bytes("lots")
     with pytest.raises(ValueError, match="not both"):
         AppConfig.from_dict({"engine": {"kv_cache_memory": "8MiB", "kv_budget_tokens": 4096}})
-    engine = EngineConfig.from_app(AppConfig.from_dict({"engine": {"kv_cache": "paged", "kv_cache_memory": "8MiB"}}))
-    # demo MoE: 4 layers x 2 kv heads x head dim 32 x (key + value) x 4 bytes = 2 KiB per token
-    assert engine.kv_budget() == 4096 and engine.scheduler().kv_budget == 4096
-    llm = LLM(draft="none", kv_cache="paged", kv_cache_memory="8MiB", prefix_caching=False, block_size=32)
+    engine = EngineConfig.from_app(AppConfig.from_dict({"engine": {"kv_cache_memory": "8MiB"}}))
+    # demo MoE: 4 layers x 2 kv heads x head dim 32 x (key + value) x 4 bytes = 2 KiB per token, 32 KiB a block
+    assert engine.kv_blocks() == 256 and engine.scheduler().kv_budget == 255 * 16
+    llm = LLM(draft="none", kv_cache_memory="8MiB", prefix_caching=False, block_size=32)
     runner = llm.engine.runner
-    assert (runner.blocks.num_blocks, runner.block_size, runner.prefix_caching) == (4096 // 32 + 1, 32, False)
-    assert runner.cache.num_blocks * 32 * 2048 == 8 * 2**20 + 32 * 2048  # at most the budget, plus the scratch block
-    assert runner.cache.nbytes == 64 * 32 * 2048  # allocated: what the first 64 blocks take (it grows on demand)
+    assert (runner.blocks.num_blocks, runner.block_size, runner.prefix_caching) == (128, 32, False)
+    assert runner.cache.nbytes == 8 * 2**20  # the whole budget, the scratch block included, allocated at start
+    assert llm.engine.scheduler.cfg.kv_budget == 127 * 32
+    # the cache is always paged: the setting that chose another is gone, and saying so is an error
+    with pytest.raises(ValueError, match="engine.kv_cache\n  Extra inputs are not permitted"):
+        AppConfig.from_dict({"engine": {"kv_cache": "paged"}})
 
 
 def test_a_runner_handed_in_keeps_its_own_cache_accounting():
-    """A shard group's runner (slots) under the default paged config: the scheduler counts
-    tokens, not blocks, and does not hold back copies of a prompt for a prefix cache it lacks."""
+    """A runner handed in (as a shard group's is) with its own block size and no prefix cache: the
+    scheduler counts its blocks and does not hold back copies of a prompt for a prefix cache it lacks."""
     from model_shards import load_checkpoint
     from moeserve.engine import ModelRunner
     from moeserve.engine.factory import build_engine
 
     cfg = EngineConfig(speculation="none", max_num_seqs=2, max_model_len=64)
-    assert cfg.kv_cache == "paged"
-    engine = build_engine(cfg, runner=ModelRunner(load_checkpoint(cfg.model), 2, 64))
-    assert (engine.scheduler.cfg.block_size, engine.scheduler.cfg.share_prefill) == (1, False)
+    assert (cfg.block_size, cfg.prefix_caching) == (16, True)
+    runner = ModelRunner(load_checkpoint(cfg.model), 2, 64, block_size=8, prefix_caching=False)
+    engine = build_engine(cfg, runner=runner)
+    assert (engine.scheduler.cfg.block_size, engine.scheduler.cfg.share_prefill) == (8, False)
 
 
 def test_auto_speculation_drafts_with_the_draft_model_only_when_it_shares_the_tokenizer(tmp_path):

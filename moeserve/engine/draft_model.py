@@ -20,9 +20,9 @@ One `propose` call per engine step, for the whole batch:
 3. K - 1 batched one-token forwards; a row is no longer fed once it has its k tokens
    (rows are sorted by k, so the rows still drafting are a prefix of the batch).
 
-One-token forwards of a dense draft go through `DenseDecodeStep` (draft_decoder.py), which
-cuts the per-forward Python overhead that dominates at this model size; other drafts (an
-MoE model drafting for itself in tests) use the model's own forward.
+Every forward is the model's own (CausalLM over the runner's paged cache), as the target's;
+with `compile`, the one-token steps run as the runner's compiled step (model_shards/compiled_step.py),
+which cuts the per-op overhead that dominates at this model size.
 
 Drafts are the draft's argmax (deterministic: `Proposal.probs` is None) unless the
 proposer samples and the request does: then each draft token is drawn from the draft's
@@ -38,23 +38,16 @@ import os
 from bisect import bisect_left
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from itertools import accumulate
 
 import torch
 
 from model_shards import CausalLM, StepBatch
-from model_shards.paged_kv import OutOfBlocks
-from moeserve.engine.model_runner import Row, forward_last
-from moeserve.engine.paged_runner import PagedRunner
+from model_shards.block_manager import OutOfBlocks
+from moeserve.engine.model_runner import ModelRunner, Row, forward_last
 from moeserve.sampler import Sampler, keyed_sample, random_sample
 from moeserve.sampling_params import SamplingParams
-from moeserve.spec.draft_decoder import DenseDecodeStep
 from moeserve.spec.draft_masks import GrammarMasks
 from moeserve.spec.proposer import DraftGrammar, Proposal, ProposalRequest, Proposer
-
-# Tails of up to this many tokens before the last (drafts and forced text a step accepted) are fed
-# through the lean step's `feed`; longer ones (prompts) through the model's own forward.
-FEED_MAX = 16
 
 
 class DraftInterrupted(Exception):
@@ -90,16 +83,10 @@ class _Batch:
 
     tables: torch.Tensor  # [B, nb] each row's blocks, covering its tail and the drafts it feeds
     lengths: torch.Tensor  # [B] tokens cached once caught up
-    max_len: list[int]  # max_len[n - 1] = longest of the first n rows
-    ragged: list[bool]  # ragged[n - 1]: the first n rows differ in length
 
     @classmethod
     def of(cls, rows: list[_Row], tables: torch.Tensor) -> _Batch:
-        lengths = [len(r.tokens) for r in rows]
-        shortest = list(accumulate(lengths, min))
-        longest = list(accumulate(lengths, max))
-        return cls(tables, torch.tensor(lengths, device=tables.device), longest,
-                   [a != b for a, b in zip(shortest, longest)])
+        return cls(tables, torch.tensor([len(r.tokens) for r in rows], device=tables.device))
 
 
 class DraftModelProposer(Proposer):
@@ -114,8 +101,9 @@ class DraftModelProposer(Proposer):
     greedy: True proposes the draft's argmax for every request. False samples drafts for
         sampled requests with their own SamplingParams and returns q (greedy requests still
         get the argmax).
-    num_blocks, block_size, prefix_caching: the paged cache (model_shards/paged_kv.py); blocks are
-        allocated as sequences grow; 0 blocks: room for max_num_seqs sequences of max_model_len.
+    num_blocks, block_size, prefix_caching: the paged cache (model_shards/kv_cache.py), reserved whole
+        at start; 0 blocks: room for max_num_seqs sequences of max_model_len.
+    compile: one-token steps as a compiled graph, compiled here (model_shards/compiled_step.py).
     """
 
     def __init__(
@@ -127,16 +115,17 @@ class DraftModelProposer(Proposer):
         num_blocks: int = 0,
         block_size: int = 16,
         prefix_caching: bool = True,
+        compile: bool = False,
     ) -> None:
         if not isinstance(model, CausalLM):
             from model_shards import load_checkpoint
 
             model = load_checkpoint(model)
-        num_blocks = num_blocks or max_num_seqs * -(-max_model_len // block_size) + 1
-        self.runner = PagedRunner(model, max_num_seqs, max_model_len, num_blocks, block_size, prefix_caching)
+        self.runner = ModelRunner(model, max_num_seqs, max_model_len, num_blocks, block_size, prefix_caching, compile)
+        if compile:
+            self.runner.compiled.warm_up((1,))
         self.device = model.device  # the draft's own tensors; sampled drafts are drawn on the CPU
         # Dense drafts decode through the lean step; others (e.g. an MoE draft) use the model's forward.
-        self.lean = DenseDecodeStep(model, self.runner.cache, max_model_len) if DenseDecodeStep.supports(model) else None
         self.greedy = greedy
         self.track_runner_up = False  # keep each row's second choices (`runner_up`) for pre-drafting
         # of the last call's rows: per draft position, the token drafted, the draft's second choice
@@ -282,21 +271,10 @@ class DraftModelProposer(Proposer):
         """Feeds each row's uncached tail; logits [B, V] after each row's last token.
 
         Tails are usually 1 token (a recovered token) or 2 (the last draft and the bonus
-        token): those go through one-token steps. Up to their last token, tails of a few more
-        (forced text a grammar appended, drafts a step accepted) go through one lean pass
-        (`DenseDecodeStep.feed`), longer ones (new sequences, rebuilds) through the model's own
-        forward."""
-        short = [b for b, r in enumerate(rows) if 2 < len(r.tokens) - r.start <= FEED_MAX + 1] if self.lean else []
-        if short:  # forced text and accepted drafts: one lean pass, not the model's own forward
-            idx = torch.tensor(short, device=self.device)
-            tails = [rows[b].tokens[rows[b].start : -1] for b in short]
-            width = max(map(len, tails))
-            tokens = torch.tensor([t + [0] * (width - len(t)) for t in tails], device=self.device)  # [n, T]
-            self.lean.feed(tokens, torch.tensor([len(t) for t in tails], device=self.device), batch.tables[idx],
-                           torch.tensor([rows[b].start for b in short], device=self.device))
-        fed = set(short)
-        prefill = [Row(r.seq_id, r.tokens[r.start : -1], r.start) for b, r in enumerate(rows)
-                   if len(r.tokens) - r.start > 2 and b not in fed]
+        token): those go through one-token steps. Up to their last token, longer tails (forced
+        text a grammar appended, drafts a step accepted, new sequences, rebuilds) go through the
+        runner's forward, grouped by length."""
+        prefill = [Row(r.seq_id, r.tokens[r.start : -1], r.start) for r in rows if len(r.tokens) - r.start > 2]
         if prefill:
             forward_last(self.runner, prefill, prepared=True)
         two = [b for b, r in enumerate(rows) if len(r.tokens) - r.start == 2]
@@ -304,9 +282,9 @@ class DraftModelProposer(Proposer):
             idx = torch.tensor(two, device=self.device)
             starts = [rows[b].start for b in two]
             tokens = torch.tensor([rows[b].tokens[-2] for b in two], device=self.device)  # [n]
-            self._step(tokens, batch.tables[idx], torch.tensor(starts, device=self.device), max(starts) + 1)
+            self._step(tokens, batch.tables[idx], torch.tensor(starts, device=self.device))
         last = torch.tensor([r.tokens[-1] for r in rows], device=self.device)  # [B]
-        return self._step(last, batch.tables, batch.lengths - 1, batch.max_len[-1], batch.ragged[-1])
+        return self._step(last, batch.tables, batch.lengths - 1)
 
     def _draft(
         self, rows: list[_Row], batch: _Batch, logits: torch.Tensor, interrupted: Callable[[], bool] | None = None
@@ -335,8 +313,7 @@ class DraftModelProposer(Proposer):
                     raise DraftInterrupted
                 if j:  # feed draft j-1 (0-based) at position len + j - 1
                     positions = batch.lengths[:n] + (j - 1)  # [n]
-                    tk = batch.max_len[n - 1] + j
-                    logits = self._step(out[:n, j - 1], batch.tables[:n], positions, tk, batch.ragged[n - 1])
+                    logits = self._step(out[:n, j - 1], batch.tables[:n], positions)
                 masks.apply(logits, out, j)
                 if masks.all_ended(n):  # every row still drafting ended (at forced text, or its output)
                     break
@@ -359,15 +336,12 @@ class DraftModelProposer(Proposer):
             if s:
                 self._sample(rows, sampled[:s], logits, j, out, probs)
 
-    def _step(
-        self, tokens: torch.Tensor, tables: torch.Tensor, positions: torch.Tensor, tk: int, ragged: bool = True
-    ) -> torch.Tensor:
-        """One token per row at its position: logits [n, V]. tables: [n, nb] the rows' blocks;
-        tk: the longest row's length after this token; ragged: rows differ in length."""
-        if self.lean is not None:
-            return self.lean.step(tokens, tables, positions, tk, ragged)
-        ones = torch.ones_like(positions)
-        batch = StepBatch(ones, positions, ones, block_table=tables, block_size=self.runner.block_size)
+    def _step(self, tokens: torch.Tensor, tables: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """One token per row at its position: logits [n, V]. tables: [n, nb] the rows' blocks."""
+        n, compiled = tokens.shape[0], self.runner.compiled
+        if compiled is not None and compiled.accepts(n, 1):
+            return compiled(tokens[:, None], tables, positions.tolist(), [1] * n)[:, 0]
+        batch = StepBatch(tables, positions, torch.ones_like(positions), self.runner.block_size)
         return self.runner.model(tokens[:, None], self.runner.cache, batch, logits="last")  # [n, V]
 
     def _sample(

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from model_shards.device import DEVICES, DTYPES, resolve_device, resolve_dtype
+from model_shards.kv_cache import PagedKVCache
 from moeserve.config import (
     AppConfig,
     EngineSection,
@@ -22,7 +23,6 @@ from moeserve.config import (
 )
 from moeserve.engine.engine import LLMEngine
 from moeserve.engine.model_runner import ModelRunner
-from moeserve.engine.paged_runner import PagedRunner
 from moeserve.engine.scheduler import SchedulerConfig
 from moeserve.grammar.compiler import GrammarConfig
 from moeserve.spec.config import SpecConfig
@@ -50,7 +50,6 @@ class EngineConfig:
     max_model_len: int = default_of(EngineSection, "max_model_len")
     max_num_batched_tokens: int = default_of(EngineSection, "max_num_batched_tokens")
     kv_budget_tokens: int = default_of(EngineSection, "kv_budget_tokens")
-    kv_cache: str = default_of(EngineSection, "kv_cache")  # auto | paged | slots (auto is resolved here)
     kv_cache_memory: int = default_of(EngineSection, "kv_cache_memory")  # bytes; 0: kv_budget_tokens decides
     block_size: int = default_of(EngineSection, "block_size")
     prefix_caching: bool = default_of(EngineSection, "prefix_caching")
@@ -75,11 +74,6 @@ class EngineConfig:
             raise ValueError(f"dtype: must be one of {DTYPES}, got {self.dtype!r}")
         if self.device not in DEVICES:
             raise ValueError(f"device: must be one of {DEVICES}, got {self.device!r}")
-        if self.kv_cache == "auto":  # compiled on a GPU: CUDA graphs, which need the slot cache's fixed tensors
-            cuda_graphs = self.compile and self.torch_device.type == "cuda"
-            object.__setattr__(self, "kv_cache", "slots" if cuda_graphs else "paged")
-        if self.kv_cache not in ("slots", "paged"):
-            raise ValueError(f"kv_cache: must be auto, paged or slots, got {self.kv_cache!r}")
         SpecConfig(num_tokens=self.num_spec_tokens, disable_by_batch_size=self.spec_disable_by_batch_size)
         self.scheduler()  # validates the scheduler limits
 
@@ -98,7 +92,6 @@ class EngineConfig:
             max_model_len=e.max_model_len,
             max_num_batched_tokens=e.max_num_batched_tokens,
             kv_budget_tokens=e.kv_budget_tokens,
-            kv_cache=e.kv_cache,
             kv_cache_memory=e.kv_cache_memory,
             block_size=e.block_size,
             prefix_caching=e.prefix_caching,
@@ -117,21 +110,27 @@ class EngineConfig:
     def torch_dtype(self) -> torch.dtype:
         return resolve_dtype(self.dtype, self.torch_device)
 
-    def kv_budget(self) -> int:
-        """KV tokens for all running sequences: kv_budget_tokens, or kv_cache_memory in tokens (0: every slot)."""
-        if not self.kv_cache_memory:
-            return self.kv_budget_tokens
-        from model_shards.config import ModelConfig
+    def kv_blocks(self, lookahead: int = 0) -> int:
+        """Blocks of the KV cache, the scratch block included: as many as kv_cache_memory holds, or
+        kv_budget_tokens in blocks plus the scratch one (0: max_num_seqs sequences of max_model_len
+        and `lookahead` draft tokens each)."""
+        bs = self.block_size
+        if self.kv_cache_memory:
+            from model_shards.config import ModelConfig
 
-        c = ModelConfig.from_file(self.model)
-        per_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * self.torch_dtype.itemsize
-        return self.kv_cache_memory // per_token
+            c = ModelConfig.from_file(self.model)
+            return self.kv_cache_memory // PagedKVCache.block_bytes(c.num_layers, bs, c.num_kv_heads, c.head_dim,
+                                                                    self.torch_dtype)
+        if self.kv_budget_tokens:
+            return -(-self.kv_budget_tokens // bs) + 1
+        return self.max_num_seqs * -(-(self.max_model_len + lookahead) // bs) + 1
 
     def scheduler(self, lookahead: int = 0) -> SchedulerConfig:
+        """The scheduler's limits; its KV budget is the cache's blocks (less the scratch one) in tokens."""
         return SchedulerConfig(
-            self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len, kv_budget_tokens=self.kv_budget(),
-            lookahead=lookahead, block_size=self.block_size if self.kv_cache == "paged" else 1,
-            share_prefill=self.kv_cache == "paged" and self.prefix_caching,
+            self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len,
+            kv_budget_tokens=(self.kv_blocks(lookahead) - 1) * self.block_size, lookahead=lookahead,
+            block_size=self.block_size, share_prefill=self.prefix_caching,
         )
 
 
@@ -153,7 +152,8 @@ def build_proposer(cfg: EngineConfig):
     from moeserve.engine.draft_model import DraftModelProposer  # loads the draft's model stack only when asked
 
     draft = load_checkpoint(cfg.draft_model, cfg.torch_dtype, device=cfg.torch_device)
-    return DraftModelProposer(model=draft, max_num_seqs=cfg.max_num_seqs, max_model_len=cfg.max_model_len)
+    return DraftModelProposer(model=draft, max_num_seqs=cfg.max_num_seqs, max_model_len=cfg.max_model_len,
+                              compile=cfg.compile)
 
 
 def build_engine(cfg: EngineConfig, runner=None, proposer=None) -> LLMEngine:
@@ -164,29 +164,23 @@ def build_engine(cfg: EngineConfig, runner=None, proposer=None) -> LLMEngine:
 
     tokenizer = load_tokenizer(cfg.model)
     proposer = proposer if proposer is not None else build_proposer(cfg)
+    lookahead = cfg.num_spec_tokens if proposer is not None else 0
     if runner is None:
         model = load_checkpoint(cfg.model, cfg.torch_dtype, device=cfg.torch_device)
         model.set_routing(cfg.routing)
-        if cfg.kv_cache == "paged":  # as many blocks as the scheduler's budget (+ the scratch block)
-            budget = cfg.scheduler(lookahead=cfg.num_spec_tokens if proposer is not None else 0).kv_budget
-            runner = PagedRunner(model, cfg.max_num_seqs, cfg.max_model_len, budget // cfg.block_size + 1,
-                                 cfg.block_size, cfg.prefix_caching, compile=cfg.compile)
-        else:
-            runner = ModelRunner(model, cfg.max_num_seqs, cfg.max_model_len, compile=cfg.compile)
+        runner = ModelRunner(model, cfg.max_num_seqs, cfg.max_model_len, cfg.kv_blocks(lookahead), cfg.block_size,
+                             cfg.prefix_caching, compile=cfg.compile)
     if getattr(runner, "compiled", None) is not None:
         # passes of several positions: verify passes, and the short prefill after a prefix-cache hit
         # (one shape-generic graph serves 2..MAX_QUERY positions; compiling it on first use stalls a request)
         if proposer is not None:
             multi = (cfg.num_spec_tokens + 1,)
         else:
-            multi = (2,) if getattr(runner, "prefix_caching", False) else ()
+            multi = (2,) if runner.prefix_caching else ()
         seconds = runner.compiled.warm_up((1, *multi))
         logging.getLogger(__name__).info("model step compiled in %.1f s", seconds)
-    spec = SpecConfig(num_tokens=cfg.num_spec_tokens if proposer is not None else 0, adaptive=cfg.adaptive_k,
-                      disable_by_batch_size=cfg.spec_disable_by_batch_size)
-    scheduler = cfg.scheduler()
-    if not isinstance(runner, PagedRunner):  # a slot cache (token accounting), or a shard group's paged ranks
-        paged = getattr(runner, "block_size", 0)
-        scheduler = dataclasses.replace(scheduler, block_size=paged or 1,
-                                        share_prefill=bool(paged) and runner.prefix_caching)
+    spec = SpecConfig(num_tokens=lookahead, adaptive=cfg.adaptive_k, disable_by_batch_size=cfg.spec_disable_by_batch_size)
+    # a runner handed in (a shard group's) keeps its own blocks and prefix caching
+    scheduler = dataclasses.replace(cfg.scheduler(lookahead), block_size=runner.block_size,
+                                    share_prefill=runner.prefix_caching)
     return LLMEngine(runner, tokenizer, scheduler=scheduler, proposer=proposer, spec=spec)

@@ -1,9 +1,20 @@
-"""Runs the target model for an engine step: owns the KV cache and which slot each sequence holds.
+"""Runs the model for an engine step over its paged KV cache (model_shards/kv_cache.py), with prefix caching.
 
 Shapes: B rows, Tq query tokens (the longest row; shorter rows are padded), V vocab.
 
-Sequences are kept in slots 0..n-1 (a finished sequence's hole is filled by moving the last
-one in), so a step's rows are contiguous slots and attention reads cache views, not copies.
+`add` is told the sequence's tokens and answers how many leading ones the prefix cache
+already holds: the engine then feeds only the rest.
+
+What a forward pass does to a sequence's blocks (BlockManager.write):
+- positions before a row's `start` are committed (the engine feeds from its cached length, so
+  rejected draft tokens are never behind it): full blocks among them are hashed and become
+  findable by later sequences;
+- blocks past what this pass writes held only rejected draft tokens: they are freed;
+- blocks are allocated for the positions this pass writes; a prefill's or plain decode's
+  tokens are committed right after the pass (a verify pass's drafts only at the next one).
+Shared blocks are never written: a prefix hit ends on a block boundary before the last
+prompt token, so every position a sequence writes lies in a block of its own (and a sequence
+that rewinds into a shared block gets a copy of its own first).
 """
 
 from __future__ import annotations
@@ -13,8 +24,9 @@ from typing import Literal
 
 import torch
 
-from model_shards import CausalLM, StepBatch
-from model_shards.kv_cache import SlotTable
+from model_shards import CausalLM
+from model_shards.block_manager import BlockManager
+from model_shards.kv_cache import PagedKVCache, StepBatch
 from model_shards.model import split_routing
 
 # A forward pass costs about as much fixed overhead (per-op dispatch, one pass over every
@@ -74,23 +86,32 @@ def routing_by_row(trace: list, rows: list[Row], tq: int) -> dict[str, list[tupl
 
 
 class ModelRunner:
-    """Target model + KV cache for up to `max_num_seqs` sequences of up to `max_model_len` tokens.
+    """The model + a paged KV cache of `num_blocks` blocks of `block_size` tokens (block 0 is
+    scratch; 0: room for `max_num_seqs` sequences of `max_model_len` tokens), all allocated here,
+    for up to `max_num_seqs` sequences of up to `max_model_len` tokens.
 
     The cache and every per-step tensor live on the model's device; logits come back on the
     CPU (one copy per step), where sampling, grammar masks and verification run.
     compile: run decode and verify passes as a compiled graph (model_shards/compiled_step.py)
     whenever the batch allows it; prefill and anything else stays eager."""
 
-    def __init__(self, model: CausalLM, max_num_seqs: int, max_model_len: int, compile: bool = False) -> None:
+    def __init__(self, model: CausalLM, max_num_seqs: int, max_model_len: int, num_blocks: int = 0,
+                 block_size: int = 16, prefix_caching: bool = True, compile: bool = False) -> None:
+        cfg, w = model.config, model.lm_head.weight
         self.model = model
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
-        self.vocab_size = model.config.vocab_size
+        self.vocab_size = cfg.vocab_size
         self.device = model.device
-        self.cache = model.make_cache(max_num_seqs, max_model_len)
-        self.slots = SlotTable(max_num_seqs)
+        self.block_size = block_size
+        self.prefix_caching = prefix_caching
+        num_blocks = num_blocks or max_num_seqs * -(-max_model_len // block_size) + 1
+        self.cache = PagedKVCache(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, w.dtype,
+                                  w.device)
+        self.manager = BlockManager(num_blocks, block_size, prefix_caching)
+        self.blocks = self.manager.allocator
         self.routing: dict[str, list[tuple]] = {}  # while routing is recorded: the last passes' (routing_by_row)
-        self.compiled = None
+        self.compiled = None  # decode and verify passes as a compiled graph (model_shards/compiled_step.py)
         if compile:
             from model_shards.compiled_step import CompiledStep
 
@@ -98,53 +119,60 @@ class ModelRunner:
 
     @property
     def num_free_slots(self) -> int:
-        return self.slots.num_free
+        return self.max_num_seqs - len(self.manager)
 
     def add(self, seq_id: str, token_ids: list[int] | tuple[int, ...] = ()) -> int:
-        """Give the sequence a slot; returns how many of its tokens are cached already (none here)."""
-        self.slots.add(seq_id)
-        return 0
+        """Start a sequence; returns how many of its leading tokens are already cached (a
+        multiple of the block size, always leaving the last token to compute)."""
+        if len(self.manager) >= self.max_num_seqs and seq_id not in self.manager:
+            raise RuntimeError("no room for another sequence")
+        return self.manager.add(seq_id, token_ids)
 
     def remove(self, seq_id: str) -> None:
-        move = self.slots.remove(seq_id)
-        if move is not None:
-            self.cache.copy_slot(*move)
+        self.manager.remove(seq_id)
 
-    def forward(self, rows: list[Row], logits: Literal["all", "last"] = "last") -> torch.Tensor:
-        """Logits [B, V] at each row's last token ("last") or [B, Tq, V] for every fed token ("all"),
-        in the order of `rows`."""
-        order = sorted(range(len(rows)), key=lambda i: self.slots.slot(rows[i].seq_id))
+    def prepare(self, seq_id: str, start: int, tokens: list[int], reserve: int = 0) -> None:
+        """Blocks for `tokens` at positions start.. and `reserve` more (see BlockManager.write)."""
+        end = start + len(tokens) + reserve
+        if end > self.max_model_len:
+            raise ValueError(f"sequence {seq_id!r} exceeds max_model_len={self.max_model_len}")
+        self.cache.copy_blocks(self.manager.write(seq_id, start, tokens, reserve))
+
+    def block_tables(self, seq_ids: list[str], width: int = 0) -> torch.Tensor:
+        """[B, nb] block ids of these sequences (padded with the scratch block), on the cache's device."""
+        tables = [self.manager.tables[s] for s in seq_ids]
+        width = max(width, *map(len, tables))
+        return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=self.device)
+
+    def forward(self, rows: list[Row], logits: Literal["all", "last"] = "last", prepared: bool = False) -> torch.Tensor:
+        """Logits [B, V] at each row's last token ("last") or [B, Tq, V] for every fed token ("all").
+        prepared: the rows' blocks were set up by `prepare` already (with room for what comes after)."""
+        if not prepared:
+            for r in rows:
+                self.prepare(r.seq_id, r.start, r.tokens)
         tq = max(len(r.tokens) for r in rows)
-        ids = [rows[i].tokens + [0] * (tq - len(rows[i].tokens)) for i in order]
-        ids = torch.tensor(ids, dtype=torch.long, device=self.device)  # [B, Tq]
-        ordered = [rows[i] for i in order]
-        lists = batch_lists(self.slots, ordered)
+        ids = torch.tensor([r.tokens + [0] * (tq - len(r.tokens)) for r in rows], dtype=torch.long,
+                           device=self.device)  # [B, Tq]
+        starts, q_lens = [r.start for r in rows], [len(r.tokens) for r in rows]
         trace = self.model.routing_trace
         if trace is not None:
             trace.clear()
-        for r in ordered:
-            if r.start + len(r.tokens) > self.max_model_len:
-                raise ValueError(f"sequence {r.seq_id!r} exceeds max_model_len={self.max_model_len}")
-            self.slots.written(r.seq_id, r.start + len(r.tokens))
-        if self._use_compiled(ordered, tq, lists[0]):
-            out = self.compiled(ids, *lists)  # [B, Tq, V]
+        if self.compiled is not None and min(starts) > 0 and self.compiled.accepts(len(rows), tq):
+            width = -(-(max(starts) + tq) // self.block_size)
+            out = self.compiled(ids, self.block_tables([r.seq_id for r in rows], width), starts, q_lens)  # [B, Tq, V]
             if logits == "last":
-                last = torch.tensor(lists[2], device=out.device) - 1
-                out = out[torch.arange(len(ordered), device=out.device), last]  # [B, V]
+                out = out[torch.arange(len(rows), device=out.device), torch.tensor(q_lens, device=out.device) - 1]
         else:
-            out = self.model(ids, self.cache, StepBatch.build(*lists, device=self.device), logits=logits)
+            batch = StepBatch.build([self.manager.tables[r.seq_id] for r in rows], starts, q_lens, self.block_size,
+                                    self.device)
+            out = self.model(ids, self.cache, batch, logits=logits)
         if trace is not None:
-            self.routing.update(routing_by_row(trace, ordered, tq))
-        inverse = torch.empty(len(order), dtype=torch.long)
-        inverse[torch.tensor(order)] = torch.arange(len(order))
-        return out.cpu()[inverse]
+            self.routing.update(routing_by_row(trace, rows, tq))
+        if logits == "last" and not prepared:  # prefill or plain decode: every fed token is final
+            for r in rows:
+                self.manager.commit(r.seq_id, r.start + len(r.tokens))
+        return out.to("cpu", copy=True)  # a normal tensor (not an inference one): grammar masks write into it
 
-    def _use_compiled(self, rows: list[Row], tq: int, slots: list[int]) -> bool:
-        """Decode and verify passes (every row has cached tokens before it) that the graph takes."""
-        return self.compiled is not None and all(r.start > 0 for r in rows) and self.compiled.accepts(len(rows), tq,
-                                                                                                      slots)
-
-
-def batch_lists(slots: SlotTable, rows: list[Row]) -> tuple[list[int], list[int], list[int]]:
-    """(slot, start, query length) of each row."""
-    return [slots.slot(r.seq_id) for r in rows], [r.start for r in rows], [len(r.tokens) for r in rows]
+    def stats(self) -> dict[str, int | float]:
+        """Blocks in use and the prefix cache's counters (for /metrics)."""
+        return {**self.manager.stats(), "kv_bytes_allocated": self.cache.nbytes}

@@ -2,8 +2,8 @@
 
 A step is either a prefill (new sequences, their whole prompts, padded into one batch) or a
 decode (every running sequence feeds its pending token plus any draft tokens). Waiting
-requests join between steps whenever a KV slot and the token budget allow; prefill goes
-first so new requests start quickly.
+requests join between steps whenever the batch, the KV budget and the token budget allow;
+prefill goes first so new requests start quickly.
 
 KV budget: the running sequences may hold at most `kv_budget_tokens` tokens of KV cache
 (every token so far plus `lookahead` for the next step's draft, rounded up to whole blocks of

@@ -8,8 +8,7 @@ with. What the engine imports:
 - `Proposer`, `ProposalRequest`, `Proposal`, `pad_proposals` — drafting.
 - `NgramProposer` — prompt lookup, the model-free proposer.
 - (the draft model's proposer runs a model through the engine's runner, so it lives there:
-  `moeserve.engine.draft_model.DraftModelProposer`; its lean one-token decode step is in
-  draft_decoder.py).
+  `moeserve.engine.draft_model.DraftModelProposer`).
 - `StepCostMeter` — measured step times, refit into the CostModel adaptive k uses.
 - `AdaptiveK`, `AdaptiveKConfig`, `CostModel` — per-sequence choice of k; `PayGuard` — drafting
   refused where it has not paid, as realized.

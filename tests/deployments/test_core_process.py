@@ -103,13 +103,12 @@ def test_killing_the_core_mid_stream_loses_nothing(server, folder, expected):
 
 
 def test_a_paged_core_process_matches_and_reports_its_prefix_cache(folder):
-    """engine.kv_cache: paged in the served core process: the same tokens as the slot cache
-    offline, and the blocks and prefix-cache hits reach the engine's stats (and so /metrics)."""
+    """The served core process with 4-token blocks: the same tokens as offline with 16-token
+    ones, and the blocks and prefix-cache hits reach the engine's stats (and so /metrics)."""
     prompts = [f"Our shop in Pune. {p} " * 3 for p in PROMPTS]
     llm = LLM(folder, draft="none", max_num_seqs=4, max_model_len=256)
     expected = [o.token_ids for o in llm.generate(prompts, GREEDY)]
-    engine = EngineConfig(model=folder, speculation="none", max_num_seqs=4, max_model_len=256, kv_cache="paged",
-                          block_size=4)
+    engine = EngineConfig(model=folder, speculation="none", max_num_seqs=4, max_model_len=256, block_size=4)
     srv = EngineServer(EngineServerConfig(engine, torch_threads=1))
     try:
         fe = frontend(srv, folder)

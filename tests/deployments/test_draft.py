@@ -617,8 +617,7 @@ def test_a_draft_worker_drafts_constrained_rows_under_its_own_grammar(tmp_path):
     try:
         for shown in (True, False):
             remote = RemoteDraftProposer(channel_source=worker.channel, timeout_s=30)
-            engine = structured_engine(folder, tokenizer, remote if shown else NoGrammarDraft(remote), k=4,
-                                       kv_cache="paged")
+            engine = structured_engine(folder, tokenizer, remote if shown else NoGrammarDraft(remote), k=4)
             run_jobs(engine, jobs)  # the worker compiles each spec on its first sight of it, meanwhile unconstrained
             engine.spec_metrics = type(engine.spec_metrics)()
             got = run_jobs(engine, jobs)

@@ -14,7 +14,7 @@ from bench.tiny_checkpoint import MODEL_NAME, save_tiny_checkpoint
 from deployments.local import gateway_in_thread
 from model_shards import load_checkpoint
 from moeserve.engine import LLMEngine, SpecConfig
-from moeserve.engine.paged_runner import PagedRunner
+from moeserve.engine.model_runner import ModelRunner
 from moeserve.spec.ngram import NgramProposer
 from moeserve.tokenizer import load_tokenizer
 
@@ -29,7 +29,7 @@ SCHEMA = {"type": "object", "properties": {"item": {"type": "string", "maxLength
 @pytest.fixture(scope="module")
 def url(tmp_path_factory):
     folder = save_tiny_checkpoint(tmp_path_factory.mktemp("tiny-moe"))
-    engine = LLMEngine(PagedRunner(load_checkpoint(folder), 4, 256, num_blocks=128), load_tokenizer(folder),
+    engine = LLMEngine(ModelRunner(load_checkpoint(folder), 4, 256, num_blocks=128), load_tokenizer(folder),
                        proposer=NgramProposer(), spec=SpecConfig(num_tokens=3))
     with gateway_in_thread(engine, MODEL_NAME, str(folder), 256) as base:
         yield base

@@ -1,6 +1,7 @@
 """The paged KV cache: block allocation (a property test against a simple reference), outputs
-identical to the slot cache (prefix caching on and off, under preemption, with speculation),
-prefix-cache reuse, and no leaked block after many requests with aborts."""
+identical to the model's forward without a cache (prefix caching on and off, under preemption,
+with speculation, after copy-on-write), prefix-cache reuse, memory that is the budget from the
+start and never grows, and no leaked block after many requests with aborts."""
 
 from __future__ import annotations
 
@@ -9,11 +10,11 @@ import random
 import pytest
 import torch
 
-from model_shards import load_checkpoint
-from model_shards.paged_kv import BlockAllocator, OutOfBlocks
+from model_shards import PagedKVCache, load_checkpoint
+from model_shards.block_manager import BlockAllocator, OutOfBlocks
 from moeserve.engine import LLMEngine, ModelRunner, SchedulerConfig, SpecConfig
+from moeserve.engine.factory import EngineConfig
 from moeserve.engine.model_runner import Row
-from moeserve.engine.paged_runner import PagedRunner
 from moeserve.sampling_params import SamplingParams
 from moeserve.spec.ngram import NgramProposer
 from tests.model_shards.hf_tiny import save_tiny
@@ -29,12 +30,25 @@ def ckpt(tmp_path_factory):
     return folder
 
 
-def paged(ckpt, num_blocks=200, block_size=4, prefix_caching=True, max_num_seqs=8) -> PagedRunner:
-    return PagedRunner(load_checkpoint(ckpt), max_num_seqs, MAX_LEN, num_blocks, block_size, prefix_caching)
+def paged(ckpt, num_blocks=200, block_size=4, prefix_caching=True, max_num_seqs=8) -> ModelRunner:
+    return ModelRunner(load_checkpoint(ckpt), max_num_seqs, MAX_LEN, num_blocks, block_size, prefix_caching)
 
 
-def slots(ckpt, max_num_seqs=8) -> ModelRunner:
-    return ModelRunner(load_checkpoint(ckpt), max_num_seqs, MAX_LEN)
+def uncached(ckpt, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+    """Greedy replies from the model's full forward over every token so far (no KV cache)."""
+    model = load_checkpoint(ckpt)
+    out = []
+    for p in prompts:
+        ids = list(p)
+        for _ in range(params.max_tokens):
+            ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
+        out.append(ids[len(p):])
+    return out
+
+
+def uncached_logits(ckpt, tokens: list[int]) -> torch.Tensor:
+    """Logits [T, V] of the model's full forward over `tokens` (no KV cache)."""
+    return load_checkpoint(ckpt)(torch.tensor([tokens]))[0]
 
 
 def engine(runner, block_size=1, budget=0, proposer=None, k=0) -> LLMEngine:
@@ -84,23 +98,25 @@ def test_allocator_never_hands_out_a_held_block():
         assert all(alloc.refcount(b) == held.count(b) for b in set(held))
 
 
-def test_paged_logits_equal_the_slot_cache(ckpt):
+def test_paged_logits_equal_the_forward_without_a_cache(ckpt):
     """One prefill and a ragged verify-like step, read through block tables of size 3."""
     ps = shared_prompts(3, seed=1)
-    a, b = slots(ckpt), paged(ckpt, block_size=3, prefix_caching=False)
-    for r in (a, b):
-        for i in range(3):
-            r.add(f"s{i}")
-    rows = [Row(f"s{i}", p, 0) for i, p in enumerate(ps)]
-    torch.testing.assert_close(b.forward(rows, "all"), a.forward(rows, "all"), atol=1e-5, rtol=0)
-    more = [Row(f"s{i}", [5, 6, 7][: i + 1], len(p)) for i, p in enumerate(ps)]
-    torch.testing.assert_close(b.forward(more, "all"), a.forward(more, "all"), atol=1e-5, rtol=0)
+    runner = paged(ckpt, block_size=3, prefix_caching=False)
+    for i in range(3):
+        runner.add(f"s{i}")
+    out = runner.forward([Row(f"s{i}", p, 0) for i, p in enumerate(ps)], "all")  # [B, Tq, V]
+    for i, p in enumerate(ps):
+        torch.testing.assert_close(out[i, : len(p)], uncached_logits(ckpt, p), atol=1e-5, rtol=0)
+    more = [[5, 6, 7][: i + 1] for i in range(3)]
+    out = runner.forward([Row(f"s{i}", m, len(p)) for i, (p, m) in enumerate(zip(ps, more))], "all")
+    for i, (p, m) in enumerate(zip(ps, more)):
+        torch.testing.assert_close(out[i, : len(m)], uncached_logits(ckpt, p + m)[len(p):], atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("prefix_caching", [True, False])
-def test_generation_equals_the_slot_cache_with_and_without_prefix_caching(ckpt, prefix_caching):
+def test_generation_equals_the_uncached_forward_with_and_without_prefix_caching(ckpt, prefix_caching):
     ps = shared_prompts(6, seed=2)
-    ref = [c.token_ids for c in engine(slots(ckpt)).generate(ps, GREEDY)]
+    ref = uncached(ckpt, ps, GREEDY)
     runner = paged(ckpt, prefix_caching=prefix_caching)
     eng = engine(runner, block_size=4)
     assert [c.token_ids for c in eng.generate(ps[:1], GREEDY)] == ref[:1]  # fills the prefix cache
@@ -125,7 +141,7 @@ def test_preemption_and_speculation_keep_outputs_identical(ckpt):
     preempted and recomputed (from the prefix cache). N-gram drafts are verified and rolled back."""
     ps = shared_prompts(6, seed=4)
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    ref = [c.token_ids for c in engine(slots(ckpt)).generate(ps, params)]
+    ref = uncached(ckpt, ps, params)
     runner = paged(ckpt, num_blocks=35, block_size=4)
     eng = engine(runner, block_size=4, budget=136, proposer=NgramProposer(), k=3)
     assert [c.token_ids for c in eng.generate(ps, params)] == ref
@@ -133,10 +149,19 @@ def test_preemption_and_speculation_keep_outputs_identical(ckpt):
     assert runner.stats()["kv_blocks_free"] == 34
 
 
-def test_no_block_leaks_after_a_thousand_requests_with_aborts(ckpt):
+def test_memory_is_the_budget_from_the_start_and_after_a_thousand_requests_with_aborts(ckpt):
+    """engine.kv_cache_memory: the cache is as many blocks as fit, every one allocated at start; a
+    thousand short requests (with aborts and prefix hits) neither grow nor move it, and
+    every block comes back."""
+    cfg = EngineConfig(model=str(ckpt), speculation="none", max_num_seqs=8, max_model_len=MAX_LEN, block_size=4,
+                       kv_cache_memory=120 * 1024 + 1000)
+    block = PagedKVCache.block_bytes(2, 4, 2, 8, torch.float32)  # tiny mixtral: 2 layers, 2 kv heads of 8
+    assert cfg.kv_blocks() == 120 and block == 1024  # whole blocks within the budget, the scratch one included
+    runner = ModelRunner(load_checkpoint(ckpt), 8, MAX_LEN, cfg.kv_blocks(), 4)
+    eng = LLMEngine(runner, scheduler=cfg.scheduler())
+    assert runner.stats()["kv_bytes_allocated"] == 120 * block
+    addresses = [t.data_ptr() for t in runner.cache.kv]
     rng = random.Random(5)
-    runner = paged(ckpt, num_blocks=120, block_size=4)
-    eng = engine(runner, block_size=4, budget=476)
     prompts = shared_prompts(40, seed=6)
     live: list[str] = []
     for i in range(1000):
@@ -150,15 +175,33 @@ def test_no_block_leaks_after_a_thousand_requests_with_aborts(ckpt):
     while eng.has_unfinished():
         eng.step()
     stats = runner.stats()
+    assert stats["kv_bytes_allocated"] == 120 * block and [t.data_ptr() for t in runner.cache.kv] == addresses
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"] and not len(runner.manager)
     assert stats["prefix_cache_hit_blocks"] > 0
 
 
+def test_the_budget_in_tokens_is_blocks_plus_scratch_and_a_full_cache_refuses_blocks(ckpt):
+    """engine.kv_budget_tokens: that many tokens in blocks plus the scratch block, all allocated at
+    start; a sequence wanting more blocks than are free is refused (OutOfBlocks), holding what it held."""
+    cfg = EngineConfig(model=str(ckpt), speculation="none", max_num_seqs=2, max_model_len=20, block_size=4,
+                       kv_budget_tokens=30)
+    assert cfg.kv_blocks() == 9 and cfg.scheduler().kv_budget == 32
+    runner = ModelRunner(load_checkpoint(ckpt), 2, 20, cfg.kv_blocks(), 4)
+    assert runner.cache.nbytes == 9 * 1024
+    runner.add("a")
+    runner.prepare("a", 0, list(range(2, 22)))  # 5 blocks
+    runner.add("b")
+    runner.prepare("b", 0, list(range(2, 10)))  # 2 blocks: 1 left
+    with pytest.raises(OutOfBlocks):
+        runner.prepare("b", 8, [5, 6, 7, 8, 9])  # 2 more blocks
+    assert len(runner.manager.tables["b"]) == 2 and runner.blocks.num_free == 1 and runner.cache.nbytes == 9 * 1024
+
+
 def test_n_copies_of_a_prompt_share_its_prefill(ckpt):
     """Four requests with one prompt (what n=4 sends): one is prefilled, the other three reuse its
-    prompt blocks a step later; their replies are the slot cache's."""
+    prompt blocks a step later; their replies are the uncached forward's."""
     p = shared_prompts(1, seed=7)[0]
-    ref = [c.token_ids for c in engine(slots(ckpt)).generate([p] * 4, GREEDY)]
+    ref = uncached(ckpt, [p], GREEDY) * 4
     runner = paged(ckpt, block_size=4)
     sched = SchedulerConfig(8, 2048, MAX_LEN, block_size=4, share_prefill=True)
     eng = LLMEngine(runner, scheduler=sched)
@@ -166,37 +209,19 @@ def test_n_copies_of_a_prompt_share_its_prefill(ckpt):
     assert runner.stats()["prefix_cache_hit_blocks"] == 3 * ((len(p) - 1) // 4)
 
 
-def test_the_cache_grows_with_the_blocks_in_use_and_keeps_its_contents(ckpt):
-    """Allocation follows use: the cache starts at 64 blocks, doubles when a higher block id is
-    handed out (never past the budget), and the keys already written survive the growth."""
-    runner = paged(ckpt, num_blocks=300, block_size=2)
-    start = runner.cache.nbytes
-    ps = shared_prompts(8, seed=9, prefix_len=30)
-    ref = [c.token_ids for c in engine(slots(ckpt)).generate(ps, GREEDY)]
-    eng = engine(runner, block_size=2)
-    assert [c.token_ids for c in eng.generate(ps, GREEDY)] == ref
-    assert runner.cache.capacity > 64 and runner.cache.nbytes == start * runner.cache.capacity // 64
-    assert runner.cache.capacity <= 300 and runner.blocks.high_water <= runner.cache.capacity
-    with pytest.raises(ValueError, match="past the cache"):
-        runner.cache.reserve(301)
-
-
 def test_a_sequence_rewinding_into_shared_blocks_writes_copies_of_its_own(ckpt):
     """A rewinds into blocks B shares with it (and the prefix cache holds): A's new tokens go to
     copies, so B, a later prefix hit and A itself all read what a fresh pass computes."""
-    runner, reference = paged(ckpt), slots(ckpt)
+    runner = paged(ckpt)
     prompt = shared_prompts(1, seed=3, prefix_len=14)[0][:14]
     runner.add("a", prompt)
     runner.forward([Row("a", prompt, 0)])
     assert runner.add("b", prompt + [7]) == 12  # three shared blocks
     rewound = prompt[:6] + [9, 9, 9]  # position 6 lies in the second shared block
     got = runner.forward([Row("a", rewound[6:], 6)])
-    reference.add("a")
-    want = reference.forward([Row("a", rewound, 0)])
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got[0], uncached_logits(ckpt, rewound)[-1], atol=1e-5, rtol=1e-5)
     for seq, tokens in (("b", prompt + [7]), ("c", prompt + [5])):
         if seq == "c":
             assert runner.add("c", tokens) == 12  # the prefix cache still has the original blocks
         got = runner.forward([Row(seq, tokens[12:], 12)])
-        reference.add(seq)
-        torch.testing.assert_close(got, reference.forward([Row(seq, tokens, 0)]), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got[0], uncached_logits(ckpt, tokens)[-1], atol=1e-5, rtol=1e-5)

@@ -14,7 +14,6 @@ from bench.tiny_checkpoint import save_tiny_checkpoint
 from model_shards import load_checkpoint
 from moeserve.config import GrammarSection
 from moeserve.engine import LLMEngine, ModelRunner, SpecConfig
-from moeserve.engine.paged_runner import PagedRunner
 from moeserve.engine.structured import StructuredConfig
 from moeserve.grammar import GrammarCompiler, GrammarMatcher, GrammarSpec, check_output
 from moeserve.sampling_params import SamplingParams
@@ -51,11 +50,8 @@ def tiny(tmp_path_factory):
     return folder, tokenizer, GrammarCompiler(tokenizer, len(tokenizer), config=GrammarSection().grammar_config())
 
 
-def make_engine(folder, tokenizer, proposer=None, k=0, jump_forward=True, kv_cache="slots") -> LLMEngine:
-    if kv_cache == "paged":
-        runner = PagedRunner(load_checkpoint(folder), 8, 512, num_blocks=8 * 512 // 16 + 1, block_size=16)
-    else:
-        runner = ModelRunner(load_checkpoint(folder), max_num_seqs=8, max_model_len=512)
+def make_engine(folder, tokenizer, proposer=None, k=0, jump_forward=True) -> LLMEngine:
+    runner = ModelRunner(load_checkpoint(folder), max_num_seqs=8, max_model_len=512)
     return LLMEngine(runner, tokenizer, proposer=proposer, spec=SpecConfig(num_tokens=k),
                      structured=StructuredConfig(jump_forward=jump_forward))
 
@@ -93,14 +89,13 @@ def test_every_grammar_kind_gives_accepted_outputs(tiny, temperature):
     assert engine.structured.num_forced_tokens > 0  # jump-forward fired (e.g. `"size":"` in the schema)
 
 
-@pytest.mark.parametrize("kv_cache", ["slots", "paged"])
-def test_greedy_speculation_under_a_grammar_is_exact(tiny, kv_cache):
+def test_greedy_speculation_under_a_grammar_is_exact(tiny):
     """n-gram drafts + jump-forward (several fed tokens per row) + masks for k+1 positions."""
     folder, tokenizer, compiler = tiny
     jobs = [(p, SamplingParams(max_tokens=160, temperature=0.0), compiler.compile(s))
             for p in PROMPTS for s in SPECS.values()]
     plain = run(make_engine(folder, tokenizer), jobs)
-    engine = make_engine(folder, tokenizer, proposer=NgramProposer(), k=3, kv_cache=kv_cache)
+    engine = make_engine(folder, tokenizer, proposer=NgramProposer(), k=3)
     spec = run(engine, jobs)
     assert [t for t, _, _ in spec] == [t for t, _, _ in plain]
     assert engine.spec_metrics.num_draft_tokens > 0 and engine.structured.num_forced_tokens > 0
@@ -306,8 +301,7 @@ def test_a_draft_model_drafts_from_its_own_masked_distribution(tiny, temperature
     rates, per_pass, outputs = {}, {}, {}
     for shown in (True, False):
         draft = DraftModelProposer(load_checkpoint(folder), 8, 512, greedy=temperature == 0.0)
-        engine = make_engine(folder, tokenizer, proposer=draft if shown else NoGrammarDraft(draft), k=4,
-                             kv_cache="paged")
+        engine = make_engine(folder, tokenizer, proposer=draft if shown else NoGrammarDraft(draft), k=4)
         outputs[shown] = run(engine, jobs)
         rates[shown], per_pass[shown] = engine.spec_metrics.acceptance_rate, engine.spec_metrics.tokens_per_pass
         for spec, (tokens, text, reason) in zip([j[2].spec for j in jobs], outputs[shown]):
@@ -354,7 +348,7 @@ def test_a_greedy_draft_drafts_through_the_text_its_grammar_forces(tiny):
     changed, through, passes = {}, {}, {}
     for stop in (True, False):
         draft = CountingDraft(DraftModelProposer(load_checkpoint(folder), 8, 512), stop)
-        engine = make_engine(folder, tokenizer, proposer=draft, k=4, kv_cache="paged")
+        engine = make_engine(folder, tokenizer, proposer=draft, k=4)
         walk, pairs = engine.structured.cut_and_fill, []
 
         def recording(seqs, proposals, limits=None, walk=walk, pairs=pairs):

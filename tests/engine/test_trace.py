@@ -10,7 +10,7 @@ import torch
 from bench.tiny_checkpoint import save_tiny_checkpoint
 from model_shards import load_checkpoint
 from moeserve.engine import LLMEngine, SpecConfig
-from moeserve.engine.paged_runner import PagedRunner
+from moeserve.engine.model_runner import ModelRunner
 from moeserve.sampling_params import SamplingParams
 from moeserve.spec.ngram import NgramProposer
 
@@ -47,7 +47,7 @@ def reference_routing(model, tokens: list[int]) -> list[tuple[int, torch.Tensor,
 @pytest.mark.parametrize("compiled", [False, True])
 def test_traced_experts_equal_a_fresh_forward_and_sources_match_acceptance(folder, compiled):
     model = load_checkpoint(folder)
-    runner = PagedRunner(model, 4, 128, num_blocks=64, block_size=4, compile=compiled)
+    runner = ModelRunner(model, 4, 128, num_blocks=64, block_size=4, compile=compiled)
     engine = LLMEngine(runner, proposer=NgramProposer(), spec=SpecConfig(num_tokens=3))
     results = run(engine, PROMPTS, TRACED)
     reference_model = load_checkpoint(folder)
@@ -69,7 +69,7 @@ def test_traced_experts_equal_a_fresh_forward_and_sources_match_acceptance(folde
 
 def test_without_a_trace_nothing_is_recorded(folder):
     model = load_checkpoint(folder)
-    engine = LLMEngine(PagedRunner(model, 4, 128, num_blocks=64, block_size=4))
+    engine = LLMEngine(ModelRunner(model, 4, 128, num_blocks=64, block_size=4))
     plain = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     (tokens, trace), = run(engine, PROMPTS[:1], plain)
     assert trace == [] and model.routing_trace is None and all(b.trace is None for b in model.moe_blocks)

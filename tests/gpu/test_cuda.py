@@ -96,7 +96,7 @@ def test_everything_a_step_touches_is_on_the_gpu(demo):
     assert {(p.device.type, p.dtype) for p in model.parameters()} == {("cuda", torch.bfloat16)}
     assert model.model.rotary.inv_freq.device.type == "cuda"
     runner = ModelRunner(model, 2, 128)
-    assert all(t.device.type == "cuda" for t in runner.cache.k + runner.cache.v)
+    assert all(t.device.type == "cuda" for t in runner.cache.kv)
     cpu_tensors = []
 
     class Watch(torch.utils._python_dispatch.TorchDispatchMode):

@@ -11,7 +11,6 @@ from model_shards.device import collective_backend, resolve_device, resolve_dtyp
 from moeserve.engine import LLMEngine, ModelRunner
 from moeserve.engine.factory import EngineConfig, demo_checkpoint
 from moeserve.engine.model_runner import Row
-from moeserve.engine.paged_runner import PagedRunner
 from moeserve.sampling_params import SamplingParams
 from moeserve.tokenizer import load_tokenizer
 
@@ -53,7 +52,7 @@ def test_a_bf16_model_keeps_weights_cache_and_activations_in_bf16():
     model = load_checkpoint(path, torch.bfloat16)
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     runner = ModelRunner(model, 2, 64)
-    assert all(t.dtype == torch.bfloat16 and t.device == model.device for t in runner.cache.k + runner.cache.v)
+    assert all(t.dtype == torch.bfloat16 and t.device == model.device for t in runner.cache.kv)
 
     seen: list[torch.dtype] = []
 
@@ -69,12 +68,8 @@ def test_a_bf16_model_keeps_weights_cache_and_activations_in_bf16():
         logits = runner.forward([Row("a", prompt, 0)])
     assert seen and set(seen) == {torch.bfloat16}
     assert logits.dtype == torch.float32 and logits.device.type == "cpu"
-    assert runner.cache.k[0][0, :, : len(prompt)].abs().sum() > 0  # the prompt's keys were written
-
-    paged = PagedRunner(model, 2, 64, num_blocks=9, block_size=16)
-    assert all(t.dtype == torch.bfloat16 and t.device == model.device for t in paged.cache.kv)
-    paged.add("a")
-    assert paged.forward([Row("a", prompt, 0)]).dtype == torch.float32
+    first = runner.manager.tables["a"][0]
+    assert runner.cache.kv[0][0, :, first].abs().sum() > 0  # the prompt's keys were written
 
     reference = ModelRunner(load_checkpoint(path), 2, 64)
     reference.add("a")

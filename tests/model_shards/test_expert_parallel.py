@@ -160,7 +160,7 @@ def test_ranks_cache_prefixes_and_outputs_stay_exact(ckpt):
 def test_each_rank_reports_its_own_tokens_routing(ckpt):
     """Traced requests on a 2-rank group: each token's experts (recorded on the rank that holds
     the sequence, gathered to rank 0) equal the single-process engine's trace."""
-    from moeserve.engine.paged_runner import PagedRunner
+    from moeserve.engine.model_runner import ModelRunner
 
     traced = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, trace_experts=True)
     ps = prompts(3, seed=13)
@@ -173,7 +173,7 @@ def test_each_rank_reports_its_own_tokens_routing(ckpt):
                 out[o.request_id] += o.trace
         return [[e.experts for e in out[rid]] for rid in ids]
 
-    ref = traces(LLMEngine(PagedRunner(load_checkpoint(ckpt), 8, 64, num_blocks=64, block_size=4)))
+    ref = traces(LLMEngine(ModelRunner(load_checkpoint(ckpt), 8, 64, num_blocks=64, block_size=4)))
     with LocalShardGroup(ckpt, 2, max_num_seqs=4, max_model_len=64, block_size=4) as runner:
         got = traces(LLMEngine(runner))  # the three sequences go to ranks 0, 1, 0
     for want_seq, got_seq in zip(ref, got):
@@ -187,10 +187,11 @@ def test_each_rank_reports_its_own_tokens_routing(ckpt):
 def test_compiled_ranks_equal_the_eager_reference(tmp_path):
     """Each rank's decode and verify passes compiled between the all-to-alls: logits equal the
     single-process eager model's for ragged verify rows (padding kept out of the dispatch) and for
-    decode, greedy tokens are the same, and the compiled passes are what ran. One family (its
-    compiling takes most of a minute): qwen2_moe, whose shared expert is in the graph too."""
+    decode, and transformers' (fp32) too; greedy tokens are the same, and the compiled passes are
+    what ran. One family (its compiling takes most of a minute): qwen2_moe, whose shared expert is
+    in the graph too."""
     ckpt = tmp_path / "qwen2_moe"
-    save_tiny("qwen2_moe", ckpt)
+    hf = save_tiny("qwen2_moe", ckpt)
     ps = prompts(4, seed=7)
     extra = [[5, 6, 7, 8][: i % 4 + 1] for i in range(len(ps))]  # 1..4 positions a row, as verify passes
 
@@ -216,3 +217,9 @@ def test_compiled_ranks_equal_the_eager_reference(tmp_path):
             torch.testing.assert_close(g[b, :n], w[b, :n], rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(got[2], want[2], rtol=1e-4, atol=1e-5)  # decode
     assert tokens == ref_tokens
+    with torch.no_grad():
+        for b, (p, e) in enumerate(zip(ps, extra)):
+            full = hf(torch.tensor([p + e + [9]])).logits[0].float()  # [T, V]
+            for g, at in ((got[0][b, : len(p)], slice(0, len(p))), (got[1][b, : len(e)], slice(len(p), len(p) + len(e))),
+                          (got[2][b], len(p) + len(e))):
+                torch.testing.assert_close(g, full[at], rtol=0, atol=1e-4)

@@ -37,13 +37,13 @@ def setup(tmp_path_factory):
     target, drafts, *rest = _setup(tmp_path_factory, "mixtral", 0.02)
     random_dir = tmp_path_factory.mktemp("llama")
     save_tiny("llama", random_dir, seed=3)
-    drafts["random"] = load_checkpoint(random_dir)  # dense: the lean decode step
+    drafts["random"] = load_checkpoint(random_dir)  # a dense draft
     return (target, drafts, *rest)
 
 
 @pytest.fixture(scope="module")
 def dense_setup(tmp_path_factory):
-    """A dense target whose noisy copy drafts through the lean decode step."""
+    """A dense target whose noisy copy drafts (a dense draft, as the demo pair's)."""
     return _setup(tmp_path_factory, "llama", 0.08)
 
 
@@ -64,7 +64,6 @@ def test_greedy_speculation_is_exact(request, kind, k):
     assert m.num_draft_tokens > 0 and 0 < m.num_accepted_tokens < m.num_draft_tokens
     assert engine.runner.num_free_slots == NUM_SEQS
     if kind != "ngram":
-        assert (proposer.lean is not None) == (kind == "noisy-dense")
         assert proposer.num_tracked == 0  # every finished sequence freed its draft slot
         assert proposer.num_rebuilt_tokens == 0  # rejections rolled back, never rebuilt
 

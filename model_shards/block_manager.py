@@ -1,14 +1,9 @@
-"""Paged KV cache: fixed-size blocks allocated on demand, with automatic prefix caching.
+"""Which KV cache blocks each sequence holds: block tables, reference counts and automatic prefix caching.
 
-Shapes: N blocks, L layers, Bs tokens per block, Hkv key/value heads, Dh head dim,
-B batch rows, Tq query positions this step, nb blocks per row (the longest row's).
-
-Memory is at most `num_blocks` blocks (the KV budget), not a slot of max_model_len per
-sequence: a sequence holds ceil(tokens / Bs) blocks, listed in its block table, and gets more
-as it grows. The cache tensors start small and grow (doubling, up to the budget) as higher
-block ids are handed out; the allocator hands out the lowest free ids first, so what is
-allocated follows the tokens live (and cached). Block 0 is scratch: padded query positions
-write there, and block tables are padded with it.
+Bookkeeping only (no tensors); the blocks themselves are model_shards/kv_cache.py's. Block 0 is
+scratch: padded query positions write there, and block tables are padded with it. A sequence
+holds ceil(tokens / Bs) blocks (Bs tokens each), listed in its block table, and gets more as it
+grows; the allocator hands out the lowest free ids first.
 
 Prefix caching (vLLM's automatic prefix caching): a block whose Bs tokens are all committed is
 identified by a hash of those tokens chained with its parent block's hash, so equal hashes
@@ -21,10 +16,6 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-
-import torch
-
-from model_shards.kv_cache import StepBatch
 
 SCRATCH = 0
 
@@ -53,7 +44,6 @@ class BlockAllocator:
         self.num_blocks = num_blocks
         self._blocks = [_Block() for _ in range(num_blocks)]
         self._free: list[int] = list(range(num_blocks - 1, 0, -1))  # never-cached free blocks (pop from the end)
-        self.high_water = 1  # one past the highest block id ever handed out
         self._cached: dict[int, int] = {}  # block hash -> block id
         self._idle: OrderedDict[int, None] = OrderedDict()  # cached blocks no one holds, oldest first
         self.hits = 0  # blocks reused from the prefix cache
@@ -78,7 +68,6 @@ class BlockAllocator:
         else:
             raise OutOfBlocks("no free KV cache block")
         self._blocks[block].ref = 1
-        self.high_water = max(self.high_water, block + 1)
         return block
 
     def free(self, block: int) -> None:
@@ -130,7 +119,7 @@ class BlockAllocator:
 
 class BlockManager:
     """Which blocks each sequence holds: block tables, the tokens behind them and prefix caching.
-    Bookkeeping only (no tensors): a paged runner owns one per cache, a shard group one per rank."""
+    Bookkeeping only (no tensors): the model runner owns one per cache, a shard group one per rank."""
 
     def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True) -> None:
         if block_size < 1:
@@ -237,100 +226,3 @@ class BlockManager:
                 "prefix_cache_blocks": a.num_cached, "prefix_cache_hit_blocks": a.hits,
                 "prefix_cache_query_blocks": a.queries, "prefix_cache_hit_tokens": a.hits * self.block_size,
                 "prefix_cache_hit_rate": a.hits / max(a.queries, 1)}
-
-
-class PagedKVCache:
-    """Keys and values of each layer in one tensor [2, Hkv, N, Bs, Dh]: a block is Bs consecutive
-    positions of one sequence. One index_copy in and one index_select out per layer; what the
-    gather returns is already [B, Hkv, Tk, Dh] with each head's [Tk, Dh] contiguous, as
-    attention's matmuls want it.
-
-    Same interface as the slot cache for attention: `write` this step's keys/values, `read` the
-    batch's keys/values up to `batch.tk` as [B, Hkv, Tk, Dh] (a gather through the block tables).
-    """
-
-    def __init__(
-        self,
-        num_layers: int,
-        num_blocks: int,
-        block_size: int,
-        num_kv_heads: int,
-        head_dim: int,
-        dtype: torch.dtype = torch.float32,
-        device: torch.device | str = "cpu",
-        initial_blocks: int | None = None,
-    ) -> None:
-        if block_size < 1:
-            raise ValueError(f"block_size: must be >= 1, got {block_size}")
-        first = num_blocks if initial_blocks is None else max(1, min(initial_blocks, num_blocks))
-        shape = (2, num_kv_heads, first, block_size, head_dim)
-        self.kv = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.num_blocks = num_blocks  # the most it may grow to
-        self.block_size = block_size
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes allocated now."""
-        return sum(t.numel() * t.element_size() for t in self.kv)
-
-    @property
-    def capacity(self) -> int:
-        return self.kv[0].shape[2]
-
-    def reserve(self, blocks: int) -> None:
-        """Room for block ids below `blocks`: grow by doubling (up to num_blocks), keeping contents."""
-        have = self.capacity
-        if blocks <= have:
-            return
-        if blocks > self.num_blocks:
-            raise ValueError(f"block {blocks - 1} is past the cache's {self.num_blocks} blocks")
-        new = min(self.num_blocks, max(blocks, 2 * have))
-        for i, t in enumerate(self.kv):
-            grown = t.new_zeros(*t.shape[:2], new, *t.shape[3:])
-            grown[:, :, :have] = t
-            self.kv[i] = grown
-
-    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        """Block dst gets block src's keys and values, for each (src, dst)."""
-        if not pairs:
-            return
-        src, dst = (torch.tensor(ids, device=self.kv[0].device) for ids in zip(*pairs))
-        for t in self.kv:
-            t.index_copy_(2, dst, t.index_select(2, src))
-
-    def write(self, layer: int, batch: StepBatch, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store this step's keys/values; k, v: [B, Hkv, Tq, Dh] (batch prepared for Tq)."""
-        self.write_at(layer, batch.write_index, k, v)
-
-    def write_at(self, layer: int, index: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """k, v: [B, Hkv, Tq, Dh] to the flat positions `index` [B*Tq] (block * Bs + offset)."""
-        cache = self.kv[layer]
-        two, heads, n, bs, dh = cache.shape
-        new = torch.stack((k, v)).transpose(1, 2).reshape(two, heads, -1, dh)  # [2, Hkv, B*Tq, Dh]
-        cache.view(two, heads, n * bs, dh).index_copy_(2, index, new)
-
-    def read(self, layer: int, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """[B, Hkv, Tk, Dh] keys and values of the batch's rows."""
-        return self.gather(layer, batch.block_table, batch.tk)
-
-    def gather(self, layer: int, block_table: torch.Tensor, tk: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """[B, Hkv, Tk, Dh] keys and values through `block_table` [B, nb] (nb * Bs >= Tk): one
-        gather (index_select is several times faster than advanced indexing here) and two views."""
-        cache = self.kv[layer]
-        b, nb = block_table.shape
-        blocks = cache.index_select(2, block_table.reshape(-1))  # [2, Hkv, B*nb, Bs, Dh]
-        both = blocks.view(2, cache.shape[1], b, nb * self.block_size, cache.shape[4])[:, :, :, :tk]
-        return both[0].transpose(0, 1), both[1].transpose(0, 1)  # [B, Hkv, Tk, Dh] each
-
-
-def paged_step_batch(
-    tables: list[list[int]], start: list[int], q_lens: list[int], block_size: int, device: torch.device | str = "cpu"
-) -> StepBatch:
-    """A StepBatch whose rows are addressed through block tables (PagedKVCache)."""
-    batch = StepBatch.build([0] * len(tables), start, q_lens, device=device)
-    tq = max(q_lens)  # rows are padded to it: attention reads up to max(start) + tq keys
-    width = max(max(len(t) for t in tables), -(-(max(start) + tq) // block_size))
-    batch.block_table = torch.tensor([t + [SCRATCH] * (width - len(t)) for t in tables], dtype=torch.long,
-                                     device=device)  # [B, nb]
-    batch.block_size = block_size
-    return batch
