@@ -31,7 +31,7 @@ class SchedulerConfig:
     # KV-cache tokens for all running sequences; 0: max_num_seqs * max_model_len
     kv_budget_tokens: int = default_of(EngineSection, "kv_budget_tokens")
     lookahead: int = 0  # tokens a sequence may add in one step beyond the next one (draft tokens)
-    block_size: int = 1  # KV is held in blocks of this many tokens (a paged cache); 1: per token
+    block_size: int = default_of(EngineSection, "block_size")  # KV is held in blocks of this many tokens
     # With prefix caching: of several waiting sequences with the same prompt (n choices), prefill
     # one; the others follow a step later and reuse its prompt blocks.
     share_prefill: bool = False
