@@ -30,13 +30,12 @@ from typing import Any, Protocol
 
 from deployments.metrics import GatewayMetrics
 from moeserve.config import AppConfig
-from moeserve.detokenizer import IncrementalDetokenizer
 from moeserve.errors import ErrorCode, ServingError, as_serving_error
 from moeserve.grammar.spec import GrammarSpec
 from moeserve.protocol import ErrorCode as StreamCode
 from moeserve.protocol import GenerateChunk, GenerateRequest, StreamError, error_chunk
 from moeserve.sampling_params import MAX_SEED, SamplingParams
-from moeserve.tokenizer import render_chat
+from moeserve.tokenizer import IncrementalDetokenizer, render_chat
 
 # A failed step (INTERNAL) or an unreachable replica (UNAVAILABLE) is worth one more attempt.
 RESUMABLE = (StreamCode.INTERNAL, StreamCode.UNAVAILABLE)

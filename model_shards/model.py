@@ -13,13 +13,10 @@ from typing import Literal
 import torch
 from torch import nn
 
-from model_shards.attention import Attention
 from model_shards.config import ModelConfig
-from model_shards.dispatch import Dispatch
 from model_shards.kv_cache import PagedIndex, PagedKVCache, StepBatch
-from model_shards.layers import MLP, RMSNorm, RotaryEmbedding
-from model_shards.moe import MoEBlock
-from model_shards.profiling import phase
+from model_shards.layers import MLP, Attention, RMSNorm, RotaryEmbedding
+from model_shards.moe import Dispatch, MoEBlock, phase
 from moeserve.config import RoutingSection
 from router_service.stats import ExpertLoadStats
 

@@ -117,9 +117,8 @@ def test_all_to_all_dispatch_equals_local_dispatch():
     import torch.distributed as dist
 
     from model_shards.all_to_all import AllToAllDispatch, init_shard_group
-    from model_shards.dispatch import LocalDispatch
-    from model_shards.experts import LocalExperts
     from model_shards.local_group import free_port
+    from model_shards.moe import LocalDispatch, LocalExperts
     from router_service.placement import contiguous_placement
 
     g = torch.Generator().manual_seed(0)
