@@ -18,7 +18,7 @@ from model_shards.kv_cache import PagedIndex, PagedKVCache, StepBatch
 from model_shards.layers import MLP, Attention, RMSNorm, RotaryEmbedding
 from model_shards.moe import Dispatch, MoEBlock, phase
 from moeserve.config import RoutingSection
-from router_service.stats import ExpertLoadStats
+from router_service.capacity import ExpertLoadStats
 
 
 class DecoderLayer(nn.Module):
