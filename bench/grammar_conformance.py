@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script 
 from bench.conformance import check_case, conformance_dir, load_cases, summarize  # noqa: E402
 from bench.report import write  # noqa: E402
 from bench.tiny_tokenizer import build_tiny_tokenizer  # noqa: E402
+from moeserve.config import GrammarSection
 from moeserve.grammar import GrammarCompiler, GrammarSpec, allocate_bitmask, apply_bitmask, apply_bitmask_torch  # noqa: E402
 
 
@@ -38,7 +39,7 @@ def main() -> None:
     if folder is None or not folder.is_dir():
         sys.exit("conformance data not found: pass --data or set MOESERVE_CONFORMANCE_DIR")
     tokenizer = load_tokenizer(args.tokenizer)
-    compiler = GrammarCompiler(tokenizer, args.vocab_size)
+    compiler = GrammarCompiler(tokenizer, args.vocab_size, config=GrammarSection().grammar_config())
     cases = load_cases(folder)[: args.limit]
     print(f"{len(cases)} schemas from {folder}; vocab {compiler.vocab_size}; {args.decodes} decodes each")
 

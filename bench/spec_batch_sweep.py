@@ -38,6 +38,7 @@ from deployments.draft import DraftProcess, RemoteDraftProposer  # noqa: E402
 from deployments.draft_worker import DraftServerConfig  # noqa: E402
 from deployments.local import DEMO_SCHEMA  # noqa: E402
 from model_shards import load_checkpoint  # noqa: E402
+from moeserve.config import GrammarSection
 from moeserve.engine import LLMEngine, ModelRunner, SchedulerConfig, SpecConfig  # noqa: E402
 from moeserve.engine.draft_model import DraftModelProposer  # noqa: E402
 from moeserve.engine.factory import demo_checkpoint  # noqa: E402
@@ -78,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     env = report.environment(args.threads)
     tokenizer = load_tokenizer(args.target)
     target, draft = load_checkpoint(args.target), load_checkpoint(args.draft)
-    schema = GrammarCompiler(tokenizer, target.config.vocab_size).compile(GrammarSpec.json_schema(DEMO_SCHEMA))
+    schema = GrammarCompiler(tokenizer, target.config.vocab_size, config=GrammarSection().grammar_config()).compile(GrammarSpec.json_schema(DEMO_SCHEMA))
     wanted = args.sets.split(",")
     if unknown := set(wanted) - set(SETS):
         ap.error(f"--sets: unknown {sorted(unknown)}; known: {', '.join(SETS)}")

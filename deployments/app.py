@@ -51,7 +51,7 @@ def build(cfg: AppConfig) -> Application:
     )
     ingress = serve.ingress()(Gateway)  # the app comes from Gateway.__serve_build_asgi_app__ per replica
     gateway = serve.deployment(ingress, name="gateway", **cfg.deployments.gateway.serve_options())
-    return gateway.bind(engine, cfg.gateway_config())
+    return gateway.bind(engine, cfg)
 
 
 def _bind_draft(cfg: AppConfig) -> Application | None:

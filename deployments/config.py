@@ -5,7 +5,6 @@ the application in deployments/serve_config.yaml, and what KubeRay's serveConfig
 from __future__ import annotations
 
 from deployments.engine_loader import EngineServerConfig
-from deployments.gateway import GatewayConfig
 from moeserve import config as tree
 from moeserve.config import DATA_ROOT, PROJECT_ROOT, deep_merge, resolve_path
 from moeserve.engine.factory import EngineConfig
@@ -25,19 +24,3 @@ class AppConfig(tree.AppConfig):
                                   stream_interval_max_s=max(e.stream_interval_s, e.stream_interval_max_s),
                                   core_process=e.core_process, live_replacement=sh.live_replacement,
                                   replacement_min_gain=sh.replacement_min_gain)
-
-    def gateway_config(self) -> GatewayConfig:
-        """The gateway's part."""
-        g = self.gateway
-        return GatewayConfig(
-            model_name=self.model.name,
-            model_path=resolve_path(self.model.path),
-            max_model_len=self.engine.max_model_len,
-            grpc_port=g.grpc_port or None,
-            grpc_host=g.grpc_host,
-            max_body_bytes=g.max_body_bytes,
-            request_timeout_s=g.request_timeout_s,
-            api_keys=tuple(g.api_keys),
-            max_streams_per_key=g.max_streams_per_key,
-            public_paths=tuple(g.public_paths),
-        )

@@ -36,7 +36,7 @@ from moeserve.engine import LLMEngine
 from moeserve.engine.core import EngineCore
 from moeserve.engine.core_client import InprocCore, ProcessCore
 from moeserve.protocol import Abort, ApplyPlacement, ErrorCode, GenerateChunk, GenerateRequest, Usage, error_chunk
-from router_service.stats import ExpertLoadStats
+from router_service.capacity import ExpertLoadStats
 
 logger = logging.getLogger(__name__)
 

@@ -29,13 +29,13 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from deployments.metrics import GatewayMetrics
-from moeserve.detokenizer import IncrementalDetokenizer
+from moeserve.config import AppConfig
 from moeserve.errors import ErrorCode, ServingError, as_serving_error
 from moeserve.grammar.spec import GrammarSpec
 from moeserve.protocol import ErrorCode as StreamCode
 from moeserve.protocol import GenerateChunk, GenerateRequest, StreamError, error_chunk
 from moeserve.sampling_params import MAX_SEED, SamplingParams
-from moeserve.tokenizer import render_chat
+from moeserve.tokenizer import IncrementalDetokenizer, render_chat
 
 # A failed step (INTERNAL) or an unreachable replica (UNAVAILABLE) is worth one more attempt.
 RESUMABLE = (StreamCode.INTERNAL, StreamCode.UNAVAILABLE)
@@ -50,16 +50,6 @@ class EngineClient(Protocol):
     async def health(self) -> dict[str, Any]: ...
 
     async def stats(self) -> dict[str, Any]: ...
-
-
-@dataclass(frozen=True)
-class FrontendConfig:
-    """model_name: the one model id served; request_timeout_s: per request, engine side too."""
-
-    model_name: str
-    max_model_len: int
-    request_timeout_s: float | None = 300.0
-    max_retries: int = 2  # resumes of one stream after an engine replica or shard failure
 
 
 @dataclass(frozen=True)
@@ -93,7 +83,9 @@ class Prepared:
 
 
 class Frontend:
-    def __init__(self, cfg: FrontendConfig, tokenizer: Any, engine: EngineClient, metrics: GatewayMetrics) -> None:
+    def __init__(self, cfg: AppConfig, tokenizer: Any, engine: EngineClient, metrics: GatewayMetrics) -> None:
+        """cfg: the config tree; the frontend serves model.name up to engine.max_model_len tokens, with
+        gateway.request_timeout_s per request (engine side too) and gateway.max_retries resumes."""
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.engine = engine
@@ -119,11 +111,11 @@ class Frontend:
             raise as_serving_error(e) from None
 
     def _prepare(self, req: ServeRequest, route: str) -> list[Prepared]:
-        if req.model != self.cfg.model_name:
+        if req.model != self.cfg.model.name:
             raise ServingError(ErrorCode.NOT_FOUND, f"model {req.model!r} does not exist; this server serves "
-                               f"{self.cfg.model_name!r}", param="model", reason="model_not_found")
+                               f"{self.cfg.model.name!r}", param="model", reason="model_not_found")
         prompt_ids = self.encode(req)
-        limit, n = self.cfg.max_model_len, len(prompt_ids)
+        limit, n = self.cfg.engine.max_model_len, len(prompt_ids)
         if n >= limit:
             raise ServingError(ErrorCode.INVALID_ARGUMENT, f"prompt has {n} tokens but the model's context is {limit} "
                                "tokens (the completion needs at least one more)", param="prompt",
@@ -133,7 +125,7 @@ class Frontend:
                                f"and max_tokens asks for {req.max_tokens} more ({n + req.max_tokens} in all)",
                                param="max_tokens", reason="context_length_exceeded")
         max_tokens = limit - n if req.max_tokens is None else req.max_tokens
-        timeout = self.cfg.request_timeout_s
+        timeout = self.cfg.gateway.request_timeout_s
         if req.timeout_s is not None:  # the caller's deadline bounds the engine's work too
             timeout = max(min(req.timeout_s, timeout or req.timeout_s), 1e-3)
         base = req.request_id or f"req-{uuid.uuid4().hex}"
@@ -226,7 +218,7 @@ class Frontend:
         replica, a broken shard group), resubmit with the tokens already streamed as
         `resume_ids`, so the client sees one stream and nothing accepted is lost."""
         delivered: list[int] = []
-        for attempt in range(self.cfg.max_retries + 1):
+        for attempt in range(self.cfg.gateway.max_retries + 1):
             current = req
             if attempt:
                 current = replace(req, request_id=f"{req.request_id}-resume{attempt}", resume_ids=tuple(delivered))
@@ -235,7 +227,7 @@ class Frontend:
                     chunk.error is not None
                     and chunk.error.code in RESUMABLE
                     and chunk.error.retryable
-                    and attempt < self.cfg.max_retries
+                    and attempt < self.cfg.gateway.max_retries
                     and len(delivered) + len(chunk.token_ids) < req.params.max_tokens
                 )
                 delivered += chunk.token_ids

@@ -20,21 +20,22 @@ import asyncio
 import contextlib
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from ray.serve.handle import DeploymentHandle
 
-from deployments.auth import ApiKeys
-from deployments.frontend import Frontend, FrontendConfig, ServeRequest
-from deployments.http_edge import error_responses, install_edge
+from deployments.frontend import Frontend, ServeRequest
+from deployments.http_edge import ApiKeys, error_responses, install_edge
 from deployments.metrics import GatewayMetrics
 from deployments.openai_api import ChatCompletionRequest, CompletionRequest, chat_request, completion_request
 from deployments.openai_responses import ResponseBuilder, full_response, sse_events
 from deployments.tools import ToolCalling
+from moeserve.config import AppConfig, resolve_path
 from moeserve.errors import ErrorCode, ServingError
+from moeserve.protocol import GenerateChunk, GenerateRequest
 
 ROUTE_COMPLETIONS = "/v1/completions"
 ROUTE_CHAT = "/v1/chat/completions"
@@ -42,42 +43,53 @@ ROUTES = (ROUTE_COMPLETIONS, ROUTE_CHAT, "/v1/models", "/health", "/metrics", "/
 PLAYGROUND = Path(__file__).resolve().parent / "playground" / "index.html"
 
 
-@dataclass(frozen=True)
-class GatewayConfig:
-    """model_name: the id clients send; grpc_port: None or 0 turns gRPC off."""
+class ServeEngineClient:
+    """The engine deployment through a Serve handle, as the serving layer's EngineClient. One
+    streaming handle call per request (a Serve call costs more than a decode step): the chunks then
+    flow over that call. Leaving the stream early (client gone, guard refusal) cancels the call, and
+    Serve's cancellation closes EngineServer.generate in the engine replica, which aborts the request."""
 
-    model_name: str
-    model_path: str
-    max_model_len: int
-    tokenizer_path: str | None = None
-    grpc_port: int | None = None
-    grpc_host: str = "0.0.0.0"
-    max_body_bytes: int = 2 * 1024 * 1024
-    request_timeout_s: float | None = 300.0
-    api_keys: tuple[str, ...] = ()  # with $MOESERVE_API_KEY: deployments/auth.py
-    max_streams_per_key: int = 0
-    public_paths: tuple[str, ...] = ("/health", "/metrics", "/playground")
+    def __init__(self, handle: DeploymentHandle) -> None:
+        self._handle = handle
+        self._stream = handle.options(stream=True)
 
-    def __post_init__(self) -> None:
-        if self.max_body_bytes < 1024:
-            raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+        response = self._stream.generate.remote(request)
+        finished = False
+        try:
+            async for chunk in response:
+                finished = chunk.finished
+                yield chunk
+        finally:
+            if not finished:
+                response.cancel()
+
+    async def health(self) -> dict[str, Any]:
+        return await self._handle.health.remote()
+
+    async def stats(self) -> dict[str, Any]:
+        return await self._handle.stats.remote()
+
+
+def as_engine_client(engine: Any) -> Any:
+    """Wrap a Serve handle; anything else (an EngineServer in tests) is used as it is."""
+    return ServeEngineClient(engine) if isinstance(engine, DeploymentHandle) else engine
 
 
 class Gateway:
     """Validates and tokenizes requests, streams token ids from the engine and text to the client."""
 
-    def __init__(self, engine: Any, config: GatewayConfig, tokenizer: Any = None) -> None:
-        from deployments.engine_client import as_engine_client
-
-        self.config = config
+    def __init__(self, engine: Any, config: AppConfig, tokenizer: Any = None) -> None:
+        """config: the whole tree; the gateway reads its `gateway` section, the served model's
+        name and path, and engine.max_model_len."""
+        self.config, self.edge = config, config.gateway
         if tokenizer is None:
             from moeserve.tokenizer import load_tokenizer
 
-            tokenizer = load_tokenizer(config.tokenizer_path or config.model_path)
+            tokenizer = load_tokenizer(resolve_path(config.model.path))
         self.metrics = GatewayMetrics()
-        self.auth = ApiKeys(config.api_keys, config.max_streams_per_key)
-        fcfg = FrontendConfig(config.model_name, config.max_model_len, config.request_timeout_s)
-        self.frontend = Frontend(fcfg, tokenizer, as_engine_client(engine), self.metrics)
+        self.auth = ApiKeys(self.edge)
+        self.frontend = Frontend(config, tokenizer, as_engine_client(engine), self.metrics)
         self.grpc_server: Any = None
         self.http_app = self._build_app()
 
@@ -88,7 +100,7 @@ class Gateway:
     # ---- the app ---------------------------------------------------------------------------
     def _build_app(self) -> FastAPI:
         app = FastAPI(title="moeserve", lifespan=self._lifespan)
-        install_edge(app, ROUTES, self.config.max_body_bytes, self.metrics, self.auth, self.config.public_paths)
+        install_edge(app, ROUTES, self.edge.max_body_bytes, self.metrics, self.auth, self.edge.public_paths)
         generate = error_responses(400, 401, 404, 413, 429, 500, 503, 504)
         stream = {200: {"description": "the completion, or its SSE stream (text/event-stream) with stream=true"}}
         app.post(ROUTE_COMPLETIONS, responses=stream | generate)(self.completions)
@@ -104,10 +116,10 @@ class Gateway:
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, app: FastAPI) -> AsyncIterator[None]:
-        if self.config.grpc_port:
+        if self.edge.grpc_port:
             from deployments.grpc_server import start_grpc_server
 
-            self.grpc_server, _ = await start_grpc_server(self.frontend, self.config.grpc_host, self.config.grpc_port,
+            self.grpc_server, _ = await start_grpc_server(self.frontend, self.edge.grpc_host, self.edge.grpc_port,
                                                           auth=self.auth)
         try:
             yield
@@ -142,8 +154,8 @@ class Gateway:
 
     async def models(self) -> dict[str, Any]:
         """OpenAI `GET /v1/models`: the one served model."""
-        card = {"id": self.config.model_name, "object": "model", "created": 0, "owned_by": "moeserve",
-                "max_model_len": self.config.max_model_len}
+        card = {"id": self.config.model.name, "object": "model", "created": 0, "owned_by": "moeserve",
+                "max_model_len": self.config.engine.max_model_len}
         return {"object": "list", "data": [card]}
 
     async def health(self) -> Response:
@@ -176,7 +188,7 @@ class Gateway:
         if actor is None:
             from model_shards.config import ModelConfig
 
-            cfg = ModelConfig.from_file(self.config.model_path)
+            cfg = ModelConfig.from_file(resolve_path(self.config.model.path))
             empty = RouterService(cfg.num_layers, max(cfg.num_experts, 1))
             summary, placement = empty.summary(), empty.placement(world_size)
             try:

@@ -11,7 +11,7 @@ while the engine answers its health check, polled every few seconds; what Kubern
 probes and grpc_health_probe ask) and server reflection (grpcurl). An unset `model` means
 the served one, as proto3 reads an unset field as its default.
 
-With API keys configured (deployments/auth.py) Generate needs `authorization: Bearer KEY`
+With API keys configured (deployments/http_edge.py) Generate needs `authorization: Bearer KEY`
 metadata: UNAUTHENTICATED without it, RESOURCE_EXHAUSTED past the key's concurrent calls;
 the health services stay open.
 
@@ -32,10 +32,11 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from deployments.auth import ApiKeys
 from deployments.frontend import Frontend, ServeRequest
+from deployments.http_edge import ApiKeys
 from deployments.proto import generate_pb2 as pb
 from deployments.proto import generate_pb2_grpc as pb_grpc
+from moeserve.config import GatewaySection
 from moeserve.errors import ErrorCode, ServingError, as_serving_error
 from moeserve.grammar.spec import GrammarSpec
 from moeserve.protocol import GenerateChunk
@@ -70,7 +71,7 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
             if self.auth.enabled:
                 key = self.auth.admit(dict(context.invocation_metadata()).get("authorization"),
                                       "metadata authorization: Bearer KEY")
-            req = serve_request(request, self.frontend.cfg.model_name, context.time_remaining())
+            req = serve_request(request, self.frontend.cfg.model.name, context.time_remaining())
             (prep,) = self.frontend.prepare(req, ROUTE)
             async for chunk in self.frontend.stream(prep):
                 yield _response(chunk)
@@ -162,7 +163,7 @@ async def start_grpc_server(
     """
     options = [("grpc.max_receive_message_length", max_message_bytes), ("grpc.so_reuseport", 1)]
     server = grpc.aio.server(options=options)
-    pb_grpc.add_GenerateServiceServicer_to_server(GenerateServicer(frontend, auth or ApiKeys(from_env=False)), server)
+    pb_grpc.add_GenerateServiceServicer_to_server(GenerateServicer(frontend, auth or ApiKeys(GatewaySection(), from_env=False)), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     services = (pb.DESCRIPTOR.services_by_name["GenerateService"].full_name,

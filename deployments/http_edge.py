@@ -6,11 +6,23 @@ ErrorCode: ServingError as it is; pydantic validation errors and ValueErrors (Sa
 GrammarSpec, tools and chat validation, whose messages start with the field name) as
 INVALID_ARGUMENT; anything unexpected as a logged INTERNAL with a message, so bad input is never a
 bare 500 or a dropped connection.
+
+API keys (`ApiKeys`, the gRPC server's too) come from the config (`gateway.api_keys`, `moeserve
+serve --api-key KEY`) and from the environment variable MOESERVE_API_KEY (comma-separated; how the
+Kubernetes Secret reaches the pods). No key configured: the gateway is open. HTTP callers send
+`Authorization: Bearer KEY`, gRPC callers the same in the `authorization` metadata. Every
+configured key is compared in constant time (hmac.compare_digest), and all of them every time, so
+timing says nothing about which one nearly matched. A key may hold at most `max_streams_per_key`
+requests at once (0: no limit); past it the call is refused (RATE_LIMITED: 429 + Retry-After /
+RESOURCE_EXHAUSTED), before it costs the engine anything.
 """
 
 from __future__ import annotations
 
+import hmac
 import logging
+import os
+from collections import Counter
 from collections.abc import Iterable
 from typing import Any
 
@@ -20,11 +32,62 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from deployments.auth import ApiKeys
 from deployments.metrics import GatewayMetrics
+from moeserve.config import GatewaySection
 from moeserve.errors import ErrorCode, ServingError, as_serving_error
 
 logger = logging.getLogger(__name__)
+
+ENV_VAR = "MOESERVE_API_KEY"
+
+
+class ApiKeys:
+    def __init__(self, cfg: GatewaySection, from_env: bool = True) -> None:
+        """cfg.api_keys (and $MOESERVE_API_KEY's when `from_env`), each holding at most
+        cfg.max_streams_per_key requests at once (0: no limit). No key configured: open."""
+        env = os.environ.get(ENV_VAR, "") if from_env else ""
+        self.keys = tuple(k.strip() for k in (*cfg.api_keys, *env.split(",")) if k.strip())
+        self.max_streams_per_key = cfg.max_streams_per_key
+        self._streams: Counter[str] = Counter()
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.keys)
+
+    def identify(self, authorization: str | None) -> str | None:
+        """The key an `Authorization: Bearer KEY` value carries, if it is one of ours."""
+        scheme, _, token = (authorization or "").partition(" ")
+        token = token.strip().encode()
+        found = None
+        for key in self.keys:  # no early exit: every key is compared every time
+            if hmac.compare_digest(token, key.encode()) and scheme.lower() == "bearer":
+                found = key
+        return found
+
+    def admit(self, authorization: str | None, how: str) -> str:
+        """The caller's key, holding one of its slots (give it back with `release`); ServingError
+        UNAUTHENTICATED without a valid key (`how`: where to send one), RATE_LIMITED past its limit."""
+        key = self.identify(authorization)
+        if key is None:
+            raise ServingError(ErrorCode.UNAUTHENTICATED, f"missing or invalid API key ({how})",
+                               reason="invalid_api_key")
+        if not self.acquire(key):
+            raise ServingError(ErrorCode.RATE_LIMITED, f"this API key already holds {self.max_streams_per_key} "
+                               "requests; retry when one ends", reason="rate_limit_exceeded")
+        return key
+
+    def acquire(self, key: str) -> bool:
+        """Take one of `key`'s stream slots; False when it holds its limit already."""
+        if self.max_streams_per_key and self._streams[key] >= self.max_streams_per_key:
+            return False
+        self._streams[key] += 1
+        return True
+
+    def release(self, key: str) -> None:
+        self._streams[key] -= 1
+        if self._streams[key] <= 0:
+            del self._streams[key]
+
 
 HTTP_STATUS = {
     ErrorCode.INVALID_ARGUMENT: 400,
@@ -72,10 +135,10 @@ def error_body(e: ServingError, status: int | None = None) -> dict[str, Any]:
 
 
 def install_edge(app: FastAPI, routes: Iterable[str], max_body_bytes: int, metrics: GatewayMetrics,
-                 auth: ApiKeys | None = None, public_paths: Iterable[str] = ()) -> None:
+                 auth: ApiKeys | None = None, public_paths: Iterable[str] | None = None) -> None:
     """Add the edge middleware and the error handlers to `app`."""
     app.add_middleware(_EdgeMiddleware, routes=frozenset(routes), max_body_bytes=max_body_bytes, metrics=metrics,
-                       auth=auth or ApiKeys(from_env=False), public=frozenset(public_paths))
+                       auth=auth or ApiKeys(GatewaySection(), from_env=False), public=frozenset(public_paths or ()))
     app.add_exception_handler(ServingError, _serving_error)
     app.add_exception_handler(ValueError, _serving_error)
     app.add_exception_handler(RequestValidationError, _validation_error)

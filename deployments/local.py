@@ -128,11 +128,13 @@ def gateway_in_thread(engine: Any, model_name: str, model_path: str, max_model_l
     import uvicorn
 
     from deployments.engine_server import EngineServer, EngineServerConfig
-    from deployments.gateway import Gateway, GatewayConfig
+    from deployments.gateway import Gateway
     from model_shards.local_group import free_port
 
     server = EngineServer(EngineServerConfig(), engine=engine)
-    gateway = Gateway(server, GatewayConfig(model_name=model_name, model_path=model_path, max_model_len=max_model_len))
+    tree = AppConfig.from_dict({"model": {"name": model_name, "path": model_path},
+                                "engine": {"max_model_len": max_model_len}, "gateway": {"grpc_port": None}})
+    gateway = Gateway(server, tree)
     port = free_port()
     http = uvicorn.Server(uvicorn.Config(gateway.http_app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=http.run, daemon=True)

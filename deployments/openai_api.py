@@ -167,9 +167,10 @@ def _sampling(body: _Common, logprobs: int | None) -> dict[str, Any]:
 
 
 def _grammar(body: _Common) -> GrammarSpec | None:
-    return GrammarSpec.from_request(response_format=body.response_format, guided_json=body.guided_json,
-                                    guided_regex=body.guided_regex, guided_grammar=body.guided_grammar,
-                                    guided_choice=body.guided_choice)
+    fields = {"response_format": body.response_format, "guided_json": body.guided_json,
+              "guided_regex": body.guided_regex, "guided_grammar": body.guided_grammar,
+              "guided_choice": body.guided_choice}
+    return None if all(v is None for v in fields.values()) else GrammarSpec.from_request(**fields)
 
 
 def _messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import ray
 
+from router_service.capacity import ExpertLoadStats
 from router_service.placement import Placement, balanced_placement, contiguous_placement
-from router_service.stats import ExpertLoadStats
 
 
 class RouterService:

@@ -24,8 +24,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from model_shards.all_to_all import init_shard_group
 from model_shards.device import resolve_device, resolve_dtype
 from model_shards.local_group import free_port, load_shard
-from model_shards.moe import RoutingConfig
 from model_shards.shard_worker import ShardedRunner, ShardWorker
+from moeserve.config import EngineSection, ModelSection, RoutingSection, ShardsSection, default_of
 from router_service.placement import Placement, contiguous_placement
 
 log = logging.getLogger(__name__)
@@ -35,15 +35,15 @@ log = logging.getLogger(__name__)
 class ShardGroupConfig:
     checkpoint: str
     world_size: int = 2
-    max_num_seqs: int = 16  # per rank
-    max_model_len: int = 1024
-    block_size: int = 16  # each rank's paged KV cache
-    prefix_caching: bool = True
-    compile: bool = False  # each rank's decode and verify passes compiled between its collectives
-    routing: RoutingConfig = field(default_factory=RoutingConfig)
-    dtype: str = "auto"  # every rank's weights and KV cache (auto: bfloat16 on a GPU, float32 on the CPU)
-    strategy: str = "PACK"  # PACK: one machine; SPREAD: across nodes on a cluster
-    gpus_per_shard: float = 0.0  # 1 on a GPU cluster (NCCL), 0 on CPU (gloo)
+    max_num_seqs: int = default_of(EngineSection, "max_num_seqs")  # per rank
+    max_model_len: int = default_of(EngineSection, "max_model_len")
+    block_size: int = default_of(EngineSection, "block_size")  # each rank's paged KV cache
+    prefix_caching: bool = default_of(EngineSection, "prefix_caching")
+    compile: bool = default_of(EngineSection, "compile")  # each rank's decode and verify passes compiled between its collectives
+    routing: RoutingSection = field(default_factory=RoutingSection)
+    dtype: str = default_of(ModelSection, "dtype")  # every rank's weights and KV cache (auto: bfloat16 on a GPU, float32 on the CPU)
+    strategy: str = default_of(ShardsSection, "strategy")  # PACK: one machine; SPREAD: across nodes on a cluster
+    gpus_per_shard: float = default_of(ShardsSection, "gpus_per_shard")  # 1 on a GPU cluster (NCCL), 0 on CPU
     cpus_per_shard: float = 1.0
     timeout_s: float = 30.0  # a dead peer fails a collective within this
     start_timeout_s: float = 300.0

@@ -29,9 +29,7 @@ import torch
 import torch.distributed as dist
 
 from model_shards.device import collective_backend
-from model_shards.dispatch import Dispatch
-from model_shards.experts import LocalExperts
-from model_shards.profiling import phase
+from model_shards.moe import Dispatch, LocalExperts, phase
 from router_service.dispatch_plan import build_dispatch_plan
 from router_service.placement import Placement
 

@@ -121,7 +121,7 @@ class BlockManager:
     """Which blocks each sequence holds: block tables, the tokens behind them and prefix caching.
     Bookkeeping only (no tensors): the model runner owns one per cache, a shard group one per rank."""
 
-    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool) -> None:
         if block_size < 1:
             raise ValueError(f"block_size: must be >= 1, got {block_size}")
         self.allocator = BlockAllocator(num_blocks)

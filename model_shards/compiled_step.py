@@ -11,7 +11,7 @@ tensor values fixed up front:
 
 - the pass's PagedIndex is built in the graph (model_shards/kv_cache.py): KV writes go to
   block * Bs + offset through the rows' block tables (padding to the scratch block), and decode
-  attention loads the rows' keys by index inside fused reductions (model_shards/attention.py);
+  attention loads the rows' keys by index inside fused reductions (model_shards/layers.py);
 - each MoE layer runs `MoEBlock.fused` (every expert local, capacity "none": no dispatch, no
   data-dependent shapes); padding positions are computed and never read;
 - rows, on the CPU: one graph for a batch of one (torch specialises size-1 dimensions; the
@@ -43,9 +43,9 @@ import torch.fx.experimental._config
 import torch.nn.functional as F
 from torch import nn
 
-from model_shards.dispatch import LocalDispatch
 from model_shards.kv_cache import PagedKVCache, paged_index
 from model_shards.model import CausalLM
+from model_shards.moe import LocalDispatch
 from router_service.gating import Gates, topk_gate
 
 logger = logging.getLogger(__name__)

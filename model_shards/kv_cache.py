@@ -113,7 +113,7 @@ class StepBatch:
 class PagedKVCache:
     """Keys and values of each layer in one tensor [2, Hkv, N, Bs, Dh], every block allocated
     here: a block is Bs consecutive positions of one sequence. Attention writes and reads it
-    (model_shards/attention.py) through a pass's PagedIndex."""
+    (model_shards/layers.py) through a pass's PagedIndex."""
 
     def __init__(
         self,

@@ -1,6 +1,16 @@
-"""Small building blocks shared by every family: RMSNorm, rotary embeddings, the SwiGLU MLP.
+"""The layers every family shares: RMSNorm, rotary embeddings, the SwiGLU MLP, and grouped-query
+attention (rotary, optional q/k norm) over the paged KV cache.
 
-Shapes: B batch rows, T positions, H heads, Dh head dim, D hidden, I MLP width.
+Shapes: B rows, T (=Tq) query positions, J key positions a row reads (its nb blocks x Bs),
+H query heads, Hkv kv heads, Dh head dim, D hidden, I MLP width, N cache blocks.
+
+Attention is one function for the eager forward and the compiled step: no control flow depends
+on tensor values, so `torch.compile` traces it as it is (model_shards/compiled_step.py). A pass
+writes its keys and values through the PagedIndex (model_shards/kv_cache.py) first, then reads
+each row's blocks: a prefill with nothing cached attends causally over its own keys; decode
+inside a graph loads the cached keys and values by index within fused reductions
+(`indexed_attention`); the rest gathers the rows' blocks (one index_select) for
+scaled_dot_product_attention.
 """
 
 from __future__ import annotations
@@ -8,6 +18,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from model_shards.config import ModelConfig
+from model_shards.kv_cache import PagedIndex, materialize
 
 
 class RMSNorm(nn.Module):
@@ -62,3 +75,120 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, q_dim, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, kv_dim, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, kv_dim, bias=bias)
+        self.o_proj = nn.Linear(q_dim, cfg.hidden_size, bias=False)
+        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm == "head":  # Qwen3-MoE: per head
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        elif cfg.qk_norm == "full":  # OLMoE: over the whole projection
+            self.q_norm = RMSNorm(q_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(kv_dim, cfg.rms_norm_eps)
+        self.clip_qkv = cfg.clip_qkv
+
+    def project(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+        qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """This step's queries [B, H, T, Dh], keys and values [B, Hkv, T, Dh] (rotary applied).
+        qkv: the three projections' weights (and biases) stacked (`stacked_qkv`): one matmul."""
+        b, t, _ = x.shape
+        if qkv is None:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # [B, T, H*Dh], [B, T, Hkv*Dh] x2
+        else:
+            kv_dim = self.num_kv_heads * self.head_dim
+            q, k, v = F.linear(x, *qkv).split((self.num_heads * self.head_dim, kv_dim, kv_dim), dim=-1)
+        if self.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip_qkv is not None:
+            q, k, v = (z.clamp(-self.clip_qkv, self.clip_qkv) for z in (q, k, v))
+        q = q.view(b, t, self.num_heads, self.head_dim)
+        k = k.view(b, t, self.num_kv_heads, self.head_dim)
+        v = v.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, T, Dh]
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        return apply_rotary(q.transpose(1, 2), *rope), apply_rotary(k.transpose(1, 2), *rope), v
+
+    def stacked_qkv(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """q, k and v projections' weights [(H + 2 Hkv) * Dh, D] and biases, stacked (a copy)."""
+        projections = (self.q_proj, self.k_proj, self.v_proj)
+        bias = None if self.q_proj.bias is None else torch.cat([p.bias.detach() for p in projections])
+        return torch.cat([p.weight.detach() for p in projections]), bias
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv: torch.Tensor | None = None,
+        index: PagedIndex | None = None,
+        qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None,
+    ) -> torch.Tensor:
+        """x [B, T, D] -> [B, T, D]. kv: this layer's cache [2, Hkv, N, Bs, Dh] with the pass's
+        `index` (None: no cache, causal over x). qkv: stacked weights (`stacked_qkv`)."""
+        b, t, _ = x.shape
+        q, k, v = self.project(x, rope, qkv)  # [B, H, T, Dh], [B, Hkv, T, Dh] x2
+        if kv is None or index.fresh:  # nothing cached before this pass: causal over its own keys
+            if kv is not None:
+                _write(kv, index, k, v)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        else:
+            flat = _write(kv, index, k, v)  # [2, Hkv, N*Bs, Dh]
+            if t == 1 and torch.compiler.is_compiling():
+                return self.o_proj(indexed_attention(q, flat, index))
+            two, heads, _, _, dh = kv.shape
+            read = gather_blocks(kv, index.tables.reshape(-1)).view(two, heads, b, -1, dh)  # [2, Hkv, B, J, Dh]
+            out = F.scaled_dot_product_attention(q, read[0].transpose(0, 1), read[1].transpose(0, 1),
+                                                 attn_mask=index.mask, enable_gqa=True)  # [B, H, T, Dh]
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
+
+
+def _write(kv: torch.Tensor, index: PagedIndex, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """This pass's keys and values k, v [B, Hkv, T, Dh] into the cache at `index.write`; returns
+    the cache as [2, Hkv, N*Bs, Dh] (a view)."""
+    two, heads, n, bs, dh = kv.shape
+    flat = kv.view(two, heads, n * bs, dh)
+    flat.index_copy_(2, index.write, torch.stack((k, v)).transpose(1, 2).reshape(two, heads, -1, dh))
+    return flat
+
+
+@torch.library.custom_op("moeserve::gather_blocks", mutates_args=())
+def gather_blocks(paged: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """paged [2, Hkv, N, Bs, Dh] -> its blocks `blocks` [M] in order, [2, Hkv, M, Bs, Dh]: aten's
+    index_select, a block-sized copy each, where inductor's own gather computes an index per
+    element, which costs more than the copy it drives."""
+    return paged.index_select(2, blocks)
+
+
+@gather_blocks.register_fake
+def _(paged: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    two, heads, _, bs, dh = paged.shape
+    return paged.new_empty(two, heads, blocks.shape[0], bs, dh)
+
+
+def indexed_attention(q: torch.Tensor, flat: torch.Tensor, index: PagedIndex) -> torch.Tensor:
+    """Decode attention straight from the paged cache: q [B, H, 1, Dh], flat [2, Hkv, N*Bs, Dh]
+    (keys, values) -> [B, 1, H*Dh].
+
+    As gather-multiply-sums, which inductor fuses into reductions that load the cached rows by
+    index: the rows' blocks are never copied out first (a gather then `scaled_dot_product_attention`
+    copies every row's blocks once per layer, which costs more than the attention it feeds)."""
+    b, h, _, dh = q.shape
+    heads = flat.shape[1]
+    keys = flat[0][:, index.keys_at].transpose(0, 1)  # [B, Hkv, J, Dh]
+    values = flat[1][:, index.values_at].transpose(0, 1)  # [B, Hkv, J, Dh]
+    # the query's rotary embedding (cos, sin) would otherwise be recomputed for every key
+    q = materialize(q).view(b, heads, h // heads, 1, dh)  # query head i reads key head i // (H/Hkv), as enable_gqa
+    scores = (q * keys[:, :, None]).sum(-1) * dh**-0.5  # [B, Hkv, H/Hkv, J]
+    p = torch.softmax(scores.masked_fill(~index.mask, float("-inf")), dim=-1)
+    return (p[..., None] * values[:, :, None]).sum(-2).reshape(b, 1, h * dh)  # [B, 1, H*Dh]

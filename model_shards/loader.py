@@ -18,8 +18,8 @@ import torch
 from safetensors import safe_open
 
 from model_shards.config import ModelConfig
-from model_shards.experts import LocalExperts
 from model_shards.model import CausalLM
+from model_shards.moe import LocalExperts
 
 _EXPERT_PARAM = re.compile(r"^(model\.layers\.\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
 # per-expert names: (gate, up, down) for each naming scheme

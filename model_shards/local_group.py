@@ -17,8 +17,8 @@ from model_shards.all_to_all import AllToAllDispatch, init_shard_group
 from model_shards.device import resolve_dtype
 from model_shards.loader import load_checkpoint
 from model_shards.model import CausalLM
-from model_shards.moe import RoutingConfig
 from model_shards.shard_worker import ShardedRunner, ShardWorker
+from moeserve.config import EngineSection, RoutingSection, default_of
 from router_service.placement import Placement, contiguous_placement
 
 
@@ -26,7 +26,7 @@ def load_shard(
     checkpoint: str | Path,
     placement: Placement | None,
     rank: int,
-    routing: RoutingConfig | None = None,
+    routing: RoutingSection | None = None,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     padded: bool | None = None,
@@ -72,12 +72,12 @@ class LocalShardGroup:
         self,
         checkpoint: str | Path,
         world_size: int,
-        max_num_seqs: int = 8,
-        max_model_len: int = 512,
-        block_size: int = 16,
-        prefix_caching: bool = True,
+        max_num_seqs: int = default_of(EngineSection, "max_num_seqs"),
+        max_model_len: int = default_of(EngineSection, "max_model_len"),
+        block_size: int = default_of(EngineSection, "block_size"),
+        prefix_caching: bool = default_of(EngineSection, "prefix_caching"),
         placement: Placement | None = None,
-        routing: RoutingConfig | None = None,
+        routing: RoutingSection | None = None,
         threads_per_rank: int = 1,
         device: str = "cpu",
         dtype: str = "auto",

@@ -13,14 +13,12 @@ from typing import Literal
 import torch
 from torch import nn
 
-from model_shards.attention import Attention
 from model_shards.config import ModelConfig
-from model_shards.dispatch import Dispatch
 from model_shards.kv_cache import PagedIndex, PagedKVCache, StepBatch
-from model_shards.layers import MLP, RMSNorm, RotaryEmbedding
-from model_shards.moe import MoEBlock, RoutingConfig
-from model_shards.profiling import phase
-from router_service.stats import ExpertLoadStats
+from model_shards.layers import MLP, Attention, RMSNorm, RotaryEmbedding
+from model_shards.moe import Dispatch, MoEBlock, phase
+from moeserve.config import RoutingSection
+from router_service.capacity import ExpertLoadStats
 
 
 class DecoderLayer(nn.Module):
@@ -107,7 +105,7 @@ class CausalLM(nn.Module):
         for block in self.moe_blocks:
             block.dispatch = dispatch
 
-    def set_routing(self, routing: RoutingConfig) -> None:
+    def set_routing(self, routing: RoutingSection) -> None:
         for block in self.moe_blocks:
             block.routing = routing
 

@@ -1,7 +1,22 @@
 """The sparse MoE block: gate -> capacity -> dispatch -> local experts -> combine (+ shared expert).
 
-Shapes: N tokens (flattened batch), D hidden, E experts, K experts per token, I expert width.
-The gating math lives in router_service/; how routes reach experts is the `Dispatch`.
+Shapes: N tokens (flattened batch), D hidden, E experts, El local experts, K experts per token,
+I expert width, R kept routes (token copies) sorted by expert.
+
+The gating math lives in router_service/. How routes reach experts is the `Dispatch`: every
+implementation returns per-route expert outputs in the caller's [N, K] order and the weighted sum
+over K (`combine`) is shared, so the single-process reference (`LocalDispatch`) and the
+all-to-all (model_shards/all_to_all.py) add the same numbers in the same order.
+
+The experts a process holds (`LocalExperts`) are SwiGLU FFNs stored fused, as transformers 5.x
+does, and run as one grouped matmul per projection (`torch._grouped_mm`: one kernel for every
+expert's rows, given where each expert's rows end) wherever torch has it for the tensors' device
+and dtype: CUDA bf16 where torch has its fused kernel (`cuda_grouped_kernel`), and the CPU. On the
+CPU it pays for decode-sized batches and not for prefill: one kernel saves a dispatch per expert,
+which counts when each expert has few rows; on prefill-sized groups a plain matmul per expert is
+the faster kernel (the crossover, measured on the demo's expert shape with one thread, is
+GROUPED_MAX_ROUTES_CPU). So CPU batches past that many routes take the per-expert loop; GPUs
+without grouped mm take one batched matmul over groups padded to the largest.
 
 Inside a compiled graph (model_shards/compiled_step.py), where the dispatch's data-dependent
 split sizes cannot go, a block holding every expert runs `fused` instead: each token through its
@@ -9,47 +24,197 @@ top-k experts as gather-multiply-sums that inductor fuses into one reduction per
 loading the routed experts' weights by index, or, where that would read more expert weights
 than there are and they do not fit the CPU's caches, every expert as one dense matmul weighted
 by the gates. Both are exact for capacity "none".
+
+`phase()` splits a forward pass's wall clock into named phases (attention, gating, dispatch,
+experts, combine) for benchmarks; off by default, a disabled `phase()` is one attribute check.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+import time
+from abc import ABC, abstractmethod
+from collections import defaultdict
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from model_shards.config import ModelConfig
-from model_shards.dispatch import Dispatch, LocalDispatch
-from model_shards.experts import LocalExperts
 from model_shards.layers import MLP
-from model_shards.profiling import phase
-from router_service.capacity import apply_capacity, expert_capacity
+from moeserve.config import RoutingSection
+from router_service.capacity import ExpertLoadStats, apply_capacity, expert_capacity
 from router_service.gating import GateConfig, Gates, topk_gate
-from router_service.stats import ExpertLoadStats
+
+
+class PhaseTimer:
+    def __init__(self) -> None:
+        self.enabled = False
+        self.totals: dict[str, float] = defaultdict(float)
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        if not self.enabled:
+            yield
+            return
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.totals[name] += time.perf_counter() - t0
+
+    def reset(self) -> None:
+        self.totals.clear()
+
+
+TIMER = PhaseTimer()
+phase = TIMER.phase
+
+
+GROUPED_MAX_ROUTES_CPU = 256
+
+
+def grouped_mm_supported(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether torch's grouped matmul takes [R, D] @ w [El, D, N] for x's device and dtype."""
+    if not hasattr(torch, "_grouped_mm") or x.dtype != w.dtype:
+        return False
+    aligned = all(s * x.element_size() % 16 == 0 for s in w.shape[-2:])  # every row stride: 16 bytes
+    if x.device.type == "cuda":
+        return x.dtype == torch.bfloat16 and aligned and cuda_grouped_kernel(x.device)
+    return x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and aligned
+
+
+def cuda_grouped_kernel(device: torch.device) -> bool:
+    """Whether torch's fused bf16 grouped GEMM (CUTLASS, offsets read on the device) runs on this
+    GPU: torch takes it on CUDA (not ROCm) builds for compute capability 9.x and 10.x only (H100,
+    H200, B200); on any other GPU `torch._grouped_mm` copies the offsets to the host and loops
+    over the groups, which is no better than `_padded` and syncs."""
+    return torch.version.hip is None and torch.cuda.get_device_capability(device)[0] in (9, 10)
+
+
+class LocalExperts(nn.Module):
+    """A subset of a layer's experts. `expert_ids[j]` is the global id of local expert j."""
+
+    def __init__(self, expert_ids: Sequence[int], hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.expert_ids = tuple(int(e) for e in expert_ids)
+        n = len(self.expert_ids)
+        self.gate_up_proj = nn.Parameter(torch.empty(n, 2 * intermediate, hidden))  # [El, 2I, D]
+        self.down_proj = nn.Parameter(torch.empty(n, hidden, intermediate))  # [El, D, I]
+
+    @property
+    def num_local(self) -> int:
+        return len(self.expert_ids)
+
+    def forward(self, x: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
+        """x: [R, D] routes grouped by local expert, `counts[j]` rows for local expert j. Returns [R, D]."""
+        counts = list(counts)
+        if x.shape[0] == 0:
+            return x.new_zeros(0, x.shape[-1])
+        gate_up, down = self.gate_up_proj.transpose(1, 2), self.down_proj.transpose(1, 2)  # [El, D, 2I], [El, I, D]
+        small = x.device.type != "cpu" or x.shape[0] <= GROUPED_MAX_ROUTES_CPU
+        if small and self._grouped_supported(x):
+            return self._grouped(x, torch.tensor(list(accumulate(counts)), dtype=torch.int32, device=x.device))
+        if x.device.type == "cpu":
+            return self._per_expert(x, counts)
+        return self._padded(x, counts, gate_up, down)
+
+    def forward_ends(self, x: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+        """x: [P, D] routes grouped by local expert, expert j's rows ending at row `ends[j]` ([El]
+        int32 on x's device), padding after the last. Returns [P, D]; padding rows hold anything.
+        No host sync wherever the grouped matmul runs; elsewhere the group sizes are read once."""
+        if x.shape[0] == 0 or self.num_local == 0:
+            return x.new_zeros(x.shape)
+        if self._grouped_supported(x):
+            return self._grouped(x, ends)
+        counts = torch.diff(ends, prepend=ends.new_zeros(1)).tolist()  # this device has no grouped kernel
+        out = x.new_zeros(x.shape)  # [P, D]
+        out[: sum(counts)] = self(x[: sum(counts)], counts)
+        return out
+
+    def _grouped_supported(self, x: torch.Tensor) -> bool:
+        gate_up, down = self.gate_up_proj.transpose(1, 2), self.down_proj.transpose(1, 2)
+        return grouped_mm_supported(x, gate_up) and grouped_mm_supported(x, down)  # both projections
+
+    def _grouped(self, x: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+        """One grouped matmul per projection; rows past ends[-1] are left out (their output: anything)."""
+        gate_up, down = self.gate_up_proj.transpose(1, 2), self.down_proj.transpose(1, 2)  # [El, D, 2I], [El, I, D]
+        gate, up = torch._grouped_mm(x, gate_up, offs=ends).chunk(2, dim=-1)  # [R, I] x2
+        return torch._grouped_mm(F.silu(gate) * up, down, offs=ends)  # [R, D]
+
+    def _per_expert(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """A matmul per expert with rows (the CPU's fastest for prefill-sized batches)."""
+        outs = []
+        for j, chunk in enumerate(torch.split(x, counts)):
+            if chunk.shape[0] == 0:
+                continue
+            gate, up = F.linear(chunk, self.gate_up_proj[j]).chunk(2, dim=-1)  # [Rj, I] x2
+            outs.append(F.linear(F.silu(gate) * up, self.down_proj[j]))  # [Rj, D]
+        return torch.cat(outs)
+
+    def _padded(self, x: torch.Tensor, counts: list[int], gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+        """One batched matmul per projection over the groups, each padded to the largest."""
+        sizes = torch.tensor(counts, device=x.device)  # [El]
+        expert = torch.repeat_interleave(torch.arange(len(counts), device=x.device), sizes)  # [R]
+        row = torch.arange(x.shape[0], device=x.device) - torch.repeat_interleave(sizes.cumsum(0) - sizes, sizes)
+        padded = x.new_zeros(len(counts), max(counts), x.shape[-1])  # [El, Cmax, D]
+        padded[expert, row] = x
+        gate, up = torch.bmm(padded, gate_up).chunk(2, dim=-1)  # [El, Cmax, I] x2
+        return torch.bmm(F.silu(gate) * up, down)[expert, row]  # [R, D]
+
+
+def combine(route_out: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """route_out: [N, K, D] (zeros for dropped routes), weights: [N, K] -> [N, D]."""
+    return (route_out * weights[..., None].to(route_out.dtype)).sum(dim=1)
+
+
+def group_by_expert(expert_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """Flattened kept routes ordered by expert: (route index [R], expert of each [R], count per expert [E])."""
+    flat = expert_ids.reshape(-1)  # [N*K]
+    kept = torch.nonzero(flat >= 0).squeeze(1)  # [R]
+    order = kept[torch.argsort(flat[kept], stable=True)]  # [R]
+    counts = torch.bincount(flat[order], minlength=num_experts)  # [E]
+    return order, flat[order], counts.tolist()
+
+
+class Dispatch(ABC):
+    """Sends each kept route of each token to the expert that owns it and returns the expert outputs."""
+
+    @abstractmethod
+    def route(self, x: torch.Tensor, expert_ids: torch.Tensor, experts: LocalExperts) -> torch.Tensor:
+        """x: [N, D]; expert_ids: [N, K] global ids, -1 for a dropped route. Returns [N, K, D]."""
+
+    def __call__(
+        self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, experts: LocalExperts
+    ) -> torch.Tensor:
+        route_out = self.route(x, expert_ids, experts)
+        with phase("combine"):
+            return combine(route_out, weights)
+
+
+class LocalDispatch(Dispatch):
+    """All experts live in this process (world size 1): the reference every other dispatch must match."""
+
+    def route(self, x: torch.Tensor, expert_ids: torch.Tensor, experts: LocalExperts) -> torch.Tensor:
+        n, k = expert_ids.shape
+        if experts.expert_ids != tuple(range(experts.num_local)):
+            raise ValueError("LocalDispatch needs every expert of the layer in this process")
+        with phase("dispatch"):
+            order, _, counts = group_by_expert(expert_ids, experts.num_local)
+            routed = x[order // k]  # [R, D]
+        with phase("experts"):
+            y = experts(routed, counts)  # [R, D]
+        with phase("combine"):
+            out = x.new_zeros(n * k, x.shape[-1])  # [N*K, D]
+            out[order] = y
+        return out.view(n, k, x.shape[-1])
+
 
 # A layer's experts up to this size are read routed at any batch (they stay in the CPU's caches:
 # demo MoE, 3 MiB); larger ones (Mixtral-8x7B: 2.8 GB a layer) only while N * K <= E.
 ROUTED_MAX_EXPERT_BYTES = 16 << 20
-
-
-@dataclass(frozen=True)
-class RoutingConfig:
-    """Expert capacity: `overflow="none"` is exact (no limit); `drop`/`reroute` cap each expert at
-    max(min_capacity, ceil(capacity_factor * tokens * K / E)) routes per forward pass."""
-
-    overflow: str = "none"
-    capacity_factor: float = 1.25
-    min_capacity: int = 4
-
-    def __post_init__(self) -> None:
-        if self.overflow not in ("none", "drop", "reroute"):
-            raise ValueError(f"overflow: must be 'none', 'drop' or 'reroute', got {self.overflow!r}")
-        if self.capacity_factor <= 0:
-            raise ValueError(f"capacity_factor: must be positive, got {self.capacity_factor}")
-        if self.min_capacity < 0:
-            raise ValueError(f"min_capacity: must be >= 0, got {self.min_capacity}")
 
 
 class MoEBlock(nn.Module):
@@ -71,7 +236,7 @@ class MoEBlock(nn.Module):
             self.shared_expert = None
         # Set by the owning model; plain attributes, not submodules or parameters.
         self.dispatch: Dispatch = LocalDispatch()
-        self.routing = RoutingConfig()
+        self.routing = RoutingSection()
         self.stats: ExpertLoadStats | None = None
         self.trace: list | None = None  # while routing is recorded: (expert_ids, weights) [N, K] per forward
 

@@ -30,6 +30,7 @@ from model_shards.block_manager import BlockManager
 from model_shards.kv_cache import PagedKVCache, StepBatch
 from model_shards.loader import reload_experts
 from model_shards.model import CausalLM, split_routing
+from moeserve.config import EngineSection, default_of
 from router_service.placement import Placement
 
 CMD_STEP, CMD_STOP, CMD_PLACE = 1, 2, 3
@@ -82,7 +83,7 @@ class _Shard:
     """What every rank does with a step message."""
 
     def __init__(self, model: CausalLM, rank: int, world_size: int, max_num_seqs: int, max_model_len: int,
-                 block_size: int = 16, compile: bool = False) -> None:
+                 block_size: int = default_of(EngineSection, "block_size"), compile: bool = False) -> None:
         self.model, self.rank, self.world_size = model, rank, world_size
         self.device = model.device
         self.block_size = block_size
@@ -180,7 +181,8 @@ class ShardedRunner(_Shard):
     within BALANCE_SLACK sequences of the least busy one."""
 
     def __init__(self, model: CausalLM, world_size: int, max_num_seqs: int, max_model_len: int,
-                 block_size: int = 16, prefix_caching: bool = True, compile: bool = False) -> None:
+                 block_size: int = default_of(EngineSection, "block_size"),
+                 prefix_caching: bool = default_of(EngineSection, "prefix_caching"), compile: bool = False) -> None:
         super().__init__(model, 0, world_size, max_num_seqs, max_model_len, block_size, compile)
         self.max_model_len = max_model_len
         self.per_rank = max_num_seqs

@@ -147,14 +147,17 @@ class ShardsSection(_Section):
 
 
 class GrammarSection(_Section):
-    """Structured output (moeserve/grammar/compiler.py's GrammarConfig)."""
+    """Structured output: what grammar compilation gets (moeserve/grammar/compiler.py's GrammarConfig)."""
 
     # How JSON under a schema is written: "spaced" {"a": 1, "b": 2} as json.dumps and most models
     # write it, or "compact" {"a":1,"b":2}. Set it to the style the model learned: a model made to
     # write the other style answers worse (the demo pair learned spaced JSON).
     json_style: Literal["spaced", "compact"] = "spaced"
-    compile_timeout_s: float = Field(10.0, gt=0)  # a grammar compiling longer than this is refused (400)
-    max_spec_chars: int = Field(256 * 1024, ge=1)  # longest schema, regex or grammar accepted
+    # A grammar compiling longer than this is refused (400): room for the slowest real schema known
+    # (JSONSchemaBench sp_0) on a small shared machine.
+    compile_timeout_s: float = Field(10.0, gt=0)
+    # Longest schema, regex or grammar accepted (the largest JSONSchemaBench schema is ~158 k characters).
+    max_spec_chars: int = Field(256 * 1024, ge=1)
 
     def grammar_config(self) -> Any:
         from moeserve.grammar import GrammarConfig
@@ -170,10 +173,11 @@ class GatewaySection(_Section):
     max_body_bytes: int = Field(2 * 1024 * 1024, ge=1024)
     request_timeout_s: float | None = Field(300.0, gt=0)
     # API keys (Bearer on HTTP, `authorization` metadata on gRPC); $MOESERVE_API_KEY adds more,
-    # comma-separated. None configured: open. deployments/auth.py.
+    # comma-separated. None configured: open. deployments/http_edge.py.
     api_keys: list[str] = Field(default_factory=list)
     max_streams_per_key: int = Field(0, ge=0)  # concurrent requests per key (0: no limit), then 429
     public_paths: list[str] = Field(default_factory=lambda: ["/health", "/metrics", "/playground"])  # open with keys
+    max_retries: int = Field(2, ge=0)  # resumes of one stream after an engine replica or shard failure
 
 
 class AutoscalingSection(_Section):

@@ -5,7 +5,7 @@ import random
 import pytest
 from bpe_fixture import _PHRASES, build_tokenizer
 
-from moeserve.detokenizer import IncrementalDetokenizer
+from moeserve.tokenizer import IncrementalDetokenizer
 
 REPLACEMENT = "\ufffd"
 

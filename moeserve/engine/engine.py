@@ -46,7 +46,8 @@ class LLMEngine:
     ) -> None:
         self.runner = runner
         self.tokenizer = tokenizer
-        cfg = scheduler or SchedulerConfig(max_num_seqs=runner.max_num_seqs, max_model_len=runner.max_model_len)
+        cfg = scheduler or SchedulerConfig(max_num_seqs=runner.max_num_seqs, max_model_len=runner.max_model_len,
+                                           block_size=runner.block_size)
         if cfg.max_num_seqs > runner.max_num_seqs or cfg.max_model_len > runner.max_model_len:
             raise ValueError("scheduler limits exceed the model runner's KV cache")
         self.proposer = proposer

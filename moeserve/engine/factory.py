@@ -11,8 +11,16 @@ import torch
 
 from model_shards.device import DEVICES, DTYPES, resolve_device, resolve_dtype
 from model_shards.kv_cache import PagedKVCache
-from model_shards.moe import RoutingConfig
-from moeserve.config import AppConfig, EngineSection, ModelSection, SpeculativeSection, default_of, resolve_path
+from moeserve.config import (
+    AppConfig,
+    EngineSection,
+    GrammarSection,
+    ModelSection,
+    RoutingSection,
+    SpeculativeSection,
+    default_of,
+    resolve_path,
+)
 from moeserve.engine.engine import LLMEngine
 from moeserve.engine.model_runner import ModelRunner
 from moeserve.engine.scheduler import SchedulerConfig
@@ -48,8 +56,8 @@ class EngineConfig:
     dtype: str = default_of(ModelSection, "dtype")  # auto: bfloat16 on a GPU, float32 on the CPU
     device: str = default_of(EngineSection, "device")  # auto | cpu | cuda
     compile: bool = default_of(EngineSection, "compile")
-    routing: RoutingConfig = field(default_factory=RoutingConfig)  # expert capacity and overflow
-    grammar: GrammarConfig = field(default_factory=GrammarConfig)  # structured output: JSON style, limits
+    routing: RoutingSection = field(default_factory=RoutingSection)  # expert capacity and overflow
+    grammar: GrammarConfig = field(default_factory=lambda: GrammarSection().grammar_config())  # JSON style, limits
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -90,7 +98,7 @@ class EngineConfig:
             dtype=cfg.model.dtype,
             device=e.device,
             compile=e.compile,
-            routing=RoutingConfig(**cfg.routing.model_dump()),
+            routing=cfg.routing,
             grammar=cfg.grammar.grammar_config(),
         )
 

@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from moeserve.config import AppConfig
-from moeserve.detokenizer import IncrementalDetokenizer
 from moeserve.engine.factory import EngineConfig, build_engine
 from moeserve.sampling_params import SamplingParams, TokenLogprob, TokenTrace
+from moeserve.tokenizer import IncrementalDetokenizer
 
 PROGRESS_FROM = 16  # show a progress bar for this many prompts or more
 

@@ -28,6 +28,7 @@ from model_shards import CausalLM
 from model_shards.block_manager import BlockManager
 from model_shards.kv_cache import PagedKVCache, StepBatch
 from model_shards.model import split_routing
+from moeserve.config import EngineSection, default_of
 
 # A forward pass costs about as much fixed overhead (per-op dispatch, one pass over every
 # weight) as this many extra token positions: the ratio of a pass's fixed cost to one position's
@@ -96,7 +97,8 @@ class ModelRunner:
     whenever the batch allows it; prefill and anything else stays eager."""
 
     def __init__(self, model: CausalLM, max_num_seqs: int, max_model_len: int, num_blocks: int = 0,
-                 block_size: int = 16, prefix_caching: bool = True, compile: bool = False) -> None:
+                 block_size: int = default_of(EngineSection, "block_size"),
+                 prefix_caching: bool = default_of(EngineSection, "prefix_caching"), compile: bool = False) -> None:
         cfg, w = model.config, model.lm_head.weight
         self.model = model
         self.max_num_seqs = max_num_seqs

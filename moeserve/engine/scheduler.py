@@ -18,17 +18,20 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from moeserve.config import EngineSection, default_of
 from moeserve.sequence import Sequence, SequenceStatus
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_seqs: int = 32  # running batch size (sequences at once)
-    max_num_batched_tokens: int = 2048  # prompt tokens in one prefill step (one prompt always fits)
-    max_model_len: int = 1024
-    kv_budget_tokens: int = 0  # KV-cache tokens for all running sequences; 0: max_num_seqs * max_model_len
+    max_num_seqs: int = default_of(EngineSection, "max_num_seqs")  # running batch size
+    # prompt tokens in one prefill step (one prompt always fits)
+    max_num_batched_tokens: int = default_of(EngineSection, "max_num_batched_tokens")
+    max_model_len: int = default_of(EngineSection, "max_model_len")
+    # KV-cache tokens for all running sequences; 0: max_num_seqs * max_model_len
+    kv_budget_tokens: int = default_of(EngineSection, "kv_budget_tokens")
     lookahead: int = 0  # tokens a sequence may add in one step beyond the next one (draft tokens)
-    block_size: int = 1  # KV is held in blocks of this many tokens (a paged cache); 1: per token
+    block_size: int = default_of(EngineSection, "block_size")  # KV is held in blocks of this many tokens
     # With prefix caching: of several waiting sequences with the same prompt (n choices), prefill
     # one; the others follow a step later and reuse its prompt blocks.
     share_prefill: bool = False

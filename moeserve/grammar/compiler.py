@@ -46,20 +46,19 @@ from moeserve.grammar.utf8 import second_byte_rows
 
 @dataclass(frozen=True)
 class GrammarConfig:
-    """Limits and output style of grammar compilation (the gateway's part of the config)."""
+    """Limits and output style of grammar compilation. The configurable ones come from the config
+    tree (moeserve/config.py's GrammarSection.grammar_config(), where their defaults are)."""
 
-    max_threads: int = 2  # xgrammar threads per compile; the reference machine has 2 cores
+    compile_timeout_s: float
+    max_spec_chars: int
+    # (", ", ": ") spaced JSON, (",", ":") compact: no whitespace at all between tokens. A weak model
+    # given `any_whitespace` spends tokens on spaces and newlines (a random model almost never stops).
+    separators: tuple[str, str]
+    max_threads: int = 2  # xgrammar threads per compile
     max_compiles_in_flight: int = 2  # compile jobs running at once (a runaway one holds a slot)
     cache_size: int = 256  # compiled grammars (and compile errors) kept, least recently used out
     # A schema with ~80 optional properties compiles to ~25 MB (JSONSchemaBench sp_0), so bound bytes too.
     cache_max_bytes: int = 512 * 1024 * 1024
-    # Room for the slowest real schema we know of (JSONSchemaBench sp_0) on a shared 2-core machine.
-    compile_timeout_s: float = 10.0
-    max_spec_chars: int = 256 * 1024  # the largest JSONSchemaBench schema is ~158 k characters
-    # Compact JSON: no whitespace at all between tokens. A weak model given `any_whitespace`
-    # spends tokens on spaces and newlines (a random model almost never stops); compact output
-    # is also what json.dumps(separators=(",", ":")) gives. (", ", ": ") is the spaced style.
-    separators: tuple[str, str] = (", ", ": ")
 
     def __post_init__(self) -> None:
         for name in ("max_threads", "max_compiles_in_flight", "cache_size", "cache_max_bytes", "max_spec_chars"):
@@ -115,10 +114,10 @@ class GrammarCompiler:
         tokenizer: PreTrainedTokenizerBase,
         vocab_size: int | None = None,
         *,
-        config: GrammarConfig | None = None,
+        config: GrammarConfig,
         stop_token_ids: Sequence[int] | None = None,
     ) -> None:
-        self.config = config or GrammarConfig()
+        self.config = config
         if vocab_size is not None and vocab_size < len(tokenizer):
             raise ValueError(f"vocab_size {vocab_size} is smaller than the tokenizer ({len(tokenizer)} tokens)")
         text_info = build_tokenizer_info(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)

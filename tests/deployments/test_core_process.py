@@ -10,8 +10,9 @@ import pytest
 
 from bench.tiny_checkpoint import save_tiny_checkpoint
 from deployments.engine_server import EngineServer, EngineServerConfig
-from deployments.frontend import Frontend, FrontendConfig, ServeRequest
+from deployments.frontend import Frontend, ServeRequest
 from deployments.metrics import GatewayMetrics
+from moeserve.config import AppConfig
 from moeserve.engine.factory import EngineConfig
 from moeserve.engine.llm import LLM
 from moeserve.grammar import GrammarSpec, check_output
@@ -22,6 +23,11 @@ from moeserve.tokenizer import load_tokenizer
 GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
 GREEDY_FIELDS = {"temperature": 0.0, "ignore_eos": True}  # GREEDY as a ServeRequest asks for it
 PROMPTS = ["order status please", "The bakery sells", "Hello my", "Tomorrow we"]
+
+def tree(model_name: str, max_model_len: int, **gateway) -> AppConfig:
+    """The config tree a frontend serving `model_name` takes (gateway: that section's settings)."""
+    return AppConfig.from_dict({"model": {"name": model_name}, "engine": {"max_model_len": max_model_len},
+                                "gateway": gateway})
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +51,7 @@ def expected(folder):
 
 
 def frontend(server: EngineServer, folder: str) -> Frontend:
-    return Frontend(FrontendConfig("tiny", 256), load_tokenizer(folder), server, GatewayMetrics())
+    return Frontend(tree("tiny", 256), load_tokenizer(folder), server, GatewayMetrics())
 
 
 async def stream_all(fe: Frontend, grammar=None, on_first=None) -> list[list]:

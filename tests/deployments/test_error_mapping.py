@@ -17,6 +17,7 @@ from deployments.metrics import GatewayMetrics
 from deployments.proto import generate_pb2 as pb
 from deployments.proto import generate_pb2_grpc as pb_grpc
 from moeserve import protocol
+from moeserve.config import AppConfig
 from moeserve.errors import ErrorCode, ServingError, as_serving_error
 
 
@@ -61,8 +62,7 @@ def test_http_answers_each_code_with_its_status_and_message(code):
 class FailingFrontend:
     """The serving layer as the gRPC server uses it, refusing every request with one code."""
 
-    class cfg:  # noqa: N801
-        model_name = "tiny"
+    cfg = AppConfig.from_dict({"model": {"name": "tiny"}})
 
     def __init__(self, code: ErrorCode) -> None:
         self.code, self.metrics = code, GatewayMetrics()

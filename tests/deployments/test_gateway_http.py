@@ -16,8 +16,9 @@ import torch
 from bench.tiny_checkpoint import MODEL_NAME, save_tiny_checkpoint
 from deployments.engine_server import EngineServer, EngineServerConfig
 from deployments.frontend import ServeRequest
-from deployments.gateway import Gateway, GatewayConfig
+from deployments.gateway import Gateway
 from model_shards import load_checkpoint
+from moeserve.config import AppConfig
 from moeserve.engine import LLMEngine, ModelRunner, SpecConfig
 from moeserve.grammar import GrammarSpec, check_output
 from moeserve.spec.ngram import NgramProposer
@@ -41,8 +42,9 @@ def _gateway(folder, max_len: int):
     engine = LLMEngine(ModelRunner(load_checkpoint(folder), 8, max_len), tokenizer, proposer=NgramProposer(),
                        spec=SpecConfig(num_tokens=3))
     server = EngineServer(EngineServerConfig(), engine=engine)
-    return server, Gateway(server, GatewayConfig(model_name=MODEL_NAME, model_path=str(folder), max_model_len=max_len,
-                                                 max_body_bytes=64 * 1024))
+    tree = AppConfig.from_dict({"model": {"name": MODEL_NAME, "path": str(folder)}, "engine": {"max_model_len": max_len},
+                                "gateway": {"grpc_port": None, "max_body_bytes": 64 * 1024}})
+    return server, Gateway(server, tree)
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +92,7 @@ def test_openai_completion_chat_and_streaming(gateway):
 
     comp, chat, chunks, again, models = asyncio.run(main())
     assert comp.choices[0].finish_reason in ("stop", "length") and comp.usage.completion_tokens <= 8
-    assert comp.usage.prompt_tokens == len(load_tokenizer(gateway.config.model_path).encode("The bakery sells"))
+    assert comp.usage.prompt_tokens == len(load_tokenizer(gateway.config.model.path).encode("The bakery sells"))
     assert chat.object == "chat.completion" and chat.choices[0].message.role == "assistant"
     assert chunks[0].choices[0].delta.role == "assistant"
     streamed = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
@@ -227,7 +229,7 @@ def test_tool_calls_required_and_named_streamed_and_not_then_a_round_trip(long_g
         jsonschema.validate(json.loads(entry["arguments"]), PRICE)
 
     ids = gateway.frontend.encode(ServeRequest(MODEL_NAME, messages=follow, tools=TOOLS))
-    prompt = load_tokenizer(gateway.config.model_path).decode(ids)
+    prompt = load_tokenizer(gateway.config.model.path).decode(ids)
     assert "<tool_response>" in prompt and call.function.name in prompt and "place_order" in prompt
     assert after.choices[0].message.role == "assistant"
 
@@ -392,7 +394,7 @@ def test_the_engine_guard_stops_a_refused_token_and_the_gateway_counts_it(gatewa
     """A sampler that ignores the grammar mask (a bug): the core's matcher refuses the token,
     the stream ends with a 500 naming the guard, and the refusal is counted."""
     tokenizer = gateway.frontend.tokenizer
-    engine = LLMEngine(ModelRunner(load_checkpoint(gateway.config.model_path), 2, MAX_LEN), tokenizer)
+    engine = LLMEngine(ModelRunner(load_checkpoint(gateway.config.model.path), 2, MAX_LEN), tokenizer)
     bang = tokenizer.encode("!")[0]
     monkeypatch.setattr(engine.sampler, "sample", lambda logits, *_, **__: torch.full((logits.shape[0],), bang))
     server = EngineServer(EngineServerConfig(), engine=engine)
@@ -436,13 +438,11 @@ class StalledEngine:
 
 
 def test_a_stalled_engine_times_out_instead_of_hanging(gateway, monkeypatch):
-    import dataclasses
-
     import deployments.frontend
 
     monkeypatch.setattr(deployments.frontend, "STALL_GRACE_S", 0.1)
     fe = gateway.frontend
-    cfg = dataclasses.replace(gateway.config, request_timeout_s=0.2)
+    cfg = gateway.config.with_overrides({"gateway": {"request_timeout_s": 0.2}})
     stalled = Gateway(StalledEngine(), cfg, tokenizer=fe.tokenizer)
     r = asyncio.run(asyncio.wait_for(_post(stalled, "/v1/completions", {"model": MODEL_NAME, "prompt": "x"}), 10))
     assert r.status_code == 504 and "no answer" in r.json()["error"]["message"]
@@ -487,8 +487,6 @@ def test_admin_experts_answers_without_the_router_service(gateway):
 def test_api_keys_http_and_grpc(gateway, monkeypatch):
     """With keys: 401 (HTTP) / UNAUTHENTICATED (gRPC) without a valid one, health and metrics
     open, keys from $MOESERVE_API_KEY too, and a key's concurrent-request limit answered 429."""
-    import dataclasses
-
     import grpc
 
     from deployments.grpc_server import start_grpc_server
@@ -496,7 +494,7 @@ def test_api_keys_http_and_grpc(gateway, monkeypatch):
     from deployments.proto import generate_pb2_grpc as pb_grpc
 
     monkeypatch.setenv("MOESERVE_API_KEY", "from-env, other")
-    cfg = dataclasses.replace(gateway.config, api_keys=("k1",), max_streams_per_key=1)
+    cfg = gateway.config.with_overrides({"gateway": {"api_keys": ["k1"], "max_streams_per_key": 1}})
     gw = Gateway(gateway.frontend.engine, cfg, tokenizer=gateway.frontend.tokenizer)
     body = {"model": MODEL_NAME, "prompt": "x", "max_tokens": 2}
 

@@ -9,11 +9,12 @@ import grpc
 import pytest
 
 from bench.tiny_tokenizer import build_tiny_tokenizer
-from deployments.frontend import Frontend, FrontendConfig
+from deployments.frontend import Frontend
 from deployments.grpc_server import start_grpc_server
 from deployments.metrics import GatewayMetrics
 from deployments.proto import generate_pb2 as pb
 from deployments.proto import generate_pb2_grpc as pb_grpc
+from moeserve.config import AppConfig
 from moeserve.protocol import ErrorCode, GenerateChunk, Usage, error_chunk
 from moeserve.sampling_params import TokenLogprob, TokenTrace
 
@@ -48,7 +49,7 @@ def frontend():
     tokenizer = build_tiny_tokenizer()
     engine = ScriptedEngine()
     engine.tokenizer = tokenizer
-    cfg = FrontendConfig("tiny", max_model_len=64)
+    cfg = AppConfig.from_dict({"model": {"name": "tiny"}, "engine": {"max_model_len": 64}})
     return Frontend(cfg, tokenizer, engine, GatewayMetrics())
 
 

@@ -11,8 +11,9 @@ from schemathesis.checks import not_a_server_error, response_schema_conformance,
 
 from bench.tiny_checkpoint import MODEL_NAME, save_tiny_checkpoint
 from deployments.engine_server import EngineServer, EngineServerConfig
-from deployments.gateway import Gateway, GatewayConfig
+from deployments.gateway import Gateway
 from model_shards import load_checkpoint
+from moeserve.config import AppConfig
 from moeserve.engine import LLMEngine, ModelRunner
 from moeserve.tokenizer import load_tokenizer
 
@@ -25,8 +26,9 @@ def api_schema(tmp_path_factory):
     tokenizer = load_tokenizer(folder)
     server = EngineServer(EngineServerConfig(), engine=LLMEngine(ModelRunner(load_checkpoint(folder), 4, MAX_LEN),
                                                                     tokenizer))
-    gateway = Gateway(server, GatewayConfig(model_name=MODEL_NAME, model_path=str(folder), max_model_len=MAX_LEN,
-                                            grpc_port=None, request_timeout_s=30))
+    gateway = Gateway(server, AppConfig.from_dict({"model": {"name": MODEL_NAME, "path": str(folder)},
+                                                   "engine": {"max_model_len": MAX_LEN},
+                                                   "gateway": {"grpc_port": None, "request_timeout_s": 30}}))
     yield schemathesis.openapi.from_asgi("/openapi.json", gateway.http_app)
     server.shutdown()
 

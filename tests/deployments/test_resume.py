@@ -10,9 +10,10 @@ import pytest
 
 from bench.tiny_checkpoint import save_tiny_checkpoint
 from deployments.engine_server import EngineServer, EngineServerConfig
-from deployments.frontend import Frontend, FrontendConfig, ServeRequest
+from deployments.frontend import Frontend, ServeRequest
 from deployments.metrics import GatewayMetrics
 from model_shards import load_checkpoint
+from moeserve.config import AppConfig
 from moeserve.engine import LLMEngine, ModelRunner
 from moeserve.engine.core import EngineCore
 from moeserve.errors import ErrorCode as ServingCode
@@ -23,6 +24,11 @@ from moeserve.sampling_params import SamplingParams
 from moeserve.tokenizer import load_tokenizer
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}  # and max_tokens 24
+
+def tree(model_name: str, max_model_len: int, **gateway) -> AppConfig:
+    """The config tree a frontend serving `model_name` takes (gateway: that section's settings)."""
+    return AppConfig.from_dict({"model": {"name": model_name}, "engine": {"max_model_len": max_model_len},
+                                "gateway": gateway})
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +84,7 @@ def run(folder, fail_at: int | None, grammar: GrammarSpec | None = None, retries
                                                                  tokenizer))
     metrics = GatewayMetrics()
     replica = DroppingReplica(server, fail_at) if fail_at else server
-    frontend = Frontend(FrontendConfig("tiny", 256, max_retries=retries), tokenizer, replica, metrics)
+    frontend = Frontend(tree("tiny", 256, max_retries=retries), tokenizer, replica, metrics)
 
     async def go():
         (prep,) = frontend.prepare(ServeRequest("tiny", "order status please", max_tokens=24, sampling=GREEDY,
@@ -132,7 +138,7 @@ def test_a_poisoned_request_fails_alone_and_its_neighbours_carry_on(folder):
 
     def serve(runner):
         server = EngineServer(EngineServerConfig(), engine=LLMEngine(runner, tokenizer))
-        frontend = Frontend(FrontendConfig("tiny", 256), tokenizer, server, GatewayMetrics())
+        frontend = Frontend(tree("tiny", 256), tokenizer, server, GatewayMetrics())
 
         async def one(ids):
             (prep,) = frontend.prepare(ServeRequest("tiny", ids, max_tokens=16, sampling=params), "t")

@@ -28,6 +28,7 @@ from scipy.stats import chi2
 
 from bench.tiny_checkpoint import save_tiny_checkpoint
 from model_shards import CausalLM, load_checkpoint
+from moeserve.config import GrammarSection
 from moeserve.engine import LLMEngine, ModelRunner, SchedulerConfig, SpecConfig
 from moeserve.engine import structured as structured_module
 from moeserve.engine.structured import StructuredConfig, StructuredOutput
@@ -60,7 +61,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 def setup(tmp_path_factory, one_torch_thread):
     folder = save_tiny_checkpoint(tmp_path_factory.mktemp("tiny-moe"))
     tokenizer = load_tokenizer(folder)
-    compiled = GrammarCompiler(tokenizer, len(tokenizer)).compile(GrammarSpec.regex(REGEX))
+    compiled = GrammarCompiler(tokenizer, len(tokenizer), config=GrammarSection().grammar_config()).compile(GrammarSpec.regex(REGEX))
     prompt = tokenizer.encode("Code: ")
     model = load_checkpoint(folder)
     laws = {m: plain_law(model, compiled, prompt, m) for m in BUDGETS}

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from model_shards.local_group import LocalShardGroup
+from moeserve.config import GrammarSection
 from moeserve.engine import LLMEngine
 from moeserve.engine.factory import EngineConfig, build_engine, demo_checkpoint
 from moeserve.grammar import GrammarCompiler, GrammarMatcher, check_output
@@ -67,7 +68,7 @@ class Matrix:
         if runner not in self.runs:
             with engine_on(runner) as engine:
                 if self.compiler is None:
-                    self.compiler = GrammarCompiler(engine.tokenizer, engine.runner.vocab_size)
+                    self.compiler = GrammarCompiler(engine.tokenizer, engine.runner.vocab_size, config=GrammarSection().grammar_config())
                 grammar = self.compiler.compile(SCHEMA_SPEC)
                 self.runs[runner] = run_matrix(engine, grammar, cut_every=CUT_EVERY[runner])
                 if runner == "compiled":

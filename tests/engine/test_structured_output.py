@@ -12,6 +12,7 @@ import pytest
 
 from bench.tiny_checkpoint import save_tiny_checkpoint
 from model_shards import load_checkpoint
+from moeserve.config import GrammarSection
 from moeserve.engine import LLMEngine, ModelRunner, SpecConfig
 from moeserve.engine.structured import StructuredConfig
 from moeserve.grammar import GrammarCompiler, GrammarMatcher, GrammarSpec, check_output
@@ -46,7 +47,7 @@ PROMPTS = ["Order: ", "The bakery sells", '{"item": "bread", "price": 3}']
 def tiny(tmp_path_factory):
     folder = save_tiny_checkpoint(tmp_path_factory.mktemp("tiny-moe"))
     tokenizer = load_tokenizer(folder)
-    return folder, tokenizer, GrammarCompiler(tokenizer, len(tokenizer))
+    return folder, tokenizer, GrammarCompiler(tokenizer, len(tokenizer), config=GrammarSection().grammar_config())
 
 
 def make_engine(folder, tokenizer, proposer=None, k=0, jump_forward=True) -> LLMEngine:
@@ -182,7 +183,7 @@ def test_unconstrained_rows_are_untouched_by_constrained_neighbours(tiny):
 
 def test_grammar_from_another_vocabulary_is_refused(tiny):
     folder, tokenizer, _ = tiny
-    other = GrammarCompiler(tokenizer, len(tokenizer) + 24)
+    other = GrammarCompiler(tokenizer, len(tokenizer) + 24, config=GrammarSection().grammar_config())
     engine = make_engine(folder, tokenizer)
     with pytest.raises(ValueError, match="compiled for"):
         engine.add_request("x", SamplingParams(), grammar=other.compile(SPECS["regex"]))

@@ -178,8 +178,8 @@ def test_padded_all_to_all_has_no_host_sync_and_replays_as_a_cuda_graph():
     import torch.distributed as dist
 
     from model_shards.all_to_all import AllToAllDispatch, init_shard_group
-    from model_shards.experts import LocalExperts
     from model_shards.local_group import free_port
+    from model_shards.moe import LocalExperts
     from router_service.placement import contiguous_placement
 
     torch.manual_seed(0)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from bench.tiny_tokenizer import MODEL_VOCAB, build_tiny_tokenizer
-from moeserve.grammar import GrammarCompiler, GrammarConfig
+from moeserve.config import GrammarSection
+from moeserve.grammar import GrammarCompiler
 
 
 @pytest.fixture(scope="session")
@@ -16,6 +17,6 @@ def tokenizer():
 @pytest.fixture(scope="session")
 def compiler(tokenizer):
     # compact JSON, as the cases here are written; the default (spaced) has its own test
-    c = GrammarCompiler(tokenizer, vocab_size=MODEL_VOCAB, config=GrammarConfig(separators=(",", ":")))
+    c = GrammarCompiler(tokenizer, vocab_size=MODEL_VOCAB, config=GrammarSection(json_style="compact").grammar_config())
     yield c
     c.close()

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import replace
 
 import pytest
 import torch
 
 from bench.tiny_tokenizer import MODEL_VOCAB
+from moeserve.config import GrammarSection
 from moeserve.grammar import (
     GrammarCompiler,
-    GrammarConfig,
     GrammarError,
     GrammarMatcher,
     GrammarSpec,
@@ -19,6 +20,7 @@ from moeserve.grammar import (
     allocate_bitmask,
 )
 
+DEFAULTS = GrammarSection().grammar_config()  # the config tree's
 SCHEMA = {"type": "object", "properties": {"id": {"type": "integer"}, "tags": {"type": "array", "items": {"type": "string"}}}}
 
 
@@ -30,7 +32,7 @@ def allowed_ids(matcher: GrammarMatcher, vocab: int) -> set[int]:
 
 
 def test_second_compile_is_a_fast_cache_hit(tokenizer):
-    compiler = GrammarCompiler(tokenizer, MODEL_VOCAB)
+    compiler = GrammarCompiler(tokenizer, MODEL_VOCAB, config=DEFAULTS)
     spec = GrammarSpec.json_schema(SCHEMA)
     t0 = time.perf_counter()
     first = compiler.compile(spec)
@@ -44,7 +46,7 @@ def test_second_compile_is_a_fast_cache_hit(tokenizer):
 
 
 def test_errors_are_cached_too(tokenizer):
-    compiler = GrammarCompiler(tokenizer, MODEL_VOCAB)
+    compiler = GrammarCompiler(tokenizer, MODEL_VOCAB, config=DEFAULTS)
     spec = GrammarSpec.regex("(unclosed")
     for _ in range(2):
         with pytest.raises(GrammarError, match="invalid regex"):
@@ -54,7 +56,7 @@ def test_errors_are_cached_too(tokenizer):
 
 
 def test_lru_is_bounded(tokenizer):
-    compiler = GrammarCompiler(tokenizer, MODEL_VOCAB, config=GrammarConfig(cache_size=2))
+    compiler = GrammarCompiler(tokenizer, MODEL_VOCAB, config=replace(DEFAULTS, cache_size=2))
     specs = [GrammarSpec.regex(f"a{{{n}}}") for n in range(1, 4)]
     for spec in specs:
         compiler.compile(spec)
@@ -66,7 +68,7 @@ def test_lru_is_bounded(tokenizer):
 
 
 def test_concurrent_requests_for_one_spec_compile_once(tokenizer):
-    compiler = GrammarCompiler(tokenizer, MODEL_VOCAB)
+    compiler = GrammarCompiler(tokenizer, MODEL_VOCAB, config=DEFAULTS)
     spec = GrammarSpec.regex("[a-z]{1,300}")
     results = []
     threads = [threading.Thread(target=lambda: results.append(compiler.compile(spec))) for _ in range(4)]
@@ -80,7 +82,7 @@ def test_concurrent_requests_for_one_spec_compile_once(tokenizer):
 
 
 def test_time_limit(tokenizer):
-    compiler = GrammarCompiler(tokenizer, MODEL_VOCAB, config=GrammarConfig(compile_timeout_s=0.05))
+    compiler = GrammarCompiler(tokenizer, MODEL_VOCAB, config=replace(DEFAULTS, compile_timeout_s=0.05))
     spec = GrammarSpec.json_schema({"type": "object", "properties": {f"p{i}": {"type": "string", "maxLength": 64} for i in range(12)}})
     release, compile_now = threading.Event(), compiler._compile_now
 
@@ -101,7 +103,7 @@ def test_time_limit(tokenizer):
 
 
 def test_size_limit(tokenizer):
-    compiler = GrammarCompiler(tokenizer, MODEL_VOCAB, config=GrammarConfig(max_spec_chars=100))
+    compiler = GrammarCompiler(tokenizer, MODEL_VOCAB, config=replace(DEFAULTS, max_spec_chars=100))
     with pytest.raises(GrammarError, match="limit is 100") as info:
         compiler.compile(GrammarSpec.regex("a" * 101))
     assert info.value.feature == "size"
@@ -127,18 +129,18 @@ def test_bad_grammars_carry_xgrammars_message(compiler, spec, message):
 
 def test_config_is_validated():
     with pytest.raises(ValueError, match="cache_size"):
-        GrammarConfig(cache_size=0)
+        replace(DEFAULTS, cache_size=0)
     with pytest.raises(ValueError, match="compile_timeout_s"):
-        GrammarConfig(compile_timeout_s=0)
+        replace(DEFAULTS, compile_timeout_s=0)
     with pytest.raises(ValueError, match="separators"):
-        GrammarConfig(separators=(";", "="))
+        replace(DEFAULTS, separators=(";", "="))
 
 
 def test_json_is_written_in_the_configured_style(tokenizer):
     schema = GrammarSpec.json_schema({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}},
                                       "required": ["a", "b"], "additionalProperties": False})
-    for config, good, bad in ((GrammarConfig(), '{"a": 1, "b": "x"}', '{"a":1,"b":"x"}'),
-                              (GrammarConfig(separators=(",", ":")), '{"a":1,"b":"x"}', '{"a": 1, "b": "x"}')):
+    for config, good, bad in ((DEFAULTS, '{"a": 1, "b": "x"}', '{"a":1,"b":"x"}'),
+                              (GrammarSection(json_style="compact").grammar_config(), '{"a":1,"b":"x"}', '{"a": 1, "b": "x"}')):
         compiler = GrammarCompiler(tokenizer, MODEL_VOCAB, config=config)
         for text, ok in ((good, True), (bad, False)):
             matcher = GrammarMatcher(compiler.compile(schema))
@@ -175,7 +177,7 @@ def test_regex_grammars_may_use_newlines(compiler, tokenizer):
 
 
 def test_custom_stop_tokens(tokenizer):
-    compiler = GrammarCompiler(tokenizer, MODEL_VOCAB, stop_token_ids=[tokenizer.pad_token_id])
+    compiler = GrammarCompiler(tokenizer, MODEL_VOCAB, config=DEFAULTS, stop_token_ids=[tokenizer.pad_token_id])
     matcher = GrammarMatcher(compiler.compile(GrammarSpec.choice(["yes"])))
     matcher.accept_tokens(tokenizer.encode("yes"))
     assert not matcher.accept_token(tokenizer.eos_token_id)

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model_shards import RoutingConfig, load_checkpoint
+from model_shards import load_checkpoint
 from model_shards.local_group import LocalShardGroup
+from moeserve.config import RoutingSection
 from moeserve.engine import LLMEngine, ModelRunner
 from moeserve.engine.model_runner import Row
 from moeserve.sampling_params import SamplingParams
@@ -84,7 +85,7 @@ def test_live_replacement_between_steps_is_exact(ckpt):
 def test_capacity_policies_equal_reference_with_same_decisions(ckpt, overflow):
     """With data-parallel attention each rank applies capacity to its own tokens; the reference
     makes the same decisions when it runs each rank's sequences as its own batch."""
-    routing = RoutingConfig(overflow=overflow, capacity_factor=0.5 if overflow == "drop" else 1.0, min_capacity=1)
+    routing = RoutingSection(overflow=overflow, capacity_factor=0.5 if overflow == "drop" else 1.0, min_capacity=1)
     ps = prompts(4, seed=9)
     ref_model = load_checkpoint(ckpt)
     ref_model.set_routing(routing)
@@ -116,9 +117,8 @@ def test_all_to_all_dispatch_equals_local_dispatch():
     import torch.distributed as dist
 
     from model_shards.all_to_all import AllToAllDispatch, init_shard_group
-    from model_shards.dispatch import LocalDispatch
-    from model_shards.experts import LocalExperts
     from model_shards.local_group import free_port
+    from model_shards.moe import LocalDispatch, LocalExperts
     from router_service.placement import contiguous_placement
 
     g = torch.Generator().manual_seed(0)

@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model_shards import experts as experts_mod
-from model_shards.experts import LocalExperts, grouped_mm_supported
+from model_shards import moe as experts_mod
+from model_shards.moe import LocalExperts, grouped_mm_supported
 
 
 def make_experts(num: int = 4, hidden: int = 16, inter: int = 12, dtype=torch.float32) -> LocalExperts:

@@ -11,9 +11,8 @@ import torch.multiprocessing as mp
 
 from model_shards import load_checkpoint
 from model_shards.all_to_all import AllToAllDispatch, init_shard_group
-from model_shards.dispatch import LocalDispatch
-from model_shards.experts import LocalExperts
 from model_shards.local_group import LocalShardGroup, free_port, load_shard
+from model_shards.moe import LocalDispatch, LocalExperts
 from moeserve.engine import LLMEngine, ModelRunner
 from moeserve.sampling_params import SamplingParams
 from router_service.placement import Placement, contiguous_placement

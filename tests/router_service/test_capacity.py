@@ -64,14 +64,14 @@ def _gates(num_tokens, num_experts, k, style="mixtral", ties=False, seed=0):
 
 
 def test_expert_capacity_formula():
-    assert expert_capacity(64, 8, 2, 1.0) == 16
-    assert expert_capacity(64, 8, 2, 1.25) == 20
-    assert expert_capacity(10, 3, 1, 1.0) == 4  # ceil(3.33) = 4
+    assert expert_capacity(64, 8, 2, 1.0, min_capacity=0) == 16
+    assert expert_capacity(64, 8, 2, 1.25, min_capacity=0) == 20
+    assert expert_capacity(10, 3, 1, 1.0, min_capacity=0) == 4  # ceil(3.33) = 4
     assert expert_capacity(10, 3, 1, 1.0, min_capacity=5) == 5
     assert expert_capacity(1, 64, 2, 1.0, min_capacity=0) == 1
     # 1.1 * 100 tokens * 2 / 4 experts is exactly 55; in floats it is 55.00000000000001 and would round up
     assert 1.1 * 100 * 2 / 4 > 55 and expert_capacity(100, 4, 2, 1.1, min_capacity=0) == 55
-    for field, args in [("capacity_factor", (8, 4, 2, 0.0)), ("min_capacity", (8, 4, 2, 1.0, -1))]:
+    for field, args in [("capacity_factor", (8, 4, 2, 0.0, 4)), ("min_capacity", (8, 4, 2, 1.0, -1))]:
         with pytest.raises(ValueError, match=field):
             expert_capacity(*args)
 

@@ -100,7 +100,7 @@ def test_router_service_never_imports_torch_distributed():
     """The plan only describes the all-to-all: no torch.distributed here (tests/test_layering.py covers Ray)."""
     package = Path(__file__).resolve().parents[2] / "router_service"
     files = sorted(package.glob("*.py"))
-    assert len(files) >= 6
+    assert package / "gating.py" in files and package / "dispatch_plan.py" in files  # the glob found the package
     for path in files:
         for node in ast.walk(ast.parse(path.read_text())):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
