@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
+from moeserve.config import EngineSection, default_of
 from moeserve.protocol import DraftCall
 from moeserve.spec.proposer import Proposal, ProposalRequest
 
@@ -35,8 +36,8 @@ class DraftServerConfig:
     cpus: pin the worker process to these CPU ids (None: wherever the OS puts it)."""
 
     model_path: str
-    max_num_seqs: int = 64
-    max_model_len: int = 1024
+    max_num_seqs: int = default_of(EngineSection, "max_num_seqs")
+    max_model_len: int = default_of(EngineSection, "max_model_len")
     greedy: bool = True
     torch_threads: int | None = None
     device: str = "auto"  # the draft's own GPU when the replica has one (ray_actor_options num_gpus)

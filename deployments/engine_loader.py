@@ -41,14 +41,17 @@ class EngineServerConfig:
     torch_threads: int | None = default_of(EngineSection, "torch_threads")
     # Off unless the app config turns it on (engine.expert_load_report_s): reporting needs Ray.
     report_expert_load_s: float = 0.0
-    # 0: every step's tokens are a chunk; the app config's engine.stream_interval_s coalesces them.
-    stream_interval_s: float = 0.0
+    # None: every step's tokens are a chunk (an engine server built in-process); the app config's
+    # engine.stream_interval_s coalesces them.
+    stream_interval_s: float | None = None
     stream_interval_max_s: float | None = None  # the interval with a full batch (None: stream_interval_s)
     core_process: bool = default_of(EngineSection, "core_process")
     live_replacement: bool = default_of(ShardsSection, "live_replacement")
     replacement_min_gain: float = default_of(ShardsSection, "replacement_min_gain")
 
     def __post_init__(self) -> None:
+        if self.stream_interval_s is None:
+            object.__setattr__(self, "stream_interval_s", 0.0)
         top = self.stream_interval_max_s
         if self.stream_interval_s < 0 or (top is not None and top < self.stream_interval_s):
             raise ValueError(f"need 0 <= stream_interval_s <= stream_interval_max_s, got "

@@ -34,6 +34,7 @@ import torch
 
 from model_shards import CausalLM, StepBatch
 from model_shards.block_manager import OutOfBlocks
+from moeserve.config import EngineSection, default_of
 from moeserve.engine.draft_rows import DraftBatch, DraftRow, DraftSeq, common_prefix
 from moeserve.engine.model_runner import ModelRunner, Row, forward_last
 from moeserve.sampler import Sampler, keyed_sample, random_sample
@@ -65,12 +66,12 @@ class DraftModelProposer(Proposer):
     def __init__(
         self,
         model: CausalLM | str | os.PathLike,
-        max_num_seqs: int = 32,
-        max_model_len: int = 1024,
+        max_num_seqs: int = default_of(EngineSection, "max_num_seqs"),
+        max_model_len: int = default_of(EngineSection, "max_model_len"),
         greedy: bool = True,
         num_blocks: int = 0,
-        block_size: int = 16,
-        prefix_caching: bool = True,
+        block_size: int = default_of(EngineSection, "block_size"),
+        prefix_caching: bool = default_of(EngineSection, "prefix_caching"),
         compile: bool = False,
     ) -> None:
         if not isinstance(model, CausalLM):

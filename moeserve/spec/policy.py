@@ -2,9 +2,9 @@
 
 With per-token acceptance alpha, k drafts yield (1 - alpha^(k+1)) / (1 - alpha) tokens per target
 pass, but cost k draft steps and k + 1 verified positions. `AdaptiveK` picks the k with the most
-expected tokens per second from each sequence's running acceptance and the step costs measured
-per batch-size bucket (`StepCostMeter`: at one row a pass is nearly all fixed cost, at 32 rows
-k + 1 positions cost nearly k + 1 passes). The model leaves things out (under a JSON schema the
+expected tokens per second from each sequence's acceptance and the step costs measured per batch
+size bucket (`StepCostMeter`: one row's pass is nearly all fixed cost, 32 rows' k + 1 positions
+cost nearly k + 1 passes). The model leaves things out (under a JSON schema the
 pass also carries forced text), so `PayGuard` refuses drafting where whole steps with drafts
 emitted fewer tokens per second than plain ones (bench/reports/spec_batch_sweep.md, JSON rows).
 """
@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+
+from moeserve.config import SpeculativeSection, default_of
 
 MAX_BACKOFF = 16  # a recheck that does not pay doubles its interval, up to this many times
 
@@ -30,7 +32,7 @@ class SpecConfig:
     num_tokens: int = 4
     adaptive: bool = False
     refit_every: int = 16
-    disable_by_batch_size: int = 0
+    disable_by_batch_size: int = default_of(SpeculativeSection, "disable_by_batch_size")
 
     def __post_init__(self) -> None:
         if not 0 <= self.num_tokens <= 16 or self.refit_every < 1 or self.disable_by_batch_size < 0:
