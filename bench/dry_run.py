@@ -39,7 +39,6 @@ from __future__ import annotations
 import contextlib
 import json
 import sys
-import tempfile
 import traceback
 import weakref
 from dataclasses import dataclass, field
@@ -51,7 +50,7 @@ import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import model_shards.loader as loader
+from bench.fake_checkpoint import DTYPE, load_rank
 from bench.scale_model import HARDWARE, Layout, Shape, step
 from model_shards.all_to_all import AllToAllDispatch
 from model_shards.config import ModelConfig
@@ -64,12 +63,10 @@ from router_service.placement import contiguous_placement
 
 SHAPES = Path(__file__).resolve().parent / "shapes"
 NOT_YET = {"deepseek-v3": "DeepSeek-V3 (multi-head latent attention, sigmoid gating) does not load yet"}
-DTYPE = torch.bfloat16
 aten = torch.ops.aten
 # ops whose output size is the data's: a GPU copies a count to the host to size them
-DATA_DEPENDENT = {aten.nonzero.default, aten.masked_select.default, aten.bincount.default,
-                  aten._unique2.default, aten.unique_consecutive.default, aten.unique_dim.default,
-                  aten.repeat_interleave.Tensor}
+DATA_DEPENDENT = {aten.nonzero, aten.masked_select, aten.bincount, aten._unique2, aten.unique_consecutive,
+                  aten.unique_dim, aten.repeat_interleave}
 READS = {aten._local_scalar_dense.default, aten.item.default, aten.is_nonzero.default}
 MATMULS = {aten.mm.default, aten.bmm.default, aten.addmm.default, aten.baddbmm.default, aten._grouped_mm.default,
            aten.linear.default, aten.matmul.default}
@@ -123,7 +120,8 @@ class PassAudit(TorchDispatchMode):
         if func in MATMULS and len({t.dtype for t in inputs if t.is_floating_point()}) > 1:
             self._defect(f"{func} mixes dtypes {sorted(str(t.dtype) for t in inputs)}")
         to_host = func.overloadpacket in COPIES and _to_cpu(args[1:], kwargs)
-        if on_meta and (func in READS or func in DATA_DEPENDENT or to_host):
+        sized_by_data = func.overloadpacket in DATA_DEPENDENT and kwargs.get("output_size") is None
+        if on_meta and (func in READS or sized_by_data or to_host):
             value = self.answer(func, args[0]) if self.answer is not None else None
             if getattr(value, "is_handoff", False):
                 self.handoffs += 1
@@ -190,64 +188,6 @@ def experts_grouped_on_gpu(x: torch.Tensor, w: torch.Tensor) -> bool:
     """`grouped_mm_supported` as on a compute-capability 9.x GPU, for `meta` tensors standing in
     for it: bf16 operands whose rows are 16-byte aligned."""
     return x.dtype == w.dtype == torch.bfloat16 and all(s * x.element_size() % 16 == 0 for s in w.shape[-2:])
-
-
-# ---- the fake checkpoint ------------------------------------------------------------------------
-def checkpoint_index(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """Every tensor name of the HF checkpoint (per-expert layout) with its shape and dtype."""
-    d, kv, q = cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, cfg.num_heads * cfg.head_dim
-    index = {"model.embed_tokens.weight": (cfg.vocab_size, d), "model.norm.weight": (d,),
-             "lm_head.weight": (cfg.vocab_size, d)}
-    mixtral = cfg.family == "mixtral"
-    experts = "block_sparse_moe.experts.{e}.{w}.weight" if mixtral else "mlp.experts.{e}.{w}_proj.weight"
-    names = ("w1", "w3", "w2") if mixtral else ("gate", "up", "down")
-    i = cfg.moe_intermediate_size
-    for n in range(cfg.num_layers):
-        p = f"model.layers.{n}"
-        index |= {f"{p}.self_attn.q_proj.weight": (q, d), f"{p}.self_attn.k_proj.weight": (kv, d),
-                  f"{p}.self_attn.v_proj.weight": (kv, d), f"{p}.self_attn.o_proj.weight": (d, q),
-                  f"{p}.input_layernorm.weight": (d,), f"{p}.post_attention_layernorm.weight": (d,)}
-        if cfg.qk_norm == "head":
-            index |= {f"{p}.self_attn.q_norm.weight": (cfg.head_dim,), f"{p}.self_attn.k_norm.weight": (cfg.head_dim,)}
-        gate = f"{p}.block_sparse_moe.gate.weight" if mixtral else f"{p}.mlp.gate.weight"
-        index[gate] = (cfg.num_experts, d)
-        for e in range(cfg.num_experts):
-            for name, shape in zip(names, ((i, d), (i, d), (d, i))):
-                index[f"{p}.{experts.format(e=e, w=name)}"] = shape
-    return {name: (shape, DTYPE) for name, shape in index.items()}
-
-
-class FakeTensors:
-    """The loader's safetensors reader over a checkpoint index: each tensor read is an empty
-    `meta` tensor of its shape and dtype (`loader._Tensors`'s interface)."""
-
-    def __init__(self, index: dict) -> None:
-        self.index, self.bytes_read = index, 0
-
-    def __contains__(self, name: str) -> bool:
-        return name in self.index
-
-    def get(self, name: str, rows=None) -> torch.Tensor:
-        shape, dtype = self.index[name]
-        t = torch.empty(shape, dtype=dtype, device="meta")
-        t = t if rows is None else t[list(rows)]
-        self.bytes_read += t.numel() * t.element_size()
-        return t
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return self.index[name][0]
-
-    def file(self, name: str) -> str:
-        return "model.safetensors (fake index)"
-
-
-def load_rank(hf: dict, experts: tuple[int, ...]) -> torch.nn.Module:
-    """`load_checkpoint` of this rank's experts, in bf16 on `meta`, from the fake index."""
-    cfg = ModelConfig.from_hf(hf, source="shape")
-    with tempfile.TemporaryDirectory() as folder:
-        (Path(folder) / "config.json").write_text(json.dumps(hf))
-        with mock.patch.object(loader, "_Tensors", lambda _: FakeTensors(checkpoint_index(cfg))):
-            return loader.load_checkpoint(folder, DTYPE, experts=experts, device="meta")
 
 
 # ---- the run ------------------------------------------------------------------------------------
