@@ -10,6 +10,7 @@ the fraction of it reached (expert coverage as measured by the router in the tim
     python -m bench.gpu                      # on a GPU machine: one command, a few minutes
     python -m bench.gpu --layers 16 --context 2048 --hbm-tbps 4.8
     python -m bench.gpu --smoke              # a tiny shape on the CPU: checks the script runs
+    python -m bench.gpu --dry-run --model qwen3-30b-a3b --gpus 8   # full size on `meta`, no GPU (bench/dry_run.py)
 """
 
 from __future__ import annotations
@@ -94,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shape", default=str(SHAPES / "mixtral-8x7b.json"), help="an HF config.json")
     ap.add_argument("--layers", type=int, default=8, help="decoder layers (Mixtral has 32: 8 fit one GPU with room)")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 64])
-    ap.add_argument("--context", type=int, default=512, help="tokens cached per row before decoding")
+    ap.add_argument("--context", type=int, default=None,
+                    help="tokens cached per row before decoding (default 512; --dry-run: 2048, its KV budget per row)")
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--warmup", type=int, default=4, help="untimed steps first (compiles the graphs it needs)")
     ap.add_argument("--device", default="auto")
@@ -103,7 +105,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hbm-tbps", type=float, default=None, help="memory bandwidth (default: by GPU name)")
     ap.add_argument("--smoke", action="store_true", help="a tiny shape on the CPU, a few steps")
     ap.add_argument("--name", default=None, help="report name (default: gpu, or gpu-smoke)")
+    ap.add_argument("--dry-run", action="store_true", help="the full model on `meta`: devices, dtypes, host syncs, memory")
+    ap.add_argument("--model", default="mixtral-8x7b", help="with --dry-run: mixtral-8x7b, qwen3-30b-a3b or deepseek-v3")
+    ap.add_argument("--gpus", type=int, default=8, help="with --dry-run: ranks of the layout (experts split over them)")
+    ap.add_argument("--batch", type=int, default=64, help="with --dry-run: sequences per GPU (the KV budget)")
     args = ap.parse_args(argv)
+    if args.dry_run:
+        from bench import dry_run
+
+        print(dry_run.report(dry_run.dry_run(args.model, args.gpus, args.batch, args.context or 2048)))
+        return 0
+    args.context = args.context or 512
     from model_shards.device import resolve_device, resolve_dtype
 
     shape = json.loads(Path(args.shape).read_text())

@@ -73,7 +73,9 @@ class StepBatch:
     q_lens:      [B] valid query tokens in each row (<= Tq; the rest is padding)
 
     `prepare(Tq)` builds the pass's index tensors once for every layer (a compiled step builds
-    the same PagedIndex inside its graph).
+    the same PagedIndex inside its graph). `known`, set by `build` from the host's lists: the
+    shortest row's q_len and whether every row starts at 0, so `prepare` reads nothing back
+    from the device (else it reads both: two host syncs a pass on a GPU).
     """
 
     block_table: torch.Tensor
@@ -84,6 +86,7 @@ class StepBatch:
     pos: torch.Tensor | None = None  # [B, Tq] absolute position of each query token
     valid_mask: torch.Tensor | None = None  # [B, Tq] False at padding (None: no padding)
     index: PagedIndex | None = None
+    known: tuple[int, bool] | None = None
 
     @classmethod
     def build(cls, tables: list[list[int]], start: list[int], q_lens: list[int], block_size: int,
@@ -94,7 +97,7 @@ class StepBatch:
         width = max(max(map(len, tables)), -(-(max(start) + tq) // block_size))
         table = torch.tensor([t + [SCRATCH] * (width - len(t)) for t in tables], dtype=torch.long, device=device)
         as_long = lambda v: torch.tensor(v, dtype=torch.long, device=device)  # noqa: E731
-        return cls(table, as_long(start), as_long(q_lens), block_size)
+        return cls(table, as_long(start), as_long(q_lens), block_size, known=(min(q_lens), not any(start)))
 
     def prepare(self, tq: int) -> StepBatch:
         if self.tq == tq and self.index is not None:
@@ -103,9 +106,9 @@ class StepBatch:
         steps = torch.arange(tq, device=self.start.device)
         self.pos = self.start[:, None] + steps  # [B, Tq]
         valid = steps[None, :] < self.q_lens[:, None]  # [B, Tq]
-        self.valid_mask = None if bool(valid.all()) else valid
+        shortest, fresh = self.known or (int(self.q_lens.min()), not bool(self.start.any()))
+        self.valid_mask = None if shortest >= tq else valid
         # Padding is on the right, so with no cached prefix a causal mask is exact for every real token.
-        fresh = not bool(self.start.any())
         self.index = paged_index(self.block_table, self.pos, valid, self.block_size, fresh)
         return self
 

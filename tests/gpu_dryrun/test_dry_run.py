@@ -1,0 +1,112 @@
+"""The GPU dry run (bench/dry_run.py): both shipped shapes at full size on `meta`, through load,
+prefill, decode and verify of an expert-parallel rank; zero host syncs in decode and verify on
+the padded all-to-all; memory per GPU within 5% of bench.scale_model; and negative controls: a
+tensor made on the CPU, a dtype mix and a host sync each fail the run, saying where."""
+
+from __future__ import annotations
+
+from unittest import mock
+
+import pytest
+import torch
+
+from bench import dry_run
+from model_shards.config import ModelConfig
+from model_shards.kv_cache import StepBatch
+from model_shards.model import DecoderLayer
+from model_shards.moe import MoEBlock
+
+
+@pytest.fixture(scope="module", params=[("mixtral-8x7b", 8), ("qwen3-30b-a3b", 8), ("qwen3-30b-a3b", 1)])
+def result(request):
+    name, gpus = request.param
+    return dry_run.dry_run(name, gpus=gpus, batch=64 if gpus > 1 else 8, context=2048 if gpus > 1 else 512)
+
+
+def test_decode_and_verify_have_no_host_sync(result):
+    assert result.syncs["decode"] == 0 and result.syncs["verify"] == 0
+    moe_layers = sum(ModelConfig.from_hf(dry_run.shape_of(result.model)).sparse_layers)
+    assert result.syncs["prefill"] == 2 * moe_layers  # the exact all-to-all's two reads a layer, answered
+
+
+def test_memory_agrees_with_the_scale_model(result):
+    for part, ratio in result.agreement().items():
+        assert abs(ratio - 1) <= 0.05, (part, ratio)
+    assert result.loaded == result.weights  # the loader read exactly this rank's tensors
+    assert 0 < result.workspace["decode"] <= result.workspace["prefill"]
+
+
+def test_report_says_passed(result):
+    text = dry_run.report(result)
+    assert "passed" in text and "KV cache" in text and "workspace" in text
+
+
+def _small(**kw):
+    return dry_run.dry_run("qwen3-30b-a3b", gpus=8, batch=4, context=128, prompt=80, **kw)  # prefill: the exact layout
+
+
+def test_a_tensor_made_on_the_cpu_fails_the_run():
+    real = DecoderLayer.attend
+
+    def misplaced(self, x, rope, kv, index, qkv=None):
+        x, h = real(self, x, rope, kv, index, qkv)
+        return x + torch.zeros(x.shape[-1], dtype=x.dtype), h  # no device: lands on the CPU
+
+    with mock.patch.object(DecoderLayer, "attend", misplaced), pytest.raises(RuntimeError, match="cpu"):
+        _small()
+
+
+def test_a_cpu_index_into_a_device_tensor_fails_a_decode_pass():
+    # meta (like CUDA) accepts a CPU index tensor; in a decode pass the dry run refuses it
+    real = MoEBlock.after_gating
+
+    def cpu_index(self, x, gates, shared):
+        return real(self, x[torch.arange(x.shape[0])], gates, shared)
+
+    with mock.patch.object(MoEBlock, "after_gating", cpu_index), \
+            pytest.raises(dry_run.DryRunError, match="decode: .* made a tensor on the CPU"):
+        _small()
+
+
+def test_a_dtype_mix_fails_the_run():
+    real = MoEBlock.forward
+
+    def upcast(self, x):
+        return real(self, x.float()).to(x.dtype)  # the router's matmul: fp32 input, bf16 weight
+
+    with mock.patch.object(MoEBlock, "forward", upcast), pytest.raises(dry_run.DryRunError, match="mixes dtypes"):
+        _small()
+
+
+def test_a_host_sync_in_decode_fails_the_run():
+    real = DecoderLayer.attend
+
+    def reads_back(self, x, rope, kv, index, qkv=None):
+        if x.shape[1] == 1 and bool(x.isnan().any()):  # a decode-only check that reads a value on the host
+            raise ValueError("nan")
+        return real(self, x, rope, kv, index, qkv)
+
+    with mock.patch.object(DecoderLayer, "attend", reads_back), \
+            pytest.raises(dry_run.DryRunError, match=r"decode: host sync .*model\.py"):
+        _small()
+
+
+def test_experts_without_the_grouped_kernel_sync():
+    # a GPU without torch's grouped GEMM sizes each expert's rows on the host
+    with mock.patch.object(dry_run, "experts_grouped_on_gpu", lambda x, w: False), \
+            pytest.raises(dry_run.DryRunError, match=r"host sync .*(experts|moe)\.py"):
+        _small()
+
+
+def test_step_batch_from_device_tensors_reads_back_but_from_host_lists_does_not():
+    on = dict(block_size=16, device="meta")
+    with dry_run.PassAudit("decode", True, None):
+        StepBatch.build([[1, 2]], [17], [1], **on).prepare(1)
+    start = torch.tensor([17], device="meta")
+    with dry_run.PassAudit("decode", True, None), pytest.raises(dry_run.DryRunError, match="host sync"):
+        StepBatch(torch.tensor([[1, 2]], device="meta"), start, torch.ones_like(start), 16).prepare(1)
+
+
+def test_deepseek_v3_is_not_supported_yet():
+    with pytest.raises(SystemExit, match="not supported yet"):
+        dry_run.dry_run("deepseek-v3")
