@@ -228,8 +228,7 @@ class _Acceptance:
         self.trials *= decay
 
     def update(self, num_proposed: int, num_accepted: int, decay: float, cut: bool = False) -> None:
-        # Each accepted token is a trial that succeeded; the first rejection (or a cut, which ends
-        # a pass as a rejection does) one that failed; drafts after it were never tried.
+        # Accepted tokens are trials that succeeded; the first rejection (or cut) one that failed.
         self.age(decay)
         self.accepted += num_accepted
         self.trials += num_accepted + (1 if num_accepted < num_proposed or cut else 0)
