@@ -32,8 +32,7 @@ def fresh_dynamo():
 
 
 def cache_of(model) -> PagedKVCache:
-    c = model.config
-    return PagedKVCache(c.num_layers, BLOCKS, BS, c.num_kv_heads, c.head_dim)
+    return PagedKVCache.for_model(model.config, BLOCKS, BS)
 
 
 def batch(rows: list[int], start: list[int], q_lens: list[int]) -> StepBatch:
