@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from bench.scale_model import load_shape
 from model_shards import PagedKVCache, StepBatch, load_checkpoint
 from model_shards.config import ModelConfig
 from model_shards.layers import gather_blocks, write_entries
@@ -40,6 +41,7 @@ def test_full_size_config_loads_with_its_latent_cache_entry():
     bf16 = torch.bfloat16
     assert PagedKVCache.block_bytes(cfg, 16, bf16) == 576 * 61 * 16 * 2
     assert PagedKVCache.block_bytes(cfg, 16, bf16) / (per_head * 61 * 16 * 2) == 576 / per_head
+    assert load_shape("deepseek-v3").kv_per_token == 576  # the scale model plans the engine's layout
 
 
 @pytest.mark.parametrize("change, field", [
