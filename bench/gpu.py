@@ -58,7 +58,8 @@ def bytes_per_step(model, batch: int, context: int, experts_touched: float) -> d
     expert /= max(cfg.num_experts, 1)  # one expert of one layer
     dense = sum(p.numel() for n, p in model.named_parameters() if ".experts." not in n)
     dense -= model.model.embed_tokens.weight.numel()  # only `batch` rows of the embedding are read
-    kv = batch * context * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim
+    parts, heads, dim = cfg.kv_entry
+    kv = batch * context * cfg.num_layers * parts * heads * dim
     return {"dense": dense * size, "experts": expert * experts_touched * cfg.num_layers * size, "kv": kv * size}
 
 

@@ -31,6 +31,8 @@ import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from model_shards.config import ModelConfig
+
 SHAPES = Path(__file__).resolve().parent / "shapes"
 CPU_PROFILE = Path(__file__).resolve().parent / "reports" / "scale_model_cpu.json"
 DOCS = Path(__file__).resolve().parent.parent / "docs"
@@ -64,17 +66,17 @@ class Shape:
         dense_layers = cfg.get("first_k_dense_replace", 0) + len(cfg.get("mlp_only_layers") or [])
         shared = cfg.get("n_shared_experts") or 0
         shared_params = 3 * d * moe_inter * shared + 3 * d * cfg.get("shared_expert_intermediate_size", 0)
+        parts, kv_heads, dim = ModelConfig.from_hf(cfg, source=name).kv_entry  # the engine's cache entry
         if "kv_lora_rank" in cfg:  # multi-head latent attention (DeepSeek-V2/V3), weights absorbed at decode
             q_lora, kv_lora, rope = cfg["q_lora_rank"], cfg["kv_lora_rank"], cfg["qk_rope_head_dim"]
             nope, v = cfg["qk_nope_head_dim"], cfg["v_head_dim"]
             attn = d * q_lora + q_lora * heads * (nope + rope) + d * (kv_lora + rope) + kv_lora * heads * (nope + v)
             attn += heads * v * d
-            kv, per_key = kv_lora + rope, 2 * heads * (2 * kv_lora + rope)
+            per_key = 2 * heads * (2 * kv_lora + rope)
         else:  # grouped-query attention
-            head_dim = cfg.get("head_dim") or d // heads
-            kv_heads = cfg.get("num_key_value_heads") or heads
-            attn = 2 * d * heads * head_dim + 2 * d * kv_heads * head_dim
-            kv, per_key = 2 * kv_heads * head_dim, 4 * heads * head_dim
+            attn = 2 * d * heads * dim + 2 * d * kv_heads * dim
+            per_key = 4 * heads * dim
+        kv = parts * kv_heads * dim
         return cls(name=name, hidden=d, layers=layers, moe_layers=layers - dense_layers, experts=experts,
                    top_k=cfg["num_experts_per_tok"], expert_params=3 * d * moe_inter, shared_params=shared_params,
                    dense_mlp_params=3 * d * cfg["intermediate_size"], attn_params=attn, kv_per_token=kv,

@@ -46,7 +46,7 @@ from torch import nn
 from model_shards.kv_cache import PagedKVCache, paged_index
 from model_shards.model import CausalLM
 from model_shards.moe import LocalDispatch
-from router_service.gating import Gates, topk_gate
+from router_service.gating import Gates
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +79,8 @@ class CompiledStep:
         self._qkv: list | None = None  # per layer: q, k and v weights stacked (CPU graphs)
         if not self.static:
             # q, k and v as one matmul a layer (a copy of those weights): one larger matmul for three small ones
-            self._qkv = [layer.self_attn.stacked_qkv() for layer in model.model.layers]
+            if not model.config.is_mla:
+                self._qkv = [layer.self_attn.stacked_qkv() for layer in model.model.layers]
             # the C++ wrapper calls the kernels without the Python one's per-buffer checks and views
             # (a cost per call, so it counts most at small batches, whose steps are short)
             options = {"cpp_wrapper": True} if backend == "inductor" else None
@@ -257,6 +258,6 @@ class CompiledShardStep:
         if not layer.is_sparse:
             return x + layer.mlp(h).view(b, t, -1), h, None
         block = layer.mlp
-        g = topk_gate(block.gate(h), block.gate_cfg)
+        g = block.gates(h)
         shared = None if block.shared_expert is None else block.shared_out(h)
         return x, h, (g.weights, g.expert_ids, g.probs, shared)

@@ -2,7 +2,9 @@
 
 One frozen dataclass covers every supported family; `from_hf` maps each family's field
 names onto it. Families differ only in a handful of switches (qkv bias, q/k norm, shared
-expert, which layers are sparse, how gates are normalised), so one model class serves all.
+expert, which layers are sparse, how gates are normalised), so one model class serves all;
+DeepSeek-V3 adds multi-head latent attention (`kv_lora_rank` > 0: model_shards/mla.py), YaRN
+rope scaling and group-limited sigmoid gating.
 """
 
 from __future__ import annotations
@@ -22,8 +24,42 @@ ARCHITECTURES: dict[str, str] = {
     "OlmoeForCausalLM": "olmoe",
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
 }
 MODEL_TYPES = {v: v for v in ARCHITECTURES.values()}
+
+
+@dataclass(frozen=True)
+class YarnScaling:
+    """YaRN rope scaling as transformers computes it (`_compute_yarn_parameters`)."""
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 0.0
+    mscale_all_dim: float = 0.0
+    attention_factor: float | None = None
+    truncate: bool = True
+
+    @classmethod
+    def from_hf(cls, rope: dict[str, Any], max_positions: int, source: str) -> YarnScaling:
+        original = rope.get("original_max_position_embeddings")
+        if original is None:
+            raise ValueError(f"{source}: rope_scaling.original_max_position_embeddings: missing (needed by 'yarn')")
+        return cls(
+            factor=float(rope.get("factor") or max_positions / original),
+            original_max_position_embeddings=int(original),
+            beta_fast=float(rope.get("beta_fast") or 32), beta_slow=float(rope.get("beta_slow") or 1),
+            mscale=float(rope.get("mscale") or 0), mscale_all_dim=float(rope.get("mscale_all_dim") or 0),
+            attention_factor=rope.get("attention_factor"), truncate=bool(rope.get("truncate", True)),
+        )
+
+
+def _need(hf: dict[str, Any], name: str, source: str) -> Any:
+    if hf.get(name) is None:
+        raise ValueError(f"{source}: {name}: missing (required by {hf.get('architectures') or hf.get('model_type')})")
+    return hf[name]
 
 
 @dataclass(frozen=True)
@@ -43,13 +79,25 @@ class ModelConfig:
     attention_bias: bool = False
     qk_norm: QKNorm = "none"
     clip_qkv: float | None = None
+    rope_scaling: YarnScaling | None = None
+    # multi-head latent attention (DeepSeek-V3; kv_lora_rank == 0 means plain attention)
+    q_lora_rank: int = 0  # 0: a full-rank q_proj
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False
     # mixture of experts (num_experts == 0 means a dense model)
     num_experts: int = 0
     top_k: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True
     gate_style: str = "mixtral"
+    routed_scaling_factor: float = 1.0
+    n_group: int = 1
+    topk_group: int = 1
     shared_expert_intermediate_size: int = 0
+    shared_expert_gated: bool = True  # Qwen2-MoE scales it by sigmoid(shared_expert_gate(x)); DeepSeek does not
     sparse_layers: tuple[bool, ...] = field(default=())
     eos_token_id: tuple[int, ...] = ()
     bos_token_id: int | None = None
@@ -67,12 +115,33 @@ class ModelConfig:
                 raise ValueError(f"top_k: must be in [1, num_experts={self.num_experts}], got {self.top_k}")
             if self.moe_intermediate_size <= 0:
                 raise ValueError("moe_intermediate_size: must be positive for a mixture-of-experts model")
+        if self.is_mla:
+            for name in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+                if getattr(self, name) <= 0:
+                    raise ValueError(f"{name}: must be positive for latent attention, got {getattr(self, name)}")
         if len(self.sparse_layers) != self.num_layers:
             object.__setattr__(self, "sparse_layers", tuple(bool(self.num_experts) for _ in range(self.num_layers)))
 
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def rope_dim(self) -> int:
+        """Dimensions of a head that rotary embeddings turn (MLA: only the decoupled rope part)."""
+        return self.qk_rope_head_dim if self.is_mla else self.head_dim
+
+    @property
+    def kv_entry(self) -> tuple[int, int, int]:
+        """(parts, heads, dim) of one token's KV-cache entry in one layer: keys and values per kv
+        head, or MLA's one compressed latent (kv_lora_rank + the rope part's key)."""
+        if self.is_mla:
+            return 1, 1, self.kv_lora_rank + self.qk_rope_head_dim
+        return 2, self.num_kv_heads, self.head_dim
 
     @classmethod
     def from_file(cls, path: str | Path) -> ModelConfig:
@@ -105,9 +174,11 @@ class ModelConfig:
             )
         rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default":
-            raise ValueError(f"{source}: rope_type {rope_type!r} is not supported (only 'default')")
+        if rope_type not in ("default", "yarn"):
+            raise ValueError(f"{source}: rope_scaling.rope_type: {rope_type!r} is not supported ('default', 'yarn')")
         rope_theta = hf.get("rope_theta") or rope.get("rope_theta") or 10000.0
+        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"):
+            _need(hf, name, source)
         num_heads = hf["num_attention_heads"]
         head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
         eos = hf.get("eos_token_id")
@@ -124,11 +195,15 @@ class ModelConfig:
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
             rope_theta=float(rope_theta),
             max_position_embeddings=hf.get("max_position_embeddings", 4096),
+            rope_scaling=None if rope_type == "default"
+            else YarnScaling.from_hf(rope, hf.get("max_position_embeddings", 4096), source),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             eos_token_id=eos,
             bos_token_id=hf.get("bos_token_id"),
         )
         n = common["num_layers"]
+        if family == "deepseek_v3":
+            return cls._deepseek_v3(hf, common, source)
         if family == "mixtral":
             return cls(
                 **common,
@@ -171,3 +246,31 @@ class ModelConfig:
             )
         # dense: llama, qwen2 (Qwen2 always has q/k/v biases)
         return cls(**common, attention_bias=family == "qwen2" or bool(hf.get("attention_bias", False)))
+
+    @classmethod
+    def _deepseek_v3(cls, hf: dict[str, Any], common: dict[str, Any], source: str) -> ModelConfig:
+        need = lambda name: _need(hf, name, source)  # noqa: E731
+        nope, rope = need("qk_nope_head_dim"), need("qk_rope_head_dim")
+        num_experts, dense = need("n_routed_experts"), hf.get("first_k_dense_replace") or 0
+        return cls(
+            **common | dict(num_kv_heads=common["num_heads"], head_dim=nope + rope,
+                            intermediate_size=need("intermediate_size")),
+            attention_bias=bool(hf.get("attention_bias", False)),
+            q_lora_rank=hf.get("q_lora_rank") or 0,
+            kv_lora_rank=need("kv_lora_rank"),
+            qk_nope_head_dim=nope,
+            qk_rope_head_dim=rope,
+            v_head_dim=need("v_head_dim"),
+            rope_interleave=bool(hf.get("rope_interleave", True)),
+            num_experts=num_experts,
+            top_k=need("num_experts_per_tok"),
+            moe_intermediate_size=need("moe_intermediate_size"),
+            norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+            gate_style="sigmoid_bias",
+            routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+            n_group=hf.get("n_group") or 1,
+            topk_group=hf.get("topk_group") or 1,
+            shared_expert_intermediate_size=need("moe_intermediate_size") * (hf.get("n_shared_experts") or 0),
+            shared_expert_gated=False,
+            sparse_layers=tuple(num_experts > 0 and i >= dense for i in range(common["num_layers"])),
+        )

@@ -20,6 +20,7 @@ from typing import NamedTuple
 import torch
 
 from model_shards.block_manager import SCRATCH
+from model_shards.config import ModelConfig
 
 
 class PagedIndex(NamedTuple):
@@ -116,7 +117,8 @@ class StepBatch:
 class PagedKVCache:
     """Keys and values of each layer in one tensor [2, Hkv, N, Bs, Dh], every block allocated
     here: a block is Bs consecutive positions of one sequence. Attention writes and reads it
-    (model_shards/layers.py) through a pass's PagedIndex."""
+    (model_shards/layers.py) through a pass's PagedIndex. Multi-head latent attention stores one
+    part, one head: its compressed latent [1, 1, N, Bs, kv_lora_rank + rope] (model_shards/mla.py)."""
 
     def __init__(
         self,
@@ -127,21 +129,30 @@ class PagedKVCache:
         head_dim: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        parts: int = 2,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size: must be >= 1, got {block_size}")
         if num_blocks < 2:
             raise ValueError(f"num_blocks: need at least 2 (one is scratch), got {num_blocks}")
         # zeros, not empty: attention weighs unread keys by 0, and 0 * NaN would still be NaN
-        shape = (2, num_kv_heads, num_blocks, block_size, head_dim)
+        shape = (parts, num_kv_heads, num_blocks, block_size, head_dim)
         self.kv = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.num_blocks = num_blocks
         self.block_size = block_size
 
+    @classmethod
+    def for_model(cls, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype = torch.float32,
+                  device: torch.device | str = "cpu") -> PagedKVCache:
+        """The cache for `cfg`'s entries (`ModelConfig.kv_entry`)."""
+        parts, heads, dim = cfg.kv_entry
+        return cls(cfg.num_layers, num_blocks, block_size, heads, dim, dtype, device, parts)
+
     @staticmethod
-    def block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        """Bytes one block takes over every layer (keys and values)."""
-        return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
+    def block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+        """Bytes one block takes over every layer (keys and values, or latents)."""
+        parts, heads, dim = cfg.kv_entry
+        return parts * cfg.num_layers * block_size * heads * dim * dtype.itemsize
 
     @property
     def nbytes(self) -> int:

@@ -15,11 +15,13 @@ scaled_dot_product_attention.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model_shards.config import ModelConfig
+from model_shards.config import ModelConfig, YarnScaling
 from model_shards.kv_cache import PagedIndex, materialize
 
 
@@ -40,17 +42,49 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotary position embedding (rotate-half convention of the HF checkpoints)."""
+    """Rotary position embedding (rotate-half convention of the HF checkpoints) over cfg.rope_dim
+    dimensions, with YaRN's frequencies and cos/sin scale where the config asks for them."""
 
-    def __init__(self, head_dim: int, theta: float) -> None:
+    def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        dim = cfg.rope_dim
+        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+        self.scale = 1.0
+        if cfg.rope_scaling is not None:
+            inv_freq, self.scale = yarn(inv_freq, cfg.rope_scaling, cfg.rope_theta, dim)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[..., None] * self.inv_freq  # [B, T, Dh/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [B, T, Dh]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        if self.scale == 1.0:
+            return emb.cos().to(dtype), emb.sin().to(dtype)
+        return (emb.cos() * self.scale).to(dtype), (emb.sin() * self.scale).to(dtype)
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def yarn(inv_freq: torch.Tensor, y: YarnScaling, theta: float, dim: int) -> tuple[torch.Tensor, float]:
+    """YaRN (arXiv 2309.00071) as transformers computes it: frequencies blended between the
+    original (fast dimensions) and the interpolated ones (slow dimensions), and the cos/sin scale."""
+    scale = y.attention_factor
+    if scale is None:
+        scale = (yarn_mscale(y.factor, y.mscale) / yarn_mscale(y.factor, y.mscale_all_dim)
+                 if y.mscale and y.mscale_all_dim else yarn_mscale(y.factor))
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(y.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(y.beta_fast), correction_dim(y.beta_slow)
+    if y.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    high = high + 0.001 if low == high else high
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp  # [Dh/2] weight of the original frequency
+    return inv_freq / y.factor * ramp + inv_freq * extrapolation, float(scale)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -140,10 +174,10 @@ class Attention(nn.Module):
         q, k, v = self.project(x, rope, qkv)  # [B, H, T, Dh], [B, Hkv, T, Dh] x2
         if kv is None or index.fresh:  # nothing cached before this pass: causal over its own keys
             if kv is not None:
-                _write(kv, index, k, v)
+                write_entries(kv, index, torch.stack((k, v)))
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         else:
-            flat = _write(kv, index, k, v)  # [2, Hkv, N*Bs, Dh]
+            flat = write_entries(kv, index, torch.stack((k, v)))  # [2, Hkv, N*Bs, Dh]
             if t == 1 and torch.compiler.is_compiling():
                 return self.o_proj(indexed_attention(q, flat, index))
             two, heads, _, _, dh = kv.shape
@@ -153,18 +187,18 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
 
 
-def _write(kv: torch.Tensor, index: PagedIndex, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """This pass's keys and values k, v [B, Hkv, T, Dh] into the cache at `index.write`; returns
-    the cache as [2, Hkv, N*Bs, Dh] (a view)."""
-    two, heads, n, bs, dh = kv.shape
-    flat = kv.view(two, heads, n * bs, dh)
-    flat.index_copy_(2, index.write, torch.stack((k, v)).transpose(1, 2).reshape(two, heads, -1, dh))
+def write_entries(kv: torch.Tensor, index: PagedIndex, entries: torch.Tensor) -> torch.Tensor:
+    """This pass's cache entries [P, B, Hkv, T, Dh] (P parts: keys and values, or one latent) into the
+    cache [P, Hkv, N, Bs, Dh] at `index.write`; returns the cache as [P, Hkv, N*Bs, Dh] (a view)."""
+    parts, heads, n, bs, dh = kv.shape
+    flat = kv.view(parts, heads, n * bs, dh)
+    flat.index_copy_(2, index.write, entries.transpose(1, 2).reshape(parts, heads, -1, dh))
     return flat
 
 
 @torch.library.custom_op("moeserve::gather_blocks", mutates_args=())
 def gather_blocks(paged: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-    """paged [2, Hkv, N, Bs, Dh] -> its blocks `blocks` [M] in order, [2, Hkv, M, Bs, Dh]: aten's
+    """paged [P, Hkv, N, Bs, Dh] -> its blocks `blocks` [M] in order, [P, Hkv, M, Bs, Dh]: aten's
     index_select, a block-sized copy each, where inductor's own gather computes an index per
     element, which costs more than the copy it drives."""
     return paged.index_select(2, blocks)

@@ -1,7 +1,8 @@
 """Load a Hugging Face checkpoint (config.json + safetensors, single file or sharded with an
 index) into `CausalLM`, reading only the experts this process holds.
 
-Expert tensors come in two layouts found in the wild, both accepted:
+Expert tensors come in two layouts found in the wild, both accepted (DeepSeek-V3's per-expert
+names are Qwen's):
   fused       `...mlp.experts.gate_up_proj` [E, 2I, D] and `...mlp.experts.down_proj` [E, D, I]
   per-expert  `...mlp.experts.N.{gate,up,down}_proj.weight` (Qwen/OLMoE) or
               `...block_sparse_moe.experts.N.{w1,w3,w2}.weight` (Mixtral)
@@ -115,7 +116,7 @@ def empty_model(
     model.to_empty(device=device)
     model.tie_weights()  # to_empty gives tied parameters separate storage
     with device:
-        model.model.rotary.__init__(cfg.head_dim, cfg.rope_theta)  # non-persistent buffer lost by to_empty
+        model.model.rotary.__init__(cfg)  # non-persistent buffer lost by to_empty
     return model.to(dtype)
 
 
@@ -149,8 +150,9 @@ def load_checkpoint(
             value = _load_experts(tensors, m.group(1), m.group(2), local)
             src = f"{name} (experts {list(local)})"
         else:
-            alt = name.replace(".mlp.", ".block_sparse_moe.")
-            found = _first_present(tensors, [name, alt])
+            # Mixtral's MoE block is `block_sparse_moe`; DeepSeek's shared expert `shared_experts`
+            alts = (name.replace(".mlp.", ".block_sparse_moe."), name.replace(".mlp.shared_expert.", ".mlp.shared_experts."))
+            found = _first_present(tensors, [name, *alts])
             if found is None:
                 raise CheckpointError(f"{folder}: missing tensor {name}")
             value, src = tensors.get(found), f"{found} in {tensors.file(found)}"

@@ -16,6 +16,7 @@ from torch import nn
 from model_shards.config import ModelConfig
 from model_shards.kv_cache import PagedIndex, PagedKVCache, StepBatch
 from model_shards.layers import MLP, Attention, RMSNorm, RotaryEmbedding
+from model_shards.mla import LatentAttention
 from model_shards.moe import Dispatch, MoEBlock, phase
 from moeserve.config import RoutingSection
 from router_service.capacity import ExpertLoadStats
@@ -24,7 +25,7 @@ from router_service.capacity import ExpertLoadStats
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, idx: int, local_experts: Sequence[int]) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, idx)
+        self.self_attn = LatentAttention(cfg, idx) if cfg.is_mla else Attention(cfg, idx)
         self.is_sparse = cfg.sparse_layers[idx]
         self.mlp = MoEBlock(cfg, idx, local_experts) if self.is_sparse else MLP(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -58,7 +59,7 @@ class Transformer(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, local_experts) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)
+        self.rotary = RotaryEmbedding(cfg)
 
 
 def split_routing(trace: list, lengths: list[int], tq: int) -> list[list[tuple]]:

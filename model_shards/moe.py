@@ -222,18 +222,18 @@ class MoEBlock(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         self.gate_cfg = GateConfig(
-            num_experts=cfg.num_experts,
-            top_k=cfg.top_k,
-            style=cfg.gate_style,
-            norm_topk_prob=cfg.norm_topk_prob,
+            num_experts=cfg.num_experts, top_k=cfg.top_k, style=cfg.gate_style, norm_topk_prob=cfg.norm_topk_prob,
+            routed_scaling_factor=cfg.routed_scaling_factor, n_group=cfg.n_group, topk_group=cfg.topk_group,
         )
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        if cfg.gate_style == "sigmoid_bias":  # the checkpoint's `gate.e_score_correction_bias`: for choosing only
+            self.gate.e_score_correction_bias = nn.Parameter(torch.zeros(cfg.num_experts), requires_grad=False)
         self.experts = LocalExperts(local_experts, cfg.hidden_size, cfg.moe_intermediate_size)
-        if cfg.shared_expert_intermediate_size:
+        self.shared_expert = None
+        if cfg.shared_expert_intermediate_size:  # DeepSeek's `shared_experts` load here (model_shards/loader.py)
             self.shared_expert = MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
-            self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
-        else:
-            self.shared_expert = None
+            gated = cfg.shared_expert_gated
+            self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False) if gated else None
         # Set by the owning model; plain attributes, not submodules or parameters.
         self.dispatch: Dispatch = LocalDispatch()
         self.routing = RoutingSection()
@@ -243,12 +243,17 @@ class MoEBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [N, D] -> [N, D]."""
         with phase("gating"):
-            gates = topk_gate(self.gate(x), self.gate_cfg)  # weights, expert_ids [N, K]; probs [N, E]
+            gates = self.gates(x)
         return self.after_gating(x, gates, None if self.shared_expert is None else self.shared_out(x))
 
+    def gates(self, x: torch.Tensor) -> Gates:
+        """The router's choice for x [N, D]: weights, expert_ids [N, K]; probs [N, E]."""
+        return topk_gate(self.gate(x), self.gate_cfg, getattr(self.gate, "e_score_correction_bias", None))
+
     def shared_out(self, x: torch.Tensor) -> torch.Tensor:
-        """The shared expert's gated output for x [N, D] (only where the model has one)."""
-        return torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        """The shared expert's output for x [N, D], gated where the model gates it (only where it has one)."""
+        out = self.shared_expert(x)
+        return out if self.shared_expert_gate is None else torch.sigmoid(self.shared_expert_gate(x)) * out
 
     def after_gating(self, x: torch.Tensor, gates: Gates, shared: torch.Tensor | None) -> torch.Tensor:
         """Everything after the router, for x [N, D] and its gates: capacity, load statistics,
@@ -276,7 +281,7 @@ class MoEBlock(nn.Module):
         data-dependent shapes: routed when that reads no more expert weights than running every
         token through every expert (N * K <= E), or when a layer's experts are small enough to
         stay in the caches (ROUTED_MAX_EXPERT_BYTES); else dense. Statistics are the caller's."""
-        g = topk_gate(self.gate(x), self.gate_cfg)  # weights, expert_ids [N, K]; probs [N, E]
+        g = self.gates(x)  # weights, expert_ids [N, K]; probs [N, E]
         n, k = g.expert_ids.shape
         # the size test first: N is symbolic, so testing it puts a guard on the graph (a recompile
         # when a batch crosses E / K tokens), which small experts never need

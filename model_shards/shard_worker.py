@@ -89,8 +89,7 @@ class _Shard:
         self.block_size = block_size
         self.num_blocks = max_num_seqs * -(-max_model_len // block_size) + 1  # room for every sequence (+ scratch)
         cfg, w = model.config, model.lm_head.weight
-        self.cache = PagedKVCache(cfg.num_layers, self.num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
-                                  w.dtype, w.device)  # every block reserved now
+        self.cache = PagedKVCache.for_model(cfg, self.num_blocks, block_size, w.dtype, w.device)  # all reserved now
         self.compiled = None  # decode and verify passes compiled between the collectives (compiled_step.py)
         if compile:
             from model_shards.compiled_step import CompiledShardStep

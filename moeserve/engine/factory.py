@@ -119,8 +119,7 @@ class EngineConfig:
             from model_shards.config import ModelConfig
 
             c = ModelConfig.from_file(self.model)
-            return self.kv_cache_memory // PagedKVCache.block_bytes(c.num_layers, bs, c.num_kv_heads, c.head_dim,
-                                                                    self.torch_dtype)
+            return self.kv_cache_memory // PagedKVCache.block_bytes(c, bs, self.torch_dtype)
         if self.kv_budget_tokens:
             return -(-self.kv_budget_tokens // bs) + 1
         return self.max_num_seqs * -(-(self.max_model_len + lookahead) // bs) + 1

@@ -108,8 +108,7 @@ class ModelRunner:
         self.block_size = block_size
         self.prefix_caching = prefix_caching
         num_blocks = num_blocks or max_num_seqs * -(-max_model_len // block_size) + 1
-        self.cache = PagedKVCache(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, w.dtype,
-                                  w.device)
+        self.cache = PagedKVCache.for_model(cfg, num_blocks, block_size, w.dtype, w.device)
         self.manager = BlockManager(num_blocks, block_size, prefix_caching)
         self.blocks = self.manager.allocator
         self.routing: dict[str, list[tuple]] = {}  # while routing is recorded: the last passes' (routing_by_row)

@@ -12,6 +12,7 @@ import torch
 
 from model_shards import PagedKVCache, load_checkpoint
 from model_shards.block_manager import BlockAllocator, OutOfBlocks
+from model_shards.config import ModelConfig
 from moeserve.engine import LLMEngine, ModelRunner, SchedulerConfig, SpecConfig
 from moeserve.engine.factory import EngineConfig
 from moeserve.engine.model_runner import Row
@@ -155,7 +156,8 @@ def test_memory_is_the_budget_from_the_start_and_after_a_thousand_requests_with_
     every block comes back."""
     cfg = EngineConfig(model=str(ckpt), speculation="none", max_num_seqs=8, max_model_len=MAX_LEN, block_size=4,
                        kv_cache_memory=120 * 1024 + 1000)
-    block = PagedKVCache.block_bytes(2, 4, 2, 8, torch.float32)  # tiny mixtral: 2 layers, 2 kv heads of 8
+    block = PagedKVCache.block_bytes(ModelConfig.from_file(ckpt), 4, torch.float32)
+    assert block == 2 * 2 * 4 * 2 * 8 * 4  # tiny mixtral: K and V, 2 layers, 4 tokens, 2 kv heads of 8, fp32
     assert cfg.kv_blocks() == 120 and block == 1024  # whole blocks within the budget, the scratch one included
     runner = ModelRunner(load_checkpoint(ckpt), 8, MAX_LEN, cfg.kv_blocks(), 4)
     eng = LLMEngine(runner, scheduler=cfg.scheduler())

@@ -24,6 +24,14 @@ def tiny_config(family: str) -> T.PretrainedConfig:
                                 num_experts_per_tok=3, head_dim=8, norm_topk_prob=True)
     if family == "olmoe":
         return T.OlmoeConfig(**COMMON, intermediate_size=16, num_experts=4, num_experts_per_tok=2, clip_qkv=3.0)
+    if family == "deepseek_v3":  # a dense first layer, 2 of 4 expert groups, a selection bias, YaRN
+        return T.DeepseekV3Config(**COMMON | dict(num_key_value_heads=4, num_hidden_layers=3), intermediate_size=48,
+                                  moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=3, n_group=4,
+                                  topk_group=2, n_shared_experts=1, first_k_dense_replace=1,
+                                  q_lora_rank=16, kv_lora_rank=12, qk_nope_head_dim=6,
+                                  qk_rope_head_dim=4, v_head_dim=5, routed_scaling_factor=2.5,
+                                  rope_scaling=dict(type="yarn", factor=4.0, original_max_position_embeddings=64,
+                                                    mscale=1.0, mscale_all_dim=0.7, beta_fast=32, beta_slow=1))
     if family == "llama":
         return T.LlamaConfig(**COMMON, intermediate_size=48, tie_word_embeddings=True)
     if family == "qwen2":
@@ -31,7 +39,7 @@ def tiny_config(family: str) -> T.PretrainedConfig:
     raise ValueError(family)
 
 
-FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "llama", "qwen2"]
+FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "llama", "qwen2", "deepseek_v3"]
 
 
 def save_tiny(family: str, folder: Path, seed: int = 0, **save_kwargs) -> T.PreTrainedModel:
@@ -43,6 +51,9 @@ def save_tiny(family: str, folder: Path, seed: int = 0, **save_kwargs) -> T.PreT
     with torch.no_grad():  # default init is tiny; make routing and attention non-trivial
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek's selection bias: chooses other experts
+                b.copy_(torch.rand_like(b) * 0.2)
     model.save_pretrained(folder, **save_kwargs)
     return model
 

@@ -32,8 +32,7 @@ def fresh_dynamo():
 
 
 def cache_of(model) -> PagedKVCache:
-    c = model.config
-    return PagedKVCache(c.num_layers, BLOCKS, BS, c.num_kv_heads, c.head_dim)
+    return PagedKVCache.for_model(model.config, BLOCKS, BS)
 
 
 def batch(rows: list[int], start: list[int], q_lens: list[int]) -> StepBatch:
@@ -60,10 +59,10 @@ STEPS = (([1], [3], [1], 1), ([0, 1, 2], [7, 3, 11], [1, 1, 1], 1), ([2, 0, 1], 
 
 
 @pytest.mark.parametrize("experts", ["routed", "dense"])
-@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "llama"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "llama", "deepseek_v3"])
 def test_the_graph_computes_the_eager_forward(tmp_path, family, experts, monkeypatch):
     """The rewritten pass (traced by dynamo, run without inductor) for every family: shared
-    experts, dense layers, q/k norms, qkv clipping; decode rows and verify rows, ragged, through
+    experts, dense layers, q/k norms, qkv clipping, latent attention; decode rows and verify rows, ragged, through
     scattered blocks. Experts routed always (small experts), or dense wherever N * K > E (as for
     experts too big for the caches). The graph writes the cache as eager does."""
     if experts == "dense":
@@ -82,9 +81,10 @@ def test_the_graph_computes_the_eager_forward(tmp_path, family, experts, monkeyp
     assert_same_cache(graph, eager)
 
 
-def test_inductor_computes_the_eager_forward(tmp_path):
-    """The same passes compiled by inductor for real."""
-    save_tiny("mixtral", tmp_path)
+@pytest.mark.parametrize("family", ["mixtral", "deepseek_v3"])
+def test_inductor_computes_the_eager_forward(tmp_path, family):
+    """The same passes compiled by inductor for real (plain and latent attention)."""
+    save_tiny(family, tmp_path)
     model = load_checkpoint(tmp_path)
     eager, graph = prefilled(model, [7, 3, 11])
     step = CompiledStep(model, graph)

@@ -17,7 +17,7 @@ from tests.model_shards.hf_tiny import save_tiny
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 
 
-@pytest.fixture(scope="module", params=["mixtral", "qwen2_moe"])
+@pytest.fixture(scope="module", params=["mixtral", "qwen2_moe", "deepseek_v3"])
 def ckpt(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp(request.param)
     save_tiny(request.param, folder)

@@ -28,8 +28,7 @@ def hf_logits(hf, ids: torch.Tensor) -> torch.Tensor:
 
 
 def paged_cache(model, num_blocks: int, block_size: int = 4) -> PagedKVCache:
-    c = model.config
-    return PagedKVCache(c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim)
+    return PagedKVCache.for_model(model.config, num_blocks, block_size)
 
 
 def test_full_forward_matches_transformers(pair):
