@@ -39,41 +39,34 @@ class ModelSection(_Section):
 
 
 class EngineSection(_Section):
-    # Where the model runs (weights, KV cache, every step's tensors, the draft and the collectives).
-    # auto: the GPU when this process sees one, else the CPU. A shard group's ranks run on their
-    # own GPUs when shards.gpus_per_shard > 0.
+    # Where the model, its KV cache and the draft run. auto: the GPU when this process sees one, else
+    # the CPU. A shard group's ranks run on their own GPUs when shards.gpus_per_shard > 0.
     device: Literal["auto", "cpu", "cuda"] = "auto"
     max_num_seqs: int = Field(16, ge=1)  # running batch: sequences at once
     max_model_len: int = Field(1024, ge=2)
     max_num_batched_tokens: int = Field(2048, ge=1)
-    # The paged KV cache (model_shards/kv_cache.py), reserved whole at start and never grown: KV tokens
-    # for all running sequences (0: max_num_seqs sequences of max_model_len); past it the newest are
-    # preempted. The cache is this many tokens in blocks of block_size, plus one scratch block.
+    # The paged KV cache (model_shards/kv_cache.py), reserved whole at start, never grown: KV tokens for
+    # all running sequences (0: max_num_seqs x max_model_len) in blocks, plus a scratch block.
     kv_budget_tokens: int = Field(0, ge=0)
-    # The same budget in bytes instead ("2GiB", "512MiB", or a number): the cache is as many blocks as
-    # fit (a block: block_size x layers x kv heads x head dim x 2 x dtype size bytes), the scratch block
-    # included, so it takes at most this much. Set this or kv_budget_tokens.
+    # Or the budget in bytes ("2GiB", "512MiB", a number): as many blocks as fit, scratch included.
     kv_cache_memory: int = 0
     block_size: int = Field(16, ge=1, le=1024)
     prefix_caching: bool = True  # reuse the KV of shared prompt prefixes (full blocks)
     # Backpressure: past max_num_seqs running + this many waiting, new requests get 503 / RESOURCE_EXHAUSTED.
     max_queued_requests: int = Field(64, ge=0)
-    # torch threads of the engine; unset: torch's default in-process, all cores but one in the
-    # core process (the other is the serving processes')
+    # torch threads of the engine; unset: torch's default in-process, all cores but one in the core process
     torch_threads: int | None = Field(None, ge=1)
     # How often each replica pushes its expert-load counters to the router-service actor (0: never).
     expert_load_report_s: float = Field(10.0, ge=0)
-    # Chunks of a stream after its first token at most this often: every chunk is two Serve hops.
-    # The interval grows linearly with the live requests, to stream_interval_max_s (never below
-    # stream_interval_s) at max_num_seqs.
+    # Chunks of a stream after its first token at most this often (every chunk is two Serve hops),
+    # growing linearly with the live requests to stream_interval_max_s at max_num_seqs.
     stream_interval_s: float = Field(0.025, ge=0, le=1)
     stream_interval_max_s: float = Field(0.2, ge=0, le=1)
     # The step loop in a process of its own (no GIL shared with Serve); see deployments/engine_server.py.
     core_process: bool = True
-    # Decode and verify passes (and the in-process draft's steps) as torch.compile'd graphs
-    # (model_shards/compiled_step.py), compiled when the engine starts (slow the first time, quicker
-    # from inductor's on-disk cache). Off by default: that wait comes at every engine start; what
-    # it buys: bench/reports/generation.md.
+    # Decode and verify passes (and the in-process draft's steps) as torch.compile'd graphs, compiled
+    # at engine start (model_shards/compiled_step.py). Off by default: that wait comes at every start;
+    # what it buys: bench/reports/generation.md.
     compile: bool = False
 
     @field_validator("kv_cache_memory", mode="before")
@@ -101,12 +94,10 @@ class SpeculativeSection(_Section):
     adaptive: bool = True
     # model draft: in the engine's process, or its own Serve deployment (one call per engine step)
     placement: Literal["in_process", "deployment"] = "in_process"
-    # placement deployment: pin each draft worker process to these CPU ids of its node (None: the OS
-    # places it), so a draft with cores of its own drafts ahead without taking the engine's
+    # placement deployment: pin each draft worker process to these CPU ids of its node (None: the OS's)
     draft_cpus: list[NonNegativeInt] | None = Field(None, min_length=1)
-    # No speculation while this many sequences run (0: never), whatever adaptive k measures.
-    # Off by default: adaptive k drafts where it pays at each batch size, which a fixed cut-off can
-    # only guess (bench/reports/spec_batch_sweep.md compares the two).
+    # No speculation while this many sequences run (0: never); off by default: adaptive k drafts where
+    # it pays at each batch size (bench/reports/spec_batch_sweep.md compares the two).
     disable_by_batch_size: int = Field(0, ge=0)
 
 
@@ -139,9 +130,9 @@ class ShardsSection(_Section):
     num_shards: int = Field(1, ge=1)  # > 1: expert-parallel shard group per engine replica
     gpus_per_shard: float = Field(0.0, ge=0)  # 1 on a GPU cluster (NCCL), 0 on CPU (gloo)
     strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"  # placement of the shards
-    # Live re-placement: after each expert-load report (engine.expert_load_report_s) the replica
-    # asks the router service for a plan and moves its running group's experts between two
-    # steps when the busiest rank's load drops by at least replacement_min_gain (a fraction).
+    # Live re-placement: after each expert-load report the replica asks the router service for a plan
+    # and moves its group's experts between two steps when the busiest rank's load drops by at least
+    # replacement_min_gain (a fraction).
     live_replacement: bool = False
     replacement_min_gain: float = Field(0.1, gt=0, lt=1)
 
@@ -153,8 +144,7 @@ class GrammarSection(_Section):
     # write it, or "compact" {"a":1,"b":2}. Set it to the style the model learned: a model made to
     # write the other style answers worse (the demo pair learned spaced JSON).
     json_style: Literal["spaced", "compact"] = "spaced"
-    # A grammar compiling longer than this is refused (400): room for the slowest real schema known
-    # (JSONSchemaBench sp_0) on a small shared machine.
+    # A grammar compiling longer than this is refused (400): room for JSONSchemaBench sp_0, the slowest.
     compile_timeout_s: float = Field(10.0, gt=0)
     # Longest schema, regex or grammar accepted (the largest JSONSchemaBench schema is ~158 k characters).
     max_spec_chars: int = Field(256 * 1024, ge=1)
@@ -172,8 +162,7 @@ class GatewaySection(_Section):
     grpc_host: str = "0.0.0.0"
     max_body_bytes: int = Field(2 * 1024 * 1024, ge=1024)
     request_timeout_s: float | None = Field(300.0, gt=0)
-    # API keys (Bearer on HTTP, `authorization` metadata on gRPC); $MOESERVE_API_KEY adds more,
-    # comma-separated. None configured: open. deployments/http_edge.py.
+    # API keys (deployments/http_edge.py); $MOESERVE_API_KEY adds more, comma-separated. None: open.
     api_keys: list[str] = Field(default_factory=list)
     max_streams_per_key: int = Field(0, ge=0)  # concurrent requests per key (0: no limit), then 429
     public_paths: list[str] = Field(default_factory=lambda: ["/health", "/metrics", "/playground"])  # open with keys
@@ -237,9 +226,8 @@ class DeploymentSection(_Section):
 
 
 def _gateway_defaults() -> DeploymentSection:
-    # A gateway request is mostly waiting on its engine stream (a few % of a core per stream),
-    # so one replica holds hundreds; scale out at 64 streams each. 256 > that target leaves
-    # room for the delay before a new replica is up.
+    # A gateway request mostly waits on its engine stream, so one replica holds hundreds; scale out at
+    # 64 streams each (256 > that target leaves room for the delay before a new replica is up).
     return DeploymentSection(
         autoscaling=AutoscalingSection(min_replicas=1, max_replicas=2, target_ongoing_requests=64,
                                        upscale_delay_s=5, downscale_delay_s=60),
@@ -248,11 +236,10 @@ def _gateway_defaults() -> DeploymentSection:
 
 
 def _engine_defaults() -> DeploymentSection:
-    # One engine replica is one model copy running one batch. Its own admission control
-    # (max_num_seqs running + max_queued_requests waiting, then RESOURCE_EXHAUSTED) is the
-    # real limit, so Serve's must not be lower: Ray's default of 5 would cap the batch at 5.
-    # Scale out when the batch is ~3/4 full. max_replicas 1: on a 2-core box a second copy
-    # only splits the same cores; raise it on a cluster.
+    # One engine replica is one model copy running one batch. Its own admission control (max_num_seqs
+    # running + max_queued_requests waiting) is the real limit, so Serve's must not be lower (Ray's
+    # default of 5 would cap the batch at 5). Scale out when the batch is ~3/4 full; max_replicas 1:
+    # on a 2-core box a second copy only splits the same cores; raise it on a cluster.
     return DeploymentSection(
         autoscaling=AutoscalingSection(min_replicas=1, max_replicas=1, target_ongoing_requests=12,
                                        upscale_delay_s=10, downscale_delay_s=120),
