@@ -15,31 +15,32 @@ import torch
 
 import model_shards.loader as loader
 from model_shards.config import ModelConfig
+from model_shards.model import CausalLM
 
 DTYPE = torch.bfloat16
 
 
 def checkpoint_index(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """Every tensor name of the HF checkpoint (per-expert layout) with its shape and dtype."""
-    d, kv, q = cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, cfg.num_heads * cfg.head_dim
-    index = {"model.embed_tokens.weight": (cfg.vocab_size, d), "model.norm.weight": (d,),
-             "lm_head.weight": (cfg.vocab_size, d)}
+    """Every tensor name of the HF checkpoint (per-expert layout) with its shape and dtype, read off
+    the model built on `meta`: its parameter names are the checkpoint's (Mixtral's MoE block is
+    `block_sparse_moe`, DeepSeek's shared expert `shared_experts`), its fused experts split per expert."""
+    with torch.device("meta"):
+        model = CausalLM(cfg)
     mixtral = cfg.family == "mixtral"
-    experts = "block_sparse_moe.experts.{e}.{w}.weight" if mixtral else "mlp.experts.{e}.{w}_proj.weight"
-    names = ("w1", "w3", "w2") if mixtral else ("gate", "up", "down")
-    i = cfg.moe_intermediate_size
-    for n in range(cfg.num_layers):
-        p = f"model.layers.{n}"
-        index |= {f"{p}.self_attn.q_proj.weight": (q, d), f"{p}.self_attn.k_proj.weight": (kv, d),
-                  f"{p}.self_attn.v_proj.weight": (kv, d), f"{p}.self_attn.o_proj.weight": (d, q),
-                  f"{p}.input_layernorm.weight": (d,), f"{p}.post_attention_layernorm.weight": (d,)}
-        if cfg.qk_norm == "head":
-            index |= {f"{p}.self_attn.q_norm.weight": (cfg.head_dim,), f"{p}.self_attn.k_norm.weight": (cfg.head_dim,)}
-        gate = f"{p}.block_sparse_moe.gate.weight" if mixtral else f"{p}.mlp.gate.weight"
-        index[gate] = (cfg.num_experts, d)
-        for e in range(cfg.num_experts):
-            for name, shape in zip(names, ((i, d), (i, d), (d, i))):
-                index[f"{p}.{experts.format(e=e, w=name)}"] = shape
+    index = {}
+    for name, p in model.named_parameters():
+        m = loader._EXPERT_PARAM.match(name)
+        if m is None:
+            if mixtral:
+                name = name.replace(".mlp.", ".block_sparse_moe.")
+            index[name.replace(".mlp.shared_expert.", ".mlp.shared_experts.")] = tuple(p.shape)
+            continue
+        per_expert = loader._PER_EXPERT[1 if mixtral else 0]
+        num, rows, cols = p.shape  # gate_up_proj [E, 2I, D] or down_proj [E, D, I]
+        parts = zip(per_expert[:2], (rows // 2,) * 2) if m.group(2) == "gate_up_proj" else [(per_expert[2], rows)]
+        for template, r in parts:
+            for e in range(num):
+                index[f"{m.group(1)}.{template.format(e=e)}"] = (r, cols)
     return {name: (shape, DTYPE) for name, shape in index.items()}
 
 

@@ -1,10 +1,11 @@
-"""The GPU dry run (bench/dry_run.py): both shipped shapes at full size on `meta`, through load,
+"""The GPU dry run (bench/dry_run.py): the three shipped shapes at full size on `meta`, through load,
 prefill, decode and verify of an expert-parallel rank; zero host syncs in decode and verify on
 the padded all-to-all; memory per GPU within 5% of bench.scale_model; and negative controls: a
 tensor made on the CPU, a dtype mix and a host sync each fail the run, saying where."""
 
 from __future__ import annotations
 
+import functools
 from unittest import mock
 
 import pytest
@@ -17,9 +18,14 @@ from model_shards.model import DecoderLayer
 from model_shards.moe import MoEBlock
 
 
-@pytest.fixture(scope="module", params=[("mixtral-8x7b", 8), ("qwen3-30b-a3b", 8), ("qwen3-30b-a3b", 1)])
+@pytest.fixture(scope="module", params=[("mixtral-8x7b", 8), ("qwen3-30b-a3b", 8), ("qwen3-30b-a3b", 1), ("deepseek-v3", 16)])
 def result(request):
     name, gpus = request.param
+    return _run(name, gpus)
+
+
+@functools.cache
+def _run(name: str, gpus: int) -> dry_run.DryRun:
     return dry_run.dry_run(name, gpus=gpus, batch=64 if gpus > 1 else 8, context=2048 if gpus > 1 else 512)
 
 
@@ -107,6 +113,15 @@ def test_step_batch_from_device_tensors_reads_back_but_from_host_lists_does_not(
         StepBatch(torch.tensor([[1, 2]], device="meta"), start, torch.ones_like(start), 16).prepare(1)
 
 
-def test_deepseek_v3_is_not_supported_yet():
-    with pytest.raises(SystemExit, match="not supported yet"):
-        dry_run.dry_run("deepseek-v3")
+def test_deepseek_v3_runs_latent_attention_and_its_gate():
+    # the latent cache (576 values a token and layer) and the 3 dense layers before the MoE ones
+    r = _run("deepseek-v3", 16)
+    cfg = ModelConfig.from_hf(dry_run.shape_of("deepseek-v3"))
+    blocks = 64 * 2048 // 16 + 1  # the budget's blocks and the scratch block
+    assert r.kv_cache == blocks * 16 * cfg.num_layers * 576 * 2  # bf16
+    assert sum(cfg.sparse_layers) == cfg.num_layers - 3 and r.syncs["decode"] == 0
+
+
+def test_an_unknown_shape_is_refused_by_name():
+    with pytest.raises(SystemExit, match="no model shape 'gpt-5'"):
+        dry_run.dry_run("gpt-5")
