@@ -15,6 +15,9 @@ so a model of any size is built and run at no memory cost. It checks three thing
   ops whose output size depends on the data, such as `nonzero`) is counted. A decode or verify
   pass on the padded all-to-all (model_shards/all_to_all.py) must have none besides the one
   hand-off of its logits to the sampler.
+- compiled (`--gpus 1`): decode and verify as the engine runs them on one GPU, in
+  CompiledStep's graphs (model_shards/compiled_step.py) traced by dynamo, each graph run op by
+  op under the same audit: a graph break or a read inside a graph fails the run.
 
 The rank holds its experts of the contiguous placement, loaded by `load_checkpoint` from a fake
 checkpoint index (the layout's per-expert tensor names, shapes and dtypes; the safetensors
@@ -47,14 +50,16 @@ from unittest import mock
 
 import torch
 import torch.distributed as dist
+from torch._dynamo.utils import counters
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from bench.fake_checkpoint import DTYPE, load_rank
 from bench.scale_model import HARDWARE, Layout, Shape, step
 from model_shards.all_to_all import AllToAllDispatch
+from model_shards.compiled_step import CompiledStep
 from model_shards.config import ModelConfig
-from model_shards.moe import LocalExperts
+from model_shards.moe import LocalDispatch, LocalExperts
 from moeserve.engine.model_runner import ModelRunner, Row
 from moeserve.sampler import Sampler
 from moeserve.sampling_params import SamplingParams
@@ -189,6 +194,43 @@ def experts_grouped_on_gpu(x: torch.Tensor, w: torch.Tensor) -> bool:
     return x.dtype == w.dtype == torch.bfloat16 and all(s * x.element_size() % 16 == 0 for s in w.shape[-2:])
 
 
+class AuditedGraphs:
+    """A torch.compile backend whose graphs run op by op under the pass's PassAudit. (Dynamo
+    does not compile while a dispatch mode is active, so the audit starts inside each graph:
+    the host code around a compiled call, which reads no device data, runs unaudited.)"""
+
+    def __init__(self) -> None:
+        self.graphs, self.audit = 0, None
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs) -> object:
+        self.graphs += 1
+
+        def run(*args):
+            with self.audit:
+                return gm(*args)
+
+        return run
+
+    def run(self, runner: ModelRunner, audit: PassAudit, rows: list, logits: str) -> torch.Tensor:
+        """`runner.forward`'s compiled branch for these rows; the logits' hand-off to the host
+        (outside the graph: a copy a `meta` tensor cannot make) answered with zeros."""
+        self.audit = audit
+        for r in rows:
+            runner.prepare(r.seq_id, r.start, r.tokens)
+        starts, q_lens, tq = [r.start for r in rows], [len(r.tokens) for r in rows], max(len(r.tokens) for r in rows)
+        if not runner.compiled.accepts(len(rows), tq):
+            raise DryRunError(f"{audit.name}: the compiled step does not take {len(rows)} rows of {tq}")
+        ids = torch.tensor([r.tokens + [0] * (tq - len(r.tokens)) for r in rows], device=runner.device)  # [B, Tq]
+        tables = runner.block_tables([r.seq_id for r in rows], -(-(max(starts) + tq) // runner.block_size))
+        try:
+            out = runner.compiled(ids, tables, starts, q_lens)  # [B, Tq, V]
+        except (RuntimeError, NotImplementedError) as e:  # a read of data outside a graph (meta has none)
+            raise DryRunError(f"{audit.name}: host sync in the compiled step ({e}); "
+                              f"graph breaks: {dict(counters['graph_break'])}") from e
+        audit.handoffs += 1
+        return torch.zeros(out.shape[0], out.shape[-1]) if logits == "last" else torch.zeros(out.shape)
+
+
 # ---- the run ------------------------------------------------------------------------------------
 @dataclass
 class DryRun:
@@ -203,6 +245,7 @@ class DryRun:
     loaded: int = 0
     workspace: dict[str, int] = field(default_factory=dict)
     syncs: dict[str, int] = field(default_factory=dict)
+    graphs: int = 0  # compiled: dynamo graphs of the decode and verify passes
     predicted_gib: dict[str, float] = field(default_factory=dict)
 
     def memory_gib(self) -> dict[str, float]:
@@ -235,11 +278,21 @@ def shape_of(name: str) -> dict:
 
 
 def dry_run(name: str, gpus: int = 8, batch: int = 64, context: int = 2048, prompt: int = 64,
-            draft: int = 3) -> DryRun:
+            draft: int = 3, compiled: bool = False, layers: int | None = None) -> DryRun:
     """Load rank 0 of `gpus` for the model `name` (bench/shapes/), with a KV cache for `batch`
     sequences of `context` tokens; prefill `batch` prompts of `prompt` tokens, decode one step and
-    verify `draft` drafted tokens a row. Raises DryRunError on a defect."""
+    verify `draft` drafted tokens a row. Raises DryRunError on a defect.
+
+    compiled (one GPU only): decode and verify run as the engine runs them on one GPU, every
+    expert local (LocalDispatch) in CompiledStep's graph, traced by dynamo and run by
+    `AuditedGraphs` (inductor cannot target `meta`); a graph break or a host sync inside a graph
+    fails the run. Prefill stays eager.
+    layers: keep only the first `layers` decoder layers (full width; every layer runs the same code)."""
+    if compiled and gpus != 1:
+        raise SystemExit("--compiled: one GPU only (an expert-parallel rank's pass is compiled per layer)")
     hf = shape_of(name)
+    if layers is not None:
+        hf = {**hf, "num_hidden_layers": layers}
     cfg = ModelConfig.from_hf(hf, source=name)
     placement = contiguous_placement(cfg.num_experts, gpus)
     result = DryRun(name, gpus, batch, context)
@@ -262,18 +315,32 @@ def dry_run(name: str, gpus: int = 8, batch: int = 64, context: int = 2048, prom
         passes = [("prefill", [Row(s, [1] * prompt, 0) for s in ids], "last", False),
                   ("decode", [Row(s, [1], prompt) for s in ids], "last", True),
                   ("verify", [Row(s, [1] * (draft + 1), prompt + 1) for s in ids], "all", True)]
+        graphs = AuditedGraphs()
         for pass_name, rows, logits, strict in passes:
             tokens = max(len(r.tokens) for r in rows) * len(rows)
             dispatch.max_tokens = tokens  # as the step driver sets it: the most any rank routes
             fixed = None if strict else FixedRouting(placement, 0)
             audit = PassAudit(pass_name, strict, handoff(cfg.vocab_size, fixed))
-            with audit:
-                out = runner.forward(rows, logits=logits)
+            if compiled and pass_name != "prefill":
+                out = graphs.run(runner, audit, rows, logits)
+            else:
+                with audit:
+                    out = runner.forward(rows, logits=logits)
+            if compiled and pass_name == "prefill":
+                torch._dynamo.reset()
+                model.set_dispatch(LocalDispatch())
+                runner.compiled = CompiledStep(model, runner.cache, backend=graphs)
             if audit.handoffs != 1 or out.dtype != torch.float32 or out.device.type != "cpu":
                 raise DryRunError(f"{pass_name}: logits must reach the sampler once, fp32 on the host; "
                                   f"got {audit.handoffs} hand-offs of {out.dtype} on {out.device}")
             sampler.sample(out, params)
             result.workspace[pass_name], result.syncs[pass_name] = audit.peak, len(audit.syncs)
+        if compiled:
+            breaks = dict(counters["graph_break"])
+            if breaks or runner.compiled.num_calls != 2 or graphs.graphs != 2:
+                raise DryRunError(f"compiled decode/verify: {runner.compiled.num_calls} calls, {graphs.graphs} "
+                                  f"graphs, graph breaks {breaks}")
+            result.graphs = graphs.graphs
     return result
 
 
@@ -298,4 +365,6 @@ def report(r: DryRun) -> str:
              "dry run / scale model: " + ", ".join(f"{k} {v:.3f}" for k, v in agree.items()),
              "  host syncs besides the logits' hand-off: " + ", ".join(f"{k} {v}" for k, v in r.syncs.items())
              + " (prefill: the exact all-to-all's reads, answered by the fixed routing)"]
+    if r.graphs:
+        lines.append(f"  decode and verify compiled: {r.graphs} graphs, no graph break")
     return "\n".join(lines)

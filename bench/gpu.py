@@ -110,11 +110,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="mixtral-8x7b", help="with --dry-run: mixtral-8x7b, qwen3-30b-a3b or deepseek-v3")
     ap.add_argument("--gpus", type=int, default=8, help="with --dry-run: ranks of the layout (experts split over them)")
     ap.add_argument("--batch", type=int, default=64, help="with --dry-run: sequences per GPU (the KV budget)")
+    ap.add_argument("--dry-run-layers", type=int, default=None,
+                    help="with --dry-run: only the first N decoder layers (full width; faster, compiled above all)")
     args = ap.parse_args(argv)
     if args.dry_run:
         from bench import dry_run
 
-        print(dry_run.report(dry_run.dry_run(args.model, args.gpus, args.batch, args.context or 2048)))
+        compiled = not args.no_compile and args.gpus == 1  # a rank of several is compiled per layer: eager here
+        print(dry_run.report(dry_run.dry_run(args.model, args.gpus, args.batch, args.context or 2048,
+                                             compiled=compiled, layers=args.dry_run_layers)))
         return 0
     args.context = args.context or 512
     from model_shards.device import resolve_device, resolve_dtype

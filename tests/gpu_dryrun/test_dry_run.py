@@ -125,3 +125,28 @@ def test_deepseek_v3_runs_latent_attention_and_its_gate():
 def test_an_unknown_shape_is_refused_by_name():
     with pytest.raises(SystemExit, match="no model shape 'gpt-5'"):
         dry_run.dry_run("gpt-5")
+
+
+@functools.cache
+def _compiled() -> dry_run.DryRun:
+    # full width, two layers (every layer runs the same code); dynamo traces, the graphs run audited
+    return dry_run.dry_run("qwen3-30b-a3b", gpus=1, batch=8, context=256, compiled=True, layers=2)
+
+
+def test_a_compiled_decode_step_has_no_host_sync():
+    r = _compiled()
+    assert r.graphs == 2 and r.syncs["decode"] == 0 and r.syncs["verify"] == 0  # decode's graph, verify's
+
+
+def test_a_host_sync_in_a_compiled_step_fails_the_run():
+    real = DecoderLayer.attend
+
+    def reads_back(self, x, rope, kv, index, qkv=None):
+        if x.shape[1] == 1:  # decode only (prefill is eager): a value read on the host breaks the graph
+            x = x * (x.abs().amax().item() > -1)
+        return real(self, x, rope, kv, index, qkv)
+
+    torch._dynamo.reset()
+    with mock.patch.object(DecoderLayer, "attend", reads_back), \
+            pytest.raises(dry_run.DryRunError, match=r"decode: host sync in the compiled step .*item"):
+        dry_run.dry_run("qwen3-30b-a3b", gpus=1, batch=2, context=64, prompt=16, compiled=True, layers=1)
