@@ -1,11 +1,8 @@
 """Intersection of two JSON schemas, for `allOf` and for siblings of `anyOf`/`oneOf`/`$ref`.
 
-xgrammar 0.2.9 does not enforce `allOf` with several branches, ignores the siblings of
-`anyOf`/`oneOf`, and (in 2019+ drafts) the siblings of `$ref`. Each of those means "the instance
-must satisfy A and B", so we rewrite them into one schema that says both. The merge is exact or
-it refuses: where an exact intersection is not a plain keyword-wise combination (different
-patterns, `additionalProperties` that would forbid the other side's properties, ...) it raises
-GrammarError naming the keyword, rather than guess.
+xgrammar enforces neither several `allOf` branches nor those siblings, so "A and B" is rewritten
+into one schema that says both. The merge is exact or it refuses with a GrammarError naming the
+keyword (different patterns, `additionalProperties` that would forbid the other side's properties).
 """
 
 from __future__ import annotations
@@ -27,6 +24,7 @@ _LOWER_BOUNDS = ("minimum", "exclusiveMinimum", "minLength", "minItems", "minPro
 _UPPER_BOUNDS = ("maximum", "exclusiveMaximum", "maxLength", "maxItems", "maxProperties")
 _NOTHING = object()  # a keyword pair no instance satisfies
 MAX_CROSS = 64  # anyOf x anyOf expands to at most this many branches
+ALL_TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
 _REFUSED_ANYWAY = {
     "if": "if/then/else", "then": "if/then/else", "else": "if/then/else",
     "contains": "contains", "$dynamicRef": "$dynamicRef",
@@ -49,16 +47,17 @@ def json_key(value: Any) -> Any:
     raise TypeError(f"not a JSON value: {value!r}")
 
 
-def json_equal(a: Any, b: Any) -> bool:
-    return json_key(a) == json_key(b)
-
-
 def type_set(schema: dict) -> set[str] | None:
     """The `type` keyword as a set, or None when absent (any type)."""
     t = schema.get("type")
     if t is None:
         return None
     return {t} if isinstance(t, str) else set(t)
+
+
+def listed(schema: dict) -> list | None:
+    """The values `enum`/`const` allow (`const` first), or None when the schema lists none."""
+    return [schema["const"]] if "const" in schema else schema.get("enum")
 
 
 def merge_schemas(a: Schema, b: Schema, prep: Prep, merge: Merge | None = None) -> Schema:
@@ -91,7 +90,7 @@ def merge_schemas(a: Schema, b: Schema, prep: Prep, merge: Merge | None = None) 
             continue
         if key not in out:
             out[key] = vb
-        elif not json_equal(out[key], vb):
+        elif json_key(out[key]) != json_key(vb):
             out[key] = _merge_keyword(key, out[key], vb, prep, merge)
             if out[key] is _NOTHING:
                 return False  # no instance satisfies both; anyOf drops such a branch
@@ -167,8 +166,7 @@ def _merge_types(va: Any, vb: Any) -> Any:
         both.add("integer")
     if not both:
         return _NOTHING
-    order = ["object", "array", "string", "number", "integer", "boolean", "null"]
-    kept = [t for t in order if t in both]
+    kept = [t for t in ALL_TYPES if t in both]
     return kept[0] if len(kept) == 1 else kept
 
 
