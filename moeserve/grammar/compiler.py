@@ -1,20 +1,13 @@
 """Per-model grammar compilation: `GrammarCompiler` turns a `GrammarSpec` into a `CompiledGrammar`.
 
-One compiler per (tokenizer, model vocab size), shared by all requests of a process, as vLLM v1
-keeps one grammar backend per engine.
-
-Two backends, chosen per request: xgrammar for everything it can enforce (JSON schemas after
-schema_support.py's rewriting, regex, EBNF, choice), and llguidance's JSON-schema compiler
-for schemas that rewriting refuses for a feature llguidance enforces exactly (LLGUIDANCE_FEATURES:
-multipleOf, a length or format together with a pattern, ...). A schema neither can enforce
-exactly is refused with the feature named: an output is never allowed to break its schema. Compiling is bounded three ways, because the spec comes
-from the client: spec text length, wall time, and an LRU cache that makes repeats ~free.
-
-Time limit: xgrammar's C++ compile cannot be interrupted, so it runs in a small thread pool
-(xgrammar releases the GIL while compiling) and the caller stops waiting at the limit with a
-GrammarTimeoutError. The job finishes in the background and its result is cached, and a second
-request for the same spec waits on the same job instead of starting another; the pool bounds
-how many compile at once.
+One compiler per (tokenizer, model vocab size), shared by a process's requests (as vLLM v1 keeps
+one grammar backend per engine). Two backends, chosen per request: xgrammar for what it enforces
+(JSON schemas after schema_support.py's rewriting, regex, EBNF, choice), and llguidance for schemas
+that rewriting refuses for a feature llguidance enforces exactly (LLGUIDANCE_FEATURES); anything
+else is refused with the feature named. Compiling is bounded by spec length, wall time and an LRU
+cache, since the spec comes from the client. xgrammar's C++ compile cannot be interrupted, so it
+runs in a small thread pool and the caller stops waiting at the limit (GrammarTimeoutError); the
+job finishes in the background into the cache, and a repeat request waits on the same job.
 """
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
-"""What a regex's matches look like, as Python's `re` reads a pattern: the characters a match
-can start with, its length bounds and anchors (`regex_shape`), and every full match when
-there are only a few (`finite_language`). The grammar layer uses them to prove that two
-patterns never match one string and to turn a pattern naming a few keys into those keys.
+"""What a regex's matches look like as Python's `re` reads it: first characters, length bounds and
+anchors (`regex_shape`), and every full match when there are few (`finite_language`). Used to prove
+two patterns never match one string and to turn a pattern naming a few keys into those keys.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """JSON-Schema drafts: which draft a schema declares, its validator, and its keyword vocabulary.
 
-A keyword means something only in the drafts that define it: `const` in a draft-04 schema is
-ignored by every validator, so it must be ignored by the grammar too (enforcing it would be
-harmless, but ignoring it keeps "what we enforce" equal to "what validates"). Keywords no draft
-defines (`x-foo`, OpenAPI's `nullable`) are ignored the same way.
+A keyword counts only in the drafts that define it (`const` in a draft-04 schema is ignored by
+every validator, so by the grammar too); keywords no draft defines (`x-foo`, `nullable`) likewise.
 """
 
 from __future__ import annotations

@@ -1,28 +1,14 @@
 """Which JSON schemas we can enforce exactly, and the rewrite that makes xgrammar enforce them.
 
-The contract (DESIGN.md, property 3): every output produced under a JSON schema validates
-against it. xgrammar 0.2.9 enforces most of JSON Schema but silently ignores some keywords
-(measured: `not`, `if`/`then`/`else`, `dependencies*`, `uniqueItems`, `contains`, `multipleOf`
-on non-integers, `allOf` with several branches, siblings of `anyOf`/`oneOf` and of `$ref`,
-keywords of a type the schema does not declare, `pattern`/`format` combined with each other or
-with `minLength`/`maxLength`, ...). `prepare_json_schema` therefore
-
-1. validates the schema against its draft's metaschema,
-2. rewrites what can be rewritten exactly: `allOf` and sibling keywords are merged
-   (schema_merge.py), `oneOf` with provably disjoint branches becomes `anyOf`, `enum`/`const`
-   values are filtered by the real validator against everything else the schema says,
-   draft-04 boolean `exclusiveMinimum`, tuple `items`, non-integral bounds on integers,
-   `required` names not in `properties`;
-3. narrows what it cannot rewrite exactly to a schema whose every instance still validates
-   (sound; some valid instances are never produced): a missing `type` is inferred from the
-   keywords, overlapping `oneOf` branches are narrowed or left out until each excludes the
-   others, `if`/`then`/`else` becomes the `then` case plus an `else` case the `if` rejects,
-   a dependency holds always, and patternProperties keys get every schema they may need
-   (schema_narrowing.py, schema_node.py);
-4. refuses the rest with a GrammarError naming the keyword (`feature`).
-
-Every node is rebuilt from the keywords it handles, so a keyword we do not know cannot slip
-through: it is refused by `schema_node.py`. All `$ref` targets are moved under a fresh `$defs`.
+Every output produced under a schema validates against it (DESIGN.md, property 3), but xgrammar
+0.2.9 silently ignores some keywords (`not`, `if`, `dependencies*`, `uniqueItems`, `contains`,
+several `allOf` branches, siblings of `anyOf`/`oneOf`/`$ref`, ...). `prepare_json_schema` therefore
+validates the schema against its draft's metaschema, rewrites what it can exactly (`allOf` and
+siblings merged: schema_merge.py; draft quirks; `enum` values filtered by the real validator),
+narrows what it cannot to a schema whose every instance still validates (schema_narrowing.py,
+schema_node.py), and refuses the rest with a GrammarError naming the keyword. Every node is
+rebuilt from the keywords it handles, so an unknown keyword cannot slip through; `$ref` targets
+move under a fresh `$defs`.
 """
 
 from __future__ import annotations
@@ -36,7 +22,7 @@ import jsonschema
 
 from moeserve.grammar.errors import GrammarError
 from moeserve.grammar.schema_drafts import ANNOTATIONS, Draft, schema_draft
-from moeserve.grammar.schema_merge import json_key, merge_schemas, type_set
+from moeserve.grammar.schema_merge import json_key, listed, merge_schemas, type_set
 from moeserve.grammar.schema_narrowing import Narrowing
 from moeserve.grammar.schema_node import normalize_node
 
@@ -55,9 +41,7 @@ _DROPPED = ANNOTATIONS | {"$defs", "definitions"}
 
 def prepare_json_schema(schema: Schema) -> Schema:
     """Validate `schema` and return an equivalent-or-narrower schema xgrammar enforces exactly.
-
-    Raises GrammarError naming the problem: an invalid schema, or the unsupported feature.
-    """
+    Raises GrammarError naming the problem: an invalid schema, or the unsupported feature."""
     draft = schema_draft(schema)
     try:
         draft.validator.check_schema(schema)
@@ -72,9 +56,8 @@ def prepare_json_schema(schema: Schema) -> Schema:
 
 class SchemaNormalizer(Narrowing):
     """One pass over one schema document. Subschemas are handled in their *fixed* form (draft
-    quirks rewritten, annotations dropped); `origins` remembers, for each fixed dict, the raw
-    subschemas whose conjunction it means, so `enum`/`oneOf` decisions can ask the real
-    validator about the raw schema (exact semantics, whatever the draft)."""
+    quirks rewritten, annotations dropped); `origins` maps each fixed dict to the raw subschemas
+    it means together, so `enum`/`oneOf` decisions can ask the draft's own validator."""
 
     def __init__(self, root: Schema, draft: Draft) -> None:
         self.root = root
@@ -169,7 +152,7 @@ class SchemaNormalizer(Narrowing):
         return s
 
     def deref(self, raw: Schema) -> Schema:
-        """`prep`, then replace a bare `{"$ref": ...}` by its (prepped) target, for merging."""
+        """`prep`, then replace a bare `{"$ref": ...}` by its (prepped) target."""
         seen = set()
         s = self.prep(raw)
         while isinstance(s, dict) and set(s) == {"$ref"}:
@@ -197,7 +180,7 @@ class SchemaNormalizer(Narrowing):
 
     def finite(self, s: dict) -> Schema:
         """enum/const: keep exactly the listed values the whole (raw) schema accepts."""
-        values = [s["const"]] if "const" in s else list(s["enum"])
+        values = listed(s)
         if "const" in s and "enum" in s:
             values = [v for v in s["enum"] if json_key(v) == json_key(s["const"])]
         kept, seen = [], set()
@@ -239,9 +222,8 @@ class SchemaNormalizer(Narrowing):
         s = {k: v for k, v in raw.items() if k in self.draft.vocabulary and k not in _DROPPED}
         if self.draft.year == 4:  # draft-04: exclusiveMinimum is a flag on minimum
             for flag, bound in (("exclusiveMinimum", "minimum"), ("exclusiveMaximum", "maximum")):
-                if flag in s:
-                    if s.pop(flag) is True and bound in s:
-                        s[flag] = s.pop(bound)
+                if flag in s and s.pop(flag) is True and bound in s:
+                    s[flag] = s.pop(bound)
         if self.draft.tuple_items and isinstance(s.get("items"), list):
             s["prefixItems"] = s.pop("items")
             if "additionalItems" in s:
@@ -298,8 +280,8 @@ class SchemaNormalizer(Narrowing):
 
     @contextmanager
     def attempt(self) -> Iterator[None]:
-        """Normalization that may be abandoned with a GrammarError: the $defs it made go too (a
-        half-made one would stay a `true` placeholder that others then refer to)."""
+        """Normalization that a GrammarError abandons takes its $defs along (a half-made one would
+        stay a `true` placeholder)."""
         defs, names = dict(self.defs), dict(self.def_names)
         try:
             yield

@@ -1,15 +1,9 @@
 """What a request asks its output to follow: `GrammarSpec`, built from OpenAI/vLLM fields.
 
-A spec is small, frozen and picklable: it is what crosses process boundaries (gateway ->
-engine); the compiled grammar is rebuilt from it by each process's cached `GrammarCompiler`.
-
-Request fields understood (exactly one may be set):
-
-- `response_format={"type": "text"}`            -> no grammar
-- `response_format={"type": "json_object"}`     -> any JSON object
-- `response_format={"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": ...}}`
-- vLLM extras: `guided_json` (schema dict or JSON text), `guided_regex`, `guided_grammar`
-  (xgrammar EBNF with a `root` rule), `guided_choice` (list of strings).
+A spec is small, frozen and picklable: it crosses process boundaries, and each process rebuilds the
+compiled grammar from it. Request fields (at most one): `response_format` of type `text` (no
+grammar), `json_object` or `json_schema` (`{"json_schema": {"name", "schema", "strict"}}`), and
+vLLM's `guided_json`, `guided_regex`, `guided_grammar` (xgrammar EBNF, `root` rule), `guided_choice`.
 """
 
 from __future__ import annotations

@@ -1,31 +1,18 @@
 """Ending a constrained output on time: steer toward closing what is open.
 
-A grammar guarantees every *finished* output is valid, not that the model finishes: a weak (or
-random) model inside `{"a": [` can keep adding items until `max_tokens`, and a cut-off JSON
-document is invalid. So near the end of its budget the sampler should take the shortest way
-out: add `CLOSING_BOOST * policy.scores()` to the already-masked logits, and among the tokens
-the grammar allows, the one that closes most wins (ties keep the model's preference).
+A grammar guarantees every *finished* output is valid, not that the model finishes: a weak model
+inside `{"a": [` can add items until `max_tokens`, and a cut-off JSON document is invalid. Near the
+end of its budget the sampler adds `CLOSING_BOOST * policy.scores()` to the masked logits, so among
+the allowed tokens the one that closes most wins (ties keep the model's preference).
 
-The score of a token is how many JSON levels it closes, found by running a tiny JSON lexer
-(outside a string / inside / after a backslash) over its bytes from the current lexer state:
-`"}` inside a string closes two levels, outside one it opens a string (-1). Outside strings a
-token that is just a comma scores +0.5: it ends a number or literal that could otherwise grow
-forever and moves on to the next (perhaps required) member, while a closing bracket, when
-allowed, still wins; a comma inside a longer token (`},{"`) commits to one more member and
-scores -0.5. The stop token scores `STOP_SCORE`, so it wins whenever the grammar allows it
-(the output is complete).
-Inside a string, single-byte tokens get a small bonus: when the closing quote is not allowed
-yet (a `pattern` wants a `:` first), short random steps explore the pattern's alphabet faster
-than long word tokens.
-
-Masked logits stay -inf, so this never admits a token the grammar refuses. It is a greedy
-heuristic, not a proof: on JSONSchemaBench with a random model switching to it after 48 tokens,
-5,208 of 5,208 outputs ended within 2,048 tokens (bench/grammar_conformance.py), most within a
-few dozen tokens of the switch (a schema with ~150 required properties needs ~1,400). A pattern
-that needs a long exact sequence, or a schema with no finite instance (a required property
-that recursively requires itself), still runs to max_tokens. Tables are per vocabulary
-(`ClosingTables`), the lexer state per request (`ClosingPolicy`); regex/EBNF/choice grammars
-get only the stop score and the single-byte bonus.
+A token's score is how many JSON levels it closes, from a tiny lexer (outside a string / inside /
+after a backslash) run over its bytes: `"}` inside a string closes two, outside one it opens a
+string (-1). A lone comma scores +0.5 (it ends a number that could grow forever), a comma inside a
+longer token -0.5 (it commits to one more member); the stop token scores `STOP_SCORE`. Inside a
+string single-byte tokens get a small bonus: short steps explore a `pattern`'s alphabet fastest.
+Masked logits stay -inf, so this never admits a refused token; it is greedy, not a proof (a schema
+with no finite instance still runs to max_tokens; bench/grammar_conformance.py measures it).
+Tables are per vocabulary (`ClosingTables`), the lexer state per request (`ClosingPolicy`).
 """
 
 from __future__ import annotations
@@ -43,8 +30,7 @@ OUT, STR, ESC = 0, 1, 2  # lexer states: outside strings, inside a string, after
 
 
 def _lex(state: int, data: bytes) -> tuple[float, int]:
-    """Run the lexer over `data`; returns (score, final state): levels closed minus opened, plus
-    the comma term (see COMMA_BONUS)."""
+    """(levels closed minus opened plus the comma term, final lexer state) after `data`."""
     depth, commas = 0, 0
     for b in data:
         if state == ESC:

@@ -1,17 +1,10 @@
 """The vocabulary as the grammar sees it: xgrammar `TokenizerInfo` built from a transformers tokenizer.
 
-Two corrections over `xgr.TokenizerInfo.from_huggingface`:
-
-- Special and added-special tokens (`<|pad|>`, `<|im_start|>`, ...) are blanked. xgrammar would
-  otherwise treat their *text* as ordinary characters and allow them inside a JSON string, but
-  the detokenizer drops them (`skip_special_tokens`), so the client would receive a different
-  string from the one the grammar checked. A blank token is "special" to xgrammar: never allowed.
-  Stop tokens stay stop tokens.
-- Tokens that cannot occur in valid UTF-8 are blanked (utf8.py).
-- For JSON grammars, tokens containing a control byte (0x00-0x1F) are blanked as well. Compact
-  JSON never contains one raw (inside strings they must be escaped, and we allow no whitespace
-  between tokens), yet xgrammar 0.2.9's string rules for `minLength`/`maxLength` admit raw
-  control characters (measured: `"a\\x01"` accepted), which `json.loads` rejects.
+Corrections over `xgr.TokenizerInfo.from_huggingface`, each a blanked (never allowed) token:
+special tokens, whose text xgrammar would allow inside a JSON string although the detokenizer
+drops them; tokens that cannot occur in valid UTF-8 (utf8.py); and for JSON grammars, tokens with
+a raw control byte, which xgrammar 0.2.9's `minLength`/`maxLength` strings admit but `json.loads`
+rejects. Stop tokens stay stop tokens.
 """
 
 from __future__ import annotations
