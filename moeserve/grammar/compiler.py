@@ -20,7 +20,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import llguidance
 import llguidance.hf
@@ -96,11 +96,8 @@ class CompiledGrammar:
 
 
 class GrammarCompiler:
-    """Compiles and caches grammars for one tokenizer and model vocabulary.
-
-    `vocab_size` is the model's (lm_head rows), which may exceed len(tokenizer); ids past the
-    tokenizer are never allowed. `stop_token_ids` default to the tokenizer's EOS.
-    """
+    """Compiles and caches grammars for one tokenizer and model vocabulary. `vocab_size` is the
+    model's (lm_head rows; ids past the tokenizer are never allowed); stop tokens default to EOS."""
 
     def __init__(
         self,
@@ -139,11 +136,8 @@ class GrammarCompiler:
         self._closing_tables: ClosingTables | None = None
 
     def compile(self, spec: GrammarSpec) -> CompiledGrammar:
-        """The compiled grammar for `spec`, from the cache when possible.
-
-        Raises GrammarError naming the problem (invalid or unsupported grammar, too large), or
-        GrammarTimeoutError past `config.compile_timeout_s`.
-        """
+        """The compiled grammar for `spec`, from the cache when possible. Raises GrammarError naming
+        the problem (invalid, unsupported, too large), or GrammarTimeoutError past the time limit."""
         if not isinstance(spec, GrammarSpec):
             raise TypeError(f"compile() takes a GrammarSpec, got {type(spec).__name__}")
         size = len(spec.value or "")
@@ -175,13 +169,8 @@ class GrammarCompiler:
 
     def cache_info(self) -> dict[str, int]:
         with self._lock:
-            return {
-                "hits": self.hits,
-                "misses": self.misses,
-                "size": len(self._cache),
-                "bytes": self._cache_bytes,
-                "in_flight": len(self._in_flight),
-            }
+            return {"hits": self.hits, "misses": self.misses, "size": len(self._cache), "bytes": self._cache_bytes,
+                    "in_flight": len(self._in_flight)}
 
     def closing_policy(self, compiled: CompiledGrammar) -> ClosingPolicy:
         """A fresh per-request policy for steering `compiled`'s output to an end (termination.py)."""
@@ -240,7 +229,7 @@ class GrammarCompiler:
             raise
         except (RuntimeError, ValueError, TypeError) as e:  # xgrammar's parse/convert errors
             raise GrammarError(f"invalid {spec.kind}: {_xgr_message(e)}", feature=f"invalid-{spec.kind}") from None
-        return self._wrap(spec, grammar, source=source, compile_s=time.perf_counter() - start)
+        return self._wrap(spec, grammar, source=source, start=start)
 
     def _compile_llguidance(self, spec: GrammarSpec, schema: object, refused: GrammarError,
                             start: float) -> CompiledGrammar:
@@ -261,20 +250,12 @@ class GrammarCompiler:
         probe = llguidance.LLMatcher(self._llg_tokenizer, source, log_level=0)
         if probe.is_error():
             raise GrammarError(f"{refused.message} (llguidance: {probe.get_error()})", feature=refused.feature) from None
-        compiled = self._wrap(spec, None, source=source, compile_s=time.perf_counter() - start)
-        return replace(compiled, llg_tokenizer=self._llg_tokenizer)
+        return self._wrap(spec, None, source=source, start=start, llg_tokenizer=self._llg_tokenizer)
 
-    def _wrap(self, spec: GrammarSpec, grammar: xgr.CompiledGrammar | None, *, source: str,
-              compile_s: float) -> CompiledGrammar:
-        return CompiledGrammar(
-            spec=spec,
-            grammar=grammar,
-            source=source,
-            vocab_size=self.vocab_size,
-            stop_token_ids=self.stop_token_ids,
-            compile_s=compile_s,
-            vocab=self._vocab,
-        )
+    def _wrap(self, spec: GrammarSpec, grammar: xgr.CompiledGrammar | None, *, source: str, start: float,
+              llg_tokenizer: llguidance.LLTokenizer | None = None) -> CompiledGrammar:
+        return CompiledGrammar(spec, grammar, source, self.vocab_size, self.stop_token_ids,
+                               time.perf_counter() - start, self._vocab, llg_tokenizer)
 
 
 def _entry_bytes(entry: CompiledGrammar | GrammarError) -> int:

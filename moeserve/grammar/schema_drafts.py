@@ -15,22 +15,18 @@ from jsonschema.protocols import Validator
 from moeserve.grammar.errors import GrammarError
 
 # Keywords that never constrain an instance: dropped before compiling.
-ANNOTATIONS = frozenset(
-    {
-        "$schema", "$id", "id", "$comment", "$anchor", "$dynamicAnchor", "$recursiveAnchor", "$vocabulary",
-        "title", "description", "default", "examples", "example", "deprecated", "readOnly", "writeOnly",
-        "contentEncoding", "contentMediaType", "contentSchema",
-    }
-)  # fmt: skip
+ANNOTATIONS = frozenset({
+    "$schema", "$id", "id", "$comment", "$anchor", "$dynamicAnchor", "$recursiveAnchor", "$vocabulary",
+    "title", "description", "default", "examples", "example", "deprecated", "readOnly", "writeOnly",
+    "contentEncoding", "contentMediaType", "contentSchema",
+})  # fmt: skip
 
-_DRAFT4 = frozenset(
-    {
-        "type", "enum", "properties", "required", "additionalProperties", "patternProperties",
-        "minProperties", "maxProperties", "items", "additionalItems", "minItems", "maxItems", "uniqueItems",
-        "minLength", "maxLength", "pattern", "format", "minimum", "maximum", "exclusiveMinimum",
-        "exclusiveMaximum", "multipleOf", "allOf", "anyOf", "oneOf", "not", "dependencies", "$ref", "definitions",
-    }
-)  # fmt: skip
+_DRAFT4 = frozenset({
+    "type", "enum", "properties", "required", "additionalProperties", "patternProperties",
+    "minProperties", "maxProperties", "items", "additionalItems", "minItems", "maxItems", "uniqueItems",
+    "minLength", "maxLength", "pattern", "format", "minimum", "maximum", "exclusiveMinimum",
+    "exclusiveMaximum", "multipleOf", "allOf", "anyOf", "oneOf", "not", "dependencies", "$ref", "definitions",
+})  # fmt: skip
 _DRAFT6 = _DRAFT4 | {"const", "contains", "propertyNames"}
 _DRAFT7 = _DRAFT6 | {"if", "then", "else"}
 _DRAFT2019 = (_DRAFT7 - {"dependencies"}) | {
@@ -68,13 +64,8 @@ DRAFTS = {
     2020: Draft("2020-12", 2020, jsonschema.Draft202012Validator, _DRAFT2020),
 }
 
-_BY_URI = {
-    "json-schema.org/draft-04/schema": 4,
-    "json-schema.org/draft-06/schema": 6,
-    "json-schema.org/draft-07/schema": 7,
-    "json-schema.org/draft/2019-09/schema": 2019,
-    "json-schema.org/draft/2020-12/schema": 2020,
-}
+# json-schema.org/draft-07/schema, json-schema.org/draft/2020-12/schema, ...
+_BY_URI = {f"json-schema.org/{'' if d.year < 2019 else 'draft/'}{d.name}/schema": d for d in DRAFTS.values()}
 
 
 def schema_draft(schema: Any) -> Draft:
@@ -90,4 +81,4 @@ def schema_draft(schema: Any) -> Draft:
             f"unsupported $schema {uri!r}: use draft-04, -06, -07, 2019-09 or 2020-12 (or omit it for 2020-12)",
             feature="$schema",
         )
-    return DRAFTS[_BY_URI[bare]]
+    return _BY_URI[bare]

@@ -56,8 +56,4 @@ def _default_stop_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
 
 
 def _special_ids(tokenizer: PreTrainedTokenizerBase) -> set[int]:
-    ids = set(tokenizer.all_special_ids)
-    for idx, added in tokenizer.added_tokens_decoder.items():
-        if added.special:
-            ids.add(idx)
-    return ids
+    return set(tokenizer.all_special_ids) | {i for i, added in tokenizer.added_tokens_decoder.items() if added.special}
