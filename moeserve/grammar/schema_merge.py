@@ -18,7 +18,7 @@ from moeserve.grammar.regex_facts import finite_language, full_matches_never_sea
 
 Schema = Any  # dict | bool, as parsed from JSON
 Prep = Callable[[Schema], Schema]  # resolves $ref / allOf / draft quirks at the top of a subschema
-Merge = Callable[[Schema, Schema], Schema]  # how nested subschemas are merged (lets the caller track them)
+Merge = Callable[[Schema, Schema], Schema]
 
 _LOWER_BOUNDS = ("minimum", "exclusiveMinimum", "minLength", "minItems", "minProperties")
 _UPPER_BOUNDS = ("maximum", "exclusiveMaximum", "maxLength", "maxItems", "maxProperties")
@@ -60,16 +60,11 @@ def listed(schema: dict) -> list | None:
     return [schema["const"]] if "const" in schema else schema.get("enum")
 
 
-def merge_schemas(a: Schema, b: Schema, prep: Prep, merge: Merge | None = None) -> Schema:
-    """The schema of instances valid under both `a` and `b` (both already `prep`ped).
-
-    Nested subschemas are `prep`ped and merged with `merge` (default: this function).
-    """
-    merge = merge or (lambda x, y: merge_schemas(x, y, prep))
-    if a is True:
-        return b
-    if b is True:
-        return a
+def merge_schemas(a: Schema, b: Schema, prep: Prep, merge: Merge) -> Schema:
+    """The schema of instances valid under both `a` and `b` (both `prep`ped); nested subschemas
+    are `prep`ped and merged with `merge` (which lets the caller track them)."""
+    if a is True or b is True:
+        return b if a is True else a
     if a is False or b is False:
         return False
     out = dict(a)
@@ -100,10 +95,8 @@ def merge_schemas(a: Schema, b: Schema, prep: Prep, merge: Merge | None = None) 
 
 
 def _pattern_intersection(p: str, q: str) -> list[str] | None:
-    """Strings matching both patterns, where that is decidable here: [] when none can (both
-    anchored at both ends, and their matches start differently or cannot share a length); the
-    strings an anchored pattern with a few matches has in common with the other (narrower: not
-    those strings with a final newline, which `$` also matches); else None."""
+    """Strings matching both patterns where decidable: [] when none can, the few full matches of
+    an anchored pattern that the other matches too (narrower: no final newline), else None."""
     if full_matches_never_search(p, q) and full_matches_never_search(q, p) and _starts_anchored(p) and _starts_anchored(q):
         return []
     for mine, theirs in ((p, q), (q, p)):
@@ -171,9 +164,8 @@ def _merge_types(va: Any, vb: Any) -> Any:
 
 
 def _merge_properties(a: dict, b: dict, prep: Prep, merge: Merge) -> dict:
-    """Property-wise intersection. A name one side does not declare falls under that side's
-    patternProperties it matches, else its additionalProperties, so {"properties": {"x": X}}
-    AND {"additionalProperties": A} gives x: X AND A."""
+    """Property-wise intersection; an undeclared name falls under that side's matching
+    patternProperties, else its additionalProperties."""
     out = {}
     for name in dict.fromkeys([*a.get("properties", {}), *b.get("properties", {})]):
         out[name] = merge(_property_schema(a, name, prep, merge), _property_schema(b, name, prep, merge))
@@ -194,9 +186,8 @@ def _property_schema(s: dict, name: str, prep: Prep, merge: Merge) -> Schema:
 
 
 def _merge_patterns(a: dict, b: dict, prep: Prep, merge: Merge) -> dict:
-    """Both sides' patternProperties. A key one side's pattern names must also satisfy the other
-    side: its patterns the key matches (their own entries) or else its additionalProperties,
-    merged into the pattern's schema (narrower when the key matches the other's patterns too)."""
+    """Both sides' patternProperties, each merged with the other side's additionalProperties
+    (narrower where a key also matches the other side's patterns, which keep their own entries)."""
     out: dict = {}
     for mine, other in ((a, b), (b, a)):
         rest = prep(other.get("additionalProperties", True))

@@ -10,6 +10,7 @@ additionalProperties false).
 from __future__ import annotations
 
 import math
+from itertools import islice
 from typing import TYPE_CHECKING, Any
 
 from moeserve.grammar.errors import GrammarError
@@ -30,7 +31,6 @@ else:
 
 Schema = Any
 NUMERIC_SCAN, NUMERIC_WITNESSES = 20_000, 8  # numeric_witnesses: candidates tried, values kept
-_DEPENDENCIES = ("dependentRequired", "dependentSchemas")
 
 
 class Narrowing(_Base):
@@ -39,20 +39,14 @@ class Narrowing(_Base):
     def numeric_witnesses(self, s: dict) -> list[int]:
         """Last resort for a numeric subschema we cannot express (`not`/`oneOf` over `multipleOf`):
         the first few integers its validator accepts from its lower bound up."""
-        low = max((b for b in (s.get("minimum"), s.get("exclusiveMinimum")) if isinstance(b, (int, float))), default=0)
-        found: list[int] = []
-        for v in range(math.floor(low), math.floor(low) + NUMERIC_SCAN):
-            if self.accepts(s, v):
-                found.append(v)
-                if len(found) == NUMERIC_WITNESSES:
-                    break
-        return found
+        low = math.floor(max((b for b in (s.get("minimum"), s.get("exclusiveMinimum")) if isinstance(b, (int, float))), default=0))
+        return list(islice((v for v in range(low, low + NUMERIC_SCAN) if self.accepts(s, v)), NUMERIC_WITNESSES))
 
     def split_conditional(self, s: Schema) -> tuple[Schema, list[dict]]:
         """`s` without if/then/else, and the conditional ([] when there is none, or only an `if`)."""
         if not isinstance(s, dict) or "if" not in s:
             return s, []
-        rest = self.fixed({k: v for k, v in s.items() if k not in ("if", "then", "else")}, self.parts(s))
+        rest = self.without(s, "if", "then", "else")
         cond = {k: s[k] for k in ("if", "then", "else") if k in s}
         return rest, [cond] if len(cond) > 1 else []
 
@@ -96,7 +90,7 @@ class Narrowing(_Base):
     def dependencies(self, s: dict) -> Schema:
         """dependentRequired / dependentSchemas made to hold always (narrower): merged into the
         object where the property may appear, or, where that leaves nothing, the property is never produced."""
-        acc: Schema = self.fixed({k: v for k, v in s.items() if k not in _DEPENDENCIES}, self.parts(s))
+        acc: Schema = self.without(s, "dependentRequired", "dependentSchemas")
         deps = [(name, {"required": list(then)}) for name, then in s.get("dependentRequired", {}).items()]
         for name, then in [*deps, *s.get("dependentSchemas", {}).items()]:
             if not _may_produce(acc, name):
@@ -253,7 +247,7 @@ class Narrowing(_Base):
     def negation(self, s: dict) -> Schema | None:
         """`s` without its `not`, narrowed until the negated schema rejects it; None if not found."""
         neg = self.deref(s["not"])
-        rest = self.fixed({k: v for k, v in s.items() if k != "not"}, self.parts(s))
+        rest = self.without(s, "not")
         if neg is False:
             return rest
         if neg is True or neg == {}:  # not {} matches nothing

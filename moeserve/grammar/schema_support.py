@@ -130,10 +130,9 @@ class SchemaNormalizer(Narrowing):
                 if self.draft.ref_ignores_siblings:  # draft <= 7: a $ref replaces its whole object
                     s = self.fixed({"$ref": s["$ref"]}, self.parts(s))
                     continue
-                siblings = self.fixed({k: v for k, v in s.items() if k != "$ref"}, self.parts(s))
-                s = self.merge(self.deref(self.fixed({"$ref": s["$ref"]}, [])), siblings)
+                s = self.merge(self.deref(self.fixed({"$ref": s["$ref"]}, [])), self.without(s, "$ref"))
             elif "allOf" in s:
-                rest, conds = self.split_conditional(self.fixed({k: v for k, v in s.items() if k != "allOf"}, self.parts(s)))
+                rest, conds = self.split_conditional(self.without(s, "allOf"))
                 acc = self.deref(rest)
                 for branch in s["allOf"]:
                     branch, cond = self.split_conditional(self.fixup(branch))
@@ -195,7 +194,7 @@ class SchemaNormalizer(Narrowing):
         if "anyOf" in s and "oneOf" in s:
             raise GrammarError("anyOf and oneOf in the same schema object are not supported", feature="anyOf+oneOf")
         key = "anyOf" if "anyOf" in s else "oneOf"
-        siblings = self.fixed({k: v for k, v in s.items() if k != key}, self.parts(s))
+        siblings = self.without(s, key)
         branches = [self.merge(siblings, self.deref(b)) if siblings else self.prep(b) for b in s[key]]
         branches = [b for b in branches if b is not False]  # a branch nothing satisfies never matches
         if key == "oneOf":
@@ -241,6 +240,9 @@ class SchemaNormalizer(Narrowing):
     def fixed(self, s: dict, parts: list[Schema]) -> dict:
         self.origins[id(s)] = (parts, s)
         return s
+
+    def without(self, s: dict, *keys: str) -> dict:
+        return self.fixed({k: v for k, v in s.items() if k not in keys}, self.parts(s))
 
     def parts(self, s: Schema) -> list[Schema]:
         if isinstance(s, bool):
