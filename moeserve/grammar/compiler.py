@@ -110,18 +110,16 @@ class GrammarCompiler:
         self.config = config
         if vocab_size is not None and vocab_size < len(tokenizer):
             raise ValueError(f"vocab_size {vocab_size} is smaller than the tokenizer ({len(tokenizer)} tokens)")
-        text_info = build_tokenizer_info(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
-        json_info = build_tokenizer_info(
-            tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids, forbid_control_bytes=True
-        )
+        infos = {kind: build_tokenizer_info(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids,
+                                            forbid_control_bytes=kind == "json") for kind in ("text", "json")}
+        text_info = infos["text"]
         self.vocab_size: int = text_info.vocab_size
         self.stop_token_ids: tuple[int, ...] = tuple(text_info.stop_token_ids)
         self.tokenizer = tokenizer
         self._llg_tokenizer: llguidance.LLTokenizer | None = None  # built on the first llguidance grammar
         self.decoded_vocab: list[bytes] = text_info.decoded_vocab
-        self._infos = {"text": text_info, "json": json_info}
         threads = self.config.max_threads
-        self._xgr = {name: xgr.GrammarCompiler(info, max_threads=threads, cache_enabled=False) for name, info in self._infos.items()}
+        self._xgr = {kind: xgr.GrammarCompiler(info, max_threads=threads, cache_enabled=False) for kind, info in infos.items()}
         self._pool = ThreadPoolExecutor(self.config.max_compiles_in_flight, thread_name_prefix="grammar-compile")
         self._lock = threading.RLock()  # a job done before add_done_callback runs _finish in this thread
         self._cache: OrderedDict[str, CompiledGrammar | GrammarError] = OrderedDict()
@@ -142,9 +140,7 @@ class GrammarCompiler:
             raise TypeError(f"compile() takes a GrammarSpec, got {type(spec).__name__}")
         size = len(spec.value or "")
         if size > self.config.max_spec_chars:
-            raise GrammarError(
-                f"{spec.kind} is {size} characters; the limit is {self.config.max_spec_chars}", feature="size"
-            )
+            raise GrammarError(f"{spec.kind} is {size} characters; the limit is {self.config.max_spec_chars}", feature="size")
         with self._lock:
             cached = self._cache.get(spec.key)
             if cached is not None:
@@ -264,15 +260,8 @@ def _entry_bytes(entry: CompiledGrammar | GrammarError) -> int:
 
 def ebnf_literal(text: str) -> str:
     """`text` as an xgrammar EBNF string literal (its `\\xHH` reads more than two hex digits: use \\u)."""
-    out = []
-    for ch in text:
-        if ch in '"\\':
-            out.append("\\" + ch)
-        elif ord(ch) < 0x20 or ord(ch) == 0x7F:
-            out.append(f"\\u{ord(ch):04x}")
-        else:
-            out.append(ch)
-    return '"' + "".join(out) + '"'
+    body = "".join("\\" + c if c in '"\\' else f"\\u{ord(c):04x}" if ord(c) < 0x20 or ord(c) == 0x7F else c for c in text)
+    return f'"{body}"'
 
 
 _LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")

@@ -45,16 +45,6 @@ class Draft:
     validator: type[Validator]
     vocabulary: frozenset[str]
 
-    @property
-    def ref_ignores_siblings(self) -> bool:
-        """Up to draft-07 a `$ref` replaces its whole schema object; later drafts AND its siblings in."""
-        return self.year <= 7
-
-    @property
-    def tuple_items(self) -> bool:
-        """Up to 2019-09 `items` may be a list (tuple form) with `additionalItems` for the rest."""
-        return self.year <= 2019
-
 
 DRAFTS = {
     4: Draft("draft-04", 4, jsonschema.Draft4Validator, _DRAFT4),

@@ -126,12 +126,9 @@ class Narrowing(_Base):
                 first_overlap = (i, next(j for j, bj in enumerate(branches) if j != i and not self.excludes(bi, bj)))
         if not kept:
             i, j = first_overlap
-            raise GrammarError(
-                f"oneOf: branch {i} may also match branch {j}; only oneOf with provably disjoint "
-                "branches (different types or enum values, a const discriminator property, or a "
-                "property one branch requires and the other never produces) is supported",
-                feature="oneOf",
-            )
+            raise GrammarError(f"oneOf: branch {i} may also match branch {j}; only oneOf with provably disjoint branches "
+                               "(different types or enum values, a const discriminator property, or a property one "
+                               "branch requires and the other never produces) is supported", feature="oneOf")
         return kept
 
     def exclude_all(self, gen: Schema, others: list[Schema]) -> Schema | None:

@@ -84,18 +84,16 @@ class SchemaNormalizer(Narrowing):
 
     def norm(self, raw: Schema, *, is_root: bool = False) -> Schema:
         """Normalized form of one subschema (raw or fixed)."""
+        if self.depth >= MAX_DEPTH:
+            raise GrammarError(f"schema nests deeper than {MAX_DEPTH} levels", feature="depth")
+        scoped = not is_root and self._has_base_id(raw)
         self.depth += 1
+        self.id_scopes += scoped
         try:
-            if self.depth > MAX_DEPTH:
-                raise GrammarError(f"schema nests deeper than {MAX_DEPTH} levels", feature="depth")
-            scoped = not is_root and self._has_base_id(raw)
-            self.id_scopes += scoped
-            try:
-                return self._norm(raw)
-            finally:
-                self.id_scopes -= scoped
+            return self._norm(raw)
         finally:
             self.depth -= 1
+            self.id_scopes -= scoped
 
     def _norm(self, raw: Schema) -> Schema:
         s = self.fixup(raw) if isinstance(raw, dict) else None
@@ -127,7 +125,7 @@ class SchemaNormalizer(Narrowing):
         s = self.fixup(raw)
         while isinstance(s, dict):
             if "$ref" in s and len(s) > 1:
-                if self.draft.ref_ignores_siblings:  # draft <= 7: a $ref replaces its whole object
+                if self.draft.year <= 7:  # a $ref replaces its whole object; later drafts AND its siblings in
                     s = self.fixed({"$ref": s["$ref"]}, self.parts(s))
                     continue
                 s = self.merge(self.deref(self.fixed({"$ref": s["$ref"]}, [])), self.without(s, "$ref"))
@@ -223,7 +221,7 @@ class SchemaNormalizer(Narrowing):
             for flag, bound in (("exclusiveMinimum", "minimum"), ("exclusiveMaximum", "maximum")):
                 if flag in s and s.pop(flag) is True and bound in s:
                     s[flag] = s.pop(bound)
-        if self.draft.tuple_items and isinstance(s.get("items"), list):
+        if self.draft.year <= 2019 and isinstance(s.get("items"), list):  # tuple form, additionalItems the rest
             s["prefixItems"] = s.pop("items")
             if "additionalItems" in s:
                 s["items"] = s.pop("additionalItems")

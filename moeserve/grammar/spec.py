@@ -158,11 +158,9 @@ class GrammarSpec:
         body = response_format.get("json_schema")
         if not isinstance(body, Mapping):
             raise GrammarError("response_format.json_schema must be an object with a 'schema' field")
-        name = body.get("name")
-        if name is not None and not isinstance(name, str):
+        if body.get("name") is not None and not isinstance(body["name"], str):
             raise GrammarError("response_format.json_schema.name must be a string")
-        strict = body.get("strict")
-        if strict is not None and not isinstance(strict, bool):
+        if body.get("strict") is not None and not isinstance(body["strict"], bool):
             raise GrammarError("response_format.json_schema.strict must be a boolean")
         # The schema is always enforced; `strict` only says the client wants that, so it changes nothing here.
         if "schema" not in body:

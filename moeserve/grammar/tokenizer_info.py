@@ -28,25 +28,16 @@ def build_tokenizer_info(
     stop = list(stop_token_ids) if stop_token_ids is not None else _default_stop_ids(tokenizer)
     base = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop)
     size = base.vocab_size
+    special = _special_ids(tokenizer)
     encoded = [""] * size
     for token, idx in tokenizer.get_vocab().items():
-        if idx < size:
+        if idx < size and idx not in special:
             encoded[idx] = token
-    for idx in _special_ids(tokenizer):
-        if idx < size:
-            encoded[idx] = ""
     for idx, text in enumerate(base.decoded_vocab):
-        if idx in stop:
-            continue
-        if not is_valid_fragment(text) or (forbid_control_bytes and any(b < 0x20 for b in text)):
+        if idx not in stop and (not is_valid_fragment(text) or (forbid_control_bytes and any(b < 0x20 for b in text))):
             encoded[idx] = ""
-    return xgr.TokenizerInfo(
-        encoded,
-        base.vocab_type,
-        vocab_size=size,
-        stop_token_ids=stop,
-        add_prefix_space=base.add_prefix_space,
-    )
+    return xgr.TokenizerInfo(encoded, base.vocab_type, vocab_size=size, stop_token_ids=stop,
+                             add_prefix_space=base.add_prefix_space)
 
 
 def _default_stop_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
