@@ -158,10 +158,8 @@ class GrammarCompiler:
         try:
             return job.result(timeout=self.config.compile_timeout_s)
         except FutureTimeout:
-            raise GrammarTimeoutError(
-                f"compiling the {spec.kind} grammar took longer than {self.config.compile_timeout_s:g} s",
-                feature="timeout",
-            ) from None
+            limit = self.config.compile_timeout_s
+            raise GrammarTimeoutError(f"compiling the {spec.kind} grammar took longer than {limit:g} s", feature="timeout") from None
 
     def cache_info(self) -> dict[str, int]:
         with self._lock:
@@ -187,16 +185,14 @@ class GrammarCompiler:
                 entry = job.result() if error is None else error
                 self._cache[key] = entry
                 self._cache_bytes += _entry_bytes(entry)
-                while len(self._cache) > 1 and (
-                    len(self._cache) > self.config.cache_size or self._cache_bytes > self.config.cache_max_bytes
-                ):
+                cfg = self.config
+                while len(self._cache) > 1 and (len(self._cache) > cfg.cache_size or self._cache_bytes > cfg.cache_max_bytes):
                     _, old = self._cache.popitem(last=False)
                     self._cache_bytes -= _entry_bytes(old)
 
     def _compile_now(self, spec: GrammarSpec) -> CompiledGrammar:
         start = time.perf_counter()
-        sep = self.config.separators
-        json_opts = {"any_whitespace": False, "separators": sep}
+        json_opts = {"any_whitespace": False, "separators": self.config.separators}
         try:
             if spec.kind == "json_object":
                 source = '{"type":"object"}'

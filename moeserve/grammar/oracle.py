@@ -83,10 +83,9 @@ _POINTER = r"(?:/(?:[^~/]|~[01])*)*"
 
 def _valid_date(y: str, m: str, d: str) -> bool:
     try:
-        datetime.date(int(y), int(m), int(d))
+        return bool(datetime.date(int(y), int(m), int(d)))
     except ValueError:
         return False
-    return True
 
 
 def _valid_time(groups: tuple) -> bool:

@@ -5,11 +5,8 @@ inside `{"a": [` can add items until `max_tokens`, and a cut-off JSON document i
 end of its budget the sampler adds `CLOSING_BOOST * policy.scores()` to the masked logits, so among
 the allowed tokens the one that closes most wins (ties keep the model's preference).
 
-A token's score is how many JSON levels it closes, from a tiny lexer (outside a string / inside /
-after a backslash) run over its bytes: `"}` inside a string closes two, outside one it opens a
-string (-1). A lone comma scores +0.5 (it ends a number that could grow forever), a comma inside a
-longer token -0.5 (it commits to one more member); the stop token scores `STOP_SCORE`. Inside a
-string single-byte tokens get a small bonus: short steps explore a `pattern`'s alphabet fastest.
+A token's score is how many JSON levels it closes, from a tiny lexer run over its bytes (`"}`
+inside a string closes two); a lone comma ends a number that could grow forever (COMMA_BONUS).
 Masked logits stay -inf, so this never admits a refused token; it is greedy, not a proof (a schema
 with no finite instance still runs to max_tokens; bench/grammar_conformance.py measures it).
 Tables are per vocabulary (`ClosingTables`), the lexer state per request (`ClosingPolicy`).
@@ -21,10 +18,10 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-STOP_SCORE = 1000.0
+STOP_SCORE = 1000.0  # the stop token wins whenever the grammar allows it (the output is complete)
 CLOSING_BOOST = 1.0e4  # dwarfs any real logit gap, so the score decides and logits break ties
-SINGLE_BYTE_BONUS = 0.5  # inside strings; below one level so closing always wins
-COMMA_BONUS = 0.5  # outside strings: a lone comma +0.5, a comma in a longer token -0.5
+SINGLE_BYTE_BONUS = 0.5  # inside strings short steps explore a `pattern` fastest; below one level, so closing wins
+COMMA_BONUS = 0.5  # outside strings: a lone comma +0.5, a comma in a longer token (one more member) -0.5
 
 OUT, STR, ESC = 0, 1, 2  # lexer states: outside strings, inside a string, after a backslash
 
