@@ -1,9 +1,7 @@
-"""Token bitmasks: one int32 row of ceil(V / 32) words per sequence, bit t set = token t allowed.
+"""Token bitmasks: one int32 row of W = ceil(V / 32) words per sequence, bit t set = token t allowed.
 
-Shapes: B rows (sequences or verification positions), V vocabulary, W = ceil(V / 32) words.
-Filled on CPU by `GrammarMatcher.fill_bitmask`; applied to logits before sampling. CPU logits
-use xgrammar's C++ kernel (no triton needed); other devices use the torch fallback below, which
-is also the reference the tests compare the kernel against.
+B rows (sequences or verification positions), V vocabulary. CPU logits use xgrammar's C++ kernel;
+other devices the torch fallback below, also the reference the tests compare the kernel against.
 """
 
 from __future__ import annotations
@@ -28,11 +26,7 @@ def reset_bitmask(bitmask: torch.Tensor) -> None:
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int] | None = None) -> None:
     """In place: logits[i, t] = -inf where bit t of bitmask[i] is 0, for i in `rows` (default all).
-
-    logits [B, V] (float32/16, bfloat16); bitmask [B', W] with W * 32 >= V; with `rows`, B and
-    B' may differ (row i of each is used). Mixed constrained/unconstrained batches pass only
-    the constrained rows.
-    """
+    logits [B, V], bitmask [B', W] with W * 32 >= V; mixed batches pass only the constrained rows."""
     vocab = logits.shape[-1]
     if bitmask.shape[-1] * 32 < vocab:
         raise ValueError(f"bitmask covers {bitmask.shape[-1] * 32} tokens, logits have {vocab}")

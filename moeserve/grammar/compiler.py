@@ -1,20 +1,13 @@
 """Per-model grammar compilation: `GrammarCompiler` turns a `GrammarSpec` into a `CompiledGrammar`.
 
-One compiler per (tokenizer, model vocab size), shared by all requests of a process, as vLLM v1
-keeps one grammar backend per engine.
-
-Two backends, chosen per request: xgrammar for everything it can enforce (JSON schemas after
-schema_support.py's rewriting, regex, EBNF, choice), and llguidance's JSON-schema compiler
-for schemas that rewriting refuses for a feature llguidance enforces exactly (LLGUIDANCE_FEATURES:
-multipleOf, a length or format together with a pattern, ...). A schema neither can enforce
-exactly is refused with the feature named: an output is never allowed to break its schema. Compiling is bounded three ways, because the spec comes
-from the client: spec text length, wall time, and an LRU cache that makes repeats ~free.
-
-Time limit: xgrammar's C++ compile cannot be interrupted, so it runs in a small thread pool
-(xgrammar releases the GIL while compiling) and the caller stops waiting at the limit with a
-GrammarTimeoutError. The job finishes in the background and its result is cached, and a second
-request for the same spec waits on the same job instead of starting another; the pool bounds
-how many compile at once.
+One compiler per (tokenizer, model vocab size), shared by a process's requests (as vLLM v1 keeps
+one grammar backend per engine). Two backends, chosen per request: xgrammar for what it enforces
+(JSON schemas after schema_support.py's rewriting, regex, EBNF, choice), and llguidance for schemas
+that rewriting refuses for a feature llguidance enforces exactly (LLGUIDANCE_FEATURES); anything
+else is refused with the feature named. Compiling is bounded by spec length, wall time and an LRU
+cache, since the spec comes from the client. xgrammar's C++ compile cannot be interrupted, so it
+runs in a small thread pool and the caller stops waiting at the limit (GrammarTimeoutError); the
+job finishes in the background into the cache, and a repeat request waits on the same job.
 """
 
 from __future__ import annotations
@@ -27,7 +20,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import llguidance
 import llguidance.hf
@@ -103,11 +96,8 @@ class CompiledGrammar:
 
 
 class GrammarCompiler:
-    """Compiles and caches grammars for one tokenizer and model vocabulary.
-
-    `vocab_size` is the model's (lm_head rows), which may exceed len(tokenizer); ids past the
-    tokenizer are never allowed. `stop_token_ids` default to the tokenizer's EOS.
-    """
+    """Compiles and caches grammars for one tokenizer and model vocabulary. `vocab_size` is the
+    model's (lm_head rows; ids past the tokenizer are never allowed); stop tokens default to EOS."""
 
     def __init__(
         self,
@@ -120,18 +110,16 @@ class GrammarCompiler:
         self.config = config
         if vocab_size is not None and vocab_size < len(tokenizer):
             raise ValueError(f"vocab_size {vocab_size} is smaller than the tokenizer ({len(tokenizer)} tokens)")
-        text_info = build_tokenizer_info(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
-        json_info = build_tokenizer_info(
-            tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids, forbid_control_bytes=True
-        )
+        infos = {kind: build_tokenizer_info(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids,
+                                            forbid_control_bytes=kind == "json") for kind in ("text", "json")}
+        text_info = infos["text"]
         self.vocab_size: int = text_info.vocab_size
         self.stop_token_ids: tuple[int, ...] = tuple(text_info.stop_token_ids)
         self.tokenizer = tokenizer
         self._llg_tokenizer: llguidance.LLTokenizer | None = None  # built on the first llguidance grammar
         self.decoded_vocab: list[bytes] = text_info.decoded_vocab
-        self._infos = {"text": text_info, "json": json_info}
         threads = self.config.max_threads
-        self._xgr = {name: xgr.GrammarCompiler(info, max_threads=threads, cache_enabled=False) for name, info in self._infos.items()}
+        self._xgr = {kind: xgr.GrammarCompiler(info, max_threads=threads, cache_enabled=False) for kind, info in infos.items()}
         self._pool = ThreadPoolExecutor(self.config.max_compiles_in_flight, thread_name_prefix="grammar-compile")
         self._lock = threading.RLock()  # a job done before add_done_callback runs _finish in this thread
         self._cache: OrderedDict[str, CompiledGrammar | GrammarError] = OrderedDict()
@@ -146,18 +134,13 @@ class GrammarCompiler:
         self._closing_tables: ClosingTables | None = None
 
     def compile(self, spec: GrammarSpec) -> CompiledGrammar:
-        """The compiled grammar for `spec`, from the cache when possible.
-
-        Raises GrammarError naming the problem (invalid or unsupported grammar, too large), or
-        GrammarTimeoutError past `config.compile_timeout_s`.
-        """
+        """The compiled grammar for `spec`, from the cache when possible. Raises GrammarError naming
+        the problem (invalid, unsupported, too large), or GrammarTimeoutError past the time limit."""
         if not isinstance(spec, GrammarSpec):
             raise TypeError(f"compile() takes a GrammarSpec, got {type(spec).__name__}")
         size = len(spec.value or "")
         if size > self.config.max_spec_chars:
-            raise GrammarError(
-                f"{spec.kind} is {size} characters; the limit is {self.config.max_spec_chars}", feature="size"
-            )
+            raise GrammarError(f"{spec.kind} is {size} characters; the limit is {self.config.max_spec_chars}", feature="size")
         with self._lock:
             cached = self._cache.get(spec.key)
             if cached is not None:
@@ -175,20 +158,13 @@ class GrammarCompiler:
         try:
             return job.result(timeout=self.config.compile_timeout_s)
         except FutureTimeout:
-            raise GrammarTimeoutError(
-                f"compiling the {spec.kind} grammar took longer than {self.config.compile_timeout_s:g} s",
-                feature="timeout",
-            ) from None
+            limit = self.config.compile_timeout_s
+            raise GrammarTimeoutError(f"compiling the {spec.kind} grammar took longer than {limit:g} s", feature="timeout") from None
 
     def cache_info(self) -> dict[str, int]:
         with self._lock:
-            return {
-                "hits": self.hits,
-                "misses": self.misses,
-                "size": len(self._cache),
-                "bytes": self._cache_bytes,
-                "in_flight": len(self._in_flight),
-            }
+            return {"hits": self.hits, "misses": self.misses, "size": len(self._cache), "bytes": self._cache_bytes,
+                    "in_flight": len(self._in_flight)}
 
     def closing_policy(self, compiled: CompiledGrammar) -> ClosingPolicy:
         """A fresh per-request policy for steering `compiled`'s output to an end (termination.py)."""
@@ -209,16 +185,14 @@ class GrammarCompiler:
                 entry = job.result() if error is None else error
                 self._cache[key] = entry
                 self._cache_bytes += _entry_bytes(entry)
-                while len(self._cache) > 1 and (
-                    len(self._cache) > self.config.cache_size or self._cache_bytes > self.config.cache_max_bytes
-                ):
+                cfg = self.config
+                while len(self._cache) > 1 and (len(self._cache) > cfg.cache_size or self._cache_bytes > cfg.cache_max_bytes):
                     _, old = self._cache.popitem(last=False)
                     self._cache_bytes -= _entry_bytes(old)
 
     def _compile_now(self, spec: GrammarSpec) -> CompiledGrammar:
         start = time.perf_counter()
-        sep = self.config.separators
-        json_opts = {"any_whitespace": False, "separators": sep}
+        json_opts = {"any_whitespace": False, "separators": self.config.separators}
         try:
             if spec.kind == "json_object":
                 source = '{"type":"object"}'
@@ -247,7 +221,7 @@ class GrammarCompiler:
             raise
         except (RuntimeError, ValueError, TypeError) as e:  # xgrammar's parse/convert errors
             raise GrammarError(f"invalid {spec.kind}: {_xgr_message(e)}", feature=f"invalid-{spec.kind}") from None
-        return self._wrap(spec, grammar, source=source, compile_s=time.perf_counter() - start)
+        return self._wrap(spec, grammar, source=source, start=start)
 
     def _compile_llguidance(self, spec: GrammarSpec, schema: object, refused: GrammarError,
                             start: float) -> CompiledGrammar:
@@ -268,20 +242,12 @@ class GrammarCompiler:
         probe = llguidance.LLMatcher(self._llg_tokenizer, source, log_level=0)
         if probe.is_error():
             raise GrammarError(f"{refused.message} (llguidance: {probe.get_error()})", feature=refused.feature) from None
-        compiled = self._wrap(spec, None, source=source, compile_s=time.perf_counter() - start)
-        return replace(compiled, llg_tokenizer=self._llg_tokenizer)
+        return self._wrap(spec, None, source=source, start=start, llg_tokenizer=self._llg_tokenizer)
 
-    def _wrap(self, spec: GrammarSpec, grammar: xgr.CompiledGrammar | None, *, source: str,
-              compile_s: float) -> CompiledGrammar:
-        return CompiledGrammar(
-            spec=spec,
-            grammar=grammar,
-            source=source,
-            vocab_size=self.vocab_size,
-            stop_token_ids=self.stop_token_ids,
-            compile_s=compile_s,
-            vocab=self._vocab,
-        )
+    def _wrap(self, spec: GrammarSpec, grammar: xgr.CompiledGrammar | None, *, source: str, start: float,
+              llg_tokenizer: llguidance.LLTokenizer | None = None) -> CompiledGrammar:
+        return CompiledGrammar(spec, grammar, source, self.vocab_size, self.stop_token_ids,
+                               time.perf_counter() - start, self._vocab, llg_tokenizer)
 
 
 def _entry_bytes(entry: CompiledGrammar | GrammarError) -> int:
@@ -290,15 +256,8 @@ def _entry_bytes(entry: CompiledGrammar | GrammarError) -> int:
 
 def ebnf_literal(text: str) -> str:
     """`text` as an xgrammar EBNF string literal (its `\\xHH` reads more than two hex digits: use \\u)."""
-    out = []
-    for ch in text:
-        if ch in '"\\':
-            out.append("\\" + ch)
-        elif ord(ch) < 0x20 or ord(ch) == 0x7F:
-            out.append(f"\\u{ord(ch):04x}")
-        else:
-            out.append(ch)
-    return '"' + "".join(out) + '"'
+    body = "".join("\\" + c if c in '"\\' else f"\\u{ord(c):04x}" if ord(c) < 0x20 or ord(c) == 0x7F else c for c in text)
+    return f'"{body}"'
 
 
 _LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")

@@ -1,21 +1,13 @@
-"""The one error type of the grammar layer.
-
-Everything a client can get wrong about a grammar (malformed request fields, an invalid or
-unsupported JSON schema, a regex or EBNF that does not parse, a grammar too large or too slow
-to compile) raises `GrammarError`. It subclasses `ValueError` so callers that only know
-"bad input" still catch it; the gateway maps it to HTTP 400 / gRPC INVALID_ARGUMENT.
+"""The one error type of the grammar layer: whatever a client can get wrong about a grammar.
+A `ValueError`, so callers that only know "bad input" catch it; the gateway maps it to HTTP 400.
 """
 
 from __future__ import annotations
 
 
 class GrammarError(ValueError):
-    """A grammar the server will not run, with a message fit to show the client.
-
-    `feature` names the refused JSON-Schema keyword or grammar feature when there is one
-    (e.g. "uniqueItems", "format:iri", "oneOf"), so reports and metrics can count refusals
-    by cause without parsing messages.
-    """
+    """A grammar the server will not run, with a message fit to show the client. `feature` names
+    the refused keyword or feature ("uniqueItems", "format:iri"), so refusals can be counted by cause."""
 
     def __init__(self, message: str, *, feature: str | None = None) -> None:
         super().__init__(message)

@@ -9,9 +9,7 @@ Engine use per decode step (one bitmask row per sequence; k+1 rows when verifyin
     forced = matcher.forced_tokens()            # jump-forward: append, matcher.accept_tokens(forced)
     if matcher.is_terminated(): finish          # the stop token was accepted
 
-Once the output is complete the mask allows the stop tokens (plus whatever could still extend
-it, e.g. more digits); after a stop token is accepted the matcher is terminated and its mask
-allows only stop tokens.
+Once the output is complete the mask also allows the stop tokens; once one is accepted, only them.
 """
 
 from __future__ import annotations
@@ -79,13 +77,9 @@ class GrammarMatcher:
             bitmask[row] &= self._vocab.second_byte_rows[lead]
 
     def fill_bitmasks_for_draft(self, draft_token_ids: Sequence[int], bitmask: torch.Tensor, row: int = 0) -> int:
-        """Rows row..row+k for verifying k draft tokens, leaving the matcher where it was.
-
-        Row row+i masks the target's token after draft[:i]. Returns how many leading draft
-        tokens the grammar accepts; rows past the first refused draft token are left all-allowed,
-        because the verifier never reaches them (the refused token has probability 0 under the
-        masked target, so it is rejected there and the recovered token is sampled from row+i).
-        """
+        """Rows row..row+k for verifying k draft tokens (row+i: after draft[:i]), leaving the
+        matcher where it was. Returns how many leading draft tokens the grammar accepts; rows past
+        the first refused one stay all-allowed, since the verifier rejects that token and never reaches them."""
         accepted = 0
         for i, token_id in enumerate(draft_token_ids):
             self.fill_bitmask(bitmask, row + i)
@@ -108,16 +102,10 @@ class GrammarMatcher:
         return self._matcher.is_terminated() or self._matcher.is_completed()
 
     def forced_tokens(self) -> list[int]:
-        """Tokens the grammar forces next (jump-forward), without accepting them.
-
-        From xgrammar's `find_jump_forward_tokens`: the forced continuation (the longest string
-        every valid output continues with, e.g. `"name":"` after `{` in a one-key schema),
-        split greedily into the longest vocabulary tokens. Limits: it stops before a partial
-        UTF-8 character; it leaves out a last token that is a prefix of a longer token (the
-        model might have chosen the longer one: `"na` when `"name` exists), so it can return []
-        although something is forced; and its split may differ from the tokenizer's own
-        encoding of the same text, which a model sees as slightly unusual input.
-        """
+        """Tokens the grammar forces next (jump-forward), without accepting them: the forced text
+        (`"name":"` after `{` in a one-key schema) split greedily into vocabulary tokens. It stops
+        before a partial UTF-8 character and leaves out a last token that prefixes a longer one
+        (`"na` when `"name` exists), so it may return [] although something is forced."""
         if self._matcher.is_terminated():
             return []
         return self._matcher.find_jump_forward_tokens()

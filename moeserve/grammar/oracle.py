@@ -1,13 +1,8 @@
 """The independent judge of constrained outputs: does `text` satisfy `spec`?
 
-Used by the tests, the conformance bench and the gateway's end-to-end tests; never by the
-serving path (there the matcher itself guards the stream). It shares no code with xgrammar:
-JSON is parsed by `json`, schemas are checked by `jsonschema` with the schema's own draft and
-with formats asserted, regexes by `re.fullmatch`. jsonschema's checkers for `date-time`, `uri`,
-`hostname`, ... need packages we do not install, so strict RFC-based checks are defined here
-for every format the compiler accepts.
-
-EBNF has no independent judge here; callers check the language of their own grammar.
+Used by tests and benches, never by the serving path. It shares no code with xgrammar: JSON is
+parsed by `json`, schemas checked by `jsonschema` (the schema's own draft, formats asserted, with
+strict RFC-based format checks defined here), regexes by `re.fullmatch`. EBNF has no judge here.
 """
 
 from __future__ import annotations
@@ -52,8 +47,7 @@ def _validator(schema_text: str) -> jsonschema.protocols.Validator:
 
 @lru_cache(maxsize=8)
 def _with_exact_multiple_of(cls: type) -> type:
-    """`cls` whose multipleOf falls back to exact arithmetic where jsonschema's float division
-    overflows (an integer beyond 1e308 and a fractional step)."""
+    """`cls` whose multipleOf uses exact arithmetic where jsonschema's float division overflows."""
     float_check = cls.VALIDATORS["multipleOf"]
 
     def multiple_of(validator, step, instance, schema):
@@ -89,10 +83,9 @@ _POINTER = r"(?:/(?:[^~/]|~[01])*)*"
 
 def _valid_date(y: str, m: str, d: str) -> bool:
     try:
-        datetime.date(int(y), int(m), int(d))
+        return bool(datetime.date(int(y), int(m), int(d)))
     except ValueError:
         return False
-    return True
 
 
 def _valid_time(groups: tuple) -> bool:

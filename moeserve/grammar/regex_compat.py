@@ -1,19 +1,12 @@
 """Regexes as validators read them, rewritten so xgrammar 0.2.9 matches no more than that.
 
-The client's regex (a JSON-Schema `pattern`, or `guided_regex`) is judged by Python's `re`
-(jsonschema's `pattern`, our oracle's `re.fullmatch`). Measured against it, xgrammar's regex
-engines are mostly narrower (their `\\d`, `\\w` are ASCII), which is safe, but in places wider:
-
-- `.` matches a newline in `guided_regex` (Python's does not);
-- `\\s` matches U+FEFF; `\\S` and `[^\\s]` match U+0085 and U+001C-U+001F (whitespace to Python);
-- `\\D`, `\\W`, `[^\\d]`, `[^\\w]` match non-ASCII digits and letters (not \\D / \\W to Python);
-- in a JSON-Schema pattern, an optional group starting with a literal and going on with a
-  variable repetition loses the literal: `^a(b[01]+)?$` accepts "a0".
-
-`xgrammar_regex` rewrites each into an equal or narrower form xgrammar gets right: whitespace
-classes spelled out (the intersection of Python's and ECMA-262's whitespace where a match is
-wanted, their union where it is excluded), classes with other shorthands reduced to the
-printable ASCII characters Python says they match, `.` to `[^\\n]`, and `)?` to `){0,1}`.
+A `pattern` or `guided_regex` is judged by Python's `re`. Measured against it, xgrammar is mostly
+narrower (ASCII `\\d`, `\\w`: safe) but wider in places: `.` matches a newline in `guided_regex`;
+`\\s` matches U+FEFF and `\\S`/`[^\\s]` match U+0085 and U+001C-U+001F; `\\D`, `\\W`, `[^\\d]`,
+`[^\\w]` match non-ASCII digits and letters; and in a pattern, `^a(b[01]+)?$` accepts "a0" (an
+optional group loses its leading literal). `xgrammar_regex` spells whitespace classes out, reduces
+classes with other shorthands to the printable ASCII characters Python says they match, and
+rewrites `.` to `[^\\n]` and `)?` to `){0,1}`.
 """
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
-"""What a regex's matches look like, as Python's `re` reads a pattern: the characters a match
-can start with, its length bounds and anchors (`regex_shape`), and every full match when
-there are only a few (`finite_language`). The grammar layer uses them to prove that two
-patterns never match one string and to turn a pattern naming a few keys into those keys.
+"""What a regex's matches look like as Python's `re` reads it: first characters, length bounds and
+anchors (`regex_shape`), and every full match when there are few (`finite_language`). Used to prove
+two patterns never match one string and to turn a pattern naming a few keys into those keys.
 """
 
 from __future__ import annotations
@@ -21,6 +20,7 @@ except ImportError:  # pragma: no cover - Python < 3.11
     import sre_parse  # type: ignore[no-redef]
 
 _MAX_CLASS_SPAN = 4096  # a wider range makes a first-character set "unknown"
+_BEGIN, _END = (sre_c.AT, sre_c.AT_BEGINNING), (sre_c.AT, sre_c.AT_END)
 
 
 @dataclass(frozen=True)
@@ -66,15 +66,13 @@ def regex_shape(pattern: str) -> RegexShape | None:
     except (re.error, OverflowError, RecursionError):
         return None
     items = list(parsed)
-    begin = (sre_c.AT, sre_c.AT_BEGINNING)
-    end = (sre_c.AT, sre_c.AT_END)
-    anchored = bool(items) and tuple(items[0]) == begin
+    anchored = bool(items) and tuple(items[0]) == _BEGIN
     return RegexShape(
         first=None if parsed.state.flags & re.IGNORECASE else _first(items),
         min_len=low,
         max_len=math.inf if high >= sre_c.MAXREPEAT else high,
         anchored=anchored,
-        anchored_end=anchored and tuple(items[-1]) == end,
+        anchored_end=anchored and tuple(items[-1]) == _END,
     )
 
 
@@ -167,9 +165,9 @@ def finite_language(pattern: str, limit: int = 16) -> tuple[str, ...] | None:
     if parsed.state.flags & re.IGNORECASE:
         return None
     items = list(parsed)
-    if items and tuple(items[0]) == (sre_c.AT, sre_c.AT_BEGINNING):
+    if items and tuple(items[0]) == _BEGIN:
         items = items[1:]
-    if items and tuple(items[-1]) == (sre_c.AT, sre_c.AT_END):
+    if items and tuple(items[-1]) == _END:
         items = items[:-1]
     strings = _language(items, limit)
     return None if strings is None else tuple(sorted(s for s in strings if re.fullmatch(pattern, s)))

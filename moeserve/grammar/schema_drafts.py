@@ -1,9 +1,7 @@
 """JSON-Schema drafts: which draft a schema declares, its validator, and its keyword vocabulary.
 
-A keyword means something only in the drafts that define it: `const` in a draft-04 schema is
-ignored by every validator, so it must be ignored by the grammar too (enforcing it would be
-harmless, but ignoring it keeps "what we enforce" equal to "what validates"). Keywords no draft
-defines (`x-foo`, OpenAPI's `nullable`) are ignored the same way.
+A keyword counts only in the drafts that define it (`const` in a draft-04 schema is ignored by
+every validator, so by the grammar too); keywords no draft defines (`x-foo`, `nullable`) likewise.
 """
 
 from __future__ import annotations
@@ -17,22 +15,18 @@ from jsonschema.protocols import Validator
 from moeserve.grammar.errors import GrammarError
 
 # Keywords that never constrain an instance: dropped before compiling.
-ANNOTATIONS = frozenset(
-    {
-        "$schema", "$id", "id", "$comment", "$anchor", "$dynamicAnchor", "$recursiveAnchor", "$vocabulary",
-        "title", "description", "default", "examples", "example", "deprecated", "readOnly", "writeOnly",
-        "contentEncoding", "contentMediaType", "contentSchema",
-    }
-)  # fmt: skip
+ANNOTATIONS = frozenset({
+    "$schema", "$id", "id", "$comment", "$anchor", "$dynamicAnchor", "$recursiveAnchor", "$vocabulary",
+    "title", "description", "default", "examples", "example", "deprecated", "readOnly", "writeOnly",
+    "contentEncoding", "contentMediaType", "contentSchema",
+})  # fmt: skip
 
-_DRAFT4 = frozenset(
-    {
-        "type", "enum", "properties", "required", "additionalProperties", "patternProperties",
-        "minProperties", "maxProperties", "items", "additionalItems", "minItems", "maxItems", "uniqueItems",
-        "minLength", "maxLength", "pattern", "format", "minimum", "maximum", "exclusiveMinimum",
-        "exclusiveMaximum", "multipleOf", "allOf", "anyOf", "oneOf", "not", "dependencies", "$ref", "definitions",
-    }
-)  # fmt: skip
+_DRAFT4 = frozenset({
+    "type", "enum", "properties", "required", "additionalProperties", "patternProperties",
+    "minProperties", "maxProperties", "items", "additionalItems", "minItems", "maxItems", "uniqueItems",
+    "minLength", "maxLength", "pattern", "format", "minimum", "maximum", "exclusiveMinimum",
+    "exclusiveMaximum", "multipleOf", "allOf", "anyOf", "oneOf", "not", "dependencies", "$ref", "definitions",
+})  # fmt: skip
 _DRAFT6 = _DRAFT4 | {"const", "contains", "propertyNames"}
 _DRAFT7 = _DRAFT6 | {"if", "then", "else"}
 _DRAFT2019 = (_DRAFT7 - {"dependencies"}) | {
@@ -51,16 +45,6 @@ class Draft:
     validator: type[Validator]
     vocabulary: frozenset[str]
 
-    @property
-    def ref_ignores_siblings(self) -> bool:
-        """Up to draft-07 a `$ref` replaces its whole schema object; later drafts AND its siblings in."""
-        return self.year <= 7
-
-    @property
-    def tuple_items(self) -> bool:
-        """Up to 2019-09 `items` may be a list (tuple form) with `additionalItems` for the rest."""
-        return self.year <= 2019
-
 
 DRAFTS = {
     4: Draft("draft-04", 4, jsonschema.Draft4Validator, _DRAFT4),
@@ -70,13 +54,8 @@ DRAFTS = {
     2020: Draft("2020-12", 2020, jsonschema.Draft202012Validator, _DRAFT2020),
 }
 
-_BY_URI = {
-    "json-schema.org/draft-04/schema": 4,
-    "json-schema.org/draft-06/schema": 6,
-    "json-schema.org/draft-07/schema": 7,
-    "json-schema.org/draft/2019-09/schema": 2019,
-    "json-schema.org/draft/2020-12/schema": 2020,
-}
+# json-schema.org/draft-07/schema, json-schema.org/draft/2020-12/schema, ...
+_BY_URI = {f"json-schema.org/{'' if d.year < 2019 else 'draft/'}{d.name}/schema": d for d in DRAFTS.values()}
 
 
 def schema_draft(schema: Any) -> Draft:
@@ -92,4 +71,4 @@ def schema_draft(schema: Any) -> Draft:
             f"unsupported $schema {uri!r}: use draft-04, -06, -07, 2019-09 or 2020-12 (or omit it for 2020-12)",
             feature="$schema",
         )
-    return DRAFTS[_BY_URI[bare]]
+    return _BY_URI[bare]

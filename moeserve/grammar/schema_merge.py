@@ -1,11 +1,8 @@
 """Intersection of two JSON schemas, for `allOf` and for siblings of `anyOf`/`oneOf`/`$ref`.
 
-xgrammar 0.2.9 does not enforce `allOf` with several branches, ignores the siblings of
-`anyOf`/`oneOf`, and (in 2019+ drafts) the siblings of `$ref`. Each of those means "the instance
-must satisfy A and B", so we rewrite them into one schema that says both. The merge is exact or
-it refuses: where an exact intersection is not a plain keyword-wise combination (different
-patterns, `additionalProperties` that would forbid the other side's properties, ...) it raises
-GrammarError naming the keyword, rather than guess.
+xgrammar enforces neither several `allOf` branches nor those siblings, so "A and B" is rewritten
+into one schema that says both. The merge is exact or it refuses with a GrammarError naming the
+keyword (different patterns, `additionalProperties` that would forbid the other side's properties).
 """
 
 from __future__ import annotations
@@ -21,12 +18,13 @@ from moeserve.grammar.regex_facts import finite_language, full_matches_never_sea
 
 Schema = Any  # dict | bool, as parsed from JSON
 Prep = Callable[[Schema], Schema]  # resolves $ref / allOf / draft quirks at the top of a subschema
-Merge = Callable[[Schema, Schema], Schema]  # how nested subschemas are merged (lets the caller track them)
+Merge = Callable[[Schema, Schema], Schema]
 
 _LOWER_BOUNDS = ("minimum", "exclusiveMinimum", "minLength", "minItems", "minProperties")
 _UPPER_BOUNDS = ("maximum", "exclusiveMaximum", "maxLength", "maxItems", "maxProperties")
 _NOTHING = object()  # a keyword pair no instance satisfies
 MAX_CROSS = 64  # anyOf x anyOf expands to at most this many branches
+ALL_TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
 _REFUSED_ANYWAY = {
     "if": "if/then/else", "then": "if/then/else", "else": "if/then/else",
     "contains": "contains", "$dynamicRef": "$dynamicRef",
@@ -49,10 +47,6 @@ def json_key(value: Any) -> Any:
     raise TypeError(f"not a JSON value: {value!r}")
 
 
-def json_equal(a: Any, b: Any) -> bool:
-    return json_key(a) == json_key(b)
-
-
 def type_set(schema: dict) -> set[str] | None:
     """The `type` keyword as a set, or None when absent (any type)."""
     t = schema.get("type")
@@ -61,16 +55,16 @@ def type_set(schema: dict) -> set[str] | None:
     return {t} if isinstance(t, str) else set(t)
 
 
-def merge_schemas(a: Schema, b: Schema, prep: Prep, merge: Merge | None = None) -> Schema:
-    """The schema of instances valid under both `a` and `b` (both already `prep`ped).
+def listed(schema: dict) -> list | None:
+    """The values `enum`/`const` allow (`const` first), or None when the schema lists none."""
+    return [schema["const"]] if "const" in schema else schema.get("enum")
 
-    Nested subschemas are `prep`ped and merged with `merge` (default: this function).
-    """
-    merge = merge or (lambda x, y: merge_schemas(x, y, prep))
-    if a is True:
-        return b
-    if b is True:
-        return a
+
+def merge_schemas(a: Schema, b: Schema, prep: Prep, merge: Merge) -> Schema:
+    """The schema of instances valid under both `a` and `b` (both `prep`ped); nested subschemas
+    are `prep`ped and merged with `merge` (which lets the caller track them)."""
+    if a is True or b is True:
+        return b if a is True else a
     if a is False or b is False:
         return False
     out = dict(a)
@@ -91,7 +85,7 @@ def merge_schemas(a: Schema, b: Schema, prep: Prep, merge: Merge | None = None) 
             continue
         if key not in out:
             out[key] = vb
-        elif not json_equal(out[key], vb):
+        elif json_key(out[key]) != json_key(vb):
             out[key] = _merge_keyword(key, out[key], vb, prep, merge)
             if out[key] is _NOTHING:
                 return False  # no instance satisfies both; anyOf drops such a branch
@@ -101,10 +95,8 @@ def merge_schemas(a: Schema, b: Schema, prep: Prep, merge: Merge | None = None) 
 
 
 def _pattern_intersection(p: str, q: str) -> list[str] | None:
-    """Strings matching both patterns, where that is decidable here: [] when none can (both
-    anchored at both ends, and their matches start differently or cannot share a length); the
-    strings an anchored pattern with a few matches has in common with the other (narrower: not
-    those strings with a final newline, which `$` also matches); else None."""
+    """Strings matching both patterns where decidable: [] when none can, the few full matches of
+    an anchored pattern that the other matches too (narrower: no final newline), else None."""
     if full_matches_never_search(p, q) and full_matches_never_search(q, p) and _starts_anchored(p) and _starts_anchored(q):
         return []
     for mine, theirs in ((p, q), (q, p)):
@@ -167,15 +159,13 @@ def _merge_types(va: Any, vb: Any) -> Any:
         both.add("integer")
     if not both:
         return _NOTHING
-    order = ["object", "array", "string", "number", "integer", "boolean", "null"]
-    kept = [t for t in order if t in both]
+    kept = [t for t in ALL_TYPES if t in both]
     return kept[0] if len(kept) == 1 else kept
 
 
 def _merge_properties(a: dict, b: dict, prep: Prep, merge: Merge) -> dict:
-    """Property-wise intersection. A name one side does not declare falls under that side's
-    patternProperties it matches, else its additionalProperties, so {"properties": {"x": X}}
-    AND {"additionalProperties": A} gives x: X AND A."""
+    """Property-wise intersection; an undeclared name falls under that side's matching
+    patternProperties, else its additionalProperties."""
     out = {}
     for name in dict.fromkeys([*a.get("properties", {}), *b.get("properties", {})]):
         out[name] = merge(_property_schema(a, name, prep, merge), _property_schema(b, name, prep, merge))
@@ -196,9 +186,8 @@ def _property_schema(s: dict, name: str, prep: Prep, merge: Merge) -> Schema:
 
 
 def _merge_patterns(a: dict, b: dict, prep: Prep, merge: Merge) -> dict:
-    """Both sides' patternProperties. A key one side's pattern names must also satisfy the other
-    side: its patterns the key matches (their own entries) or else its additionalProperties,
-    merged into the pattern's schema (narrower when the key matches the other's patterns too)."""
+    """Both sides' patternProperties, each merged with the other side's additionalProperties
+    (narrower where a key also matches the other side's patterns, which keep their own entries)."""
     out: dict = {}
     for mine, other in ((a, b), (b, a)):
         rest = prep(other.get("additionalProperties", True))

@@ -1,20 +1,16 @@
 """Sound narrowings: what `SchemaNormalizer` does with keywords no backend enforces exactly.
 
-A narrowed schema accepts less than the original, and everything it accepts the original
-accepts too, so every output still validates (some valid instances are never produced).
-`Narrowing` is a part of `SchemaNormalizer` (schema_support.py) kept in its own file: it proves
-that one subschema excludes another (`excludes`), narrows one until the others exclude it
-(`exclude_all`: overlapping `oneOf` branches, `not`, the `else` of an `if`), and rewrites
-`if`/`then`/`else`, the dependency keywords and numeric subschemas nothing else expresses.
-
-Every proof uses only what stays true when the node is merged with sibling keywords later (a
-property is ruled out only when it is declared false or additionalProperties is false), since
-these rewrites run while subschemas are still being merged.
+A narrowed schema accepts a subset of what the original accepts, so every output still validates.
+`excludes` proves one subschema rejects everything another produces; `exclude_all` narrows one
+until the others exclude it (overlapping `oneOf` branches, `not`, the `else` of an `if`). Proofs
+use only facts that survive later merges with sibling keywords (a property declared false, or
+additionalProperties false).
 """
 
 from __future__ import annotations
 
 import math
+from itertools import islice
 from typing import TYPE_CHECKING, Any
 
 from moeserve.grammar.errors import GrammarError
@@ -25,7 +21,7 @@ from moeserve.grammar.regex_facts import (
     key_matches,
     regex_shape,
 )
-from moeserve.grammar.schema_merge import type_set
+from moeserve.grammar.schema_merge import listed, type_set
 from moeserve.grammar.schema_node import json_type, produced_types
 
 if TYPE_CHECKING:
@@ -35,43 +31,29 @@ else:
 
 Schema = Any
 NUMERIC_SCAN, NUMERIC_WITNESSES = 20_000, 8  # numeric_witnesses: candidates tried, values kept
-_DEPENDENCIES = ("dependentRequired", "dependentSchemas")
 
 
 class Narrowing(_Base):
-    """The narrowing half of SchemaNormalizer (which supplies deref, merge, fixed, parts,
-    accepts, validator)."""
+    """The narrowing half of SchemaNormalizer (which supplies deref, merge, fixed, parts, accepts)."""
 
     def numeric_witnesses(self, s: dict) -> list[int]:
-        """The last resort for a numeric subschema we cannot express (`not`/`oneOf` over
-        `multipleOf`, ...): the first few integers its validator accepts, counting up from its
-        lower bound (narrower, so sound)."""
-        low = max((b for b in (s.get("minimum"), s.get("exclusiveMinimum")) if isinstance(b, (int, float))), default=0)
-        found: list[int] = []
-        for v in range(math.floor(low), math.floor(low) + NUMERIC_SCAN):
-            if self.accepts(s, v):
-                found.append(v)
-                if len(found) == NUMERIC_WITNESSES:
-                    break
-        return found
-
+        """Last resort for a numeric subschema we cannot express (`not`/`oneOf` over `multipleOf`):
+        the first few integers its validator accepts from its lower bound up."""
+        low = math.floor(max((b for b in (s.get("minimum"), s.get("exclusiveMinimum")) if isinstance(b, (int, float))), default=0))
+        return list(islice((v for v in range(low, low + NUMERIC_SCAN) if self.accepts(s, v)), NUMERIC_WITNESSES))
 
     def split_conditional(self, s: Schema) -> tuple[Schema, list[dict]]:
         """`s` without if/then/else, and the conditional ([] when there is none, or only an `if`)."""
         if not isinstance(s, dict) or "if" not in s:
             return s, []
-        rest = self.fixed({k: v for k, v in s.items() if k not in ("if", "then", "else")}, self.parts(s))
+        rest = self.without(s, "if", "then", "else")
         cond = {k: s[k] for k in ("if", "then", "else") if k in s}
         return rest, [cond] if len(cond) > 1 else []
 
     def conditionals(self, acc: Schema, conds: list[dict]) -> Schema:
-        """`acc` and every if/then/else in `conds`, narrowed to what we can enforce (sound).
-
-        `if` conditions that exclude each other (a const discriminator, as in most real schemas)
-        become one anyOf: per condition, that condition with its `then` and every other `else`.
-        Otherwise each one becomes anyOf [acc and if and then, a narrowing of acc and else that
-        the `if` rejects] (exclude_all), leaving out what is unsatisfiable or cannot be enforced.
-        """
+        """`acc` and every if/then/else in `conds`. Mutually exclusive `if`s (a const discriminator)
+        become one anyOf of (if_i, then_i, every other else); otherwise each becomes anyOf [acc and
+        if and then, acc and else narrowed until the `if` rejects it]."""
         if not conds or acc is False:
             return acc
         ifs = [self.deref(c["if"]) for c in conds]
@@ -106,11 +88,9 @@ class Narrowing(_Base):
         return options[0] if len(options) == 1 else self.fixed({"anyOf": options}, self.parts(origin))
 
     def dependencies(self, s: dict) -> Schema:
-        """dependentRequired / dependentSchemas (draft-07's `dependencies`) made to hold always
-        (narrower, so sound): where the named property may appear, its dependency is merged into
-        the object, so it holds whether the property appears or not; where that leaves nothing
-        to produce, the property is never produced instead."""
-        acc: Schema = self.fixed({k: v for k, v in s.items() if k not in _DEPENDENCIES}, self.parts(s))
+        """dependentRequired / dependentSchemas made to hold always (narrower): merged into the
+        object where the property may appear, or, where that leaves nothing, the property is never produced."""
+        acc: Schema = self.without(s, "dependentRequired", "dependentSchemas")
         deps = [(name, {"required": list(then)}) for name, then in s.get("dependentRequired", {}).items()]
         for name, then in [*deps, *s.get("dependentSchemas", {}).items()]:
             if not _may_produce(acc, name):
@@ -131,14 +111,11 @@ class Narrowing(_Base):
                 acc = self.fixed({**acc, "properties": {**acc.get("properties", {}), name: False}}, self.parts(acc))
         return acc
 
-
     # -- oneOf ---------------------------------------------------------------------------
 
     def exclusive(self, branches: list[Schema]) -> list[Schema]:
-        """oneOf == anyOf over branches that each provably exclude every other branch. A branch
-        that does not is narrowed until it does (an optional property another branch requires
-        is never produced; a property whose values another branch rejects becomes required), or
-        left out; sound, since what a kept branch produces still matches it and only it."""
+        """oneOf == anyOf over branches that each provably exclude every other; a branch that does
+        not is narrowed until it does (exclude_all), or left out."""
         kept, first_overlap = [], None
         for i, bi in enumerate(branches):
             others = [bj for j, bj in enumerate(branches) if j != i]
@@ -149,12 +126,9 @@ class Narrowing(_Base):
                 first_overlap = (i, next(j for j, bj in enumerate(branches) if j != i and not self.excludes(bi, bj)))
         if not kept:
             i, j = first_overlap
-            raise GrammarError(
-                f"oneOf: branch {i} may also match branch {j}; only oneOf with provably disjoint "
-                "branches (different types or enum values, a const discriminator property, or a "
-                "property one branch requires and the other never produces) is supported",
-                feature="oneOf",
-            )
+            raise GrammarError(f"oneOf: branch {i} may also match branch {j}; only oneOf with provably disjoint branches "
+                               "(different types or enum values, a const discriminator property, or a property one "
+                               "branch requires and the other never produces) is supported", feature="oneOf")
         return kept
 
     def exclude_all(self, gen: Schema, others: list[Schema]) -> Schema | None:
@@ -165,8 +139,8 @@ class Narrowing(_Base):
         if not isinstance(gen, dict) or any(k in gen for k in ("anyOf", "oneOf", "not", "if")):
             return None
         types = produced_types(gen)
-        if _finite(gen) is not None:
-            kept = [v for v in _finite(gen) if self.accepts(gen, v) and not any(self.accepts(o, v) for o in others)]
+        if listed(gen) is not None:
+            kept = [v for v in listed(gen) if self.accepts(gen, v) and not any(self.accepts(o, v) for o in others)]
             narrowed = {"enum": kept} if kept else None
         elif types == {"object"}:
             narrowed = self._exclude_by_properties(gen, others)
@@ -183,8 +157,7 @@ class Narrowing(_Base):
 
     def _exclude_by_properties(self, gen: dict, others: list[Schema]) -> dict | None:
         """Object `gen` narrowed so that each of `others` rejects it: a property whose values the
-        other rejects becomes required (its listed values cut to the rejected ones), or a property
-        the other requires is never produced."""
+        other rejects becomes required, or one the other requires is never produced."""
         props, required = dict(gen.get("properties", {})), list(gen.get("required", []))
         for other in others:
             if self.excludes(gen, other):
@@ -217,14 +190,13 @@ class Narrowing(_Base):
         return {**gen, "properties": props, "required": list(dict.fromkeys(required))}
 
     def _name_candidates(self, gen: dict, other: dict) -> list[str]:
-        """Property names worth trying against `other`'s name rules: those `gen` declares,
-        requires or names by a pattern, and those `other`'s rules name."""
+        """Property names worth trying against `other`'s name rules (named by either side)."""
         names = [*gen.get("properties", {}), *gen.get("required", [])]
         for pattern in [*(gen.get("patternProperties") or {}), *(other.get("patternProperties") or {})]:
             names += finite_language(pattern) or []
         rule = self.deref(other.get("propertyNames", True))
         if isinstance(rule, dict) and isinstance(self.deref(rule.get("not", True)), dict):
-            names += [v for v in _finite(self.deref(rule["not"])) or [] if isinstance(v, str)]
+            names += [v for v in listed(self.deref(rule["not"])) or [] if isinstance(v, str)]
         return list(dict.fromkeys(names))
 
     def _forbids_name(self, other: dict, name: str) -> bool:
@@ -234,8 +206,7 @@ class Narrowing(_Base):
         return any(self.deref(sub) is False and key_matches(p, name) for p, sub in (other.get("patternProperties") or {}).items())
 
     def _exclude_patterns(self, gen: dict, others: list[Schema]) -> dict | None:
-        """String `gen` (without a pattern or format of its own) narrowed to start with a
-        character no match of the others' patterns (anchored at the start) can start with."""
+        """String `gen` narrowed to start with a character no match of the others' (anchored) patterns starts with."""
         if "pattern" in gen or "format" in gen:
             return None
         starts = None
@@ -248,14 +219,14 @@ class Narrowing(_Base):
         return None if outside is None else {**gen, "type": "string", "pattern": f"^{outside}.*$"}
 
     def _exclude_values(self, gen: dict, types: set[str], others: list[Schema]) -> dict | None:
-        """String or number `gen` narrowed past every value `others` list: longer than the
-        longest string, above the largest number (below the smallest, if the maximum is in the way)."""
+        """String or number `gen` narrowed past every value `others` list: longer than the longest
+        string, above the largest number (or below the smallest)."""
         values = []
-        for other in others:
-            listed = _finite(self.deref(other)) if isinstance(self.deref(other), dict) else None
-            if listed is None:
+        for other in map(self.deref, others):
+            values_of = listed(other) if isinstance(other, dict) else None
+            if values_of is None:
                 return None
-            values += [v for v in listed if json_type(v) in types or (json_type(v) in ("integer", "number") and types & {"integer", "number"})]
+            values += [v for v in values_of if _types_overlap({json_type(v)}, types)]
         if not values:
             return None
         if types <= {"string"}:
@@ -271,10 +242,9 @@ class Narrowing(_Base):
         return None
 
     def negation(self, s: dict) -> Schema | None:
-        """`s` without its `not`, narrowed so that the negated schema rejects it (exclude_all);
-        None when no such narrowing is found (schema_node then tries its exact rewrites)."""
+        """`s` without its `not`, narrowed until the negated schema rejects it; None if not found."""
         neg = self.deref(s["not"])
-        rest = self.fixed({k: v for k, v in s.items() if k != "not"}, self.parts(s))
+        rest = self.without(s, "not")
         if neg is False:
             return rest
         if neg is True or neg == {}:  # not {} matches nothing
@@ -291,7 +261,7 @@ class Narrowing(_Base):
     def _rejected_values(self, gen: Schema, other: Schema) -> list:
         """The enum/const values of `gen` that `other` rejects ([] unless `gen` lists values)."""
         gen, other = self.deref(gen), self.deref(other)
-        values = _finite(gen) if isinstance(gen, dict) else None
+        values = listed(gen) if isinstance(gen, dict) else None
         return [v for v in values or [] if self.accepts(gen, v) and not self.accepts(other, v)]
 
     def excludes(self, gen: Schema, other: Schema, depth: int = 0) -> bool:
@@ -306,14 +276,13 @@ class Narrowing(_Base):
                 return True
             if key in gen and all(self.excludes(b, other, depth + 1) for b in gen[key]):
                 return True
-        if "enum" in gen or "const" in gen:
-            values = [gen["const"]] if "const" in gen else gen["enum"]
-            return not any(self.accepts(gen, v) and self.accepts(other, v) for v in values)
-        if _finite(other) is not None and not any(self.produces(gen, v) for v in _finite(other)):
+        if listed(gen) is not None:
+            return not any(self.accepts(gen, v) and self.accepts(other, v) for v in listed(gen))
+        if listed(other) is not None and not any(self.produces(gen, v) for v in listed(other)):
             return True
         produced, allowed = produced_types(gen), type_set(other)
-        if allowed is None and ("enum" in other or "const" in other):
-            allowed = {json_type(v) for v in ([other["const"]] if "const" in other else other["enum"])}
+        if allowed is None and listed(other) is not None:
+            allowed = {json_type(v) for v in listed(other)}
         if allowed is not None and not _types_overlap(produced, allowed):
             return True
         if produced == {"string"} and "pattern" in gen and "pattern" in other:
@@ -323,8 +292,7 @@ class Narrowing(_Base):
         return produced <= {"object"} and (self._discriminated(gen, other, depth) or _never_has_required(gen, other))
 
     def _discriminated(self, gen: dict, other: dict, depth: int) -> bool:
-        """A property whose values `other` rejects, and that `gen` requires or `other` requires
-        (either way, an instance of `gen` cannot both carry an acceptable value and satisfy `other`)."""
+        """A property that `gen` or `other` requires and whose values `other` rejects."""
         mine, theirs = gen.get("properties", {}), other.get("properties", {})
         for name in dict.fromkeys([*gen.get("required", []), *other.get("required", [])]):
             if name in mine and name in theirs and self.excludes(mine[name], theirs[name], depth + 1):
@@ -332,16 +300,14 @@ class Narrowing(_Base):
                     return True
         return False
 
-
     def produces(self, s: dict, value: Any) -> bool:
-        """May (fixed, plain) node `s` produce `value`? Its own keywords decide, as compiled (not
-        the raw schema it came from, which may say more: a `not` being narrowed away)."""
+        """May node `s` produce `value`? Its own keywords decide, not the raw schema (which may
+        say more: a `not` being narrowed away)."""
         return self.validator.evolve(schema=s).is_valid(value)
 
 
 def _may_produce(s: dict, name: str) -> bool:
-    """May an instance of object node `s` carry property `name` (as far as a later merge with
-    other schemas cannot change: only a false schema or additionalProperties false rule it out)?"""
+    """May object node `s` carry property `name`, whatever is merged in later?"""
     props = s.get("properties", {})
     if name in props:
         return props[name] is not False
@@ -349,18 +315,11 @@ def _may_produce(s: dict, name: str) -> bool:
 
 
 def _never_has_required(gen: dict, other: dict) -> bool:
-    """`other` requires a property `gen` never has, however `gen` is merged with other schemas
-    later: one `gen` declares false, or an undeclared one where additionalProperties is false."""
+    """`other` requires a property `gen` never has (declared false, or undeclared where additionalProperties is false)."""
     props = gen.get("properties", {})
     open_ = any(k in gen for k in ("anyOf", "oneOf", "patternProperties", "unevaluatedProperties"))
     closed = not open_ and gen.get("additionalProperties") is False
     return any(props.get(n) is False or (n not in props and closed) for n in other.get("required", []))
-
-
-def _finite(s: dict) -> list | None:
-    if "const" in s:
-        return [s["const"]]
-    return s.get("enum")
 
 
 def _types_overlap(produced: set[str], allowed: set[str]) -> bool:

@@ -1,53 +1,43 @@
 """One plain schema node (no `$ref`/`allOf`/`anyOf`/`oneOf`/`enum` at its top), keyword by keyword.
 
-Each keyword is either kept in the form xgrammar enforces exactly, rewritten to such a form,
-dropped because it cannot constrain what this node produces (a string keyword on a node that
-produces only integers), or refused with a GrammarError naming it. What xgrammar 0.2.9 does with
-each keyword was measured (see tests/grammar/test_schema_support.py); the notes below say why.
+Each keyword is kept in a form xgrammar enforces exactly, rewritten to one, dropped where it
+cannot constrain what the node produces, or refused with a GrammarError naming it. What
+xgrammar 0.2.9 does with each keyword is measured in tests/grammar/test_schema_support.py.
 """
 
 from __future__ import annotations
 
 import math
 import re
-
-try:  # the regex parser behind `re`; getwidth() gives a pattern's min/max match length
-    from re import _parser as sre_parse  # Python >= 3.11
-except ImportError:  # pragma: no cover
-    import sre_parse  # type: ignore[no-redef]
 from typing import TYPE_CHECKING, Any
 
 from moeserve.grammar.errors import GrammarError
 from moeserve.grammar.formats import FORMAT_PATTERNS, SUPPORTED_FORMATS, UNSUPPORTED_FORMATS
 from moeserve.grammar.regex_compat import xgrammar_regex
-from moeserve.grammar.regex_facts import finite_language, full_matches_never_search, key_matches
-from moeserve.grammar.schema_merge import type_set
+from moeserve.grammar.regex_facts import finite_language, full_matches_never_search, key_matches, regex_shape, sre_parse
+from moeserve.grammar.schema_merge import ALL_TYPES, listed, type_set
 
 if TYPE_CHECKING:
     from moeserve.grammar.schema_support import SchemaNormalizer
 
-ALL_TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
 _KEYWORDS_OF = {
-    "object": (
-        "properties", "required", "additionalProperties", "patternProperties", "propertyNames",
-        "minProperties", "maxProperties", "unevaluatedProperties", "dependencies", "dependentRequired",
-        "dependentSchemas",
-    ),
+    "object": ("properties", "required", "additionalProperties", "patternProperties", "propertyNames", "minProperties",
+               "maxProperties", "unevaluatedProperties", "dependencies", "dependentRequired", "dependentSchemas"),
     "array": ("items", "prefixItems", "minItems", "maxItems", "uniqueItems", "contains", "minContains", "maxContains", "unevaluatedItems"),
     "string": ("minLength", "maxLength", "pattern", "format"),
     "number": ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"),
 }  # fmt: skip
 _NAME_KEYWORDS = {"type", "minLength", "maxLength", "pattern", "format", "enum"}
+MAX_FOLDED_REPEAT = 1024
+# A prefix, then one character class or escaped/plain character, repeated: ^ab[a-z0-9-]*$, ^\d+$
+_TAIL_STAR_PATTERN = re.compile(r"\^(.*?)(\[(?:\\.|[^\]\\])+\]|\\[dDwWsS]|\.|[A-Za-z0-9 _-])([*+])\$")
+_INNER_ANCHOR = re.compile(r"(?<!\\)[$^](?![^\[]*\])")  # an unescaped ^ or $ outside a character class
+_JSON_TYPES = {bool: "boolean", type(None): "null", int: "integer", float: "number", str: "string", list: "array", dict: "object"}
 
 
 def json_type(v: Any) -> str:
-    if isinstance(v, bool):
-        return "boolean"
-    if v is None:
-        return "null"
-    if isinstance(v, int):
-        return "integer"
-    return {float: "number", str: "string", list: "array", dict: "object"}[type(v)]
+    """The JSON type of a parsed JSON value."""
+    return _JSON_TYPES[type(v)]
 
 
 def inferred_types(s: dict) -> set[str]:
@@ -57,12 +47,9 @@ def inferred_types(s: dict) -> set[str]:
 
 def produced_types(s: dict) -> set[str]:
     """JSON types a (fixed) node can produce once normalized: declared, listed, or inferred."""
-    if "enum" in s or "const" in s:
-        return {json_type(v) for v in ([s["const"]] if "const" in s else s["enum"])}
-    declared = type_set(s)
-    if declared is not None:
-        return declared
-    return inferred_types(s) or set(ALL_TYPES)
+    if listed(s) is not None:
+        return {json_type(v) for v in listed(s)}
+    return type_set(s) or inferred_types(s) or set(ALL_TYPES)
 
 
 def normalize_node(nz: SchemaNormalizer, s: dict) -> Any:
@@ -70,11 +57,10 @@ def normalize_node(nz: SchemaNormalizer, s: dict) -> Any:
     rest = dict(s)
     _narrow_not(rest)
     _refuse_logic(rest)
-    declared = type_set(rest)
-    rest.pop("type", None)
     # Without `type`, xgrammar ignores e.g. `minimum` and lets any JSON through, while a validator
     # applies it to numbers. Restricting to the types whose keywords appear is narrower, so sound.
-    types = declared if declared is not None else inferred_types(rest)
+    types = type_set(rest) or inferred_types(rest)
+    rest.pop("type", None)
     out: dict[str, Any] = {}
     _numbers(rest, types, out)
     _strings(rest, types, out)
@@ -99,16 +85,12 @@ def _refuse(feature: str, why: str) -> GrammarError:
 
 
 def _narrow_not(s: dict) -> None:
-    """not {type: T}: the other types (exact, unless it would need "number but not integer").
-    Other `not` forms are narrowed before a node gets here (SchemaNormalizer.negation) or refused."""
+    """not {type: T}: the other types (exact). Other `not` forms are narrowed earlier (negation) or refused."""
     neg = s.get("not")
     if not isinstance(neg, dict) or set(neg) != {"type"}:
         return
-    excluded = set(neg["type"]) if isinstance(neg["type"], list) else {neg["type"]}
-    if "number" in excluded:
-        excluded.add("integer")
-    declared = type_set(s)
-    allowed = set(ALL_TYPES) if declared is None else set(declared)
+    excluded = type_set(neg) | ({"integer"} if "number" in type_set(neg) else set())
+    allowed = type_set(s) or set(ALL_TYPES)
     if "integer" in excluded and "number" in allowed - excluded:
         return  # "number but not integer" has no grammar here
     allowed -= excluded
@@ -118,8 +100,7 @@ def _narrow_not(s: dict) -> None:
 
 
 def _refuse_logic(s: dict) -> None:
-    """Keywords xgrammar ignores and we cannot rewrite. (`if` and the dependency keywords are
-    rewritten before a node gets here: SchemaNormalizer.prep; met here, they are refused.)"""
+    """Keywords xgrammar ignores and we cannot rewrite (`if` and dependencies that `prep` did not rewrite)."""
     if "not" in s:
         raise _refuse("not", "negated schemas are not supported")
     for key in ("if", "$dynamicRef", "$recursiveRef", "dependencies", "dependentRequired", "dependentSchemas"):
@@ -181,27 +162,19 @@ def _strings(s: dict, types: set[str], out: dict) -> None:
 
 
 def _fold_lengths_into_pattern(kw: dict) -> None:
-    """Drop length bounds the pattern already implies; turn `^PX*$`/`^PX+$` plus bounds into
-    `^PX{m,n}$` (P: any prefix without a top-level `|`, X: one character or class).
-
-    xgrammar produces strings that fully match the pattern, so a bound that every full match
-    meets (the pattern's width, from Python's regex parser) constrains nothing more. The folded
-    repetition counts for P's shortest and longest matches, so every full match keeps the
-    bounds (narrower where P's width varies); its upper count is capped at MAX_FOLDED_REPEAT,
-    since xgrammar compiles a bounded repetition state by state (narrower again).
-    """
-    try:
-        low, high = sre_parse.parse(kw["pattern"]).getwidth()
-    except (re.error, OverflowError, RecursionError):
+    """Drop length bounds every full match of the pattern meets; turn `^PX*$`/`^PX+$` plus bounds
+    into `^PX{m,n}$` (P: a prefix without top-level `|`, X: one character or class). The counts
+    hold for P's shortest and longest match (narrower where P varies), capped at MAX_FOLDED_REPEAT
+    because xgrammar compiles a bounded repetition state by state."""
+    shape = regex_shape(kw["pattern"])
+    if shape is None:
         return
-    if kw.get("minLength", 0) <= low:
+    if kw.get("minLength", 0) <= shape.min_len:
         kw.pop("minLength", None)
-    if "maxLength" in kw and high <= kw["maxLength"]:
+    if "maxLength" in kw and shape.max_len <= kw["maxLength"]:
         kw.pop("maxLength")
-    if "minLength" not in kw and "maxLength" not in kw:
-        return
     m = _TAIL_STAR_PATTERN.fullmatch(kw["pattern"])
-    if not m:
+    if not m or ("minLength" not in kw and "maxLength" not in kw):
         return
     prefix, atom, plus = m.group(1), m.group(2), m.group(3) == "+"
     try:
@@ -224,11 +197,6 @@ def _fold_lengths_into_pattern(kw: dict) -> None:
     kw["pattern"] = f"^{prefix}{atom}{{{lo},{hi}}}$"
 
 
-MAX_FOLDED_REPEAT = 1024
-# A prefix, then one character class or escaped/plain character, repeated: ^ab[a-z0-9-]*$, ^\d+$
-_TAIL_STAR_PATTERN = re.compile(r"\^(.*?)(\[(?:\\.|[^\]\\])+\]|\\[dDwWsS]|\.|[A-Za-z0-9 _-])([*+])\$")
-
-
 def _arrays(nz: SchemaNormalizer, s: dict, types: set[str], out: dict) -> None:
     kw = {k: s.pop(k) for k in _KEYWORDS_OF["array"] if k in s}
     if "array" not in types:
@@ -247,9 +215,7 @@ def _arrays(nz: SchemaNormalizer, s: dict, types: set[str], out: dict) -> None:
         out["items"] = nz.norm(items)
     elif not prefix or kw.get("minItems", 0) > len(prefix):
         out["items"] = True  # xgrammar's strict mode would otherwise allow no items beyond prefixItems
-    for k in ("minItems", "maxItems"):
-        if k in kw:
-            out[k] = kw[k]
+    out.update({k: kw[k] for k in ("minItems", "maxItems") if k in kw})
 
 
 def _objects(nz: SchemaNormalizer, s: dict, types: set[str], out: dict) -> bool:
@@ -302,18 +268,16 @@ def _objects(nz: SchemaNormalizer, s: dict, types: set[str], out: dict) -> bool:
         out["properties"] = props
     if required:
         out["required"] = required
-    for k in ("minProperties", "maxProperties"):
-        if k in kw:
-            out[k] = kw[k]
+    out.update({k: kw[k] for k in ("minProperties", "maxProperties") if k in kw})
     if extra is not None:
         out["additionalProperties"] = extra if isinstance(extra, bool) else nz.norm(extra)
     return True
 
 
 def _pattern_keys(nz: SchemaNormalizer, patterns: dict, declared: dict, required: list) -> dict[str, Any]:
-    """patternProperties as xgrammar gets them (key regex -> normalized schema), after folding
-    them into `declared`: a pattern only a few names fully match becomes those names, declared;
-    patterns no key can match two of keep their own schemas; the others share one key regex."""
+    """patternProperties as xgrammar gets them (key regex -> normalized schema): a pattern with a
+    few full matches becomes those names, declared; disjoint patterns keep their own schemas; the
+    others share one key regex."""
     for pattern in patterns:
         declared.update({name: True for name in finite_language(pattern) or () if name not in declared})
     matching = _fold_patterns(nz, patterns, declared, required)
@@ -325,8 +289,7 @@ def _pattern_keys(nz: SchemaNormalizer, patterns: dict, declared: dict, required
 
 
 def _fold_patterns(nz: SchemaNormalizer, patterns: dict, declared: dict, required: list) -> dict[str, list[str]]:
-    """Merge into each declared (or required) name the schemas of the patterns it matches;
-    returns name -> those patterns."""
+    """Merge into each declared or required name the patterns it matches; returns name -> those patterns."""
     matching: dict[str, list[str]] = {}
     for name in dict.fromkeys([*declared, *required]):
         hits = [pattern for pattern in patterns if key_matches(pattern, name)]
@@ -340,13 +303,9 @@ def _fold_patterns(nz: SchemaNormalizer, patterns: dict, declared: dict, require
 
 
 def _key_schema(nz: SchemaNormalizer, group: dict, declared: dict, matching: dict[str, list[str]]) -> Any:
-    """The one schema, normalized, of the keys one regex produces for the patterns in `group`
-    (False: produce none, narrower, unless there is nothing else to produce).
-
-    xgrammar produces keys that fully match the regex (a subset of the keys that search-match,
-    so sound) and gives each the same schema, and it may produce a declared name that way, or
-    repeat one: so that schema is every pattern's and every matching declared name's at once.
-    """
+    """The normalized schema of the keys one regex produces for `group` (False: none, narrower).
+    Such a key may repeat or be a declared name, so the schema is every pattern's and every
+    matching declared name's at once."""
     subs = [*group.values(), *(declared[name] for name, hits in matching.items() if set(hits) & set(group))]
     value: Any = subs[0]  # (one alone keeps its $ref: a recursive schema stays a reference)
     why = "no value satisfies them all"
@@ -363,8 +322,7 @@ def _key_schema(nz: SchemaNormalizer, group: dict, declared: dict, matching: dic
 
 
 def _key_regex(patterns: dict) -> str:
-    """One regex whose full matches each search-match some pattern: the pattern itself, or the
-    alternation of the patterns without their outer anchors."""
+    """One regex whose full matches each search-match some pattern (an alternation without outer anchors)."""
     if len(patterns) == 1:
         return xgrammar_regex(next(iter(patterns)), dot_excludes_newline=False)
     parts = []
@@ -375,9 +333,6 @@ def _key_regex(patterns: dict) -> str:
             raise _refuse("patternProperties", f"pattern {pattern!r} has anchors inside it; cannot combine it with other patterns")
         parts.append(f"(?:{body})")
     return xgrammar_regex("^(?:" + "|".join(parts) + ")$", dot_excludes_newline=False)
-
-
-_INNER_ANCHOR = re.compile(r"(?<!\\)[$^](?![^\[]*\])")  # an unescaped ^ or $ outside a character class
 
 
 def _property_names(nz: SchemaNormalizer, names: Any, props: dict, out: dict) -> None:

@@ -1,28 +1,14 @@
 """Which JSON schemas we can enforce exactly, and the rewrite that makes xgrammar enforce them.
 
-The contract (DESIGN.md, property 3): every output produced under a JSON schema validates
-against it. xgrammar 0.2.9 enforces most of JSON Schema but silently ignores some keywords
-(measured: `not`, `if`/`then`/`else`, `dependencies*`, `uniqueItems`, `contains`, `multipleOf`
-on non-integers, `allOf` with several branches, siblings of `anyOf`/`oneOf` and of `$ref`,
-keywords of a type the schema does not declare, `pattern`/`format` combined with each other or
-with `minLength`/`maxLength`, ...). `prepare_json_schema` therefore
-
-1. validates the schema against its draft's metaschema,
-2. rewrites what can be rewritten exactly: `allOf` and sibling keywords are merged
-   (schema_merge.py), `oneOf` with provably disjoint branches becomes `anyOf`, `enum`/`const`
-   values are filtered by the real validator against everything else the schema says,
-   draft-04 boolean `exclusiveMinimum`, tuple `items`, non-integral bounds on integers,
-   `required` names not in `properties`;
-3. narrows what it cannot rewrite exactly to a schema whose every instance still validates
-   (sound; some valid instances are never produced): a missing `type` is inferred from the
-   keywords, overlapping `oneOf` branches are narrowed or left out until each excludes the
-   others, `if`/`then`/`else` becomes the `then` case plus an `else` case the `if` rejects,
-   a dependency holds always, and patternProperties keys get every schema they may need
-   (schema_narrowing.py, schema_node.py);
-4. refuses the rest with a GrammarError naming the keyword (`feature`).
-
-Every node is rebuilt from the keywords it handles, so a keyword we do not know cannot slip
-through: it is refused by `schema_node.py`. All `$ref` targets are moved under a fresh `$defs`.
+Every output produced under a schema validates against it (DESIGN.md, property 3), but xgrammar
+0.2.9 silently ignores some keywords (`not`, `if`, `dependencies*`, `uniqueItems`, `contains`,
+several `allOf` branches, siblings of `anyOf`/`oneOf`/`$ref`, ...). `prepare_json_schema` therefore
+validates the schema against its draft's metaschema, rewrites what it can exactly (`allOf` and
+siblings merged: schema_merge.py; draft quirks; `enum` values filtered by the real validator),
+narrows what it cannot to a schema whose every instance still validates (schema_narrowing.py,
+schema_node.py), and refuses the rest with a GrammarError naming the keyword. Every node is
+rebuilt from the keywords it handles, so an unknown keyword cannot slip through; `$ref` targets
+move under a fresh `$defs`.
 """
 
 from __future__ import annotations
@@ -36,7 +22,7 @@ import jsonschema
 
 from moeserve.grammar.errors import GrammarError
 from moeserve.grammar.schema_drafts import ANNOTATIONS, Draft, schema_draft
-from moeserve.grammar.schema_merge import json_key, merge_schemas, type_set
+from moeserve.grammar.schema_merge import json_key, listed, merge_schemas, type_set
 from moeserve.grammar.schema_narrowing import Narrowing
 from moeserve.grammar.schema_node import normalize_node
 
@@ -55,9 +41,7 @@ _DROPPED = ANNOTATIONS | {"$defs", "definitions"}
 
 def prepare_json_schema(schema: Schema) -> Schema:
     """Validate `schema` and return an equivalent-or-narrower schema xgrammar enforces exactly.
-
-    Raises GrammarError naming the problem: an invalid schema, or the unsupported feature.
-    """
+    Raises GrammarError naming the problem: an invalid schema, or the unsupported feature."""
     draft = schema_draft(schema)
     try:
         draft.validator.check_schema(schema)
@@ -72,9 +56,8 @@ def prepare_json_schema(schema: Schema) -> Schema:
 
 class SchemaNormalizer(Narrowing):
     """One pass over one schema document. Subschemas are handled in their *fixed* form (draft
-    quirks rewritten, annotations dropped); `origins` remembers, for each fixed dict, the raw
-    subschemas whose conjunction it means, so `enum`/`oneOf` decisions can ask the real
-    validator about the raw schema (exact semantics, whatever the draft)."""
+    quirks rewritten, annotations dropped); `origins` maps each fixed dict to the raw subschemas
+    it means together, so `enum`/`oneOf` decisions can ask the draft's own validator."""
 
     def __init__(self, root: Schema, draft: Draft) -> None:
         self.root = root
@@ -101,18 +84,16 @@ class SchemaNormalizer(Narrowing):
 
     def norm(self, raw: Schema, *, is_root: bool = False) -> Schema:
         """Normalized form of one subschema (raw or fixed)."""
+        if self.depth >= MAX_DEPTH:
+            raise GrammarError(f"schema nests deeper than {MAX_DEPTH} levels", feature="depth")
+        scoped = not is_root and self._has_base_id(raw)
         self.depth += 1
+        self.id_scopes += scoped
         try:
-            if self.depth > MAX_DEPTH:
-                raise GrammarError(f"schema nests deeper than {MAX_DEPTH} levels", feature="depth")
-            scoped = not is_root and self._has_base_id(raw)
-            self.id_scopes += scoped
-            try:
-                return self._norm(raw)
-            finally:
-                self.id_scopes -= scoped
+            return self._norm(raw)
         finally:
             self.depth -= 1
+            self.id_scopes -= scoped
 
     def _norm(self, raw: Schema) -> Schema:
         s = self.fixup(raw) if isinstance(raw, dict) else None
@@ -144,13 +125,12 @@ class SchemaNormalizer(Narrowing):
         s = self.fixup(raw)
         while isinstance(s, dict):
             if "$ref" in s and len(s) > 1:
-                if self.draft.ref_ignores_siblings:  # draft <= 7: a $ref replaces its whole object
+                if self.draft.year <= 7:  # a $ref replaces its whole object; later drafts AND its siblings in
                     s = self.fixed({"$ref": s["$ref"]}, self.parts(s))
                     continue
-                siblings = self.fixed({k: v for k, v in s.items() if k != "$ref"}, self.parts(s))
-                s = self.merge(self.deref(self.fixed({"$ref": s["$ref"]}, [])), siblings)
+                s = self.merge(self.deref(self.fixed({"$ref": s["$ref"]}, [])), self.without(s, "$ref"))
             elif "allOf" in s:
-                rest, conds = self.split_conditional(self.fixed({k: v for k, v in s.items() if k != "allOf"}, self.parts(s)))
+                rest, conds = self.split_conditional(self.without(s, "allOf"))
                 acc = self.deref(rest)
                 for branch in s["allOf"]:
                     branch, cond = self.split_conditional(self.fixup(branch))
@@ -169,7 +149,7 @@ class SchemaNormalizer(Narrowing):
         return s
 
     def deref(self, raw: Schema) -> Schema:
-        """`prep`, then replace a bare `{"$ref": ...}` by its (prepped) target, for merging."""
+        """`prep`, then replace a bare `{"$ref": ...}` by its (prepped) target."""
         seen = set()
         s = self.prep(raw)
         while isinstance(s, dict) and set(s) == {"$ref"}:
@@ -197,7 +177,7 @@ class SchemaNormalizer(Narrowing):
 
     def finite(self, s: dict) -> Schema:
         """enum/const: keep exactly the listed values the whole (raw) schema accepts."""
-        values = [s["const"]] if "const" in s else list(s["enum"])
+        values = listed(s)
         if "const" in s and "enum" in s:
             values = [v for v in s["enum"] if json_key(v) == json_key(s["const"])]
         kept, seen = [], set()
@@ -212,7 +192,7 @@ class SchemaNormalizer(Narrowing):
         if "anyOf" in s and "oneOf" in s:
             raise GrammarError("anyOf and oneOf in the same schema object are not supported", feature="anyOf+oneOf")
         key = "anyOf" if "anyOf" in s else "oneOf"
-        siblings = self.fixed({k: v for k, v in s.items() if k != key}, self.parts(s))
+        siblings = self.without(s, key)
         branches = [self.merge(siblings, self.deref(b)) if siblings else self.prep(b) for b in s[key]]
         branches = [b for b in branches if b is not False]  # a branch nothing satisfies never matches
         if key == "oneOf":
@@ -239,10 +219,9 @@ class SchemaNormalizer(Narrowing):
         s = {k: v for k, v in raw.items() if k in self.draft.vocabulary and k not in _DROPPED}
         if self.draft.year == 4:  # draft-04: exclusiveMinimum is a flag on minimum
             for flag, bound in (("exclusiveMinimum", "minimum"), ("exclusiveMaximum", "maximum")):
-                if flag in s:
-                    if s.pop(flag) is True and bound in s:
-                        s[flag] = s.pop(bound)
-        if self.draft.tuple_items and isinstance(s.get("items"), list):
+                if flag in s and s.pop(flag) is True and bound in s:
+                    s[flag] = s.pop(bound)
+        if self.draft.year <= 2019 and isinstance(s.get("items"), list):  # tuple form, additionalItems the rest
             s["prefixItems"] = s.pop("items")
             if "additionalItems" in s:
                 s["items"] = s.pop("additionalItems")
@@ -259,6 +238,9 @@ class SchemaNormalizer(Narrowing):
     def fixed(self, s: dict, parts: list[Schema]) -> dict:
         self.origins[id(s)] = (parts, s)
         return s
+
+    def without(self, s: dict, *keys: str) -> dict:
+        return self.fixed({k: v for k, v in s.items() if k not in keys}, self.parts(s))
 
     def parts(self, s: Schema) -> list[Schema]:
         if isinstance(s, bool):
@@ -298,8 +280,8 @@ class SchemaNormalizer(Narrowing):
 
     @contextmanager
     def attempt(self) -> Iterator[None]:
-        """Normalization that may be abandoned with a GrammarError: the $defs it made go too (a
-        half-made one would stay a `true` placeholder that others then refer to)."""
+        """Normalization that a GrammarError abandons takes its $defs along (a half-made one would
+        stay a `true` placeholder)."""
         defs, names = dict(self.defs), dict(self.def_names)
         try:
             yield

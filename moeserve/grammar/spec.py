@@ -1,15 +1,9 @@
 """What a request asks its output to follow: `GrammarSpec`, built from OpenAI/vLLM fields.
 
-A spec is small, frozen and picklable: it is what crosses process boundaries (gateway ->
-engine); the compiled grammar is rebuilt from it by each process's cached `GrammarCompiler`.
-
-Request fields understood (exactly one may be set):
-
-- `response_format={"type": "text"}`            -> no grammar
-- `response_format={"type": "json_object"}`     -> any JSON object
-- `response_format={"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": ...}}`
-- vLLM extras: `guided_json` (schema dict or JSON text), `guided_regex`, `guided_grammar`
-  (xgrammar EBNF with a `root` rule), `guided_choice` (list of strings).
+A spec is small, frozen and picklable: it crosses process boundaries, and each process rebuilds the
+compiled grammar from it. Request fields (at most one): `response_format` of type `text` (no
+grammar), `json_object` or `json_schema` (`{"json_schema": {"name", "schema", "strict"}}`), and
+vLLM's `guided_json`, `guided_regex`, `guided_grammar` (xgrammar EBNF, `root` rule), `guided_choice`.
 """
 
 from __future__ import annotations
@@ -36,10 +30,7 @@ MAX_REGEX_CHARS = 16 * 1024
 @dataclass(frozen=True)
 class GrammarSpec:
     """One output grammar. `value` is schema JSON text, a regex, EBNF text, or a JSON list of choices.
-
-    Construction validates shape only (the value parses, choices are strings); whether the
-    grammar itself is supported is decided by `GrammarCompiler.compile`.
-    """
+    Construction validates shape only; whether the grammar is supported is `GrammarCompiler.compile`'s call."""
 
     kind: GrammarKind
     value: str | None = None
@@ -63,7 +54,11 @@ class GrammarSpec:
             if _depth(schema) > MAX_SCHEMA_DEPTH:
                 raise GrammarError(f"json_schema is nested more than {MAX_SCHEMA_DEPTH} levels deep", feature="depth")
         elif self.kind == "choice":
-            _check_choices(self.value)
+            try:
+                choices = json.loads(self.value)
+            except json.JSONDecodeError as e:
+                raise GrammarError(f"choice value is not a JSON list: {e}") from None
+            _check_choices(choices)
         elif self.value == "":
             raise GrammarError(f"empty {self.kind}")
         elif self.kind == "regex" and len(self.value) > MAX_REGEX_CHARS:
@@ -111,9 +106,7 @@ class GrammarSpec:
 
     @classmethod
     def choice(cls, choices: Sequence[str]) -> GrammarSpec:
-        if isinstance(choices, (str, bytes)) or not isinstance(choices, Sequence):
-            raise GrammarError("guided_choice must be a list of strings")
-        _check_choice_list(choices)
+        _check_choices(choices)
         return cls("choice", json.dumps(list(choices), ensure_ascii=False))
 
     @classmethod
@@ -126,22 +119,11 @@ class GrammarSpec:
         guided_grammar: str | None = None,
         guided_choice: Sequence[str] | None = None,
     ) -> GrammarSpec | None:
-        """The spec an OpenAI/vLLM-style request asks for, or None for free text.
-
-        Raises GrammarError (-> HTTP 400) naming the field when the fields are malformed or
-        more than one grammar is requested.
-        """
-        given = {
-            name: value
-            for name, value in (
-                ("response_format", response_format),
-                ("guided_json", guided_json),
-                ("guided_regex", guided_regex),
-                ("guided_grammar", guided_grammar),
-                ("guided_choice", guided_choice),
-            )
-            if value is not None
-        }
+        """The spec an OpenAI/vLLM-style request asks for, or None for free text. Raises GrammarError
+        (-> HTTP 400) naming the field when a field is malformed or more than one grammar is requested."""
+        fields = {"response_format": response_format, "guided_json": guided_json, "guided_regex": guided_regex,
+                  "guided_grammar": guided_grammar, "guided_choice": guided_choice}
+        given = {name: value for name, value in fields.items() if value is not None}
         if isinstance(response_format, Mapping) and response_format.get("type") == "text":
             given.pop("response_format")  # explicit "text" means no grammar; it may accompany a guided_* field
         if len(given) > 1:
@@ -176,11 +158,9 @@ class GrammarSpec:
         body = response_format.get("json_schema")
         if not isinstance(body, Mapping):
             raise GrammarError("response_format.json_schema must be an object with a 'schema' field")
-        name = body.get("name")
-        if name is not None and not isinstance(name, str):
+        if body.get("name") is not None and not isinstance(body["name"], str):
             raise GrammarError("response_format.json_schema.name must be a string")
-        strict = body.get("strict")
-        if strict is not None and not isinstance(strict, bool):
+        if body.get("strict") is not None and not isinstance(body["strict"], bool):
             raise GrammarError("response_format.json_schema.strict must be a boolean")
         # The schema is always enforced; `strict` only says the client wants that, so it changes nothing here.
         if "schema" not in body:
@@ -188,17 +168,9 @@ class GrammarSpec:
         return cls.json_schema(body["schema"])
 
 
-def _check_choices(value: str) -> None:
-    try:
-        choices = json.loads(value)
-    except json.JSONDecodeError as e:
-        raise GrammarError(f"choice value is not a JSON list: {e}") from None
-    if not isinstance(choices, list):
+def _check_choices(choices: Any) -> None:
+    if isinstance(choices, (str, bytes)) or not isinstance(choices, Sequence):
         raise GrammarError("guided_choice must be a list of strings")
-    _check_choice_list(choices)
-
-
-def _check_choice_list(choices: Sequence[Any]) -> None:
     if len(choices) == 0:
         raise GrammarError("guided_choice must list at least one choice")
     for i, c in enumerate(choices):

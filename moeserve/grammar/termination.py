@@ -1,31 +1,15 @@
 """Ending a constrained output on time: steer toward closing what is open.
 
-A grammar guarantees every *finished* output is valid, not that the model finishes: a weak (or
-random) model inside `{"a": [` can keep adding items until `max_tokens`, and a cut-off JSON
-document is invalid. So near the end of its budget the sampler should take the shortest way
-out: add `CLOSING_BOOST * policy.scores()` to the already-masked logits, and among the tokens
-the grammar allows, the one that closes most wins (ties keep the model's preference).
+A grammar guarantees every *finished* output is valid, not that the model finishes: a weak model
+inside `{"a": [` can add items until `max_tokens`, and a cut-off JSON document is invalid. Near the
+end of its budget the sampler adds `CLOSING_BOOST * policy.scores()` to the masked logits, so among
+the allowed tokens the one that closes most wins (ties keep the model's preference).
 
-The score of a token is how many JSON levels it closes, found by running a tiny JSON lexer
-(outside a string / inside / after a backslash) over its bytes from the current lexer state:
-`"}` inside a string closes two levels, outside one it opens a string (-1). Outside strings a
-token that is just a comma scores +0.5: it ends a number or literal that could otherwise grow
-forever and moves on to the next (perhaps required) member, while a closing bracket, when
-allowed, still wins; a comma inside a longer token (`},{"`) commits to one more member and
-scores -0.5. The stop token scores `STOP_SCORE`, so it wins whenever the grammar allows it
-(the output is complete).
-Inside a string, single-byte tokens get a small bonus: when the closing quote is not allowed
-yet (a `pattern` wants a `:` first), short random steps explore the pattern's alphabet faster
-than long word tokens.
-
-Masked logits stay -inf, so this never admits a token the grammar refuses. It is a greedy
-heuristic, not a proof: on JSONSchemaBench with a random model switching to it after 48 tokens,
-5,208 of 5,208 outputs ended within 2,048 tokens (bench/grammar_conformance.py), most within a
-few dozen tokens of the switch (a schema with ~150 required properties needs ~1,400). A pattern
-that needs a long exact sequence, or a schema with no finite instance (a required property
-that recursively requires itself), still runs to max_tokens. Tables are per vocabulary
-(`ClosingTables`), the lexer state per request (`ClosingPolicy`); regex/EBNF/choice grammars
-get only the stop score and the single-byte bonus.
+A token's score is how many JSON levels it closes, from a tiny lexer run over its bytes (`"}`
+inside a string closes two); a lone comma ends a number that could grow forever (COMMA_BONUS).
+Masked logits stay -inf, so this never admits a refused token; it is greedy, not a proof (a schema
+with no finite instance still runs to max_tokens; bench/grammar_conformance.py measures it).
+Tables are per vocabulary (`ClosingTables`), the lexer state per request (`ClosingPolicy`).
 """
 
 from __future__ import annotations
@@ -34,17 +18,16 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-STOP_SCORE = 1000.0
+STOP_SCORE = 1000.0  # the stop token wins whenever the grammar allows it (the output is complete)
 CLOSING_BOOST = 1.0e4  # dwarfs any real logit gap, so the score decides and logits break ties
-SINGLE_BYTE_BONUS = 0.5  # inside strings; below one level so closing always wins
-COMMA_BONUS = 0.5  # outside strings: a lone comma +0.5, a comma in a longer token -0.5
+SINGLE_BYTE_BONUS = 0.5  # inside strings short steps explore a `pattern` fastest; below one level, so closing wins
+COMMA_BONUS = 0.5  # outside strings: a lone comma +0.5, a comma in a longer token (one more member) -0.5
 
 OUT, STR, ESC = 0, 1, 2  # lexer states: outside strings, inside a string, after a backslash
 
 
 def _lex(state: int, data: bytes) -> tuple[float, int]:
-    """Run the lexer over `data`; returns (score, final state): levels closed minus opened, plus
-    the comma term (see COMMA_BONUS)."""
+    """(levels closed minus opened plus the comma term, final lexer state) after `data`."""
     depth, commas = 0, 0
     for b in data:
         if state == ESC:

@@ -1,17 +1,10 @@
 """The vocabulary as the grammar sees it: xgrammar `TokenizerInfo` built from a transformers tokenizer.
 
-Two corrections over `xgr.TokenizerInfo.from_huggingface`:
-
-- Special and added-special tokens (`<|pad|>`, `<|im_start|>`, ...) are blanked. xgrammar would
-  otherwise treat their *text* as ordinary characters and allow them inside a JSON string, but
-  the detokenizer drops them (`skip_special_tokens`), so the client would receive a different
-  string from the one the grammar checked. A blank token is "special" to xgrammar: never allowed.
-  Stop tokens stay stop tokens.
-- Tokens that cannot occur in valid UTF-8 are blanked (utf8.py).
-- For JSON grammars, tokens containing a control byte (0x00-0x1F) are blanked as well. Compact
-  JSON never contains one raw (inside strings they must be escaped, and we allow no whitespace
-  between tokens), yet xgrammar 0.2.9's string rules for `minLength`/`maxLength` admit raw
-  control characters (measured: `"a\\x01"` accepted), which `json.loads` rejects.
+Corrections over `xgr.TokenizerInfo.from_huggingface`, each a blanked (never allowed) token:
+special tokens, whose text xgrammar would allow inside a JSON string although the detokenizer
+drops them; tokens that cannot occur in valid UTF-8 (utf8.py); and for JSON grammars, tokens with
+a raw control byte, which xgrammar 0.2.9's `minLength`/`maxLength` strings admit but `json.loads`
+rejects. Stop tokens stay stop tokens.
 """
 
 from __future__ import annotations
@@ -35,25 +28,16 @@ def build_tokenizer_info(
     stop = list(stop_token_ids) if stop_token_ids is not None else _default_stop_ids(tokenizer)
     base = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop)
     size = base.vocab_size
+    special = _special_ids(tokenizer)
     encoded = [""] * size
     for token, idx in tokenizer.get_vocab().items():
-        if idx < size:
+        if idx < size and idx not in special:
             encoded[idx] = token
-    for idx in _special_ids(tokenizer):
-        if idx < size:
-            encoded[idx] = ""
     for idx, text in enumerate(base.decoded_vocab):
-        if idx in stop:
-            continue
-        if not is_valid_fragment(text) or (forbid_control_bytes and any(b < 0x20 for b in text)):
+        if idx not in stop and (not is_valid_fragment(text) or (forbid_control_bytes and any(b < 0x20 for b in text))):
             encoded[idx] = ""
-    return xgr.TokenizerInfo(
-        encoded,
-        base.vocab_type,
-        vocab_size=size,
-        stop_token_ids=stop,
-        add_prefix_space=base.add_prefix_space,
-    )
+    return xgr.TokenizerInfo(encoded, base.vocab_type, vocab_size=size, stop_token_ids=stop,
+                             add_prefix_space=base.add_prefix_space)
 
 
 def _default_stop_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
@@ -63,8 +47,4 @@ def _default_stop_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
 
 
 def _special_ids(tokenizer: PreTrainedTokenizerBase) -> set[int]:
-    ids = set(tokenizer.all_special_ids)
-    for idx, added in tokenizer.added_tokens_decoder.items():
-        if added.special:
-            ids.add(idx)
-    return ids
+    return set(tokenizer.all_special_ids) | {i for i, added in tokenizer.added_tokens_decoder.items() if added.special}

@@ -1,16 +1,9 @@
 """Keeping outputs valid UTF-8, which xgrammar 0.2.9 does not fully do.
 
-Measured: xgrammar checks the *shape* of UTF-8 sequences (lead byte, number of continuation
-bytes) but not the value ranges of RFC 3629, so it accepts UTF-16 surrogates (`ED A0 80`)
-everywhere and overlong forms (`E0 80 80`, `F0 8D 8C 97`) inside `pattern` strings. Byte-level
-vocabularies contain every single byte as a token, so a model can emit them; the detokenizer
-then shows U+FFFD, and the client's text is not the text the grammar checked.
-
-Two guards, both per vocabulary:
-- a token whose own bytes contain an invalid sequence, or a byte that never occurs in UTF-8
-  (C0, C1, F5-FF), is blanked (never allowed) in tokenizer_info.py;
-- the only range rules that span tokens are on the byte after E0, ED, F0 and F4. When the output
-  ends in one of those leads, `GrammarMatcher` ANDs `second_byte_rows[lead]` into the mask.
+xgrammar checks the shape of UTF-8 sequences but not RFC 3629's value ranges, so it accepts
+surrogates (`ED A0 80`) and, in patterns, overlong forms (`E0 80 80`); the client would then see
+U+FFFD. Two guards: tokenizer_info.py blanks tokens whose own bytes are invalid, and when the
+output ends in a lead E0, ED, F0 or F4, `GrammarMatcher` ANDs `second_byte_rows[lead]` into the mask.
 """
 
 from __future__ import annotations
