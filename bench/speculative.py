@@ -3,8 +3,8 @@
 Greedy, so every case writes the same tokens: each reply up to its end of turn (or exactly
 --new-tokens with --ignore-eos). Runs interleaved round by round; tokens/s are medians, ratios
 the median of per-round ratios with a bootstrap interval over the rounds (bench/timing.py).
-Like for like: every case prefills each prompt in full every run. Our target runs on the slot
-cache (no prefix caching) and in-process drafts with prefix caching off; transformers' caches
+Like for like: every case prefills each prompt in full every run. Our target runs without prefix
+caching and in-process drafts with prefix caching off; transformers' caches
 live for one call. The one exception is labelled: the draft deployment's draft keeps its
 prefix cache (as in serving), so its partner for "deployment / in-process" is an in-process
 draft with its prefix cache on as well.

@@ -143,9 +143,10 @@ class ShardGroup:
         self.stats = model.enable_stats()
         self.shard_info = [{"rank": 0, "experts": list(self.placement.rank_experts[0]),
                             "loaded_bytes": model.loaded_bytes}]
-        self.shard_info += ray.get(started, timeout=cfg.start_timeout_s)
+        # returns once every rank is ready (each rank's start returns only then)
         self.runner = ShardedRunner(model, world, cfg.max_num_seqs, cfg.max_model_len, cfg.block_size,
                                     cfg.prefix_caching, cfg.compile)
+        self.shard_info += ray.get(started, timeout=cfg.start_timeout_s)
         self.generation += 1
         log.info("shard group %d formed: %s", self.generation, self.shard_info)
         return self.runner

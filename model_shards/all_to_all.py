@@ -53,6 +53,16 @@ def init_shard_group(
     )
 
 
+def wait_for_group(rank: int, world_size: int, timeout_s: float = 600.0) -> None:
+    """Return once every rank has called this (each after its own start-up: loading, compiling).
+    On the group's store, not a collective: start-up may take longer than a collective's timeout."""
+    if not dist.is_initialized():
+        return
+    store = dist.distributed_c10d._get_default_store()
+    store.set(f"ready/{rank}", "1")
+    store.wait([f"ready/{r}" for r in range(world_size)], timedelta(seconds=timeout_s))
+
+
 class AllToAllDispatch(Dispatch):
     """`padded`: the layout (module docstring); None picks by device, padded on a GPU.
     `max_tokens`: the most tokens any rank of the group routes in the coming pass, the same on

@@ -25,7 +25,7 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-from model_shards.all_to_all import AllToAllDispatch
+from model_shards.all_to_all import AllToAllDispatch, wait_for_group
 from model_shards.block_manager import BlockManager
 from model_shards.kv_cache import PagedKVCache, StepBatch
 from model_shards.loader import reload_experts
@@ -96,6 +96,7 @@ class _Shard:
 
             self.compiled = CompiledShardStep(model, self.cache)
             self.compiled.warm_up()  # this rank's graphs alone: they hold no collective
+        wait_for_group(rank, world_size)  # no step before every rank is ready: a collective would time out
 
     def place(self, placement: Placement) -> None:
         """Hold `placement`'s experts for this rank from now on (every rank does this together)."""
