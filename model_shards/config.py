@@ -183,65 +183,41 @@ class ModelConfig:
         head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
         eos = hf.get("eos_token_id")
         eos = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        max_positions = hf.get("max_position_embeddings", 4096)
         common = dict(
-            family=family,
-            vocab_size=hf["vocab_size"],
-            hidden_size=hf["hidden_size"],
-            num_layers=hf["num_hidden_layers"],
-            num_heads=num_heads,
-            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
-            head_dim=head_dim,
-            intermediate_size=hf.get("intermediate_size", 0),
-            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-            rope_theta=float(rope_theta),
-            max_position_embeddings=hf.get("max_position_embeddings", 4096),
-            rope_scaling=None if rope_type == "default"
-            else YarnScaling.from_hf(rope, hf.get("max_position_embeddings", 4096), source),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            eos_token_id=eos,
+            family=family, vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
+            num_layers=hf["num_hidden_layers"], num_heads=num_heads,
+            num_kv_heads=hf.get("num_key_value_heads") or num_heads, head_dim=head_dim,
+            intermediate_size=hf.get("intermediate_size", 0), rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta), max_position_embeddings=max_positions,
+            rope_scaling=None if rope_type == "default" else YarnScaling.from_hf(rope, max_positions, source),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)), eos_token_id=eos,
             bos_token_id=hf.get("bos_token_id"),
         )
         n = common["num_layers"]
         if family == "deepseek_v3":
             return cls._deepseek_v3(hf, common, source)
         if family == "mixtral":
-            return cls(
-                **common,
-                num_experts=hf["num_local_experts"],
-                top_k=hf["num_experts_per_tok"],
-                moe_intermediate_size=hf["intermediate_size"],
-                gate_style="mixtral",
-            )
+            return cls(**common, num_experts=hf["num_local_experts"], top_k=hf["num_experts_per_tok"],
+                       moe_intermediate_size=hf["intermediate_size"], gate_style="mixtral")
         if family in ("qwen2_moe", "qwen3_moe"):
             mlp_only = set(hf.get("mlp_only_layers") or [])
             step = hf.get("decoder_sparse_step") or 1
             num_experts = hf.get("num_experts", hf.get("num_local_experts", 0))
+            qwen2 = family == "qwen2_moe"
             return cls(
-                **common,
-                attention_bias=family == "qwen2_moe" and hf.get("qkv_bias", True),
-                qk_norm="head" if family == "qwen3_moe" else "none",
-                num_experts=num_experts,
-                top_k=hf["num_experts_per_tok"],
+                **common, attention_bias=qwen2 and hf.get("qkv_bias", True), qk_norm="none" if qwen2 else "head",
+                num_experts=num_experts, top_k=hf["num_experts_per_tok"],
                 moe_intermediate_size=hf["moe_intermediate_size"],
-                norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
-                gate_style="softmax_topk",
-                shared_expert_intermediate_size=hf.get("shared_expert_intermediate_size", 0)
-                if family == "qwen2_moe"
-                else 0,
-                sparse_layers=tuple(
-                    i not in mlp_only and num_experts > 0 and (i + 1) % step == 0 for i in range(n)
-                ),
+                norm_topk_prob=bool(hf.get("norm_topk_prob", False)), gate_style="softmax_topk",
+                shared_expert_intermediate_size=hf.get("shared_expert_intermediate_size", 0) if qwen2 else 0,
+                sparse_layers=tuple(i not in mlp_only and num_experts > 0 and (i + 1) % step == 0 for i in range(n)),
             )
         if family == "olmoe":
             return cls(
-                **common,
-                attention_bias=bool(hf.get("attention_bias", False)),
-                qk_norm="full",
-                clip_qkv=hf.get("clip_qkv"),
-                num_experts=hf["num_experts"],
-                top_k=hf["num_experts_per_tok"],
-                moe_intermediate_size=hf["intermediate_size"],
-                norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+                **common, attention_bias=bool(hf.get("attention_bias", False)), qk_norm="full",
+                clip_qkv=hf.get("clip_qkv"), num_experts=hf["num_experts"], top_k=hf["num_experts_per_tok"],
+                moe_intermediate_size=hf["intermediate_size"], norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
                 gate_style="softmax_topk",
             )
         # dense: llama, qwen2 (Qwen2 always has q/k/v biases)
@@ -255,21 +231,13 @@ class ModelConfig:
         return cls(
             **common | dict(num_kv_heads=common["num_heads"], head_dim=nope + rope,
                             intermediate_size=need("intermediate_size")),
-            attention_bias=bool(hf.get("attention_bias", False)),
-            q_lora_rank=hf.get("q_lora_rank") or 0,
-            kv_lora_rank=need("kv_lora_rank"),
-            qk_nope_head_dim=nope,
-            qk_rope_head_dim=rope,
-            v_head_dim=need("v_head_dim"),
-            rope_interleave=bool(hf.get("rope_interleave", True)),
-            num_experts=num_experts,
-            top_k=need("num_experts_per_tok"),
-            moe_intermediate_size=need("moe_intermediate_size"),
-            norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
-            gate_style="sigmoid_bias",
+            attention_bias=bool(hf.get("attention_bias", False)), q_lora_rank=hf.get("q_lora_rank") or 0,
+            kv_lora_rank=need("kv_lora_rank"), qk_nope_head_dim=nope, qk_rope_head_dim=rope,
+            v_head_dim=need("v_head_dim"), rope_interleave=bool(hf.get("rope_interleave", True)),
+            num_experts=num_experts, top_k=need("num_experts_per_tok"), moe_intermediate_size=need("moe_intermediate_size"),
+            norm_topk_prob=bool(hf.get("norm_topk_prob", True)), gate_style="sigmoid_bias",
             routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
-            n_group=hf.get("n_group") or 1,
-            topk_group=hf.get("topk_group") or 1,
+            n_group=hf.get("n_group") or 1, topk_group=hf.get("topk_group") or 1,
             shared_expert_intermediate_size=need("moe_intermediate_size") * (hf.get("n_shared_experts") or 0),
             shared_expert_gated=False,
             sparse_layers=tuple(num_experts > 0 and i >= dense for i in range(common["num_layers"])),
