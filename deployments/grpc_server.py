@@ -1,24 +1,15 @@
 """gRPC front end (moeserve.v1.GenerateService), a grpcio aio server inside the gateway replica.
 
-Why not Serve's gRPC proxy (gRPCOptions): it adds a proxy hop and its own status mapping,
-and it wants the ingress's methods to take proto messages. A grpcio server on the
-replica's own event loop shares the Frontend with HTTP (same validation, same grammar
-guard, same metrics), sets status codes directly, and sees client cancellation as task
-cancellation, which closes the engine stream and aborts the request.
-
-Besides moeserve.v1.GenerateService it serves the standard `grpc.health.v1.Health` (SERVING
-while the engine answers its health check, polled every few seconds; what Kubernetes gRPC
-probes and grpc_health_probe ask) and server reflection (grpcurl). An unset `model` means
-the served one, as proto3 reads an unset field as its default.
+Not Serve's gRPC proxy, which adds a hop and its own status mapping: a grpcio server on the
+replica's event loop shares the Frontend with HTTP (validation, grammar guard, metrics), sets
+status codes directly, and sees client cancellation as task cancellation, which aborts the
+request. It also serves `grpc.health.v1.Health` (SERVING while the engine answers its health
+check; what Kubernetes gRPC probes ask) and server reflection (grpcurl). An unset `model` means
+the served one.
 
 With API keys configured (deployments/http_edge.py) Generate needs `authorization: Bearer KEY`
-metadata: UNAUTHENTICATED without it, RESOURCE_EXHAUSTED past the key's concurrent calls;
-the health services stay open.
-
-Every failure is a ServingError, whose ErrorCode `GRPC_STATUS` maps to the call's status code
-(once), with its message: INVALID_ARGUMENT (bad input, message names the field), NOT_FOUND
-(model), RESOURCE_EXHAUSTED (engine queue full), UNAVAILABLE (engine down), DEADLINE_EXCEEDED
-(the call's deadline, passed on to the engine as the request timeout), INTERNAL.
+metadata; the health services stay open. Every failure is a ServingError, whose ErrorCode
+`GRPC_STATUS` maps to the call's status code, with its message.
 """
 
 from __future__ import annotations

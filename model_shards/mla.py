@@ -67,14 +67,8 @@ class LatentAttention(nn.Module):
         k_rot = self._rotate(k_rot[:, None], rope)[:, 0]  # [B, T, Dr]
         return q_nope, self._rotate(q_rot, rope), torch.cat((self.kv_a_layernorm(c), k_rot), dim=-1)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        kv: torch.Tensor | None = None,
-        index: PagedIndex | None = None,
-        qkv: None = None,
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv: torch.Tensor | None = None,
+                index: PagedIndex | None = None, qkv: None = None) -> torch.Tensor:
         """x [B, T, D] -> [B, T, D]. kv: this layer's latent cache [1, 1, N, Bs, R + Dr] with the
         pass's `index` (None: no cache, causal over x). `qkv` is plain attention's (always None)."""
         b, t, _ = x.shape
