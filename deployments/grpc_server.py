@@ -144,14 +144,10 @@ def _response(chunk: GenerateChunk) -> pb.GenerateResponse:
     )
 
 
-async def start_grpc_server(
-    frontend: Frontend, host: str, port: int, max_message_bytes: int = 4 << 20, auth: ApiKeys | None = None
-) -> tuple[grpc.aio.Server, int]:
-    """Start serving on host:port (0: any free port) on the running event loop; returns the
-    grpc.aio.Server and the port it bound.
-
-    Several gateway replicas on one node can bind the same port (grpcio sets SO_REUSEPORT).
-    """
+async def start_grpc_server(frontend: Frontend, host: str, port: int, max_message_bytes: int = 4 << 20,
+                            auth: ApiKeys | None = None) -> tuple[grpc.aio.Server, int]:
+    """Serve on host:port (0: any free port; SO_REUSEPORT, so gateway replicas on one node share
+    it) on the running event loop; returns the grpc.aio.Server and the port it bound."""
     options = [("grpc.max_receive_message_length", max_message_bytes), ("grpc.so_reuseport", 1)]
     server = grpc.aio.server(options=options)
     pb_grpc.add_GenerateServiceServicer_to_server(GenerateServicer(frontend, auth or ApiKeys(GatewaySection(), from_env=False)), server)

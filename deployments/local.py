@@ -98,14 +98,8 @@ def demo_request(base_url: str, model: str) -> None:
     """Stream one chat completion constrained to DEMO_SCHEMA and print it as it arrives."""
     import httpx
 
-    body = {
-        "model": model,
-        "messages": DEMO_MESSAGES,
-        "response_format": {"type": "json_schema", "json_schema": {"name": "order", "schema": DEMO_SCHEMA}},
-        "max_tokens": 96,
-        "temperature": 0,
-        "stream": True,
-    }
+    body = {"model": model, "messages": DEMO_MESSAGES, "max_tokens": 96, "temperature": 0, "stream": True,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "order", "schema": DEMO_SCHEMA}}}
     print(f"demo: POST {base_url}/v1/chat/completions (response_format json_schema, stream)\n  ", end="")
     with httpx.stream("POST", f"{base_url}/v1/chat/completions", json=body, timeout=120) as r:
         for line in r.iter_lines():

@@ -72,9 +72,8 @@ def router_actor(num_layers: int, num_experts: int):
     """The cluster's one router-service actor, created by the first engine replica that reports.
     Detached: an actor owned by one autoscaled replica would die with it. It lives until the Ray
     cluster ends or `ray.kill`; a redeploy with another model resets its counters."""
-    return RouterServiceActor.options(
-        name=ROUTER_ACTOR_NAME, namespace=ROUTER_NAMESPACE, get_if_exists=True, lifetime="detached"
-    ).remote(num_layers, num_experts)
+    options = dict(name=ROUTER_ACTOR_NAME, namespace=ROUTER_NAMESPACE, get_if_exists=True, lifetime="detached")
+    return RouterServiceActor.options(**options).remote(num_layers, num_experts)
 
 
 def find_router_actor():

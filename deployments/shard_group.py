@@ -130,15 +130,10 @@ class ShardGroup:
             bundle = {"CPU": cfg.cpus_per_shard} | ({"GPU": cfg.gpus_per_shard} if cfg.gpus_per_shard else {})
             self.pg = placement_group([bundle] * (world - 1), strategy=cfg.strategy)
             ray.get(self.pg.ready(), timeout=cfg.start_timeout_s)
-            self.actors = [
-                ShardActor.options(
-                    num_cpus=cfg.cpus_per_shard,
-                    num_gpus=cfg.gpus_per_shard,
-                    max_concurrency=4,
-                    scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=r - 1),
-                ).remote(cfg, self.placement, r, master)
-                for r in range(1, world)
-            ]
+            self.actors = [ShardActor.options(
+                num_cpus=cfg.cpus_per_shard, num_gpus=cfg.gpus_per_shard, max_concurrency=4,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=r - 1),
+            ).remote(cfg, self.placement, r, master) for r in range(1, world)]
         started = [a.start.remote() for a in self.actors]
         model, self.stats, info = _join_and_load(cfg, self.placement, 0, master)  # blocks until every rank joined
         self.shard_info = [info] + ray.get(started, timeout=cfg.start_timeout_s)

@@ -35,27 +35,23 @@ from router_service.placement import Placement
 PADDED_MAX_TOKENS = 256
 
 
-def init_shard_group(
-    rank: int, world_size: int, master: str, timeout_s: float = 30.0, device: torch.device | str = "cpu"
-) -> None:
+def init_shard_group(rank: int, world_size: int, master: str, timeout_s: float = 30.0,
+                     device: torch.device | str = "cpu") -> None:
     """Join the shard group's process group (`master`: rank 0's "host:port") with the backend for
     `device`, where this rank's model runs. A dead peer makes collectives fail within `timeout_s`."""
     device = torch.device(device)
     if device.type == "cuda":
         torch.cuda.set_device(device)  # NCCL's communicator binds to the current device
-    backend = collective_backend(device)
-    dist.init_process_group(
-        backend, init_method=f"tcp://{master}", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
-    )
+    dist.init_process_group(collective_backend(device), init_method=f"tcp://{master}", rank=rank,
+                            world_size=world_size, timeout=timedelta(seconds=timeout_s))
 
 
 class AllToAllDispatch(Dispatch):
     """`padded`: the layout (None: padded on a GPU). `max_tokens`: the most tokens any rank routes
     in the coming pass, set by the step driver; None or past PADDED_MAX_TOKENS: the exact layout."""
 
-    def __init__(
-        self, placement: Placement, rank: int, group: dist.ProcessGroup | None = None, padded: bool | None = None
-    ) -> None:
+    def __init__(self, placement: Placement, rank: int, group: dist.ProcessGroup | None = None,
+                 padded: bool | None = None) -> None:
         self.placement = placement
         self.rank = rank
         self.group = group

@@ -168,10 +168,8 @@ class ModelConfig:
         family = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
         family = family or MODEL_TYPES.get(hf.get("model_type", ""))
         if family is None:
-            raise ValueError(
-                f"{source}: unsupported architecture {archs or hf.get('model_type')!r}; "
-                f"supported: {sorted(ARCHITECTURES)}"
-            )
+            raise ValueError(f"{source}: unsupported architecture {archs or hf.get('model_type')!r}; "
+                             f"supported: {sorted(ARCHITECTURES)}")
         rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in ("default", "yarn"):
@@ -234,8 +232,9 @@ class ModelConfig:
             attention_bias=bool(hf.get("attention_bias", False)), q_lora_rank=hf.get("q_lora_rank") or 0,
             kv_lora_rank=need("kv_lora_rank"), qk_nope_head_dim=nope, qk_rope_head_dim=rope,
             v_head_dim=need("v_head_dim"), rope_interleave=bool(hf.get("rope_interleave", True)),
-            num_experts=num_experts, top_k=need("num_experts_per_tok"), moe_intermediate_size=need("moe_intermediate_size"),
-            norm_topk_prob=bool(hf.get("norm_topk_prob", True)), gate_style="sigmoid_bias",
+            num_experts=num_experts, top_k=need("num_experts_per_tok"),
+            moe_intermediate_size=need("moe_intermediate_size"), norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+            gate_style="sigmoid_bias",
             routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
             n_group=hf.get("n_group") or 1, topk_group=hf.get("topk_group") or 1,
             shared_expert_intermediate_size=need("moe_intermediate_size") * (hf.get("n_shared_experts") or 0),

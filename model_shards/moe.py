@@ -177,9 +177,8 @@ class Dispatch(ABC):
     def route(self, x: torch.Tensor, expert_ids: torch.Tensor, experts: LocalExperts) -> torch.Tensor:
         """x: [N, D]; expert_ids: [N, K] global ids, -1 for a dropped route. Returns [N, K, D]."""
 
-    def __call__(
-        self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, experts: LocalExperts
-    ) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
+                 experts: LocalExperts) -> torch.Tensor:
         route_out = self.route(x, expert_ids, experts)
         with phase("combine"):
             return combine(route_out, weights)
@@ -212,10 +211,9 @@ class MoEBlock(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, local_experts: Sequence[int]) -> None:
         super().__init__()
         self.layer_idx = layer_idx
-        self.gate_cfg = GateConfig(
-            num_experts=cfg.num_experts, top_k=cfg.top_k, style=cfg.gate_style, norm_topk_prob=cfg.norm_topk_prob,
-            routed_scaling_factor=cfg.routed_scaling_factor, n_group=cfg.n_group, topk_group=cfg.topk_group,
-        )
+        self.gate_cfg = GateConfig(cfg.num_experts, cfg.top_k, style=cfg.gate_style, norm_topk_prob=cfg.norm_topk_prob,
+                                   routed_scaling_factor=cfg.routed_scaling_factor, n_group=cfg.n_group,
+                                   topk_group=cfg.topk_group)
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
         if cfg.gate_style == "sigmoid_bias":  # the checkpoint's `gate.e_score_correction_bias`: for choosing only
             self.gate.e_score_correction_bias = nn.Parameter(torch.zeros(cfg.num_experts), requires_grad=False)
@@ -253,10 +251,8 @@ class MoEBlock(nn.Module):
             routed = None
             expert_ids, weights = gates.expert_ids, gates.weights
             if self.routing.overflow != "none":
-                cap = expert_capacity(
-                    x.shape[0], self.gate_cfg.num_experts, self.gate_cfg.top_k,
-                    self.routing.capacity_factor, self.routing.min_capacity,
-                )
+                cap = expert_capacity(x.shape[0], self.gate_cfg.num_experts, self.gate_cfg.top_k,
+                                      self.routing.capacity_factor, self.routing.min_capacity)
                 routed = apply_capacity(gates, cap, self.routing.overflow)
                 expert_ids, weights = routed.expert_ids, routed.weights
             if self.stats is not None:

@@ -44,9 +44,7 @@ def _body_size(header: list[int]) -> int:
     return n if cmd == CMD_PLACE else copies * 3 + rows * (_ROW + tq + n)
 
 
-def _broadcast(
-    header: list[int] | None, body: torch.Tensor | None, device: torch.device
-) -> tuple[list[int], torch.Tensor]:
+def _broadcast(header: list[int] | None, body: torch.Tensor | None, device: torch.device) -> tuple[list, torch.Tensor]:
     """Rank 0 sends (header, body), the others receive them; tensors on the group's device."""
     if header is not None:
         h = torch.tensor(header, dtype=torch.long, device=device)

@@ -67,13 +67,6 @@ def build_dispatch_plan(expert_ids: Tensor, placement: Placement, world_size: in
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device)
     slot_counts = torch.bincount(key, minlength=placement.world_size * max_slots).view(-1, max_slots)  # [W, S]
-    return DispatchPlan(
-        order=order,
-        inverse_order=inverse,
-        route_index=kept_routes[order],
-        token_index=tokens[order],
-        dest_rank=ranks[order],
-        local_expert=slots[order],
-        send_counts=slot_counts.sum(dim=1).tolist(),
-        slot_counts=slot_counts,
-    )
+    return DispatchPlan(order, inverse, route_index=kept_routes[order], token_index=tokens[order],
+                        dest_rank=ranks[order], local_expert=slots[order],
+                        send_counts=slot_counts.sum(dim=1).tolist(), slot_counts=slot_counts)
