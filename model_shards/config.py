@@ -56,6 +56,10 @@ class YarnScaling:
         )
 
 
+def _as_list(v: Any) -> list:
+    return [] if v is None else v if isinstance(v, list) else [v]
+
+
 def _need(hf: dict[str, Any], name: str, source: str) -> Any:
     if hf.get(name) is None:
         raise ValueError(f"{source}: {name}: missing (required by {hf.get('architectures') or hf.get('model_type')})")
@@ -153,12 +157,10 @@ class ModelConfig:
         hf = json.loads(path.read_text())
         # generation_config.json may list more end-of-sequence ids (e.g. an end-of-turn token)
         gen = path.parent / "generation_config.json"
-        if gen.is_file():
-            extra = json.loads(gen.read_text()).get("eos_token_id")
-            if extra is not None:
-                ids = [hf.get("eos_token_id")] if not isinstance(hf.get("eos_token_id"), list) else hf["eos_token_id"]
-                extra = extra if isinstance(extra, list) else [extra]
-                hf = hf | {"eos_token_id": [i for i in dict.fromkeys(ids + extra) if i is not None]}
+        extra = json.loads(gen.read_text()).get("eos_token_id") if gen.is_file() else None
+        if extra is not None:
+            ids = _as_list(hf.get("eos_token_id")) + _as_list(extra)
+            hf = hf | {"eos_token_id": [i for i in dict.fromkeys(ids) if i is not None]}
         return cls.from_hf(hf, source=str(path))
 
     @classmethod
@@ -179,8 +181,6 @@ class ModelConfig:
             _need(hf, name, source)
         num_heads = hf["num_attention_heads"]
         head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
-        eos = hf.get("eos_token_id")
-        eos = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         max_positions = hf.get("max_position_embeddings", 4096)
         common = dict(
             family=family, vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
@@ -189,7 +189,8 @@ class ModelConfig:
             intermediate_size=hf.get("intermediate_size", 0), rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
             rope_theta=float(rope_theta), max_position_embeddings=max_positions,
             rope_scaling=None if rope_type == "default" else YarnScaling.from_hf(rope, max_positions, source),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)), eos_token_id=eos,
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            eos_token_id=tuple(_as_list(hf.get("eos_token_id"))),
             bos_token_id=hf.get("bos_token_id"),
         )
         n = common["num_layers"]

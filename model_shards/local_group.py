@@ -69,22 +69,13 @@ def _follower(join: partial, sizes: tuple, compile: bool, threads: int, rank: in
 class LocalShardGroup:
     """W-1 follower processes + rank 0 in this process. Use as a context manager."""
 
-    def __init__(
-        self,
-        checkpoint: str | Path,
-        world_size: int,
-        max_num_seqs: int = default_of(EngineSection, "max_num_seqs"),
-        max_model_len: int = default_of(EngineSection, "max_model_len"),
-        block_size: int = default_of(EngineSection, "block_size"),
-        prefix_caching: bool = default_of(EngineSection, "prefix_caching"),
-        placement: Placement | None = None,
-        routing: RoutingSection | None = None,
-        threads_per_rank: int = 1,
-        device: str = "cpu",
-        dtype: str = "auto",
-        compile: bool = False,
-        padded: bool | None = None,
-    ) -> None:
+    def __init__(self, checkpoint: str | Path, world_size: int,
+                 max_num_seqs: int = default_of(EngineSection, "max_num_seqs"),
+                 max_model_len: int = default_of(EngineSection, "max_model_len"),
+                 block_size: int = default_of(EngineSection, "block_size"),
+                 prefix_caching: bool = default_of(EngineSection, "prefix_caching"),
+                 placement: Placement | None = None, routing: RoutingSection | None = None, threads_per_rank: int = 1,
+                 device: str = "cpu", dtype: str = "auto", compile: bool = False, padded: bool | None = None) -> None:
         cfg = ModelConfig.from_file(checkpoint)
         self.placement = placement or contiguous_placement(cfg.num_experts, world_size)
         if self.placement.world_size != world_size:

@@ -46,10 +46,7 @@ def _body_size(header: list[int]) -> int:
 
 def _broadcast(header: list[int] | None, body: torch.Tensor | None, device: torch.device) -> tuple[list, torch.Tensor]:
     """Rank 0 sends (header, body), the others receive them; tensors on the group's device."""
-    if header is not None:
-        h = torch.tensor(header, dtype=torch.long, device=device)
-    else:
-        h = torch.empty(_HEADER, dtype=torch.long, device=device)
+    h = torch.empty(_HEADER, dtype=torch.long, device=device) if header is None else torch.tensor(header, device=device)
     dist.broadcast(h, src=0)
     header = h.tolist()
     size = _body_size(header)
