@@ -37,17 +37,10 @@ logger = logging.getLogger(__name__)
 ROUTE = "grpc:/moeserve.v1.GenerateService/Generate"
 HEALTH_POLL_S = 2.0  # how often grpc.health.v1 re-reads the engine's health
 
-GRPC_STATUS = {
-    ErrorCode.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
-    ErrorCode.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
-    ErrorCode.UNAUTHENTICATED: grpc.StatusCode.UNAUTHENTICATED,
-    ErrorCode.RATE_LIMITED: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    ErrorCode.TOO_LARGE: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    ErrorCode.RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    ErrorCode.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
-    ErrorCode.DEADLINE_EXCEEDED: grpc.StatusCode.DEADLINE_EXCEEDED,
-    ErrorCode.INTERNAL: grpc.StatusCode.INTERNAL,
-}
+# ErrorCode follows gRPC's names but for two more kinds of RESOURCE_EXHAUSTED
+GRPC_STATUS = {code: grpc.StatusCode[code.name] for code in ErrorCode if code.name in grpc.StatusCode.__members__}
+GRPC_STATUS |= {ErrorCode.RATE_LIMITED: grpc.StatusCode.RESOURCE_EXHAUSTED,
+                ErrorCode.TOO_LARGE: grpc.StatusCode.RESOURCE_EXHAUSTED}
 
 
 class GenerateServicer(pb_grpc.GenerateServiceServicer):

@@ -18,12 +18,8 @@ QKNorm = Literal["none", "head", "full"]
 
 # architecture name in config.json -> family key
 ARCHITECTURES: dict[str, str] = {
-    "MixtralForCausalLM": "mixtral",
-    "Qwen2MoeForCausalLM": "qwen2_moe",
-    "Qwen3MoeForCausalLM": "qwen3_moe",
-    "OlmoeForCausalLM": "olmoe",
-    "LlamaForCausalLM": "llama",
-    "Qwen2ForCausalLM": "qwen2",
+    "MixtralForCausalLM": "mixtral", "Qwen2MoeForCausalLM": "qwen2_moe", "Qwen3MoeForCausalLM": "qwen3_moe",
+    "OlmoeForCausalLM": "olmoe", "LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
     "DeepseekV3ForCausalLM": "deepseek_v3",
 }
 MODEL_TYPES = {v: v for v in ARCHITECTURES.values()}

@@ -160,8 +160,7 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32, *, exp
 
 def reload_experts(model: CausalLM, experts: Sequence[int]) -> int:
     """Make `model` hold exactly `experts` (global ids, in local slot order) in every MoE layer,
-    read from the checkpoint it was loaded from: only those experts' tensors are read, on the
-    model's device and dtype. For live re-placement between two steps; returns the bytes read."""
+    reading only their tensors from its checkpoint (live re-placement); returns the bytes read."""
     folder = getattr(model, "source", None)
     if folder is None:
         raise CheckpointError("the model was not loaded from a checkpoint folder; cannot reload its experts")

@@ -33,9 +33,8 @@ class DecoderLayer(nn.Module):
 
     def attend(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv: torch.Tensor | None,
                index: PagedIndex | None, qkv: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Attention with its residual, then the MLP's input norm: (x, h), each [B, T, D]. The
-        part of a layer every forward shares: eager, compiled, and a rank's graphs between its
-        all-to-alls (model_shards/compiled_step.py)."""
+        """Attention with its residual, then the MLP's input norm: (x, h), each [B, T, D]; shared by
+        every forward, eager and compiled (model_shards/compiled_step.py)."""
         with phase("attention"):
             x = x + self.self_attn(self.input_layernorm(x), rope, kv, index, qkv)
         return x, self.post_attention_layernorm(x)

@@ -34,9 +34,7 @@ from router_service.placement import Placement
 CMD_STEP, CMD_STOP, CMD_PLACE = 1, 2, 3
 _HEADER = 7
 _ROW = 3  # rank, start, q_len
-# A new sequence goes to the rank holding most of its prefix, unless that rank runs this many
-# more sequences than the least busy one.
-BALANCE_SLACK = 2
+BALANCE_SLACK = 2  # see ShardedRunner
 
 
 def _body_size(header: list[int]) -> int:
@@ -169,8 +167,8 @@ class ShardWorker(_Shard):
 
 class ShardedRunner(_Shard):
     """Rank 0: the engine's model runner for a whole shard group (same interface as ModelRunner).
-    `max_num_seqs` is per rank; a sequence goes to the rank with most of its prefix cached,
-    within BALANCE_SLACK sequences of the least busy one."""
+    `max_num_seqs` is per rank; a new sequence goes to the rank with most of its prefix cached,
+    unless that rank runs BALANCE_SLACK more sequences than the least busy one."""
 
     def __init__(self, model: CausalLM, world_size: int, max_num_seqs: int, max_model_len: int,
                  block_size: int = default_of(EngineSection, "block_size"),
