@@ -2,23 +2,16 @@
 
     client -> gateway (FastAPI + gRPC, autoscaled) --one streaming call per request--> engine
 
-Used three ways, all through `build_app`:
-
-- `moeserve serve [--config FILE]` (deployments/cli.py) deploys it on an embedded local Ray;
-- `serve run deployments/serve_config.yaml` / `serve deploy ...` (Ray's CLI) import
-  `deployments.app:build_app` with the YAML's `args`;
-- KubeRay's serveConfigV2 embeds the same Serve config.
-
-The other parts plug in here:
-- shard group: not a deployment. With `shards.num_shards > 1` each engine replica forms its
-  own group (rank 0 in the replica, the other ranks as Ray actors in a placement group;
-  deployments/engine_server.py `load_engine`), so autoscaling the engine scales whole groups;
-- draft model (`speculative.draft: model`): in the engine's process by default, or its own
-  deployment with `speculative.placement: deployment` (deployments/draft.py), bound here
-  and handed to the engine, which asks it once for a replica's data channel and then sends
-  its worker one message per step;
-- router-service actor (deployments/router_actor.py): created by the first engine replica
-  that reports expert load; read by the gateway's /admin/experts.
+`build_app` serves `moeserve serve` (deployments/cli.py), Ray's `serve run|deploy
+deployments/serve_config.yaml` (the YAML's `args`) and KubeRay's serveConfigV2 alike. The
+other parts plug in here:
+- shard group: not a deployment. With `shards.num_shards > 1` each engine replica forms its own
+  (rank 0 in the replica, the other ranks as Ray actors; deployments/engine_server.py), so
+  autoscaling the engine scales whole groups;
+- draft model: in the engine's process by default, or its own deployment with
+  `speculative.placement: deployment` (deployments/draft.py), bound here and handed to the engine;
+- router-service actor (deployments/router_actor.py): created by the first engine replica that
+  reports expert load; read by the gateway's /admin/experts.
 """
 
 from __future__ import annotations
@@ -43,21 +36,19 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
 
 
 def build(cfg: AppConfig) -> Application:
-    """Bind gateway -> engine (-> draft deployment). The shard group lives inside each engine
-    replica; the router-service actor is created by the first engine replica that reports."""
+    """Bind gateway -> engine (-> draft deployment)."""
     draft = _bind_draft(cfg)
-    engine = serve.deployment(EngineServer, name="engine", **cfg.deployments.engine.serve_options()).bind(
-        cfg.engine_server_config(), draft=draft
-    )
+    engine = serve.deployment(EngineServer, name="engine", **cfg.deployments.engine.serve_options())
+    engine = engine.bind(cfg.engine_server_config(), draft=draft)
     ingress = serve.ingress()(Gateway)  # the app comes from Gateway.__serve_build_asgi_app__ per replica
     gateway = serve.deployment(ingress, name="gateway", **cfg.deployments.gateway.serve_options())
     return gateway.bind(engine, cfg)
 
 
 def _bind_draft(cfg: AppConfig) -> Application | None:
-    """The draft model as its own deployment (`speculative.placement: deployment`); None when
-    the engine drafts in its own process (the default: even a direct actor call per step is a
-    good part of a decode step) or does not use the draft model."""
+    """The draft model as its own deployment (`speculative.placement: deployment`); None when the
+    engine drafts in its own process (the default: a call per step is a good part of a decode
+    step) or does not use the draft model."""
     s = cfg.speculative
     if s.placement != "deployment" or EngineConfig.from_app(cfg).speculation != "model":  # "auto" resolved
         return None

@@ -15,9 +15,8 @@ from moeserve.tokenizer import render_chat
 def _generate(args: argparse.Namespace) -> int:
     draft = args.draft if args.draft != "model" or not args.draft_model else args.draft_model
     try:
-        params = SamplingParams(
-            max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
-        )
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                                seed=args.seed)
         llm = LLM(args.model, draft, num_tokens=args.num_spec_tokens, max_model_len=args.max_model_len,
                   max_num_seqs=1, compile=args.compile)
     except (ValueError, FileNotFoundError) as e:

@@ -1,24 +1,15 @@
 """gRPC front end (moeserve.v1.GenerateService), a grpcio aio server inside the gateway replica.
 
-Why not Serve's gRPC proxy (gRPCOptions): it adds a proxy hop and its own status mapping,
-and it wants the ingress's methods to take proto messages. A grpcio server on the
-replica's own event loop shares the Frontend with HTTP (same validation, same grammar
-guard, same metrics), sets status codes directly, and sees client cancellation as task
-cancellation, which closes the engine stream and aborts the request.
-
-Besides moeserve.v1.GenerateService it serves the standard `grpc.health.v1.Health` (SERVING
-while the engine answers its health check, polled every few seconds; what Kubernetes gRPC
-probes and grpc_health_probe ask) and server reflection (grpcurl). An unset `model` means
-the served one, as proto3 reads an unset field as its default.
+Not Serve's gRPC proxy, which adds a hop and its own status mapping: a grpcio server on the
+replica's event loop shares the Frontend with HTTP (validation, grammar guard, metrics), sets
+status codes directly, and sees client cancellation as task cancellation, which aborts the
+request. It also serves `grpc.health.v1.Health` (SERVING while the engine answers its health
+check; what Kubernetes gRPC probes ask) and server reflection (grpcurl). An unset `model` means
+the served one.
 
 With API keys configured (deployments/http_edge.py) Generate needs `authorization: Bearer KEY`
-metadata: UNAUTHENTICATED without it, RESOURCE_EXHAUSTED past the key's concurrent calls;
-the health services stay open.
-
-Every failure is a ServingError, whose ErrorCode `GRPC_STATUS` maps to the call's status code
-(once), with its message: INVALID_ARGUMENT (bad input, message names the field), NOT_FOUND
-(model), RESOURCE_EXHAUSTED (engine queue full), UNAVAILABLE (engine down), DEADLINE_EXCEEDED
-(the call's deadline, passed on to the engine as the request timeout), INTERNAL.
+metadata; the health services stay open. Every failure is a ServingError, whose ErrorCode
+`GRPC_STATUS` maps to the call's status code, with its message.
 """
 
 from __future__ import annotations
@@ -46,17 +37,10 @@ logger = logging.getLogger(__name__)
 ROUTE = "grpc:/moeserve.v1.GenerateService/Generate"
 HEALTH_POLL_S = 2.0  # how often grpc.health.v1 re-reads the engine's health
 
-GRPC_STATUS = {
-    ErrorCode.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
-    ErrorCode.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
-    ErrorCode.UNAUTHENTICATED: grpc.StatusCode.UNAUTHENTICATED,
-    ErrorCode.RATE_LIMITED: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    ErrorCode.TOO_LARGE: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    ErrorCode.RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    ErrorCode.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
-    ErrorCode.DEADLINE_EXCEEDED: grpc.StatusCode.DEADLINE_EXCEEDED,
-    ErrorCode.INTERNAL: grpc.StatusCode.INTERNAL,
-}
+# ErrorCode follows gRPC's names but for two more kinds of RESOURCE_EXHAUSTED
+GRPC_STATUS = {code: grpc.StatusCode[code.name] for code in ErrorCode if code.name in grpc.StatusCode.__members__}
+GRPC_STATUS |= {ErrorCode.RATE_LIMITED: grpc.StatusCode.RESOURCE_EXHAUSTED,
+                ErrorCode.TOO_LARGE: grpc.StatusCode.RESOURCE_EXHAUSTED}
 
 
 class GenerateServicer(pb_grpc.GenerateServiceServicer):
@@ -153,14 +137,10 @@ def _response(chunk: GenerateChunk) -> pb.GenerateResponse:
     )
 
 
-async def start_grpc_server(
-    frontend: Frontend, host: str, port: int, max_message_bytes: int = 4 << 20, auth: ApiKeys | None = None
-) -> tuple[grpc.aio.Server, int]:
-    """Start serving on host:port (0: any free port) on the running event loop; returns the
-    grpc.aio.Server and the port it bound.
-
-    Several gateway replicas on one node can bind the same port (grpcio sets SO_REUSEPORT).
-    """
+async def start_grpc_server(frontend: Frontend, host: str, port: int, max_message_bytes: int = 4 << 20,
+                            auth: ApiKeys | None = None) -> tuple[grpc.aio.Server, int]:
+    """Serve on host:port (0: any free port; SO_REUSEPORT, so gateway replicas on one node share
+    it) on the running event loop; returns the grpc.aio.Server and the port it bound."""
     options = [("grpc.max_receive_message_length", max_message_bytes), ("grpc.so_reuseport", 1)]
     server = grpc.aio.server(options=options)
     pb_grpc.add_GenerateServiceServicer_to_server(GenerateServicer(frontend, auth or ApiKeys(GatewaySection(), from_env=False)), server)

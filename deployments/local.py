@@ -74,9 +74,8 @@ def serve_locally(cfg: AppConfig, *, host: str, http_port: int, num_cpus: int, d
         print("Ctrl-C to stop.", flush=True)
         if demo:
             demo_request(f"http://{shown}:{http_port}", cfg.model.name)
-        # From here Ctrl-C only sets the event: a KeyboardInterrupt raised inside Event.wait can
-        # leave its lock broken when a second SIGINT follows (`timeout` signals the process and
-        # its group), and the stop would end in a traceback.
+        # From here Ctrl-C only sets the event: a KeyboardInterrupt inside Event.wait can break its
+        # lock when a second SIGINT follows (as `timeout` sends), ending the stop in a traceback.
         signal.signal(signal.SIGINT, lambda *_: stop.set())
         while not stop.wait(1.0):
             pass
@@ -84,9 +83,8 @@ def serve_locally(cfg: AppConfig, *, host: str, http_port: int, num_cpus: int, d
         pass
     finally:
         print("stopping...", file=sys.stderr, flush=True)
-        # Let replicas drain, but not for long: when the signal reached the whole process group
-        # (a terminal's Ctrl-C does not, `timeout` and some supervisors do), Ray's own daemons
-        # are gone too and serve.shutdown() would wait out its 30-s controller timeout.
+        # Let replicas drain, but not for long: when the signal reached the whole process group,
+        # Ray's daemons are gone too and serve.shutdown() would wait out its controller timeout.
         drain = threading.Thread(target=serve.shutdown, name="serve-shutdown", daemon=True)
         drain.start()
         drain.join(SERVE_SHUTDOWN_S)
@@ -98,14 +96,8 @@ def demo_request(base_url: str, model: str) -> None:
     """Stream one chat completion constrained to DEMO_SCHEMA and print it as it arrives."""
     import httpx
 
-    body = {
-        "model": model,
-        "messages": DEMO_MESSAGES,
-        "response_format": {"type": "json_schema", "json_schema": {"name": "order", "schema": DEMO_SCHEMA}},
-        "max_tokens": 96,
-        "temperature": 0,
-        "stream": True,
-    }
+    body = {"model": model, "messages": DEMO_MESSAGES, "max_tokens": 96, "temperature": 0, "stream": True,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "order", "schema": DEMO_SCHEMA}}}
     print(f"demo: POST {base_url}/v1/chat/completions (response_format json_schema, stream)\n  ", end="")
     with httpx.stream("POST", f"{base_url}/v1/chat/completions", json=body, timeout=120) as r:
         for line in r.iter_lines():

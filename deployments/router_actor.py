@@ -1,11 +1,10 @@
 """The router-service actor: expert-load statistics from every shard group, and placement plans.
 
-Engine replicas push their groups' cumulative counters every few seconds (never per step);
-the actor keeps the latest per (replica, rank), merges them on demand for /metrics and the
-admin route, and proposes an EPLB-style placement from observed load. A shard group forms and
-re-forms with it; with `shards.live_replacement` an engine replica also asks for a `plan`
-after each report and moves a running group's experts when the plan lowers the busiest rank's
-load enough (between two steps; deployments/engine_server.py).
+Engine replicas push their groups' cumulative counters every few seconds (never per step); the
+actor keeps the latest per (replica, rank), merges them for /metrics and the admin route, and
+proposes an EPLB-style placement from observed load, which a group forms with; with
+`shards.live_replacement` an engine also asks for a `plan` and moves a running group's experts
+when it lowers the busiest rank's load enough (deployments/engine_server.py).
 """
 
 from __future__ import annotations
@@ -71,14 +70,10 @@ ROUTER_NAMESPACE = "moeserve"  # explicit: engine and gateway replicas must find
 
 def router_actor(num_layers: int, num_experts: int):
     """The cluster's one router-service actor, created by the first engine replica that reports.
-
-    Detached: engine replicas come and go with autoscaling, and an actor owned by one of them
-    would die with it (or with its owner's last reference). It lives until the Ray cluster
-    ends or someone calls `ray.kill` on it; a redeploy with another model resets its counters.
-    """
-    return RouterServiceActor.options(
-        name=ROUTER_ACTOR_NAME, namespace=ROUTER_NAMESPACE, get_if_exists=True, lifetime="detached"
-    ).remote(num_layers, num_experts)
+    Detached: an actor owned by one autoscaled replica would die with it. It lives until the Ray
+    cluster ends or `ray.kill`; a redeploy with another model resets its counters."""
+    options = dict(name=ROUTER_ACTOR_NAME, namespace=ROUTER_NAMESPACE, get_if_exists=True, lifetime="detached")
+    return RouterServiceActor.options(**options).remote(num_layers, num_experts)
 
 
 def find_router_actor():

@@ -1,11 +1,11 @@
 """The shard group on Ray: W-1 shard actors in a placement group + rank 0 in the engine's process.
 
-Ray places, starts and supervises the processes and carries a handful of calls per group
-lifetime (start, health, stats); the per-step data plane is torch.distributed between the
-ranks (model_shards/shard_worker.py). The experts can also move between ranks while
-the group serves (`replace`, live re-placement between two steps). If a shard dies, rank 0's
-next collective fails within the group timeout; the engine then fails the step's requests with a clear error and calls
-`restart()`, which builds a fresh group (with a new placement, if the router service has one).
+Ray places, starts and supervises the processes and carries a few calls per group lifetime
+(start, health, stats); the per-step data plane is torch.distributed between the ranks
+(model_shards/shard_worker.py). Experts can move between ranks while the group serves
+(`replace`). If a shard dies, rank 0's next collective fails within the group timeout; the
+engine fails the step's requests and calls `restart()`, which forms a fresh group (with the
+router service's placement, if it has one).
 """
 
 from __future__ import annotations
@@ -64,11 +64,14 @@ class ShardGroupConfig:
         return torch.device("cuda" if self.gpus_per_shard else "cpu")
 
 
-def _join_and_load(cfg: ShardGroupConfig, placement: Placement, rank: int, master: str):
-    """Join the group's process group and load this rank's shard on the group's device."""
+def _join_and_load(cfg: ShardGroupConfig, placement: Placement, rank: int, master: str) -> tuple:
+    """Join the group's process group and load this rank's shard on the group's device: the
+    model, its expert-load counters and what the group reports of the shard."""
     device = resolve_device(cfg.device)
     init_shard_group(rank, cfg.world_size, master, cfg.timeout_s, device)
-    return load_shard(cfg.checkpoint, placement, rank, cfg.routing, resolve_dtype(cfg.dtype, device), device)
+    model = load_shard(cfg.checkpoint, placement, rank, cfg.routing, resolve_dtype(cfg.dtype, device), device)
+    info = {"rank": rank, "experts": list(placement.rank_experts[rank]), "loaded_bytes": model.loaded_bytes}
+    return model, model.enable_stats(), info
 
 
 @ray.remote
@@ -82,14 +85,12 @@ class ShardActor:
         self.error: str | None = None
 
     def start(self) -> dict:
-        model = _join_and_load(self.cfg, self.placement, self.rank, self.master)
-        self.stats = model.enable_stats()
+        model, self.stats, info = _join_and_load(self.cfg, self.placement, self.rank, self.master)
         worker = ShardWorker(model, self.rank, self.cfg.world_size, self.cfg.max_num_seqs, self.cfg.max_model_len,
                              self.cfg.block_size, self.cfg.compile)
         self.thread = threading.Thread(target=self._loop, args=(worker,), daemon=True)
         self.thread.start()
-        return {"rank": self.rank, "experts": list(self.placement.rank_experts[self.rank]),
-                "loaded_bytes": model.loaded_bytes}
+        return info
 
     def _loop(self, worker: ShardWorker) -> None:
         try:
@@ -129,24 +130,16 @@ class ShardGroup:
             bundle = {"CPU": cfg.cpus_per_shard} | ({"GPU": cfg.gpus_per_shard} if cfg.gpus_per_shard else {})
             self.pg = placement_group([bundle] * (world - 1), strategy=cfg.strategy)
             ray.get(self.pg.ready(), timeout=cfg.start_timeout_s)
-            self.actors = [
-                ShardActor.options(
-                    num_cpus=cfg.cpus_per_shard,
-                    num_gpus=cfg.gpus_per_shard,
-                    max_concurrency=4,
-                    scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=r - 1),
-                ).remote(cfg, self.placement, r, master)
-                for r in range(1, world)
-            ]
+            self.actors = [ShardActor.options(
+                num_cpus=cfg.cpus_per_shard, num_gpus=cfg.gpus_per_shard, max_concurrency=4,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=r - 1),
+            ).remote(cfg, self.placement, r, master) for r in range(1, world)]
         started = [a.start.remote() for a in self.actors]
-        model = _join_and_load(cfg, self.placement, 0, master)  # blocks until every rank has joined
-        self.stats = model.enable_stats()
-        self.shard_info = [{"rank": 0, "experts": list(self.placement.rank_experts[0]),
-                            "loaded_bytes": model.loaded_bytes}]
+        model, self.stats, info = _join_and_load(cfg, self.placement, 0, master)  # blocks until every rank joined
         # returns once every rank is ready (each rank's start returns only then)
         self.runner = ShardedRunner(model, world, cfg.max_num_seqs, cfg.max_model_len, cfg.block_size,
                                     cfg.prefix_caching, cfg.compile)
-        self.shard_info += ray.get(started, timeout=cfg.start_timeout_s)
+        self.shard_info = [info] + ray.get(started, timeout=cfg.start_timeout_s)
         self.generation += 1
         log.info("shard group %d formed: %s", self.generation, self.shard_info)
         return self.runner

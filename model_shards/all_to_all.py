@@ -6,17 +6,14 @@ C = max_tokens * K rows per destination in the padded exchange.
 
 Per MoE layer, three collectives on the shard group, in one of two layouts:
 
-- exact (prefill, and every pass on the CPU): the routes planned on the host
-  (router_service/dispatch_plan.py); first each rank tells each other how many rows it sends to
-  each of their expert slots, then exactly those rows go, grouped by slot, and the expert
-  outputs come back the same way. Those counts are read on the host three times a layer.
-- padded (decode and verify passes on a GPU, as DeepEP's low-latency mode): every rank sends
-  every other a fixed C rows (room for all of its routes), each with its expert slot (-1:
-  padding) in an int tensor of its own; the receiver sorts by slot and runs the grouped matmul
-  with group ends it computes on the device, and the outputs return in the same fixed layout.
-  Nothing is read on the host, so a rank's step can be captured in a CUDA graph. All ranks must
-  agree on C: the step driver sets `max_tokens`, the most tokens any rank routes in the pass.
-  On gloo the padded exchange moves more bytes for no sync saved, so the CPU takes the exact one.
+- exact (prefill, and every pass on the CPU): routes planned on the host
+  (router_service/dispatch_plan.py); the ranks first exchange how many rows go to each expert
+  slot, then exactly those rows go, grouped by slot, and the outputs come back the same way.
+- padded (decode and verify on a GPU, as DeepEP's low-latency mode): every rank sends every
+  other a fixed C rows, each with its expert slot (-1: padding); the receiver sorts by slot and
+  runs the grouped matmul with group ends computed on the device. Nothing is read on the host,
+  so a step can be captured in a CUDA graph. All ranks must agree on C: the step driver sets
+  `max_tokens`. On gloo it moves more bytes for no sync saved, so the CPU takes the exact one.
 
 A rank with no tokens still takes part, sending (in the padded layout: padding) and receiving.
 """
@@ -38,19 +35,15 @@ from router_service.placement import Placement
 PADDED_MAX_TOKENS = 256
 
 
-def init_shard_group(
-    rank: int, world_size: int, master: str, timeout_s: float = 30.0, device: torch.device | str = "cpu"
-) -> None:
-    """Join the shard group's process group (`master` is "host:port" of rank 0) with the backend
-    for the tensors the ranks exchange: gloo for CPU tensors, NCCL for CUDA ones (`device`: where
-    this rank's model runs). A dead peer makes collectives fail within `timeout_s`."""
+def init_shard_group(rank: int, world_size: int, master: str, timeout_s: float = 30.0,
+                     device: torch.device | str = "cpu") -> None:
+    """Join the shard group's process group (`master`: rank 0's "host:port") with the backend for
+    `device`, where this rank's model runs. A dead peer makes collectives fail within `timeout_s`."""
     device = torch.device(device)
     if device.type == "cuda":
         torch.cuda.set_device(device)  # NCCL's communicator binds to the current device
-    backend = collective_backend(device)
-    dist.init_process_group(
-        backend, init_method=f"tcp://{master}", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
-    )
+    dist.init_process_group(collective_backend(device), init_method=f"tcp://{master}", rank=rank,
+                            world_size=world_size, timeout=timedelta(seconds=timeout_s))
 
 
 def wait_for_group(rank: int, world_size: int, timeout_s: float = 600.0) -> None:
@@ -64,13 +57,11 @@ def wait_for_group(rank: int, world_size: int, timeout_s: float = 600.0) -> None
 
 
 class AllToAllDispatch(Dispatch):
-    """`padded`: the layout (module docstring); None picks by device, padded on a GPU.
-    `max_tokens`: the most tokens any rank of the group routes in the coming pass, the same on
-    every rank (set by the step driver); None, or more than PADDED_MAX_TOKENS, means the exact layout."""
+    """`padded`: the layout (None: padded on a GPU). `max_tokens`: the most tokens any rank routes
+    in the coming pass, set by the step driver; None or past PADDED_MAX_TOKENS: the exact layout."""
 
-    def __init__(
-        self, placement: Placement, rank: int, group: dist.ProcessGroup | None = None, padded: bool | None = None
-    ) -> None:
+    def __init__(self, placement: Placement, rank: int, group: dist.ProcessGroup | None = None,
+                 padded: bool | None = None) -> None:
         self.placement = placement
         self.rank = rank
         self.group = group

@@ -3,34 +3,25 @@
 Shapes: B rows, T query positions, J keys read per row (its nb blocks x Bs), D hidden,
 K experts per token, V vocab, L layers, N = B*T tokens.
 
-A decode step of a small MoE is nearly all per-op overhead (dozens of tiny kernels per
-layer, each a Python call). `torch.compile` fuses them, but only over code whose control
-flow does not depend on tensor values, which is how the layers are written: the pass here runs
-the eager forward's own `DecoderLayer.attend` and MLPs, with what an eager pass decides from
-tensor values fixed up front:
+A small MoE's decode step is nearly all per-op overhead, which `torch.compile` fuses, but only
+over code whose control flow does not depend on tensor values. So the pass runs the eager
+forward's own `DecoderLayer.attend` and MLPs, with what an eager pass reads from tensor values
+fixed up front:
 
-- the pass's PagedIndex is built in the graph (model_shards/kv_cache.py): KV writes go to
-  block * Bs + offset through the rows' block tables (padding to the scratch block), and decode
-  attention loads the rows' keys by index inside fused reductions (model_shards/layers.py);
-- each MoE layer runs `MoEBlock.fused` (every expert local, capacity "none": no dispatch, no
-  data-dependent shapes); padding positions are computed and never read;
-- rows, on the CPU: one graph for a batch of one (torch specialises size-1 dimensions; the
-  single stream is the latency that matters most) and one shape-generic graph for 2..64 rows,
-  each for T = 1 (decode) and T = k + 1 (verify);
-- on a GPU (`static`): CUDA graphs (mode "reduce-overhead"), which need fixed shapes, so rows
-  are padded to the next of CAPTURE_SIZES (as vLLM pads to its capture sizes) and the block
-  tables to the next power of two of blocks (at least MIN_KEYS keys), with the scratch block;
-  padding rows hold no tokens and write only the scratch block. The cache is reserved whole at
-  start and never moves, so its tensors are marked static addresses and the graphs update
-  them in place. One graph per (rows, T, blocks) bucket: the decode ones are captured at
-  start-up, the rest on first use (inductor's on-disk cache makes a restart cheaper).
+- the PagedIndex is built in the graph (model_shards/kv_cache.py): padding writes go to the
+  scratch block, and decode attention loads keys by index inside fused reductions;
+- each MoE layer runs `MoEBlock.fused` (every expert local, capacity "none", no dispatch);
+- on the CPU: one graph for a batch of one (torch specialises size-1 dimensions) and one
+  shape-generic graph for 2..MAX_ROWS rows, each for T = 1 (decode) and T = k + 1 (verify);
+- on a GPU (`static`): CUDA graphs need fixed shapes, so rows are padded to the next of
+  CAPTURE_SIZES (as vLLM does) and block tables to the next power of two of blocks; padding rows
+  write only the scratch block. The cache never moves, so its tensors are static addresses.
 
-An expert-parallel rank (`CompiledShardStep`) cannot be one graph: every MoE layer's all-to-all
-waits on the other ranks, with split sizes known only once the router has run. So per layer the
-same `DecoderLayer.attend` plus the router is one compiled graph and the dispatch stays eager
-(`MoEBlock.after_gating`). Prefill (long, ragged prompts) and capacity limits other than "none"
-run eagerly (`accepts`). The router's choices come back with the logits, so the expert-load
-statistics still count every real token (never padding).
+An expert-parallel rank (`CompiledShardStep`) cannot be one graph: each MoE layer's all-to-all
+waits on the other ranks with split sizes known only after the router. So per layer
+`DecoderLayer.attend` plus the router is one graph and the dispatch stays eager
+(`MoEBlock.after_gating`). Prefill and capacity limits other than "none" run eagerly (`accepts`).
+The router's choices come back with the logits, so load statistics count real tokens only.
 """
 
 from __future__ import annotations
@@ -58,33 +49,25 @@ MIN_KEYS = 128  # static graphs: keys read (blocks x Bs), padded to a power of t
 
 class CompiledStep:
     """`model`'s forward over `cache` for decode/verify batches, compiled once per variant.
-
-    `warm_up` writes only to the scratch block. `backend`: torch.compile's ("inductor": C++
-    kernels on CPU, Triton on GPU; "eager": traced, not compiled). `static`: fixed-shape graphs
-    over padded buckets (default: when the cache is on a GPU, where inductor then captures CUDA
-    graphs)."""
+    `backend`: torch.compile's ("eager": traced, not compiled). `static`: fixed-shape graphs over
+    padded buckets (default: on a GPU, where inductor captures them as CUDA graphs)."""
 
     def __init__(self, model: CausalLM, cache: PagedKVCache, backend: str = "inductor",
                  static: bool | None = None) -> None:
         self.model, self.cache = model, cache
         self.num_calls = 0
-        # no "duck sizing": a batch that happens to equal a model dimension must not become a guard
-        # (one context object, made once: making one per call would add to every step)
+        # no "duck sizing": a batch equal to a model dimension must not become a guard (made once)
         self._no_duck_sizing = torch.fx.experimental._config.patch(use_duck_shape=False)
         on_gpu = model.lm_head.weight.device.type == "cuda"
         self.static = on_gpu if static is None else static
-        # a graph per variant (rows, query length; static: and blocks): more than dynamo's default limit (past it, eager)
+        # a graph per (rows, query length; static: blocks): more than dynamo's default limit
         dynamo = torch._dynamo.config
         dynamo.recompile_limit = max(dynamo.recompile_limit, 256 if self.static else 64)
         self._qkv: list | None = None  # per layer: q, k and v weights stacked (CPU graphs)
         if not self.static:
-            # q, k and v as one matmul a layer (a copy of those weights): one larger matmul for three small ones
-            if not model.config.is_mla:
+            if not model.config.is_mla:  # one larger matmul for three small ones (a copy of those weights)
                 self._qkv = [layer.self_attn.stacked_qkv() for layer in model.model.layers]
-            # the C++ wrapper calls the kernels without the Python one's per-buffer checks and views
-            # (a cost per call, so it counts most at small batches, whose steps are short)
-            options = {"cpp_wrapper": True} if backend == "inductor" else None
-            self._graph = torch.compile(self._forward, dynamic=True, backend=backend, options=options)
+            self._graph = _compile_dynamic(self._forward, backend)
             return
         dynamo.accumulated_recompile_limit = max(dynamo.accumulated_recompile_limit, 1024)
         if on_gpu and backend == "inductor":
@@ -120,29 +103,21 @@ class CompiledStep:
         return logits[:b]
 
     def warm_up(self, query_lens: tuple[int, ...] = (1,)) -> float:
-        """Compile every variant now (a few seconds each from inductor's on-disk cache, tens
-        of seconds the first time); returns the seconds it took."""
+        """Compile every variant now; returns the seconds it took."""
         t0 = time.perf_counter()
         for t in query_lens:
             logger.info("compiling the model step for %d query position(s)...", t)
-            # start past 1: torch specialises sizes 0 and 1, and the keys read must stay symbolic;
-            # every row in the scratch block, twice (a table of one block would specialise);
             # large experts: a graph for batches past E / K tokens too (dense, `MoEBlock.fused`)
-            for b in CAPTURE_SIZES if self.static else self._warm_up_rows():
-                tables = torch.zeros(b, max(2, -(-(2 + t) // self.cache.block_size)), dtype=torch.long,
-                                     device=self.model.device)
-                self(torch.zeros(b, t, dtype=torch.long, device=self.model.device), tables, [2] * b, [t] * b)
+            small = all(b.small_experts() for b in self.model.moe_blocks)
+            for b in CAPTURE_SIZES if self.static else (1, 2) if small else (1, 2, MAX_ROWS):
+                ids, tables = _scratch_pass(self.cache, b, t, self.model.device)
+                self(ids, tables, [2] * b, [t] * b)
         return time.perf_counter() - t0
-
-    def _warm_up_rows(self) -> tuple[int, ...]:
-        if all(b.small_experts() for b in self.model.moe_blocks):
-            return 1, 2
-        return 1, 2, MAX_ROWS
 
     # ---- the graph -------------------------------------------------------------------------
     def _forward(self, ids, tables, start, q_lens, kv) -> tuple[torch.Tensor, list[tuple]]:
         b, t = ids.shape
-        x, rope, index = pass_inputs(self.model, ids, tables, start, q_lens, kv[0].shape[3])
+        x, rope, index, _ = pass_inputs(self.model, ids, tables, start, q_lens, kv[0].shape[3])
         gates = []
         for i, layer in enumerate(self.model.model.layers):
             x, h = layer.attend(x, rope, kv[i], index, None if self._qkv is None else self._qkv[i])  # [B, T, D] x2
@@ -169,16 +144,30 @@ class CompiledStep:
             block.stats.update(block.layer_idx, Gates(weights[keep], expert_ids[keep], probs[keep]))
 
 
+def _compile_dynamic(fn, backend: str):
+    """A shape-generic graph; inductor's C++ wrapper skips the Python one's per-buffer checks."""
+    options = {"cpp_wrapper": True} if backend == "inductor" else None
+    return torch.compile(fn, dynamic=True, backend=backend, options=options)
+
+
+def _scratch_pass(cache: PagedKVCache, b: int, t: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A warm-up pass's ids [B, T] and tables: every row in the scratch block, twice (a table of one
+    block would specialise), from position 2 (torch specialises sizes 0 and 1)."""
+    tables = torch.zeros(b, max(2, -(-(2 + t) // cache.block_size)), dtype=torch.long, device=device)
+    return torch.zeros(b, t, dtype=torch.long, device=device), tables
+
+
 def pass_inputs(model: CausalLM, ids: torch.Tensor, tables: torch.Tensor, start: torch.Tensor, q_lens: torch.Tensor,
                 bs: int) -> tuple:
-    """Inside a graph: the embedded tokens [B, T, D], their rotary embedding and the pass's
-    PagedIndex (row b holds q_lens[b] tokens from position start[b], in its blocks `tables` of bs)."""
+    """Inside a graph: the embedded tokens [B, T, D], their rotary embedding, the pass's PagedIndex
+    (row b holds q_lens[b] tokens from position start[b], in its blocks `tables` of bs) and the
+    real positions [B, T]."""
     m = model.model
     x = m.embed_tokens(ids)  # [B, T, D]
     steps = torch.arange(ids.shape[1], device=ids.device)
     pos = start[:, None] + steps  # [B, T]
     valid = steps[None, :] < q_lens[:, None]  # [B, T]
-    return x, m.rotary(pos, x.dtype), paged_index(tables, pos, valid, bs)
+    return x, m.rotary(pos, x.dtype), paged_index(tables, pos, valid, bs), valid
 
 
 class CompiledShardStep:
@@ -189,19 +178,16 @@ class CompiledShardStep:
         self.model, self.cache = model, cache
         self.step = CompiledStep(model, cache, backend, static=False)  # its stacked q/k/v weights
         self.num_calls = 0
-        options = {"cpp_wrapper": True} if backend == "inductor" else None
-        self._head = torch.compile(self._head_fn, dynamic=True, backend=backend, options=options)
-        self._layer = torch.compile(self._layer_fn, dynamic=True, backend=backend, options=options)
+        self._head = _compile_dynamic(self._head_fn, backend)
+        self._layer = _compile_dynamic(self._layer_fn, backend)
 
     def warm_up(self, query_lens: tuple[int, ...] = (1, 2)) -> float:
-        """Compile the graphs now, for one row and several, decode (1) and verify or short prefill
-        (2: one shape-generic graph for 2..MAX_QUERY positions). Without the dispatch, so a rank
-        warms up alone; it writes only to the scratch block. Returns the seconds it took."""
+        """Compile the graphs now for one row and several, decode (1) and 2..MAX_QUERY positions
+        (2), without the dispatch, so a rank warms up alone. Returns the seconds it took."""
         t0 = time.perf_counter()
         for t in query_lens:
             for b in (1, 2):
-                ids = torch.zeros(b, t, dtype=torch.long, device=self.model.device)
-                tables = torch.zeros(b, max(2, -(-(2 + t) // self.cache.block_size)), dtype=torch.long, device=ids.device)
+                ids, tables = _scratch_pass(self.cache, b, t, self.model.device)
                 self._pass(ids, tables, torch.full_like(ids[:, 0], 2), torch.full_like(ids[:, 0], t), dispatch=False)
         return time.perf_counter() - t0
 
@@ -233,9 +219,8 @@ class CompiledShardStep:
         return x  # [B, T, D]
 
     def _moe(self, block: nn.Module, h: torch.Tensor, route: tuple, real: torch.Tensor | None) -> torch.Tensor:
-        """The eager rest of an MoE layer for this rank's tokens h [N, D] (`MoEBlock.after_gating`:
-        statistics, the all-to-all, combine, the shared expert), over the real tokens only.
-        Returns [N, D] (zeros at padding)."""
+        """`MoEBlock.after_gating` (eager: the all-to-all) over the real ones of this rank's tokens
+        h [N, D]. Returns [N, D] (zeros at padding)."""
         weights, expert_ids, probs, shared = route
         if real is None:
             return block.after_gating(h, Gates(weights, expert_ids, probs), shared)
@@ -245,13 +230,11 @@ class CompiledShardStep:
 
     # ---- the graphs ------------------------------------------------------------------------
     def _head_fn(self, ids, tables, start, q_lens, bs: int):
-        x, rope, index = pass_inputs(self.model, ids, tables, start, q_lens, bs)
-        return x, rope, index, torch.arange(ids.shape[1], device=ids.device)[None, :] < q_lens[:, None]  # valid [B, T]
+        return pass_inputs(self.model, ids, tables, start, q_lens, bs)
 
     def _layer_fn(self, layer, qkv, x, rope, kv, index):
-        """`DecoderLayer.attend` (writing this pass's keys and values), then for an MoE layer the
-        router and the shared expert: (x, h [N, D], (weights, expert ids, probs, shared expert out));
-        a dense layer's MLP is applied here (route None)."""
+        """`DecoderLayer.attend`, then an MoE layer's router and shared expert: (x, h [N, D],
+        (weights, expert ids, probs, shared expert out)); a dense layer's MLP runs here (route None)."""
         b, t, _ = x.shape
         x, h = layer.attend(x, rope, kv, index, qkv)
         h = h.reshape(b * t, -1)  # [N, D]

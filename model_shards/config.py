@@ -18,12 +18,8 @@ QKNorm = Literal["none", "head", "full"]
 
 # architecture name in config.json -> family key
 ARCHITECTURES: dict[str, str] = {
-    "MixtralForCausalLM": "mixtral",
-    "Qwen2MoeForCausalLM": "qwen2_moe",
-    "Qwen3MoeForCausalLM": "qwen3_moe",
-    "OlmoeForCausalLM": "olmoe",
-    "LlamaForCausalLM": "llama",
-    "Qwen2ForCausalLM": "qwen2",
+    "MixtralForCausalLM": "mixtral", "Qwen2MoeForCausalLM": "qwen2_moe", "Qwen3MoeForCausalLM": "qwen3_moe",
+    "OlmoeForCausalLM": "olmoe", "LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
     "DeepseekV3ForCausalLM": "deepseek_v3",
 }
 MODEL_TYPES = {v: v for v in ARCHITECTURES.values()}
@@ -54,6 +50,10 @@ class YarnScaling:
             mscale=float(rope.get("mscale") or 0), mscale_all_dim=float(rope.get("mscale_all_dim") or 0),
             attention_factor=rope.get("attention_factor"), truncate=bool(rope.get("truncate", True)),
         )
+
+
+def _as_list(v: Any) -> list:
+    return [] if v is None else v if isinstance(v, list) else [v]
 
 
 def _need(hf: dict[str, Any], name: str, source: str) -> Any:
@@ -153,12 +153,10 @@ class ModelConfig:
         hf = json.loads(path.read_text())
         # generation_config.json may list more end-of-sequence ids (e.g. an end-of-turn token)
         gen = path.parent / "generation_config.json"
-        if gen.is_file():
-            extra = json.loads(gen.read_text()).get("eos_token_id")
-            if extra is not None:
-                ids = [hf.get("eos_token_id")] if not isinstance(hf.get("eos_token_id"), list) else hf["eos_token_id"]
-                extra = extra if isinstance(extra, list) else [extra]
-                hf = hf | {"eos_token_id": [i for i in dict.fromkeys(ids + extra) if i is not None]}
+        extra = json.loads(gen.read_text()).get("eos_token_id") if gen.is_file() else None
+        if extra is not None:
+            ids = _as_list(hf.get("eos_token_id")) + _as_list(extra)
+            hf = hf | {"eos_token_id": [i for i in dict.fromkeys(ids) if i is not None]}
         return cls.from_hf(hf, source=str(path))
 
     @classmethod
@@ -168,10 +166,8 @@ class ModelConfig:
         family = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
         family = family or MODEL_TYPES.get(hf.get("model_type", ""))
         if family is None:
-            raise ValueError(
-                f"{source}: unsupported architecture {archs or hf.get('model_type')!r}; "
-                f"supported: {sorted(ARCHITECTURES)}"
-            )
+            raise ValueError(f"{source}: unsupported architecture {archs or hf.get('model_type')!r}; "
+                             f"supported: {sorted(ARCHITECTURES)}")
         rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in ("default", "yarn"):
@@ -181,67 +177,42 @@ class ModelConfig:
             _need(hf, name, source)
         num_heads = hf["num_attention_heads"]
         head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
-        eos = hf.get("eos_token_id")
-        eos = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        max_positions = hf.get("max_position_embeddings", 4096)
         common = dict(
-            family=family,
-            vocab_size=hf["vocab_size"],
-            hidden_size=hf["hidden_size"],
-            num_layers=hf["num_hidden_layers"],
-            num_heads=num_heads,
-            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
-            head_dim=head_dim,
-            intermediate_size=hf.get("intermediate_size", 0),
-            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-            rope_theta=float(rope_theta),
-            max_position_embeddings=hf.get("max_position_embeddings", 4096),
-            rope_scaling=None if rope_type == "default"
-            else YarnScaling.from_hf(rope, hf.get("max_position_embeddings", 4096), source),
+            family=family, vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
+            num_layers=hf["num_hidden_layers"], num_heads=num_heads,
+            num_kv_heads=hf.get("num_key_value_heads") or num_heads, head_dim=head_dim,
+            intermediate_size=hf.get("intermediate_size", 0), rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta), max_position_embeddings=max_positions,
+            rope_scaling=None if rope_type == "default" else YarnScaling.from_hf(rope, max_positions, source),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            eos_token_id=eos,
+            eos_token_id=tuple(_as_list(hf.get("eos_token_id"))),
             bos_token_id=hf.get("bos_token_id"),
         )
         n = common["num_layers"]
         if family == "deepseek_v3":
             return cls._deepseek_v3(hf, common, source)
         if family == "mixtral":
-            return cls(
-                **common,
-                num_experts=hf["num_local_experts"],
-                top_k=hf["num_experts_per_tok"],
-                moe_intermediate_size=hf["intermediate_size"],
-                gate_style="mixtral",
-            )
+            return cls(**common, num_experts=hf["num_local_experts"], top_k=hf["num_experts_per_tok"],
+                       moe_intermediate_size=hf["intermediate_size"], gate_style="mixtral")
         if family in ("qwen2_moe", "qwen3_moe"):
             mlp_only = set(hf.get("mlp_only_layers") or [])
             step = hf.get("decoder_sparse_step") or 1
             num_experts = hf.get("num_experts", hf.get("num_local_experts", 0))
+            qwen2 = family == "qwen2_moe"
             return cls(
-                **common,
-                attention_bias=family == "qwen2_moe" and hf.get("qkv_bias", True),
-                qk_norm="head" if family == "qwen3_moe" else "none",
-                num_experts=num_experts,
-                top_k=hf["num_experts_per_tok"],
+                **common, attention_bias=qwen2 and hf.get("qkv_bias", True), qk_norm="none" if qwen2 else "head",
+                num_experts=num_experts, top_k=hf["num_experts_per_tok"],
                 moe_intermediate_size=hf["moe_intermediate_size"],
-                norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
-                gate_style="softmax_topk",
-                shared_expert_intermediate_size=hf.get("shared_expert_intermediate_size", 0)
-                if family == "qwen2_moe"
-                else 0,
-                sparse_layers=tuple(
-                    i not in mlp_only and num_experts > 0 and (i + 1) % step == 0 for i in range(n)
-                ),
+                norm_topk_prob=bool(hf.get("norm_topk_prob", False)), gate_style="softmax_topk",
+                shared_expert_intermediate_size=hf.get("shared_expert_intermediate_size", 0) if qwen2 else 0,
+                sparse_layers=tuple(i not in mlp_only and num_experts > 0 and (i + 1) % step == 0 for i in range(n)),
             )
         if family == "olmoe":
             return cls(
-                **common,
-                attention_bias=bool(hf.get("attention_bias", False)),
-                qk_norm="full",
-                clip_qkv=hf.get("clip_qkv"),
-                num_experts=hf["num_experts"],
-                top_k=hf["num_experts_per_tok"],
-                moe_intermediate_size=hf["intermediate_size"],
-                norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+                **common, attention_bias=bool(hf.get("attention_bias", False)), qk_norm="full",
+                clip_qkv=hf.get("clip_qkv"), num_experts=hf["num_experts"], top_k=hf["num_experts_per_tok"],
+                moe_intermediate_size=hf["intermediate_size"], norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
                 gate_style="softmax_topk",
             )
         # dense: llama, qwen2 (Qwen2 always has q/k/v biases)
@@ -255,21 +226,14 @@ class ModelConfig:
         return cls(
             **common | dict(num_kv_heads=common["num_heads"], head_dim=nope + rope,
                             intermediate_size=need("intermediate_size")),
-            attention_bias=bool(hf.get("attention_bias", False)),
-            q_lora_rank=hf.get("q_lora_rank") or 0,
-            kv_lora_rank=need("kv_lora_rank"),
-            qk_nope_head_dim=nope,
-            qk_rope_head_dim=rope,
-            v_head_dim=need("v_head_dim"),
-            rope_interleave=bool(hf.get("rope_interleave", True)),
-            num_experts=num_experts,
-            top_k=need("num_experts_per_tok"),
-            moe_intermediate_size=need("moe_intermediate_size"),
-            norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+            attention_bias=bool(hf.get("attention_bias", False)), q_lora_rank=hf.get("q_lora_rank") or 0,
+            kv_lora_rank=need("kv_lora_rank"), qk_nope_head_dim=nope, qk_rope_head_dim=rope,
+            v_head_dim=need("v_head_dim"), rope_interleave=bool(hf.get("rope_interleave", True)),
+            num_experts=num_experts, top_k=need("num_experts_per_tok"),
+            moe_intermediate_size=need("moe_intermediate_size"), norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
             gate_style="sigmoid_bias",
             routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
-            n_group=hf.get("n_group") or 1,
-            topk_group=hf.get("topk_group") or 1,
+            n_group=hf.get("n_group") or 1, topk_group=hf.get("topk_group") or 1,
             shared_expert_intermediate_size=need("moe_intermediate_size") * (hf.get("n_shared_experts") or 0),
             shared_expert_gated=False,
             sparse_layers=tuple(num_experts > 0 and i >= dense for i in range(common["num_layers"])),

@@ -4,13 +4,10 @@ attention (rotary, optional q/k norm) over the paged KV cache.
 Shapes: B rows, T (=Tq) query positions, J key positions a row reads (its nb blocks x Bs),
 H query heads, Hkv kv heads, Dh head dim, D hidden, I MLP width, N cache blocks.
 
-Attention is one function for the eager forward and the compiled step: no control flow depends
-on tensor values, so `torch.compile` traces it as it is (model_shards/compiled_step.py). A pass
-writes its keys and values through the PagedIndex (model_shards/kv_cache.py) first, then reads
-each row's blocks: a prefill with nothing cached attends causally over its own keys; decode
-inside a graph loads the cached keys and values by index within fused reductions
-(`indexed_attention`); the rest gathers the rows' blocks (one index_select) for
-scaled_dot_product_attention.
+Attention has no control flow on tensor values, so `torch.compile` traces the eager code as it
+is (model_shards/compiled_step.py). A pass writes its keys and values through the PagedIndex
+first; a prefill with nothing cached then attends causally over its own keys, decode inside a
+graph reads the cache by index (`indexed_attention`), and the rest gathers the rows' blocks.
 """
 
 from __future__ import annotations
@@ -131,10 +128,8 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(kv_dim, cfg.rms_norm_eps)
         self.clip_qkv = cfg.clip_qkv
 
-    def project(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-        qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def project(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> tuple[torch.Tensor, ...]:
         """This step's queries [B, H, T, Dh], keys and values [B, Hkv, T, Dh] (rotary applied).
         qkv: the three projections' weights (and biases) stacked (`stacked_qkv`): one matmul."""
         b, t, _ = x.shape
@@ -160,14 +155,9 @@ class Attention(nn.Module):
         bias = None if self.q_proj.bias is None else torch.cat([p.bias.detach() for p in projections])
         return torch.cat([p.weight.detach() for p in projections]), bias
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        kv: torch.Tensor | None = None,
-        index: PagedIndex | None = None,
-        qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None,
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv: torch.Tensor | None = None,
+                index: PagedIndex | None = None, qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None,
+                ) -> torch.Tensor:
         """x [B, T, D] -> [B, T, D]. kv: this layer's cache [2, Hkv, N, Bs, Dh] with the pass's
         `index` (None: no cache, causal over x). qkv: stacked weights (`stacked_qkv`)."""
         b, t, _ = x.shape
@@ -199,8 +189,7 @@ def write_entries(kv: torch.Tensor, index: PagedIndex, entries: torch.Tensor) ->
 @torch.library.custom_op("moeserve::gather_blocks", mutates_args=())
 def gather_blocks(paged: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     """paged [P, Hkv, N, Bs, Dh] -> its blocks `blocks` [M] in order, [P, Hkv, M, Bs, Dh]: aten's
-    index_select, a block-sized copy each, where inductor's own gather computes an index per
-    element, which costs more than the copy it drives."""
+    index_select (a copy per block), where inductor's own gather computes an index per element."""
     return paged.index_select(2, blocks)
 
 
@@ -212,11 +201,8 @@ def _(paged: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
 
 def indexed_attention(q: torch.Tensor, flat: torch.Tensor, index: PagedIndex) -> torch.Tensor:
     """Decode attention straight from the paged cache: q [B, H, 1, Dh], flat [2, Hkv, N*Bs, Dh]
-    (keys, values) -> [B, 1, H*Dh].
-
-    As gather-multiply-sums, which inductor fuses into reductions that load the cached rows by
-    index: the rows' blocks are never copied out first (a gather then `scaled_dot_product_attention`
-    copies every row's blocks once per layer, which costs more than the attention it feeds)."""
+    (keys, values) -> [B, 1, H*Dh]. Gather-multiply-sums, which inductor fuses into reductions
+    loading the cached rows by index, so no row's blocks are copied out first."""
     b, h, _, dh = q.shape
     heads = flat.shape[1]
     keys = flat[0][:, index.keys_at].transpose(0, 1)  # [B, Hkv, J, Dh]

@@ -104,10 +104,8 @@ def _load_experts(tensors: _Tensors, prefix: str, which: str, experts: Sequence[
     raise CheckpointError(f"missing expert tensors for {prefix}.mlp.experts ({which}) in either layout")
 
 
-def empty_model(
-    cfg: ModelConfig, experts: Sequence[int] | None = None, dtype: torch.dtype = torch.float32,
-    device: str | torch.device = "cpu",
-) -> CausalLM:
+def empty_model(cfg: ModelConfig, experts: Sequence[int] | None = None, dtype: torch.dtype = torch.float32,
+                device: str | torch.device = "cpu") -> CausalLM:
     """A `CausalLM` of this shape with uninitialised weights allocated on `device` in `dtype`
     (never materialised anywhere else first)."""
     with torch.device("meta"):
@@ -120,19 +118,13 @@ def empty_model(
     return model.to(dtype)
 
 
-def load_checkpoint(
-    path: str | Path,
-    dtype: torch.dtype = torch.float32,
-    *,
-    experts: Sequence[int] | None = None,
-    device: str | torch.device = "cpu",
-) -> CausalLM:
+def load_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32, *, experts: Sequence[int] | None = None,
+                    device: str | torch.device = "cpu") -> CausalLM:
     """Load the checkpoint folder `path` into a `CausalLM` in `dtype` on `device`.
 
-    `experts`: the global expert ids this process holds (default: all). Other experts'
-    tensors are never read; `model.loaded_bytes` reports what was. Weights are allocated on
-    `device` in `dtype` first and each tensor is copied in as it is read, so a GPU model never
-    needs a full copy in host memory.
+    `experts`: the global expert ids this process holds (default: all); other experts' tensors
+    are never read (`model.loaded_bytes`: what was). Each tensor is copied into weights already
+    on `device`, so a GPU model never needs a full copy in host memory.
     """
     folder = Path(path)
     if not folder.is_dir():
@@ -157,10 +149,8 @@ def load_checkpoint(
                 raise CheckpointError(f"{folder}: missing tensor {name}")
             value, src = tensors.get(found), f"{found} in {tensors.file(found)}"
         if tuple(value.shape) != tuple(param.shape):
-            raise CheckpointError(
-                f"{folder}: tensor {src} has shape {tuple(value.shape)}, expected {tuple(param.shape)} "
-                f"for architecture {cfg.family}"
-            )
+            raise CheckpointError(f"{folder}: tensor {src} has shape {tuple(value.shape)}, expected "
+                                  f"{tuple(param.shape)} for architecture {cfg.family}")
         with torch.no_grad():
             param.copy_(value)  # casts to dtype, copies to device
     model.loaded_bytes = tensors.bytes_read
@@ -170,8 +160,7 @@ def load_checkpoint(
 
 def reload_experts(model: CausalLM, experts: Sequence[int]) -> int:
     """Make `model` hold exactly `experts` (global ids, in local slot order) in every MoE layer,
-    read from the checkpoint it was loaded from: only those experts' tensors are read, on the
-    model's device and dtype. For live re-placement between two steps; returns the bytes read."""
+    reading only their tensors from its checkpoint (live re-placement); returns the bytes read."""
     folder = getattr(model, "source", None)
     if folder is None:
         raise CheckpointError("the model was not loaded from a checkpoint folder; cannot reload its experts")

@@ -7,6 +7,7 @@ group; both call `load_shard` and run `ShardWorker` / `ShardedRunner`.
 from __future__ import annotations
 
 import socket
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -14,6 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from model_shards.all_to_all import AllToAllDispatch, init_shard_group
+from model_shards.config import ModelConfig
 from model_shards.device import resolve_dtype
 from model_shards.loader import load_checkpoint
 from model_shards.model import CausalLM
@@ -22,15 +24,9 @@ from moeserve.config import EngineSection, RoutingSection, default_of
 from router_service.placement import Placement, contiguous_placement
 
 
-def load_shard(
-    checkpoint: str | Path,
-    placement: Placement | None,
-    rank: int,
-    routing: RoutingSection | None = None,
-    dtype: torch.dtype = torch.float32,
-    device: torch.device | str = "cpu",
-    padded: bool | None = None,
-) -> CausalLM:
+def load_shard(checkpoint: str | Path, placement: Placement | None, rank: int, routing: RoutingSection | None = None,
+               dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", padded: bool | None = None,
+               ) -> CausalLM:
     """This rank's model: dense weights + only its experts, wired to the all-to-all when W > 1
     (`padded`: its layout, model_shards/all_to_all.py; None: by device)."""
     experts = placement.rank_experts[rank] if placement is not None else None
@@ -53,14 +49,19 @@ def rank_device(device: str, rank: int) -> torch.device:
     return torch.device(f"cuda:{rank}") if device == "cuda" else torch.device(device)
 
 
-def _follower(checkpoint, placement, rank, world, master, max_num_seqs, max_model_len, block_size, routing,
-              threads, device, dtype, compile, padded) -> None:
-    torch.set_num_threads(threads)
+def _join(checkpoint: str | Path, placement: Placement, routing: RoutingSection | None, device: str, dtype: str,
+          padded: bool | None, rank: int, master: str) -> CausalLM:
+    """Join the group (`master`: rank 0's "host:port") and load this rank's shard."""
     dev = rank_device(device, rank)
-    init_shard_group(rank, world, master, device=dev)
-    model = load_shard(checkpoint, placement, rank, routing, resolve_dtype(dtype, dev), dev, padded)
+    init_shard_group(rank, placement.world_size, master, device=dev)
+    return load_shard(checkpoint, placement, rank, routing, resolve_dtype(dtype, dev), dev, padded)
+
+
+def _follower(join: partial, sizes: tuple, compile: bool, threads: int, rank: int, master: str) -> None:
+    torch.set_num_threads(threads)
+    model = join(rank, master)
     try:
-        ShardWorker(model, rank, world, max_num_seqs, max_model_len, block_size, compile).serve_forever()
+        ShardWorker(model, rank, *sizes, compile).serve_forever()
     finally:
         dist.destroy_process_group()
 
@@ -68,54 +69,31 @@ def _follower(checkpoint, placement, rank, world, master, max_num_seqs, max_mode
 class LocalShardGroup:
     """W-1 follower processes + rank 0 in this process. Use as a context manager."""
 
-    def __init__(
-        self,
-        checkpoint: str | Path,
-        world_size: int,
-        max_num_seqs: int = default_of(EngineSection, "max_num_seqs"),
-        max_model_len: int = default_of(EngineSection, "max_model_len"),
-        block_size: int = default_of(EngineSection, "block_size"),
-        prefix_caching: bool = default_of(EngineSection, "prefix_caching"),
-        placement: Placement | None = None,
-        routing: RoutingSection | None = None,
-        threads_per_rank: int = 1,
-        device: str = "cpu",
-        dtype: str = "auto",
-        compile: bool = False,
-        padded: bool | None = None,
-    ) -> None:
-        from model_shards.config import ModelConfig
-
+    def __init__(self, checkpoint: str | Path, world_size: int,
+                 max_num_seqs: int = default_of(EngineSection, "max_num_seqs"),
+                 max_model_len: int = default_of(EngineSection, "max_model_len"),
+                 block_size: int = default_of(EngineSection, "block_size"),
+                 prefix_caching: bool = default_of(EngineSection, "prefix_caching"),
+                 placement: Placement | None = None, routing: RoutingSection | None = None, threads_per_rank: int = 1,
+                 device: str = "cpu", dtype: str = "auto", compile: bool = False, padded: bool | None = None) -> None:
         cfg = ModelConfig.from_file(checkpoint)
         self.placement = placement or contiguous_placement(cfg.num_experts, world_size)
         if self.placement.world_size != world_size:
             raise ValueError(f"placement is for {self.placement.world_size} ranks, not {world_size}")
-        self.args = (checkpoint, self.placement, world_size, max_num_seqs, max_model_len, block_size, routing,
-                     threads_per_rank, device, dtype, compile, padded)
-        self.prefix_caching = prefix_caching
+        self.join = partial(_join, checkpoint, self.placement, routing, device, dtype, padded)  # (rank, master)
+        self.sizes = (world_size, max_num_seqs, max_model_len, block_size)
+        self.threads, self.compile, self.prefix_caching = threads_per_rank, compile, prefix_caching
         self.runner: ShardedRunner | None = None
         self.procs: list = []
 
     def __enter__(self) -> ShardedRunner:
-        (checkpoint, placement, world, max_num_seqs, max_model_len, block_size, routing, threads, device, dtype, compile,
-         padded) = self.args
         master = f"127.0.0.1:{free_port()}"
         ctx = mp.get_context("spawn")
-        self.procs = [
-            ctx.Process(
-                target=_follower,
-                args=(checkpoint, placement, r, world, master, max_num_seqs, max_model_len, block_size, routing, threads,
-                      device, dtype, compile, padded),
-                daemon=True,
-            )
-            for r in range(1, world)
-        ]
+        self.procs = [ctx.Process(target=_follower, args=(self.join, self.sizes, self.compile, self.threads, r, master),
+                                  daemon=True) for r in range(1, self.placement.world_size)]
         for p in self.procs:
             p.start()
-        dev = rank_device(device, 0)
-        init_shard_group(0, world, master, device=dev)
-        model = load_shard(checkpoint, placement, 0, routing, resolve_dtype(dtype, dev), dev, padded)
-        self.runner = ShardedRunner(model, world, max_num_seqs, max_model_len, block_size, self.prefix_caching, compile)
+        self.runner = ShardedRunner(self.join(0, master), *self.sizes, self.prefix_caching, self.compile)
         return self.runner
 
     def __exit__(self, *exc) -> None:

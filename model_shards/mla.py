@@ -4,12 +4,11 @@ Shapes: B rows, T query positions, J key positions a row reads, H heads, D hidde
 R = kv_lora_rank (the latent), Dn / Dr = the no-rope / rope parts of a query-key head, Dv value head dim.
 
 Each token's keys and values are one latent c [R] (kv_a_proj_with_mqa, normed) plus one rope key
-[Dr] shared by every head; that latent is what the cache stores (R + Dr values per token and layer,
-one part, one head), and kv_b_proj expands it to per-head keys' no-rope parts and values. A pass
-with nothing cached attends over its own latents expanded per head (as transformers does). A
-pass that reads the cache never expands it: the up-projections are absorbed (DeepSeek-V2, section
-2.1.2), the key's into the query (q_nope W_uk: [B, H, T, R]) and the value's into the output
-(applied after the weighted sum over latents), so attention is one kv head of width R + Dr.
+[Dr] shared by every head; the cache stores that (R + Dr values per token and layer), and
+kv_b_proj expands it to per-head keys' no-rope parts and values. A pass with nothing cached
+attends over its own latents expanded per head (as transformers does); one that reads the cache
+absorbs the up-projections instead (DeepSeek-V2, 2.1.2): the key's into the query (q_nope W_uk)
+and the value's into the output, so attention is one kv head of width R + Dr.
 """
 
 from __future__ import annotations
@@ -67,14 +66,8 @@ class LatentAttention(nn.Module):
         k_rot = self._rotate(k_rot[:, None], rope)[:, 0]  # [B, T, Dr]
         return q_nope, self._rotate(q_rot, rope), torch.cat((self.kv_a_layernorm(c), k_rot), dim=-1)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        kv: torch.Tensor | None = None,
-        index: PagedIndex | None = None,
-        qkv: None = None,
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv: torch.Tensor | None = None,
+                index: PagedIndex | None = None, qkv: None = None) -> torch.Tensor:
         """x [B, T, D] -> [B, T, D]. kv: this layer's latent cache [1, 1, N, Bs, R + Dr] with the
         pass's `index` (None: no cache, causal over x). `qkv` is plain attention's (always None)."""
         b, t, _ = x.shape

@@ -33,9 +33,8 @@ class DecoderLayer(nn.Module):
 
     def attend(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv: torch.Tensor | None,
                index: PagedIndex | None, qkv: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Attention with its residual, then the MLP's input norm: (x, h), each [B, T, D]. The
-        part of a layer every forward shares: eager, compiled, and a rank's graphs between its
-        all-to-alls (model_shards/compiled_step.py)."""
+        """Attention with its residual, then the MLP's input norm: (x, h), each [B, T, D]; shared by
+        every forward, eager and compiled (model_shards/compiled_step.py)."""
         with phase("attention"):
             x = x + self.self_attn(self.input_layernorm(x), rope, kv, index, qkv)
         return x, self.post_attention_layernorm(x)
@@ -65,8 +64,7 @@ class Transformer(nn.Module):
 def split_routing(trace: list, lengths: list[int], tq: int) -> list[list[tuple]]:
     """What one pass recorded (CausalLM.record_routing), per row: [(layer, expert ids [n, K],
     gate weights [n, K]) per MoE layer] over the row's n = lengths[b] fed tokens, on the CPU.
-    The eager forward routes only real tokens, row after row; the compiled step routes every
-    row padded to tq (static graphs add padding rows after the real ones)."""
+    The eager forward routes real tokens only; the compiled step every row padded to tq."""
     rows: list[list[tuple]] = [[] for _ in lengths]
     for layer, ids, weights in trace:
         ids, weights = ids.cpu(), weights.float().cpu()
@@ -131,13 +129,8 @@ class CausalLM(nn.Module):
 
     # ---- forward ---------------------------------------------------------------------------
     @torch.inference_mode()
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        cache: PagedKVCache | None = None,
-        batch: StepBatch | None = None,
-        logits: Literal["all", "last"] = "all",
-    ) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, cache: PagedKVCache | None = None, batch: StepBatch | None = None,
+                logits: Literal["all", "last"] = "all") -> torch.Tensor:
         """input_ids: [B, T]. Without a cache: a full causal forward. With one: row b holds
         `batch.q_lens[b]` new tokens at positions start[b]...; padding beyond is ignored.
         Returns logits [B, T, V], or [B, V] at each row's last valid token when logits="last"."""
@@ -149,13 +142,8 @@ class CausalLM(nn.Module):
         return self.lm_head(h).float()  # [..., V]
 
     @torch.inference_mode()
-    def hidden_states(
-        self,
-        input_ids: torch.Tensor,
-        cache: PagedKVCache | None = None,
-        batch: StepBatch | None = None,
-        last_only: bool = False,
-    ) -> torch.Tensor:
+    def hidden_states(self, input_ids: torch.Tensor, cache: PagedKVCache | None = None,
+                      batch: StepBatch | None = None, last_only: bool = False) -> torch.Tensor:
         """Final normed hidden states [B, T, D] (or [B, 1, D] at each row's last valid token)."""
         b, t = input_ids.shape
         if (cache is None) != (batch is None):

@@ -3,30 +3,23 @@
 Shapes: N tokens (flattened batch), D hidden, E experts, El local experts, K experts per token,
 I expert width, R kept routes (token copies) sorted by expert.
 
-The gating math lives in router_service/. How routes reach experts is the `Dispatch`: every
-implementation returns per-route expert outputs in the caller's [N, K] order and the weighted sum
-over K (`combine`) is shared, so the single-process reference (`LocalDispatch`) and the
-all-to-all (model_shards/all_to_all.py) add the same numbers in the same order.
+The gating math lives in router_service/. How routes reach experts is the `Dispatch`: each one
+returns per-route expert outputs in the caller's [N, K] order and `combine` is shared, so the
+single-process reference (`LocalDispatch`) and the all-to-all (model_shards/all_to_all.py) add
+the same numbers in the same order.
 
-The experts a process holds (`LocalExperts`) are SwiGLU FFNs stored fused, as transformers 5.x
-does, and run as one grouped matmul per projection (`torch._grouped_mm`: one kernel for every
-expert's rows, given where each expert's rows end) wherever torch has it for the tensors' device
-and dtype: CUDA bf16 where torch has its fused kernel (`cuda_grouped_kernel`), and the CPU. On the
-CPU it pays for decode-sized batches and not for prefill: one kernel saves a dispatch per expert,
-which counts when each expert has few rows; on prefill-sized groups a plain matmul per expert is
-the faster kernel (the crossover, measured on the demo's expert shape with one thread, is
-GROUPED_MAX_ROUTES_CPU). So CPU batches past that many routes take the per-expert loop; GPUs
-without grouped mm take one batched matmul over groups padded to the largest.
+`LocalExperts` are SwiGLU FFNs stored fused, as transformers 5.x does, run as one grouped
+matmul per projection (`torch._grouped_mm`) where torch has it for the device and dtype. On the
+CPU that pays for decode-sized batches only: past GROUPED_MAX_ROUTES_CPU routes a plain matmul
+per expert is faster. GPUs without grouped mm take one batched matmul over padded groups.
 
-Inside a compiled graph (model_shards/compiled_step.py), where the dispatch's data-dependent
-split sizes cannot go, a block holding every expert runs `fused` instead: each token through its
-top-k experts as gather-multiply-sums that inductor fuses into one reduction per projection
-loading the routed experts' weights by index, or, where that would read more expert weights
-than there are and they do not fit the CPU's caches, every expert as one dense matmul weighted
-by the gates. Both are exact for capacity "none".
+Inside a compiled graph (model_shards/compiled_step.py), where data-dependent split sizes cannot
+go, a block holding every expert runs `fused`: each token through its top-k experts as
+gather-multiply-sums that inductor fuses, or every expert as one dense matmul weighted by the
+gates where routing would read more weights than there are. Both are exact for capacity "none".
 
-`phase()` splits a forward pass's wall clock into named phases (attention, gating, dispatch,
-experts, combine) for benchmarks; off by default, a disabled `phase()` is one attribute check.
+`phase()` splits a forward pass's wall clock into named phases for benchmarks; disabled (the
+default), it is one attribute check.
 """
 
 from __future__ import annotations
@@ -87,10 +80,8 @@ def grouped_mm_supported(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 
 def cuda_grouped_kernel(device: torch.device) -> bool:
-    """Whether torch's fused bf16 grouped GEMM (CUTLASS, offsets read on the device) runs on this
-    GPU: torch takes it on CUDA (not ROCm) builds for compute capability 9.x and 10.x only (H100,
-    H200, B200); on any other GPU `torch._grouped_mm` copies the offsets to the host and loops
-    over the groups, which is no better than `_padded` and syncs."""
+    """Whether torch's fused bf16 grouped GEMM runs on this GPU: CUDA builds, compute capability
+    9.x and 10.x; elsewhere `torch._grouped_mm` loops over the groups on the host (and syncs)."""
     return torch.version.hip is None and torch.cuda.get_device_capability(device)[0] in (9, 10)
 
 
@@ -123,8 +114,8 @@ class LocalExperts(nn.Module):
 
     def forward_ends(self, x: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
         """x: [P, D] routes grouped by local expert, expert j's rows ending at row `ends[j]` ([El]
-        int32 on x's device), padding after the last. Returns [P, D]; padding rows hold anything.
-        No host sync wherever the grouped matmul runs; elsewhere the group sizes are read once."""
+        int32 on x's device), padding after the last. Returns [P, D] (padding rows: anything);
+        no host sync where the grouped matmul runs."""
         if x.shape[0] == 0 or self.num_local == 0:
             return x.new_zeros(x.shape)
         if self._grouped_supported(x):
@@ -186,9 +177,8 @@ class Dispatch(ABC):
     def route(self, x: torch.Tensor, expert_ids: torch.Tensor, experts: LocalExperts) -> torch.Tensor:
         """x: [N, D]; expert_ids: [N, K] global ids, -1 for a dropped route. Returns [N, K, D]."""
 
-    def __call__(
-        self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, experts: LocalExperts
-    ) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
+                 experts: LocalExperts) -> torch.Tensor:
         route_out = self.route(x, expert_ids, experts)
         with phase("combine"):
             return combine(route_out, weights)
@@ -221,10 +211,9 @@ class MoEBlock(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, local_experts: Sequence[int]) -> None:
         super().__init__()
         self.layer_idx = layer_idx
-        self.gate_cfg = GateConfig(
-            num_experts=cfg.num_experts, top_k=cfg.top_k, style=cfg.gate_style, norm_topk_prob=cfg.norm_topk_prob,
-            routed_scaling_factor=cfg.routed_scaling_factor, n_group=cfg.n_group, topk_group=cfg.topk_group,
-        )
+        self.gate_cfg = GateConfig(cfg.num_experts, cfg.top_k, style=cfg.gate_style, norm_topk_prob=cfg.norm_topk_prob,
+                                   routed_scaling_factor=cfg.routed_scaling_factor, n_group=cfg.n_group,
+                                   topk_group=cfg.topk_group)
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
         if cfg.gate_style == "sigmoid_bias":  # the checkpoint's `gate.e_score_correction_bias`: for choosing only
             self.gate.e_score_correction_bias = nn.Parameter(torch.zeros(cfg.num_experts), requires_grad=False)
@@ -256,17 +245,14 @@ class MoEBlock(nn.Module):
         return out if self.shared_expert_gate is None else torch.sigmoid(self.shared_expert_gate(x)) * out
 
     def after_gating(self, x: torch.Tensor, gates: Gates, shared: torch.Tensor | None) -> torch.Tensor:
-        """Everything after the router, for x [N, D] and its gates: capacity, load statistics,
-        recorded routing, dispatch and combine, plus the shared expert's output. (A compiled
-        expert-parallel pass gates in its graph and calls this eagerly: model_shards/compiled_step.py.)"""
+        """Everything after the router for x [N, D]: capacity, load statistics, recorded routing,
+        dispatch and combine, plus the shared expert's output `shared`."""
         with phase("gating"):
             routed = None
             expert_ids, weights = gates.expert_ids, gates.weights
             if self.routing.overflow != "none":
-                cap = expert_capacity(
-                    x.shape[0], self.gate_cfg.num_experts, self.gate_cfg.top_k,
-                    self.routing.capacity_factor, self.routing.min_capacity,
-                )
+                cap = expert_capacity(x.shape[0], self.gate_cfg.num_experts, self.gate_cfg.top_k,
+                                      self.routing.capacity_factor, self.routing.min_capacity)
                 routed = apply_capacity(gates, cap, self.routing.overflow)
                 expert_ids, weights = routed.expert_ids, routed.weights
             if self.stats is not None:
@@ -277,10 +263,9 @@ class MoEBlock(nn.Module):
         return out if shared is None else out + shared
 
     def fused(self, x: torch.Tensor) -> tuple[torch.Tensor, Gates]:
-        """x [N, D] -> ([N, D], the gates) with every expert local and no capacity limit, without
-        data-dependent shapes: routed when that reads no more expert weights than running every
-        token through every expert (N * K <= E), or when a layer's experts are small enough to
-        stay in the caches (ROUTED_MAX_EXPERT_BYTES); else dense. Statistics are the caller's."""
+        """x [N, D] -> ([N, D], the gates), every expert local, no capacity limit, no data-dependent
+        shapes: routed when N * K <= E or the experts fit the caches (ROUTED_MAX_EXPERT_BYTES),
+        else dense. Statistics are the caller's."""
         g = self.gates(x)  # weights, expert_ids [N, K]; probs [N, E]
         n, k = g.expert_ids.shape
         # the size test first: N is symbolic, so testing it puts a guard on the graph (a recompile
@@ -297,18 +282,15 @@ class MoEBlock(nn.Module):
 
 
 def _routed(e: LocalExperts, x: torch.Tensor, g: Gates) -> torch.Tensor:
-    """[N, D]: each token through its top-k experts. A route reads its expert's weights: from the
-    caches when they fit there (a token reads its K experts' weights, where dense reads all E),
-    from memory once per route otherwise."""
+    """[N, D]: each token through its top-k experts (each route reads its expert's weights)."""
     gate, up = (e.gate_up_proj[g.expert_ids] * x[:, None, None, :]).sum(-1).chunk(2, dim=-1)  # [N, K, I] x2
     y = (e.down_proj[g.expert_ids] * (F.silu(gate) * up)[:, :, None, :]).sum(-1)  # [N, K, D]
     return (g.weights.to(x.dtype)[..., None] * y).sum(1)  # [N, D]
 
 
 def _dense(e: LocalExperts, x: torch.Tensor, g: Gates) -> torch.Tensor:
-    """[N, D]: every token through every local expert, combined by the top-k gate weights (zero
-    elsewhere): E / K times the arithmetic, but each expert's weights read once, by one matmul
-    against the stacked weights (a view, no copy) and one batched one."""
+    """[N, D]: every token through every local expert, weighted by its gates (zero off its top-k):
+    E / K times the arithmetic, but each expert's weights are read once."""
     n, d = x.shape
     w = x.new_zeros(n, e.num_local).scatter(1, g.expert_ids, g.weights.to(x.dtype))  # [N, E]
     gate, up = F.linear(x, e.gate_up_proj.view(-1, d)).view(n, e.num_local, -1).chunk(2, dim=-1)  # [N, E, I] x2

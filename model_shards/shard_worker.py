@@ -1,20 +1,18 @@
 """The shard group's step protocol over torch.distributed: rank 0 drives, the others follow.
 
-Each rank holds the dense weights, its own experts and the paged KV cache of its own
-sequences (data-parallel attention). Rank 0 keeps every rank's block tables (a BlockManager
-per rank, with prefix caching); the other ranks only hold the cache tensors. Per step rank 0
-broadcasts one message (block copies + the rows of every rank with their block tables), every
-rank runs its rows (joining each MoE layer's all-to-all), and the final hidden states are
-gathered to rank 0, which applies the LM head. Nothing per step goes through Ray.
+Each rank holds the dense weights, its own experts and the paged KV cache of its own sequences
+(data-parallel attention); rank 0 keeps every rank's block tables (a BlockManager per rank).
+Per step rank 0 broadcasts one message, every rank runs its rows (joining each MoE layer's
+all-to-all), and the final hidden states are gathered to rank 0 for the LM head. Nothing per
+step goes through Ray.
 
-Message (int64): header [cmd, rows, Tq, last_only, copies, n, trace], then for CMD_STEP copies [C, 3]
-(rank, src block, dst block: copy-on-write before the step) and rows [B, 3 + Tq + n] (rank,
-start, q_len, tokens..., n block ids padded with the scratch block 0). CMD_PLACE (live
-re-placement, between two steps) carries a placement in n values: [experts on rank 0, ...,
-experts on rank W-1, then every rank's expert ids]; `trace` set: every rank records its rows'
-routing (CMD_STEP) and gathers it to rank 0 with the hidden states;
-each rank reloads its experts from the checkpoint and re-wires its all-to-all, while the KV
-caches (attention is data-parallel) stay as they are.
+Message (int64): header [cmd, rows, Tq, last_only, copies, n, trace], then
+- CMD_STEP: copies [C, 3] (rank, src block, dst block: copy-on-write before the step) and rows
+  [B, 3 + Tq + n] (rank, start, q_len, tokens..., n block ids padded with the scratch block 0);
+  with `trace`, every rank also gathers its rows' routing to rank 0;
+- CMD_PLACE (live re-placement, between two steps): n values, the count of experts on each rank
+  then every rank's expert ids; each rank reloads its experts and re-wires its all-to-all, while
+  the KV caches stay as they are.
 Shapes: B rows, Tq query tokens, D hidden, V vocab, W ranks.
 """
 
@@ -36,9 +34,7 @@ from router_service.placement import Placement
 CMD_STEP, CMD_STOP, CMD_PLACE = 1, 2, 3
 _HEADER = 7
 _ROW = 3  # rank, start, q_len
-# A new sequence goes to the rank holding most of its prefix, unless that rank runs this many
-# more sequences than the least busy one.
-BALANCE_SLACK = 2
+BALANCE_SLACK = 2  # see ShardedRunner
 
 
 def _body_size(header: list[int]) -> int:
@@ -46,14 +42,9 @@ def _body_size(header: list[int]) -> int:
     return n if cmd == CMD_PLACE else copies * 3 + rows * (_ROW + tq + n)
 
 
-def _broadcast(
-    header: list[int] | None, body: torch.Tensor | None, device: torch.device
-) -> tuple[list[int], torch.Tensor]:
+def _broadcast(header: list[int] | None, body: torch.Tensor | None, device: torch.device) -> tuple[list, torch.Tensor]:
     """Rank 0 sends (header, body), the others receive them; tensors on the group's device."""
-    if header is not None:
-        h = torch.tensor(header, dtype=torch.long, device=device)
-    else:
-        h = torch.empty(_HEADER, dtype=torch.long, device=device)
+    h = torch.empty(_HEADER, dtype=torch.long, device=device) if header is None else torch.tensor(header, device=device)
     dist.broadcast(h, src=0)
     header = h.tolist()
     size = _body_size(header)
@@ -177,8 +168,8 @@ class ShardWorker(_Shard):
 
 class ShardedRunner(_Shard):
     """Rank 0: the engine's model runner for a whole shard group (same interface as ModelRunner).
-    `max_num_seqs` is per rank; a sequence goes to the rank with most of its prefix cached,
-    within BALANCE_SLACK sequences of the least busy one."""
+    `max_num_seqs` is per rank; a new sequence goes to the rank with most of its prefix cached,
+    unless that rank runs BALANCE_SLACK more sequences than the least busy one."""
 
     def __init__(self, model: CausalLM, world_size: int, max_num_seqs: int, max_model_len: int,
                  block_size: int = default_of(EngineSection, "block_size"),

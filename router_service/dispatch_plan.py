@@ -1,11 +1,10 @@
 """The dispatch plan: how one rank's routes are laid out for the all-to-all.
 
-The kept routes (expert id >= 0) of the flattened [T * K] route list are permuted so that all
-routes for rank 0 come first, then rank 1, ...; within a rank, by local expert slot; within a
-slot, by route index (token order). ``send_counts`` are then the ``input_split_sizes`` of
-``all_to_all_single``, and ``inverse_order`` puts the combined results back in route order.
+The kept routes (expert id >= 0) of the flattened [T * K] route list are ordered by destination
+rank, then local expert slot, then route index, so ``send_counts`` are ``all_to_all_single``'s
+``input_split_sizes``:
 
-    x_sent = x_kept[plan.order]            # dispatch
+    x_sent = x_kept[plan.order]              # dispatch
     x_kept = y_received[plan.inverse_order]  # combine, after the all-to-all back
 
 Shapes: T tokens, K = top_k, R kept routes, W ranks.
@@ -32,8 +31,7 @@ class DispatchPlan:
     dest_rank:     [R] destination rank of each sent row (non-decreasing)
     local_expert:  [R] slot of the expert on its destination rank
     send_counts:   [W] rows sent to each rank (python ints, for all_to_all_single)
-    slot_counts:   [W, S] rows sent to each slot of each rank (S: the most slots any rank has):
-                   what a receiver needs to know which of its experts each received row is for
+    slot_counts:   [W, S] rows sent to each slot of each rank (S: the most slots any rank has)
     """
 
     order: Tensor
@@ -47,10 +45,8 @@ class DispatchPlan:
 
 
 def build_dispatch_plan(expert_ids: Tensor, placement: Placement, world_size: int | None = None) -> DispatchPlan:
-    """Plan the all-to-all for routed ``expert_ids`` [T, K] (-1 = dropped) under ``placement``.
-
-    Replicated experts are served by replica ``token % replicas`` (see ``Placement.ranks_of``).
-    """
+    """Plan the all-to-all for routed ``expert_ids`` [T, K] (-1 = dropped) under ``placement``;
+    a replicated expert is served by replica ``token % replicas`` (``Placement.ranks_of``)."""
     if world_size is not None and world_size != placement.world_size:
         raise ValueError(f"world_size: {world_size} != placement.world_size {placement.world_size}")
     if expert_ids.dim() != 2:
@@ -71,13 +67,6 @@ def build_dispatch_plan(expert_ids: Tensor, placement: Placement, world_size: in
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device)
     slot_counts = torch.bincount(key, minlength=placement.world_size * max_slots).view(-1, max_slots)  # [W, S]
-    return DispatchPlan(
-        order=order,
-        inverse_order=inverse,
-        route_index=kept_routes[order],
-        token_index=tokens[order],
-        dest_rank=ranks[order],
-        local_expert=slots[order],
-        send_counts=slot_counts.sum(dim=1).tolist(),
-        slot_counts=slot_counts,
-    )
+    return DispatchPlan(order, inverse, route_index=kept_routes[order], token_index=tokens[order],
+                        dest_rank=ranks[order], local_expert=slots[order],
+                        send_counts=slot_counts.sum(dim=1).tolist(), slot_counts=slot_counts)

@@ -62,10 +62,8 @@ class Placement:
             raise ValueError(f"expert: rank {rank} does not hold expert {expert}") from None
 
     def ranks_of(self, expert_ids: Tensor, token_index: Tensor) -> Tensor:
-        """Rank that serves each route: replica ``token_index % replicas(e)`` of its expert.
-
-        expert_ids, token_index: same shape; expert id -1 (a dropped route) gives rank -1.
-        """
+        """Rank that serves each route: replica ``token_index % replicas(e)`` of its expert
+        (expert_ids, token_index: same shape); expert id -1 (a dropped route) gives rank -1."""
         replicas, num_replicas, _ = self.tables(expert_ids.device)
         valid = expert_ids >= 0
         e = expert_ids.clamp_min(0)
@@ -86,10 +84,9 @@ class Placement:
         return torch.stack([share[list(r)].sum() if r else share.new_zeros(()) for r in self.rank_experts])
 
     def tables(self, device: torch.device | str = "cpu") -> tuple[Tensor, Tensor, Tensor]:
-        """The lookup tables of `ranks_of` and `local_slots` on `device`, made once per device (so
-        routing on a GPU reads them there, with no copy per call): the replicas of each expert
-        [E, max replicas] (-1 past its count), the replica count of each [E], the slot of each
-        expert on each rank [W, E] (-1: not held)."""
+        """The lookup tables of `ranks_of` and `local_slots`, made once per device: the replicas of
+        each expert [E, max replicas] (-1 past its count), the replica count of each [E], the slot
+        of each expert on each rank [W, E] (-1: not held)."""
         device = torch.device(device)
         if device not in self._tables:
             self._tables[device] = tuple(t.to(device) for t in self._cpu_tables)
@@ -114,11 +111,8 @@ class Placement:
 
 
 def contiguous_placement(num_experts: int, world_size: int) -> Placement:
-    """Experts split into contiguous blocks, no replicas.
-
-    Uneven splits follow ``numpy.array_split``: the first
-    ``num_experts % world_size`` ranks get one expert more (10 experts on 4 ranks: 3, 3, 2, 2).
-    """
+    """Experts split into contiguous blocks, no replicas; as ``numpy.array_split``, the first
+    ``num_experts % world_size`` ranks get one expert more (10 experts on 4 ranks: 3, 3, 2, 2)."""
     if world_size < 1:
         raise ValueError(f"world_size: must be >= 1, got {world_size}")
     if num_experts < world_size:
@@ -133,17 +127,14 @@ def contiguous_placement(num_experts: int, world_size: int) -> Placement:
 
 
 def balanced_placement(load: Tensor, world_size: int, slots_per_rank: int) -> Placement:
-    """EPLB-style placement from observed per-expert load ([E], or [L, E] summed over layers).
+    """EPLB-style placement from observed per-expert load ([E], or [L, E] summed over layers:
+    a rank holds the same expert ids in every layer).
 
     1. Replicate: every expert gets one slot; each spare slot goes to the expert with the highest
        load per replica (at most one replica per rank).
     2. Pack (greedy LPT): replicas, heaviest per-replica load first, each go to the least-loaded
-       rank that has a free slot and does not hold that expert yet (ties: fewer experts, then lower
-       rank). An expert's first replica always finds a free slot (free slots >= replicas left to
-       place); a later replica that fits nowhere is skipped, leaving its slot empty.
-
-    A [L, E] load gives one placement for all layers (a rank holds the same expert ids in every
-    layer, which keeps the loader simple); call once per row for per-layer placements.
+       rank with a free slot that does not hold that expert yet (ties: fewer experts, then lower
+       rank). A first replica always finds a slot; a later one that fits nowhere is skipped.
     """
     if load.dim() == 2:
         load = load.sum(dim=0)
