@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -71,9 +72,13 @@ def test_cli_serve_parses_and_the_cli_module_does_not_load_ray():
 def test_grpc_stubs_match_the_proto(tmp_path):
     from deployments.proto import build_stubs
 
+    def code(text: str) -> str:  # the generators' version stamps aside (a newer grpcio-tools writes its own)
+        text = re.sub(r"(GRPC_GENERATED_VERSION = |# Protobuf Python Version: ).*", r"\1", text)
+        return re.sub(r"ValidateProtobufRuntimeVersion\([^)]*\)", "", text)
+
     assert build_stubs.main(tmp_path) == 0
     for name in ("generate_pb2.py", "generate_pb2_grpc.py"):
-        assert (tmp_path / name).read_text() == (PROJECT_ROOT / "deployments" / "proto" / name).read_text(), (
+        assert code((tmp_path / name).read_text()) == code((PROJECT_ROOT / "deployments" / "proto" / name).read_text()), (
             f"{name} is stale: run python deployments/proto/build_stubs.py"
         )
 
