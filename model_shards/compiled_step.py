@@ -196,22 +196,26 @@ class CompiledShardStep:
         return 0 < num_rows <= MAX_ROWS and tq <= MAX_QUERY and all(b.routing.overflow == "none" for b in blocks)
 
     def hidden_states(self, ids: torch.Tensor, tables: torch.Tensor, start: torch.Tensor, q_lens: torch.Tensor,
-                      last_only: bool) -> torch.Tensor:
-        """ids [B, T], the rows' block tables [B, nb], start and q_lens [B] -> final normed hidden
-        states [B, T, D] (or [B, 1, D] at each row's last real token), as CausalLM.hidden_states."""
+                      last_only: bool, lengths: list[int]) -> torch.Tensor:
+        """ids [B, T], the rows' block tables [B, nb], start and q_lens [B] (`lengths`: q_lens on the
+        host) -> final normed hidden states [B, T, D] (or [B, 1, D] at each row's last real token),
+        as CausalLM.hidden_states."""
         self.num_calls += 1
-        x = self._pass(ids, tables, start, q_lens)
+        t = ids.shape[1]
+        real = None  # the real tokens' indices [N_real], from the host's lengths: no device read
+        if any(n < t for n in lengths):
+            real = torch.tensor([r * t + i for r, n in enumerate(lengths) for i in range(n)], device=ids.device)
+        x = self._pass(ids, tables, start, q_lens, real=real)
         if last_only:
             x = x[torch.arange(len(x), device=x.device), q_lens - 1][:, None]  # [B, 1, D]
         return self.model.model.norm(x)
 
     @torch.inference_mode()
     def _pass(self, ids: torch.Tensor, tables: torch.Tensor, start: torch.Tensor, q_lens: torch.Tensor,
-              dispatch: bool = True) -> torch.Tensor:
+              dispatch: bool = True, real: torch.Tensor | None = None) -> torch.Tensor:
         b, t = ids.shape
         with self.step._no_duck_sizing:
-            x, rope, index, valid = self._head(ids.clone(), tables, start, q_lens, self.cache.block_size)
-            real = None if bool(valid.all()) else valid.reshape(-1).nonzero().squeeze(1)  # [N_real]
+            x, rope, index, _ = self._head(ids.clone(), tables, start, q_lens, self.cache.block_size)
             for i, layer in enumerate(self.model.model.layers):
                 x, h, route = self._layer(layer, self.step._qkv[i], x, rope, self.cache.kv[i], index)
                 if route is not None and dispatch:

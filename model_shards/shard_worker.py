@@ -42,15 +42,16 @@ def _body_size(header: list[int]) -> int:
     return n if cmd == CMD_PLACE else copies * 3 + rows * (_ROW + tq + n)
 
 
-def _broadcast(header: list[int] | None, body: torch.Tensor | None, device: torch.device) -> tuple[list, torch.Tensor]:
-    """Rank 0 sends (header, body), the others receive them; tensors on the group's device."""
-    h = torch.empty(_HEADER, dtype=torch.long, device=device) if header is None else torch.tensor(header, device=device)
-    dist.broadcast(h, src=0)
+def _broadcast(header: list[int] | None, body: torch.Tensor | None, group) -> tuple[list, torch.Tensor]:
+    """Rank 0 sends (header, body), the others receive them, on the host (`group`: a gloo group):
+    a step's plan is read on the host, never back from a device."""
+    h = torch.tensor(header, dtype=torch.long) if header is not None else torch.empty(_HEADER, dtype=torch.long)
+    dist.broadcast(h, src=0, group=group)
     header = h.tolist()
     size = _body_size(header)
-    body = body.to(device) if body is not None else torch.empty(size, dtype=torch.long, device=device)
+    body = body.cpu() if body is not None else torch.empty(size, dtype=torch.long)
     if size:
-        dist.broadcast(body, src=0)
+        dist.broadcast(body, src=0, group=group)
     return header, body
 
 
@@ -87,6 +88,8 @@ class _Shard:
 
             self.compiled = CompiledShardStep(model, self.cache)
             self.compiled.warm_up()  # this rank's graphs alone: they hold no collective
+        # step messages on the host: the default group when it is gloo, else a gloo group beside NCCL's
+        self.host_group = None if not dist.is_initialized() or dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
         wait_for_group(rank, world_size)  # no step before every rank is ready: a collective would time out
 
     def place(self, placement: Placement) -> None:
@@ -114,12 +117,13 @@ class _Shard:
         dispatch = self.model.moe_blocks[0].dispatch if self.model.moe_blocks else None  # every layer's
         if isinstance(dispatch, AllToAllDispatch):
             dispatch.max_tokens = bmax * tq  # no rank routes more tokens this pass: the padded layout's size
-        ids, tables = mine[:, _ROW : _ROW + tq], mine[:, _ROW + tq :]
+        on_device = lambda t: t.contiguous().to(self.device, non_blocking=True)  # noqa: E731
+        ids, tables = on_device(mine[:, _ROW : _ROW + tq]), on_device(mine[:, _ROW + tq :])
         if len(mine):
             self.cache.copy_blocks([(src, dst) for _, src, dst in copies[copies[:, 0] == self.rank].tolist()])
-            start, q_lens = mine[:, 1], mine[:, 2]
-            if self.compiled is not None and bool((start > 0).all()) and self.compiled.accepts(len(mine), tq):
-                h = self.compiled.hidden_states(*(v.contiguous() for v in (ids, tables, start, q_lens)), bool(last_only))
+            start, q_lens = on_device(mine[:, 1]), on_device(mine[:, 2])
+            if self.compiled is not None and bool((mine[:, 1] > 0).all()) and self.compiled.accepts(len(mine), tq):
+                h = self.compiled.hidden_states(ids, tables, start, q_lens, bool(last_only), mine[:, 2].tolist())
             else:
                 batch = StepBatch(tables, start, q_lens, self.block_size)
                 h = self.model.hidden_states(ids, self.cache, batch, last_only=bool(last_only))  # [Br, T', D]
@@ -157,7 +161,7 @@ class ShardWorker(_Shard):
 
     def serve_forever(self) -> None:
         while True:
-            header, body = _broadcast(None, None, self.device)
+            header, body = _broadcast(None, None, self.host_group)
             if header[0] == CMD_STOP:
                 return
             if header[0] == CMD_PLACE:
@@ -229,7 +233,7 @@ class ShardedRunner(_Shard):
         traced = int(self.model.routing_trace is not None)  # the engine turns recording on for rank 0's model
         header = [CMD_STEP, len(rows), tq, int(logits == "last"), len(copies), n, traced]
         body = torch.cat([torch.tensor(copies, dtype=torch.long).view(-1), packed.view(-1)])
-        header, body = _broadcast(header, body, self.device)
+        header, body = _broadcast(header, body, self.host_group)
         gathered, routing = self.run(header, body)  # [W, Bmax, T', D]
         ranks = packed[:, 0]
         within = torch.cat([torch.arange(int(c)) for c in torch.bincount(ranks, minlength=self.world_size)])
@@ -255,7 +259,7 @@ class ShardedRunner(_Shard):
         if placement.world_size != self.world_size:
             raise ValueError(f"placement has {placement.world_size} ranks, the group {self.world_size}")
         values = _encode_placement(placement)
-        _broadcast([CMD_PLACE, 0, 0, 0, 0, len(values), 0], torch.tensor(values, dtype=torch.long), self.device)
+        _broadcast([CMD_PLACE, 0, 0, 0, 0, len(values), 0], torch.tensor(values, dtype=torch.long), self.host_group)
         self.place(placement)
 
     def stats(self) -> dict[str, int | float]:
@@ -266,4 +270,4 @@ class ShardedRunner(_Shard):
         return total
 
     def shutdown(self) -> None:
-        _broadcast([CMD_STOP, 0, 0, 0, 0, 0, 0], None, self.device)
+        _broadcast([CMD_STOP, 0, 0, 0, 0, 0, 0], None, self.host_group)
