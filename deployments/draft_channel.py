@@ -34,11 +34,10 @@ log = logging.getLogger(__name__)
 
 class ChannelServer:
     """In the draft worker: accepts engines' connections, one thread each. Per message, the
-    reply `handle(msg)` is sent at once; then `after(msg, reply, peek)` runs (the worker's
-    pre-drafting) while the engine verifies, `peek()` giving the engine's next message once it
-    is here (None before), which is handled as soon as `after` returns."""
+    reply `handle(msg)` is sent at once; then `after(msg, reply)` runs (the worker's pre-drafting)
+    while the engine verifies."""
 
-    def __init__(self, handle: Callable[[Any], Any], after: Callable[[Any, Any, Callable[[], Any]], None],
+    def __init__(self, handle: Callable[[Any], Any], after: Callable[[Any, Any], None],
                  address: tuple[str, int], authkey: bytes) -> None:
         self.handle, self.after = handle, after
         self._listener = Listener(address, authkey=authkey)
@@ -60,20 +59,13 @@ class ChannelServer:
 
     def _serve(self, conn: Connection) -> None:
         _no_delay(conn)
-        early: list[Any] = []  # the next message, once `after` peeked at it
-
-        def peek() -> Any:
-            if not early and conn.poll(0):
-                early.append(pickle.loads(conn.recv_bytes()))
-            return early[0] if early else None
-
         with conn:
             while True:
                 try:
-                    msg = early.pop() if early else pickle.loads(conn.recv_bytes())
+                    msg = pickle.loads(conn.recv_bytes())
                     reply = self.handle(msg)
                     conn.send_bytes(pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL))
-                    self.after(msg, reply, peek)
+                    self.after(msg, reply)
                 except (EOFError, OSError):  # the engine went away
                     return
                 except Exception:  # a bug in the handler: drop this engine's connection (it falls back)
