@@ -118,7 +118,8 @@ class DraftModelProposer(Proposer):
         if not rows:
             return proposals, {}
         rows.sort(key=lambda r: -r.k)  # the rows still drafting stay a prefix
-        batch = DraftBatch.of(rows, self.runner.block_tables([r.seq_id for r in rows]))
+        tables = self.runner.block_tables([r.seq_id for r in rows])
+        batch = DraftBatch(tables, torch.tensor([len(r.tokens) for r in rows], device=tables.device))
         tokens, probs, masks = self._draft(rows, batch, self._catch_up(rows, batch))  # [B, K] ...
         sampled, through = 0, {}
         for b, (r, row) in enumerate(zip(rows, tokens.tolist())):
