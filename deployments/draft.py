@@ -30,6 +30,7 @@ from ray.serve import Application
 
 from deployments.draft_channel import RemoteDraftProposer
 from deployments.draft_worker import DraftServerConfig
+from moeserve.config import DeploymentsSection
 
 __all__ = ["DraftProcess", "DraftServer", "DraftServerConfig", "RemoteDraftProposer", "bind_draft"]
 
@@ -155,7 +156,7 @@ def bind_draft(config: DraftServerConfig, serve_options: dict[str, Any] | None =
                name: str = "draft") -> Application:
     """The draft deployment, bound, for the engine deployment's bind(). `serve_options`: the
     config's `deployments.draft` (replicas or autoscaling, admission, resources)."""
-    options = serve_options or {"num_replicas": 1, "max_ongoing_requests": 8, "ray_actor_options": {"num_cpus": 1}}
+    options = serve_options or DeploymentsSection().draft.serve_options()
     return serve.deployment(DraftServer, name=name, **options).bind(config)
 
 
