@@ -28,11 +28,6 @@ class SpecOutput:
             if len(tokens) != n + 1:
                 raise ValueError(f"row {row}: {n} accepted tokens must emit {n + 1} tokens, got {len(tokens)}")
 
-    @property
-    def num_emitted(self) -> Tensor:
-        """[B] tokens each row emitted this step: accepted + 1."""
-        return self.num_accepted + 1
-
 
 class RejectionSampler:
     """Keeps the longest prefix of the draft that the target agrees with, plus one token.
