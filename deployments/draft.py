@@ -1,22 +1,15 @@
-"""The draft model as its own Serve deployment (engines reach it through
-deployments/draft_channel.py `RemoteDraftProposer`).
+"""The draft model as its own Serve deployment.
 
     engine step --one DraftCall per step, whole batch, on a socket--> DraftWorker (a child process
                                                                        of a DraftServer replica)
 
-The user's design has "a separate draft-model deployment" propose tokens. Each replica runs one
-`DraftWorker` (deployments/draft_worker.py), which holds the model, in a child process of its own
-(`DraftProcess`), started again whenever it dies; the engine asks the deployment once (a Serve
-call) for its replica's data channel and then sends every step there. The channel's address and
-secret stay the same across the worker's restarts, so an engine only reconnects.
-
-State and routing: the draft keeps a KV cache per sequence, so each engine sticks to the replica it
-asked. A worker that sees a sequence it does not hold, or holds a stale copy of, rolls back to the
-common prefix or rebuilds by prefilling (DraftModelProposer compares token ids every step).
-
-Lifetime and failure: the worker exits with its replica; the health check pings it, so Serve
-replaces a replica whose worker cannot come back. When a call times out or fails, the engine
-decodes without drafts for a while (exact all the same) and then reconnects.
+Each replica runs one `DraftWorker` (deployments/draft_worker.py) in a child process
+(`DraftProcess`), started again whenever it dies; an engine asks the deployment once (a Serve
+call) for its replica's data channel (deployments/draft_channel.py), whose address and secret
+outlive the worker's restarts, and sends every step there. The draft keeps a KV cache per
+sequence, so an engine sticks to the replica it asked; a worker rolls back or rebuilds what it
+does not hold. When a call times out or fails, the engine decodes without drafts for a while
+(exact all the same) and then reconnects.
 """
 
 from __future__ import annotations
@@ -37,6 +30,7 @@ from ray.serve import Application
 
 from deployments.draft_channel import RemoteDraftProposer
 from deployments.draft_worker import DraftServerConfig
+from moeserve.config import DeploymentsSection
 
 __all__ = ["DraftProcess", "DraftServer", "DraftServerConfig", "RemoteDraftProposer", "bind_draft"]
 
@@ -46,9 +40,9 @@ START_TIMEOUT_S = 600.0  # loading a draft checkpoint may take a while on a busy
 
 
 class DraftProcess:
-    """A DraftWorker in a child process, started at once and again whenever it dies, until
-    `close()`; each child binds the same channel address (`address`, `authkey`). `stats()`/`check()`
-    ask the child over a control socket. If a restart fails, `dead` says why."""
+    """A DraftWorker in a child process, restarted whenever it dies until `close()`, each child on
+    the same channel address (`address`, `authkey`); `stats()`/`check()` ask it over a control
+    socket. If a restart fails, `dead` says why."""
 
     def __init__(self, config: DraftServerConfig, start_timeout_s: float = START_TIMEOUT_S) -> None:
         self.config, self.start_timeout_s = config, start_timeout_s
@@ -113,7 +107,7 @@ class DraftProcess:
             return pickle.loads(self._conn.recv_bytes())
 
     def stats(self, timeout_s: float = 10.0) -> dict[str, Any]:
-        """The worker's counters, with this process's pid and how often it was restarted."""
+        """The worker's counters, its pid and how often it was restarted."""
         return self._ask("stats", timeout_s) | {"pid": self.pid, "restarts": self.restarts}
 
     def check(self, timeout_s: float = 10.0) -> None:
@@ -135,15 +129,15 @@ class DraftProcess:
 
 
 class DraftServer:
-    """A draft replica: supervises its DraftWorker's process and tells engines where its data
-    channel is. Its reservation (`ray_actor_options`) is the worker's: the child runs on the
-    replica's node, with its CPUs (and its GPU, `CUDA_VISIBLE_DEVICES` being inherited)."""
+    """A draft replica: supervises its worker's process and tells engines where its channel is.
+    The child runs with the replica's reservation (its node, CPUs, and GPU: `CUDA_VISIBLE_DEVICES`
+    is inherited)."""
 
     def __init__(self, config: DraftServerConfig) -> None:
         self._process = DraftProcess(config)  # the model is loaded before the replica reports ready
 
     async def channel(self) -> tuple[tuple[str, int], bytes]:
-        """The address and secret of the worker's data channel (the same across its restarts)."""
+        """The address and secret of the worker's data channel."""
         return self._process.address, self._process.authkey
 
     async def stats(self) -> dict[str, Any]:
@@ -160,10 +154,9 @@ class DraftServer:
 
 def bind_draft(config: DraftServerConfig, serve_options: dict[str, Any] | None = None,
                name: str = "draft") -> Application:
-    """The draft deployment, bound: pass it to the engine deployment's bind() and Serve hands the
-    engine a handle. `serve_options` (the config's `deployments.draft`): replicas or autoscaling,
-    admission, resources; each engine asks one replica for its channel when it starts."""
-    options = serve_options or {"num_replicas": 1, "max_ongoing_requests": 8, "ray_actor_options": {"num_cpus": 1}}
+    """The draft deployment, bound, for the engine deployment's bind(). `serve_options`: the
+    config's `deployments.draft` (replicas or autoscaling, admission, resources)."""
+    options = serve_options or DeploymentsSection().draft.serve_options()
     return serve.deployment(DraftServer, name=name, **options).bind(config)
 
 

@@ -3,13 +3,10 @@
     engine step --DraftCall (moeserve/protocol.py)--> socket --> DraftWorker (deployments/draft_worker.py)
                 <--list[Proposal]---------------------
 
-A Serve call costs more than a decode step, so the per-step traffic does not go through Ray: the
-engine asks the draft deployment once (a Serve call) for its replica's channel address and
-secret, connects, and then every step is one message each way (`multiprocessing.connection`:
-length-prefixed frames, HMAC handshake with the secret, so nothing else can connect). The
-address outlives a worker's restart (its replica rebinds the same port), so an engine only
-reconnects. No Ray here: an engine core in a process of its own gets a `RemoteDraftProposer`
-pickled into its spec.
+A Serve call costs more than a decode step, so per-step traffic bypasses Ray: after one Serve call
+for the channel's address and secret, every step is one message each way
+(`multiprocessing.connection`: length-prefixed frames, HMAC handshake with the secret). An engine
+core in a process of its own gets a `RemoteDraftProposer` pickled into its spec.
 """
 
 from __future__ import annotations
@@ -34,11 +31,10 @@ log = logging.getLogger(__name__)
 
 class ChannelServer:
     """In the draft worker: accepts engines' connections, one thread each. Per message, the
-    reply `handle(msg)` is sent at once; then `after(msg, reply, peek)` runs (the worker's
-    pre-drafting) while the engine verifies, `peek()` giving the engine's next message once it
-    is here (None before), which is handled as soon as `after` returns."""
+    reply `handle(msg)` is sent at once; then `after(msg, reply)` runs (the worker's pre-drafting)
+    while the engine verifies."""
 
-    def __init__(self, handle: Callable[[Any], Any], after: Callable[[Any, Any, Callable[[], Any]], None],
+    def __init__(self, handle: Callable[[Any], Any], after: Callable[[Any, Any], None],
                  address: tuple[str, int], authkey: bytes) -> None:
         self.handle, self.after = handle, after
         self._listener = Listener(address, authkey=authkey)
@@ -60,20 +56,13 @@ class ChannelServer:
 
     def _serve(self, conn: Connection) -> None:
         _no_delay(conn)
-        early: list[Any] = []  # the next message, once `after` peeked at it
-
-        def peek() -> Any:
-            if not early and conn.poll(0):
-                early.append(pickle.loads(conn.recv_bytes()))
-            return early[0] if early else None
-
         with conn:
             while True:
                 try:
-                    msg = early.pop() if early else pickle.loads(conn.recv_bytes())
+                    msg = pickle.loads(conn.recv_bytes())
                     reply = self.handle(msg)
                     conn.send_bytes(pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL))
-                    self.after(msg, reply, peek)
+                    self.after(msg, reply)
                 except (EOFError, OSError):  # the engine went away
                     return
                 except Exception:  # a bug in the handler: drop this engine's connection (it falls back)
@@ -91,12 +80,11 @@ def _no_delay(conn: Connection) -> None:
 class RemoteDraftProposer(Proposer):
     """Engine-side proposer: one `DraftCall` per engine step over the data channel.
 
-    channel: the worker's (address, secret), or a function that asks for it within a timeout
-        (a Serve call to the draft deployment), asked again after a failure.
+    channel: the worker's (address, secret), or a function that asks for it within a timeout (a
+        Serve call to the draft deployment), asked again after a failure.
     timeout_s: how long a step waits for drafts before decoding without them.
-    backoff_s, max_backoff_s: after a failure no call is made for backoff_s, doubling with each
-        further failure up to max_backoff_s; a success resets it. The engine then decodes without
-        speculation, exact all the same.
+    backoff_s, max_backoff_s: after a failure, no call for backoff_s, doubling per further failure
+        up to max_backoff_s; a success resets it. Meanwhile steps decode without drafts.
     """
 
     def __init__(self, channel: tuple[tuple[str, int], bytes] | Callable[[float], Any], timeout_s: float = 0.5,

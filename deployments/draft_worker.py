@@ -1,10 +1,10 @@
 """The draft deployment's worker: the draft model answering each engine step's `DraftCall`, and
-pre-drafting each row's next proposal while the target verifies (deployments/draft.py places and
-supervises it; deployments/draft_channel.py carries its calls).
+pre-drafting each row's next proposal while the target verifies (deployments/draft.py supervises
+it; deployments/draft_channel.py carries its calls).
 
 It runs in a child process of its replica (`python -m deployments.draft_worker FD`), not in a Ray
-process: there its channel threads share the GIL with nothing but the model. The child exits when
-its replica goes (the control socket closes), and the replica starts a new one when it dies.
+process, so its channel threads share the GIL with nothing but the model. It exits when its
+replica goes (the control socket closes).
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import pickle
 import sys
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
@@ -30,10 +29,8 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class DraftServerConfig:
     """What a draft replica loads. greedy: see DraftModelProposer (False samples drafts for sampled
-    requests and returns q, which then crosses the wire). predraft: draft each row's next proposal
-    while the target verifies, guessing that every draft is accepted and the bonus token is the
-    draft's own (bench/reports/speculative.md: the deployment against the same draft in-process).
-    cpus: pin the worker process to these CPU ids (None: wherever the OS puts it)."""
+    requests and returns q, which then crosses the wire; nothing is pre-drafted then). cpus: pin
+    the worker process to these CPU ids (None: wherever the OS puts it)."""
 
     model_path: str
     max_num_seqs: int = default_of(EngineSection, "max_num_seqs")
@@ -42,7 +39,6 @@ class DraftServerConfig:
     torch_threads: int | None = None
     device: str = "auto"  # the draft's own GPU when the replica has one (ray_actor_options num_gpus)
     dtype: str = "auto"
-    predraft: bool = True
     cpus: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
@@ -74,7 +70,7 @@ class DraftWorker:
         self._lock = threading.Lock()
         self._ahead: dict[str, tuple[tuple[int, ...], list[int]]] = {}  # seq -> (assumed history, tokens)
         self.channel: Any = None
-        self.num_calls = self.num_predrafts = self.num_predraft_hits = self.num_predraft_interrupted = 0
+        self.num_calls = self.num_predrafts = self.num_predraft_hits = 0
         self.busy_s = 0.0
 
     def propose(self, call: DraftCall) -> list[Proposal]:
@@ -98,35 +94,18 @@ class DraftWorker:
             self.busy_s += time.perf_counter() - t0
             return out
 
-    def predraft(self, call: DraftCall, proposals: list[Proposal], peek: Callable[[], Any]) -> None:
+    def predraft(self, call: DraftCall, proposals: list[Proposal]) -> None:
         """While the target verifies: each row's next proposal for the outcome that every draft is
-        accepted and the bonus token is the draft's own (one batched propose of k + 1 tokens: the
-        guess, then the next k). `peek()` is the engine's next call once it is here: when it brings
-        a row with another history, pre-drafting stops at the next draft step (the engine is not
-        kept waiting for a guess that missed; the catch-up stands); otherwise it runs on."""
-        from moeserve.engine.draft_model import DraftInterrupted
-
-        if not self.config.predraft or not self.proposer.greedy:
-            return  # sampled drafts would be drawn ahead of the request's own keyed noise
+        accepted and the bonus token is the draft's own (bench/reports/speculative.md: the deployment
+        against the same draft in-process), as one batched propose of k + 1 tokens: the guess, then
+        the next k. Sampled drafts are not drawn ahead of the request's own keyed noise."""
         guesses = [ProposalRequest(r.seq_id, list(r.token_ids) + p.token_ids, r.num_tokens + 1, r.params)
                    for r, p in zip(call.requests, proposals) if p.token_ids and r.num_tokens]
-        if not guesses:
+        if not guesses or not self.proposer.greedy:
             return
-        assumed = {g.seq_id: tuple(g.token_ids) for g in guesses}
-
-        def missed() -> bool:
-            nxt = peek()
-            return nxt is not None and any(tuple(r.token_ids[:-1]) != assumed.get(r.seq_id, tuple(r.token_ids[:-1]))
-                                           for r in nxt.requests)
-
         with self._lock:
             self.num_predrafts += 1
-            try:
-                got = self.proposer.propose(guesses, hypothetical=True, interrupted=missed)
-            except DraftInterrupted:
-                self.num_predraft_interrupted += 1
-                return
-            for g, p in zip(guesses, got):
+            for g, p in zip(guesses, self.proposer.propose(guesses, hypothetical=True)):
                 if len(p.token_ids) > 1:
                     self._ahead[g.seq_id] = (tuple(g.token_ids) + tuple(p.token_ids[:1]), p.token_ids[1:])
 
@@ -136,7 +115,7 @@ class DraftWorker:
         return {
             "calls": self.num_calls, "busy_s": self.busy_s, "tracked_seqs": p.num_tracked, "new_seqs": p.num_new_seqs,
             "rebuilt_tokens": p.num_rebuilt_tokens, "evictions": p.num_evictions, "predrafts": self.num_predrafts,
-            "predraft_hits": self.num_predraft_hits, "predraft_interrupted": self.num_predraft_interrupted,
+            "predraft_hits": self.num_predraft_hits,
             "channel_connections": self.channel.num_connections if self.channel is not None else 0,
             "cpus": sorted(os.sched_getaffinity(0)),
         }

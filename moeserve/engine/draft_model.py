@@ -5,29 +5,23 @@ row), V vocab, S rows that sample their drafts.
 
 One `propose` call per engine step, for the whole batch:
 
-1. sync: the draft keeps its own paged KV cache (with prefix caching) and the tokens each
-   sequence holds there; the common prefix with the request's token ids stays, the rest is
-   forgotten. That is the rollback after a rejection and the rebuild after a miss (a new,
-   evicted or unseen sequence). Each row gets blocks for its tail and the k - 1 drafts it feeds.
-2. catch-up: every row's uncached tail is fed, batched: its last token in one one-token forward
-   whose logits give draft 1; before it, two-token tails (the last draft and the bonus) one token
-   more, and longer tails (prompts) through the model's own prefill forward.
+1. sync: the draft's own paged KV cache (prefix caching on) keeps the common prefix of what it
+   holds and the request's token ids: that is the rollback after a rejection, and the rebuild
+   after a miss (a new, evicted or unseen sequence).
+2. catch-up: every row's uncached tail is fed, batched; the logits after its last token give draft 1.
 3. K - 1 batched one-token forwards; the rows still drafting stay a prefix of the batch.
 
 Every forward is the model's own (CausalLM over the runner's paged cache), as the target's; with
-`compile`, the one-token steps run as the runner's compiled step (model_shards/compiled_step.py).
-
-Drafts are the draft's argmax (`Proposal.probs` None) unless the proposer samples and the
-request does: then each is drawn from the draft's probabilities processed with the request's
-temperature, top-k and top-p, which travel with the proposal as q. A seeded request draws with
-noise keyed by (seed, position), so its output does not depend on the batch or the draft cache.
+`compile`, one-token steps run as the runner's compiled step. Drafts are the draft's argmax
+(`Proposal.probs` None) unless the proposer samples and the request does: then each is drawn from
+the draft's probabilities under the request's temperature, top-k and top-p, sent along as q; a
+seeded request draws with noise keyed by (seed, position), so it does not depend on the batch.
 """
 
 from __future__ import annotations
 
 import os
 from bisect import bisect_left
-from collections.abc import Callable
 from dataclasses import replace
 
 import torch
@@ -42,38 +36,23 @@ from moeserve.spec.draft_masks import GrammarMasks
 from moeserve.spec.proposer import Proposal, ProposalRequest, Proposer
 
 
-class DraftInterrupted(Exception):
-    """A propose call stopped early because its caller asked (see `propose(interrupted=...)`)."""
-
-
 class DraftModelProposer(Proposer):
     """A dense draft model proposing k tokens per sequence, with its own paged KV cache.
 
-    model: the draft (a CausalLM, or a checkpoint folder to load), sharing the target's
-        tokenizer.
-    max_num_seqs: sequences held; when full (or when the KV blocks run out), the least recently
-        used sequence not in this step's batch is evicted (it is rebuilt if it comes back), so
-        a leaked id costs nothing.
+    model: the draft (a CausalLM, or a checkpoint folder), sharing the target's tokenizer.
+    max_num_seqs: sequences held; when full (or out of KV blocks) the least recently used one
+        outside this step's batch is evicted (and rebuilt if it comes back), so a leaked id costs nothing.
     max_model_len: tokens per sequence; rows that would pass it draft fewer tokens.
-    greedy: True proposes the draft's argmax for every request. False samples drafts for
-        sampled requests with their own SamplingParams and returns q (greedy requests still
-        get the argmax).
-    num_blocks, block_size, prefix_caching: the paged cache (model_shards/kv_cache.py), reserved whole
-        at start; 0 blocks: room for max_num_seqs sequences of max_model_len.
-    compile: one-token steps as a compiled graph, compiled here (model_shards/compiled_step.py).
+    greedy: the draft's argmax for every request; False samples drafts for sampled requests with
+        their own SamplingParams and returns q.
+    num_blocks, block_size, prefix_caching: the paged cache, reserved whole at start (0 blocks: room
+        for max_num_seqs sequences of max_model_len). compile: one-token steps as a compiled graph.
     """
 
-    def __init__(
-        self,
-        model: CausalLM | str | os.PathLike,
-        max_num_seqs: int = default_of(EngineSection, "max_num_seqs"),
-        max_model_len: int = default_of(EngineSection, "max_model_len"),
-        greedy: bool = True,
-        num_blocks: int = 0,
-        block_size: int = default_of(EngineSection, "block_size"),
-        prefix_caching: bool = default_of(EngineSection, "prefix_caching"),
-        compile: bool = False,
-    ) -> None:
+    def __init__(self, model: CausalLM | str | os.PathLike, max_num_seqs: int = default_of(EngineSection, "max_num_seqs"),
+                 max_model_len: int = default_of(EngineSection, "max_model_len"), greedy: bool = True,
+                 num_blocks: int = 0, block_size: int = default_of(EngineSection, "block_size"),
+                 prefix_caching: bool = default_of(EngineSection, "prefix_caching"), compile: bool = False) -> None:
         if not isinstance(model, CausalLM):
             from model_shards import load_checkpoint
 
@@ -101,22 +80,16 @@ class DraftModelProposer(Proposer):
             self.runner.remove(seq_id)
 
     @torch.inference_mode()
-    def propose(
-        self, requests: list[ProposalRequest], hypothetical: bool = False, interrupted: Callable[[], bool] | None = None
-    ) -> list[Proposal]:
-        """Up to request.num_tokens draft tokens per request, in order (possibly none), plus the
-        text their grammars force between them.
-        hypothetical: the histories are guesses (pre-drafting ahead of the target): drafting
-        rolls back from them without counting a rebuild, and evicts nothing.
-        interrupted: checked between draft steps; when True, DraftInterrupted is raised and each
-        sequence's cache holds its history, no drafts.
+    def propose(self, requests: list[ProposalRequest], hypothetical: bool = False) -> list[Proposal]:
+        """Up to request.num_tokens draft tokens per request, in order (possibly none).
+        hypothetical: the histories are guesses (pre-drafting): drafting rolls back from them
+        without counting a rebuild, and evicts nothing.
 
         A greedy row under a grammar whose forced text the engine appends (`jump_forward`) drafts
         through that text: the text goes into the proposal and the row drafts its remaining tokens
-        after it, in one more batched round of the rows that got that far, so k draft tokens can
-        cover several fields of a JSON document."""
+        after it, in one more batched round of the rows that got that far."""
         self._clock += 1
-        proposals, through = self._round(requests, hypothetical, interrupted)
+        proposals, through = self._round(requests, hypothetical)
         left = {i: requests[i].num_tokens - (len(proposals[i].token_ids) - len(f)) for i, f in through.items()}
         while through:  # rows that reached forced text with draft tokens left: one more round
             nxt, advanced = [], []
@@ -125,7 +98,7 @@ class DraftModelProposer(Proposer):
                 advanced.append((req.grammar, req.grammar.accept_tokens(got)))
                 nxt.append((i, replace(req, token_ids=list(req.token_ids) + got, num_tokens=left[i])))
             try:
-                more, ended = self._round([r for _, r in nxt], True, interrupted)
+                more, ended = self._round([r for _, r in nxt], True)
             finally:
                 for grammar, n in advanced:
                     grammar.rollback(n)
@@ -137,9 +110,7 @@ class DraftModelProposer(Proposer):
                     left[i] -= len(p.token_ids) - len(ended[j])
         return proposals
 
-    def _round(
-        self, requests: list[ProposalRequest], hypothetical: bool, interrupted: Callable[[], bool] | None
-    ) -> tuple[list[Proposal], dict[int, list[int]]]:
+    def _round(self, requests: list[ProposalRequest], hypothetical: bool) -> tuple[list[Proposal], dict[int, list[int]]]:
         """One batched draft of the requests: their proposals, and the rows (by request index) that
         ended at text their grammar forces with draft tokens left, whose proposals end with that text."""
         rows = self._sync(requests, hypothetical)
@@ -147,14 +118,9 @@ class DraftModelProposer(Proposer):
         if not rows:
             return proposals, {}
         rows.sort(key=lambda r: -r.k)  # the rows still drafting stay a prefix
-        batch = DraftBatch.of(rows, self.runner.block_tables([r.seq_id for r in rows]))
-        logits = self._catch_up(rows, batch)
-        try:
-            tokens, probs, masks = self._draft(rows, batch, logits, interrupted)  # [B, K] ...
-        except DraftInterrupted:  # the catch-up stands: a new sequence's prompt is not prefilled again
-            for r in rows:
-                self._hold(r.seq_id, r.tokens, len(r.tokens))
-            raise
+        tables = self.runner.block_tables([r.seq_id for r in rows])
+        batch = DraftBatch(tables, torch.tensor([len(r.tokens) for r in rows], device=tables.device))
+        tokens, probs, masks = self._draft(rows, batch, self._catch_up(rows, batch))  # [B, K] ...
         sampled, through = 0, {}
         for b, (r, row) in enumerate(zip(rows, tokens.tolist())):
             q = None
@@ -191,7 +157,7 @@ class DraftModelProposer(Proposer):
                 continue
             state = self._seqs.get(req.seq_id)
             if state is None:
-                if not self._make_room(busy):
+                if not (self.runner.num_free_slots or self._evict(busy)):
                     continue
                 cached = self.runner.add(req.seq_id, tokens)  # a prefix-cache hit skips those tokens
                 state = self._seqs[req.seq_id] = DraftSeq(tokens[:cached])
@@ -228,9 +194,8 @@ class DraftModelProposer(Proposer):
         last = torch.tensor([r.tokens[-1] for r in rows], device=self.device)  # [B]
         return self._step(last, batch.tables, batch.lengths - 1)
 
-    def _draft(
-        self, rows: list[DraftRow], batch: DraftBatch, logits: torch.Tensor, interrupted: Callable[[], bool] | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor | None, GrammarMasks]:
+    def _draft(self, rows: list[DraftRow], batch: DraftBatch,
+               logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, GrammarMasks]:
         """Draft tokens [B, K]; for sampling rows, their q [S, K, V]; the grammar masks, whose `ends`
         and `forced` say which rows ended at text their grammar forces (or completed their output)."""
         width = rows[0].k
@@ -245,28 +210,18 @@ class DraftModelProposer(Proposer):
         try:
             for j in range(width):
                 n = active[j]
-                if j and interrupted is not None and interrupted():
-                    raise DraftInterrupted
                 if j:  # feed draft j-1 (0-based) at position len + j - 1
                     positions = batch.lengths[:n] + (j - 1)  # [n]
                     logits = self._step(out[:n, j - 1], batch.tables[:n], positions)
                 masks.apply(logits, out, j)
                 if masks.all_ended(n):  # every row still drafting ended (at forced text, or its output)
                     break
-                self._pick(rows, logits, j, out, probs, sampled)
+                out[:n, j] = logits.argmax(dim=-1)  # [n]
+                if s := bisect_left(sampled, n):  # sampling rows among the first n draw theirs
+                    self._sample(rows, sampled[:s], logits, j, out, probs)
         finally:
             masks.rollback()
         return out, probs, masks
-
-    def _pick(self, rows: list[DraftRow], logits: torch.Tensor, j: int, out: torch.Tensor, probs: torch.Tensor | None,
-              sampled: list[int]) -> None:
-        """Draft j of the first n = len(logits) rows: the argmax, or a draw for sampling rows."""
-        n = logits.shape[0]
-        out[:n, j] = logits.argmax(dim=-1)  # [n]
-        if sampled:
-            s = bisect_left(sampled, n)  # sampling rows among the first n
-            if s:
-                self._sample(rows, sampled[:s], logits, j, out, probs)
 
     def _step(self, tokens: torch.Tensor, tables: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """One token per row at its position: logits [n, V]. tables: [n, nb] the rows' blocks."""
@@ -276,9 +231,8 @@ class DraftModelProposer(Proposer):
         batch = StepBatch(tables, positions, torch.ones_like(positions), self.runner.block_size)
         return self.runner.model(tokens[:, None], self.runner.cache, batch, logits="last")  # [n, V]
 
-    def _sample(
-        self, rows: list[DraftRow], idx: list[int], logits: torch.Tensor, j: int, out: torch.Tensor, probs: torch.Tensor
-    ) -> None:
+    def _sample(self, rows: list[DraftRow], idx: list[int], logits: torch.Tensor, j: int, out: torch.Tensor,
+                probs: torch.Tensor) -> None:
         """Draws draft j for the sampling rows `idx` from their processed q; stores q."""
         q = self.sampler.probs(logits[idx].float().cpu(), [rows[b].params for b in idx])  # [s, V]
         drawn = random_sample(q[:, None], [None] * len(idx)).squeeze(1)  # [s]
@@ -302,11 +256,8 @@ class DraftModelProposer(Proposer):
                 if busy is None or not self._evict(busy):
                     return False
 
-    def _make_room(self, busy: set[str]) -> bool:
-        """Room for one more sequence: evicts the least recently used one outside this batch if full."""
-        return bool(self.runner.num_free_slots) or self._evict(busy)
-
     def _evict(self, busy: set[str]) -> bool:
+        """Evicts the least recently used sequence outside `busy`; False when there is none."""
         idle = [(s.last_used, sid) for sid, s in self._seqs.items() if sid not in busy]
         if not idle:
             return False

@@ -43,14 +43,10 @@ class DraftBatch:
     tables: torch.Tensor  # [B, nb] each row's blocks, covering its tail and the drafts it feeds
     lengths: torch.Tensor  # [B] tokens cached once caught up
 
-    @classmethod
-    def of(cls, rows: list[DraftRow], tables: torch.Tensor) -> DraftBatch:
-        return cls(tables, torch.tensor([len(r.tokens) for r in rows], device=tables.device))
-
 
 def common_prefix(cached: list[int], tokens: list[int], hint: int) -> int:
-    """Length of the common prefix. `hint` (the last request's length) is checked in one
-    C-level comparison; only the few tokens after it are compared one by one."""
+    """Length of the common prefix: up to `hint` (the last request's length) in one comparison,
+    then token by token."""
     limit = min(len(cached), len(tokens))
     n = min(hint, limit)
     if cached[:n] != tokens[:n]:

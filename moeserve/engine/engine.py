@@ -55,7 +55,7 @@ class LLMEngine:
         lookahead = max(cfg.lookahead, self.spec.num_tokens if proposer else 0)  # KV room for the draft tokens
         self.scheduler = Scheduler(replace(cfg, lookahead=lookahead))
         if adaptive is None and self.spec.adaptive and proposer is not None:
-            adaptive = AdaptiveK(AdaptiveKConfig(self.spec.num_tokens, explore_every=32), refit_every=self.spec.refit_every)
+            adaptive = AdaptiveK(AdaptiveKConfig(self.spec.num_tokens))
         self.adaptive = adaptive  # the speculation policy: k per step, and PayGuard's check
         self._times = (0, 0.0, 0.0)  # the last decode step's widest proposal, drafting and target seconds
         self._requested: list[int] = []  # the k each row of the last proposing step asked for

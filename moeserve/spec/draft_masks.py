@@ -16,21 +16,19 @@ from moeserve.spec.proposer import DraftGrammar
 class GrammarMasks:
     """The constrained rows' grammar masks on the draft's own logits, draft step by draft step.
 
-    Before draft j of a constrained row, its matcher accepts draft j - 1 and fills the row's
-    mask, which is applied to the draft's logits (so the argmax, the draw and the sampled q all
-    come from the masked distribution); `rollback` returns every matcher to where it stood. A
-    row whose matcher refuses a token (its output is complete and the draft stepped past the
-    stop token) is left unmasked from there: the target refuses those drafts anyway.
+    grammars: each drafting row's matcher (None: unconstrained); vocab: the draft's logits width.
+    Before draft j of a constrained row, its matcher accepts draft j - 1 and fills the row's mask,
+    applied to the draft's logits (so the argmax, the draw and the sampled q all come from the
+    masked distribution); `rollback` returns every matcher to where it stood. A row whose matcher
+    refuses a token (the draft stepped past a complete output) goes unmasked: the target refuses
+    those drafts anyway.
 
-    A row that drafts through forced text (`jump_forward`) ends after the first draft after which
-    its grammar forces text (`forced[b]`: those tokens; the proposer goes on drafting after them),
-    or after the draft that completes its output (the stop token): `ends[b]` is its proposal's
-    length then, and it is no longer masked (its later drafts are dropped)."""
+    A row with `jump_forward` ends after the first draft after which its grammar forces text
+    (`forced[b]`: those tokens; the proposer drafts on after them), or after the draft that
+    completes its output: `ends[b]` is its proposal's length then, and it is no longer masked.
+    """
 
     def __init__(self, grammars: list[DraftGrammar | None], vocab: int, jump_forward: list[bool] | None = None) -> None:
-        """grammars: each drafting row's matcher (None: unconstrained); vocab: the draft's logits
-        width; jump_forward: per row, whether it ends where its grammar forces text (the proposer
-        puts that text in and drafts on after it)."""
         # a grammar over another vocabulary size (a draft with a padded head) cannot mask these logits
         self.rows = [b for b, g in enumerate(grammars) if g is not None and _vocab_of(g, vocab) == vocab]
         self.grammars = [grammars[b] for b in self.rows]
@@ -61,9 +59,8 @@ class GrammarMasks:
             apply_bitmask(logits, self.bitmask, masked)
 
     def _ends_after(self, i: int, b: int, pos: int) -> bool:
-        """Whether row b (the i-th constrained row), its matcher having just accepted draft `pos`,
-        ends there: after its stop token (drafts past a completed output are refused), or when the
-        grammar forces text after that draft."""
+        """Whether row b (the i-th constrained row) ends after draft `pos`, which its matcher just
+        accepted: after its stop token, or where the grammar forces text."""
         g = self.grammars[i]
         if not self.jump_forward[i]:
             return False

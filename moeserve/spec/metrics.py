@@ -10,32 +10,32 @@ from dataclasses import asdict, dataclass
 
 from torch import Tensor
 
+_DERIVED = ("acceptance_rate", "alpha", "mean_k", "mean_accepted_length", "tokens_per_pass",
+            "predicted_tokens_per_pass", "draft_time_share")
+
 
 def expected_tokens_per_pass(alpha: float, k: float) -> float:
     """(1 - alpha^(k+1)) / (1 - alpha): expected tokens one target pass emits with k drafts (the
     accepted prefix is geometric, plus one recovered or bonus token); k may be a mean."""
-    if not 0.0 <= alpha <= 1.0:
-        raise ValueError(f"alpha must lie in [0, 1], got {alpha}")
-    if k < 0:
-        raise ValueError(f"k must be >= 0, got {k}")
+    if not 0.0 <= alpha <= 1.0 or k < 0:
+        raise ValueError(f"need alpha in [0, 1] and k >= 0, got {alpha}, {k}")
     if alpha > 1.0 - 1e-9:
         return k + 1.0
     return (1.0 - alpha ** (k + 1.0)) / (1.0 - alpha)
-
 
 
 def _as_list(values: Tensor | Sequence[int]) -> list[int]:
     return values.tolist() if isinstance(values, Tensor) else [int(v) for v in values]
 
 
+def _ratio(num: float, den: float) -> float:
+    return num / den if den else 0.0
+
+
 @dataclass
 class SpecMetrics:
-    """Running totals over verification steps; derived rates as properties.
-
-    A step is one batched target forward pass; a sequence pass is one row of it (one
-    sequence verified once). Rates per pass are per sequence pass, which is what the
-    formula (1 - alpha^(k+1)) / (1 - alpha) predicts.
-    """
+    """Running totals over verification steps. A step is one batched target pass; a sequence pass
+    is one row of it, and rates per pass are per sequence pass, as the formula predicts them."""
 
     num_steps: int = 0
     num_seq_passes: int = 0
@@ -46,67 +46,46 @@ class SpecMetrics:
     draft_time_s: float = 0.0
     target_time_s: float = 0.0
 
-    def record(
-        self,
-        num_draft: Tensor | Sequence[int],
-        num_accepted: Tensor | Sequence[int],
-        draft_time_s: float = 0.0,
-        target_time_s: float = 0.0,
-        num_emitted: Tensor | Sequence[int] | None = None,
-    ) -> None:
-        """Adds one target pass over B sequences.
-
-        num_draft, num_accepted: [B] per row. num_emitted: [B] tokens actually streamed,
-        when fewer than accepted + 1 (a stop token or max_tokens cut the step short).
-        """
+    def record(self, num_draft: Tensor | Sequence[int], num_accepted: Tensor | Sequence[int], draft_time_s: float = 0.0,
+               target_time_s: float = 0.0, num_emitted: Tensor | Sequence[int] | None = None) -> None:
+        """Adds one target pass over B rows: num_draft, num_accepted [B]; num_emitted [B], the
+        tokens streamed when fewer than accepted + 1 (a stop token or max_tokens cut the step)."""
         drafted, accepted = _as_list(num_draft), _as_list(num_accepted)
-        if len(drafted) != len(accepted):
-            raise ValueError(f"num_draft has {len(drafted)} rows, num_accepted {len(accepted)}")
-        if any(not 0 <= a <= d for d, a in zip(drafted, accepted)):
+        if len(drafted) != len(accepted) or any(not 0 <= a <= d for d, a in zip(drafted, accepted)):
             raise ValueError(f"need 0 <= num_accepted <= num_draft per row, got {drafted}, {accepted}")
         if draft_time_s < 0 or target_time_s < 0:
             raise ValueError("times must be >= 0")
-        emitted = sum(a + 1 for a in accepted) if num_emitted is None else sum(_as_list(num_emitted))
         self.num_steps += 1
         self.num_seq_passes += len(drafted)
         self.num_draft_tokens += sum(drafted)
         self.num_accepted_tokens += sum(accepted)
         self.num_rejections += sum(1 for d, a in zip(drafted, accepted) if a < d)
-        self.num_emitted_tokens += emitted
+        self.num_emitted_tokens += sum(a + 1 for a in accepted) if num_emitted is None else sum(_as_list(num_emitted))
         self.draft_time_s += draft_time_s
         self.target_time_s += target_time_s
 
     @property
     def acceptance_rate(self) -> float:
-        """Accepted / proposed draft tokens (vLLM's "draft acceptance rate").
-
-        Lower than alpha: drafts after a rejection count as not accepted though they were
-        never tried."""
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+        """Accepted / proposed draft tokens (vLLM's); below alpha, as drafts after a rejection count."""
+        return _ratio(self.num_accepted_tokens, self.num_draft_tokens)
 
     @property
     def alpha(self) -> float:
-        """Per-token acceptance probability, given the earlier drafts were accepted.
-
-        Estimated as accepted / (accepted + first rejections): the alpha of the formula.
-        """
-        trials = self.num_accepted_tokens + self.num_rejections
-        return self.num_accepted_tokens / trials if trials else 0.0
+        """The formula's per-token acceptance: accepted / (accepted + first rejections)."""
+        return _ratio(self.num_accepted_tokens, self.num_accepted_tokens + self.num_rejections)
 
     @property
     def mean_k(self) -> float:
-        """Draft tokens proposed per sequence pass."""
-        return self.num_draft_tokens / self.num_seq_passes if self.num_seq_passes else 0.0
+        return _ratio(self.num_draft_tokens, self.num_seq_passes)
 
     @property
     def mean_accepted_length(self) -> float:
         """Draft tokens accepted per sequence pass (vLLM's mean acceptance length is this + 1)."""
-        return self.num_accepted_tokens / self.num_seq_passes if self.num_seq_passes else 0.0
+        return _ratio(self.num_accepted_tokens, self.num_seq_passes)
 
     @property
     def tokens_per_pass(self) -> float:
-        """Tokens emitted per sequence pass, measured."""
-        return self.num_emitted_tokens / self.num_seq_passes if self.num_seq_passes else 0.0
+        return _ratio(self.num_emitted_tokens, self.num_seq_passes)
 
     @property
     def predicted_tokens_per_pass(self) -> float:
@@ -115,21 +94,8 @@ class SpecMetrics:
 
     @property
     def draft_time_share(self) -> float:
-        """Fraction of speculative time spent drafting."""
-        total = self.draft_time_s + self.target_time_s
-        return self.draft_time_s / total if total > 0 else 0.0
+        return _ratio(self.draft_time_s, self.draft_time_s + self.target_time_s)
 
     def to_dict(self) -> dict[str, float]:
         """Counters and derived rates, flat, for /metrics and bench reports."""
-        out: dict[str, float] = dict(asdict(self))
-        for name in (
-            "acceptance_rate",
-            "alpha",
-            "mean_k",
-            "mean_accepted_length",
-            "tokens_per_pass",
-            "predicted_tokens_per_pass",
-            "draft_time_share",
-        ):
-            out[name] = getattr(self, name)
-        return out
+        return dict(asdict(self)) | {name: getattr(self, name) for name in _DERIVED}

@@ -29,11 +29,8 @@ class _History:
         self.length = 0
 
     def sync(self, token_ids: Sequence[int]) -> None:
-        """Brings the buffer up to date with token_ids, copying only the new tail.
-
-        Sequences only grow between steps; if token_ids no longer extends what we hold
-        (shorter, or a different first/last known token, e.g. a reused seq_id), rebuild.
-        """
+        """Copies in the new tail of token_ids; rebuilds where they no longer extend what is held
+        (shorter, or another first or last known token: a reused seq_id)."""
         n, have, pad = len(token_ids), self.length, self.pad
         if have and (n < have or token_ids[0] != self.buf[pad] or token_ids[have - 1] != self.buf[pad + have - 1]):
             have = 0
@@ -51,24 +48,17 @@ class _History:
 
 
 class NgramProposer(Proposer):
-    """Prompt-lookup proposer.
-
-    Matches the last n tokens (longest n in [min_n, max_n] first) against earlier positions
-    of the sequence, prefers the most recent occurrence among the longest matches, and
-    proposes up to k tokens that followed it. When the copied span runs into the end of
-    the sequence (a short repeating pattern such as "a b a b"), the copy continues with
-    its own output, i.e. the pattern repeats, as in LZ77.
-
-    Per step and sequence: one vectorised comparison over the history (O(L), numpy) plus
-    O(C * max_n) to measure match lengths at the C positions holding the last token; the
-    history itself is kept per sequence and only the new tokens are copied in.
+    """Prompt lookup: matches the last n tokens (longest n in [min_n, max_n] first, the most recent
+    occurrence among the longest) and proposes up to k tokens that followed. A copy that runs into
+    the end of the sequence continues with its own output ("a b a b ..."), as in LZ77. Per step:
+    one vectorised comparison over the history plus O(C * max_n) at the C candidate positions; only
+    new tokens are copied into the per-sequence history.
     """
 
     def __init__(self, min_n: int = 1, max_n: int = 4) -> None:
         if not 1 <= min_n <= max_n:
             raise ValueError(f"need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
-        self.min_n = min_n
-        self.max_n = max_n
+        self.min_n, self.max_n = min_n, max_n
         self._offsets = np.arange(max_n)  # [max_n]
         self._histories: dict[str, _History] = {}
 
@@ -94,12 +84,6 @@ class NgramProposer(Proposer):
     def num_tracked(self) -> int:
         """How many sequences currently hold a history (for leak checks)."""
         return len(self._histories)
-
-    def lookup(self, token_ids: Sequence[int], k: int) -> list[int]:
-        """Stateless lookup: up to k tokens continuing token_ids."""
-        history = _History(self.max_n)
-        history.sync(token_ids)
-        return self._lookup(history, k)
 
     def _lookup(self, history: _History, k: int) -> list[int]:
         length = history.length

@@ -1,12 +1,11 @@
-"""Speculation policy: how many tokens each decode step drafts, from what drafting has earned.
+"""Speculation policy: how many tokens each decode step drafts.
 
 With per-token acceptance alpha, k drafts yield (1 - alpha^(k+1)) / (1 - alpha) tokens per target
-pass, but cost k draft steps and k + 1 verified positions. `AdaptiveK` picks the k with the most
-expected tokens per second from each sequence's acceptance and the step costs measured per batch
-size bucket (`StepCostMeter`: one row's pass is nearly all fixed cost, 32 rows' k + 1 positions
-cost nearly k + 1 passes). The model leaves things out (under a JSON schema the
-pass also carries forced text), so `PayGuard` refuses drafting where whole steps with drafts
-emitted fewer tokens per second than plain ones (bench/reports/spec_batch_sweep.md, JSON rows).
+pass but cost k draft steps and k + 1 verified positions. `AdaptiveK` picks the k with the most
+expected tokens per second from each row's acceptance and the step costs measured per batch-size
+bucket (`StepCostMeter`): one row's pass is nearly all fixed cost, 32 rows' k + 1 positions cost
+nearly k + 1 passes. The model does not see forced text (under a JSON schema a plain pass also
+emits it), so `PayGuard` checks the realized rate and refuses drafting where it lost.
 """
 
 from __future__ import annotations
@@ -16,28 +15,20 @@ from dataclasses import dataclass
 
 from moeserve.config import SpeculativeSection, default_of
 
-MAX_BACKOFF = 16  # a recheck that does not pay doubles its interval, up to this many times
-
 
 @dataclass(frozen=True)
 class SpecConfig:
-    """Speculative decoding: `num_tokens` draft tokens per step (the cap when adaptive).
-
-    adaptive: choose k per step (AdaptiveK); the cost model is refit every `refit_every` decode
-        steps of a batch-size bucket.
-    disable_by_batch_size: decode without speculation while this many sequences or more are
-        running (0: never).
-    """
+    """Speculative decoding: `num_tokens` draft tokens per step (the cap when `adaptive`); no
+    speculation while `disable_by_batch_size` or more sequences run (0: never)."""
 
     num_tokens: int = 4
     adaptive: bool = False
-    refit_every: int = 16
     disable_by_batch_size: int = default_of(SpeculativeSection, "disable_by_batch_size")
 
     def __post_init__(self) -> None:
-        if not 0 <= self.num_tokens <= 16 or self.refit_every < 1 or self.disable_by_batch_size < 0:
-            raise ValueError(f"need 0 <= num_tokens <= 16, refit_every >= 1, disable_by_batch_size >= 0; got "
-                             f"{self.num_tokens}, {self.refit_every}, {self.disable_by_batch_size}")
+        if not 0 <= self.num_tokens <= 16 or self.disable_by_batch_size < 0:
+            raise ValueError(f"need 0 <= num_tokens <= 16 and disable_by_batch_size >= 0; got "
+                             f"{self.num_tokens}, {self.disable_by_batch_size}")
 
 
 @dataclass(frozen=True)
@@ -63,7 +54,6 @@ class CostModel:
 
 # Relative costs before anything is measured: a draft token ~1/10 of a target pass.
 PRIOR_COSTS = CostModel(target_base_s=1e-2, target_per_token_s=1e-4, draft_per_token_s=1e-3, draft_base_s=1e-3)
-OUTLIER = 4.0  # a step this many times the median (per row) is a one-off stall, not the cost of drafting
 
 
 def bucket(num_rows: int) -> int:
@@ -75,10 +65,9 @@ class StepCostMeter:
     """A window of recent decode steps per batch-size bucket, and the CostModel they imply.
 
     Per sequence of a B-row step whose widest row drafts K tokens: target_s / B ~ base + slope *
-    (K + 1), draft_s / B ~ base + slope * K, both fitted by least squares. Where the window holds
-    one width only, no slope can be measured: the target keeps the prior's slope, and drafting is
-    counted per draft token (wider k look dearer, so adaptive k tries narrower ones and a second
-    width gets measured)."""
+    (K + 1), draft_s / B ~ base + slope * K, both least squares. With one width in the window no
+    slope can be measured: the target keeps the prior's, and drafting is charged per draft token
+    (wider k look dearer, so adaptive k tries narrower ones and a second width gets measured)."""
 
     def __init__(self, window: int = 256) -> None:
         self._steps: dict[int, deque[tuple[int, int, float, float]]] = {}  # (rows, width, draft_s, target_s)
@@ -94,27 +83,13 @@ class StepCostMeter:
     def num_recorded_at(self, num_rows: int) -> int:
         return self._counts.get(bucket(num_rows), 0)
 
-    def fit(self, prior: CostModel = PRIOR_COSTS, num_rows: int | None = None) -> CostModel:
-        """Per-sequence costs from num_rows' bucket (None: all steps); the prior where the window
-        says nothing. Steps over OUTLIER times the median per-row time are left out."""
-        window = [s for b, steps in self._steps.items() if num_rows is None or b == bucket(num_rows) for s in steps]
-        steps = _typical(window, 3)
+    def fit(self, prior: CostModel, num_rows: int) -> CostModel:
+        """Per-sequence costs from num_rows' bucket; the prior where the window says nothing."""
+        steps = self._steps.get(bucket(num_rows), ())
         base, slope = _fit_line([(w + 1, t / n) for n, w, _, t in steps], (prior.target_base_s, prior.target_per_token_s))
-        drafted = _typical([s for s in window if s[1] > 0], 2)
-        draft = _fit_line([(w, d / n) for n, w, d, _ in drafted], (prior.draft_base_s, prior.draft_per_token_s),
+        draft = _fit_line([(w, d / n) for n, w, d, _ in steps if w > 0], (prior.draft_base_s, prior.draft_per_token_s),
                           per_unit=True)
-        if base + slope <= 0:
-            base = prior.target_base_s
-        return CostModel(base, slope, draft_per_token_s=draft[1], draft_base_s=draft[0])
-
-
-def _typical(steps: list, field: int) -> list:
-    """The steps whose per-row time (steps' `field`) is at most OUTLIER times the median."""
-    if len(steps) < 4:
-        return steps
-    times = sorted(s[field] / s[0] for s in steps)
-    limit = OUTLIER * times[len(times) // 2]
-    return [s for s in steps if s[field] / s[0] <= limit]
+        return CostModel(base if base + slope > 0 else prior.target_base_s, slope, draft[1], draft[0])
 
 
 def _fit_line(points: list[tuple[int, float]], prior: tuple[float, float], per_unit: bool = False) -> tuple[float, float]:
@@ -149,11 +124,10 @@ class _Rate:
 
 class PayGuard:
     """Does drafting pay, as realized? Tokens per second of whole decode steps with drafts and
-    without, per key (the engine's: batch-size bucket, and whether a row is constrained). While
-    either has fewer than min_steps steps, plain and drafting steps take turns, so both are
-    measured side by side over the same stretch of text and load; then drafting is refused at a
-    key where it emitted fewer per second. Every `recheck` refused steps (doubling after each
-    recheck that does not pay, up to MAX_BACKOFF times) drafting is measured afresh."""
+    without, per key (batch-size bucket, and whether a row is constrained). While either kind has
+    fewer than min_steps steps, plain and drafting steps take turns, so both are measured over the
+    same stretch of text and load; then drafting is refused at a key where it emitted fewer per
+    second, and measured afresh after every `recheck` refused steps."""
 
     def __init__(self, decay: float = 0.97, min_steps: int = 8, recheck: int = 64) -> None:
         if not 0.0 < decay <= 1.0 or min_steps < 1 or recheck < 1:
@@ -161,7 +135,6 @@ class PayGuard:
         self.decay, self.min_steps, self.recheck = decay, min_steps, recheck
         self._rates: dict[tuple, tuple[_Rate, _Rate]] = {}  # key -> (plain steps, drafting steps)
         self._refused: dict[tuple, int] = {}  # key -> refused steps since the last recheck
-        self._scale: dict[tuple, int] = {}  # key -> recheck interval multiplier
         self._last = False  # whether the last step drafted
         self.num_refused = 0
 
@@ -176,13 +149,11 @@ class PayGuard:
         if min(plain.steps, drafting.steps) < self.min_steps:  # undecided: take turns
             return not self._last
         if drafting.per_s >= plain.per_s:
-            self._scale[key] = 1
             return True
         self.num_refused += 1
-        refused = self._refused[key] = self._refused.get(key, 0) + 1
-        if refused >= self.recheck * self._scale.get(key, 1):
+        self._refused[key] = self._refused.get(key, 0) + 1
+        if self._refused[key] >= self.recheck:
             self._refused[key] = 0
-            self._scale[key] = min(MAX_BACKOFF, 2 * self._scale.get(key, 1))
             self._rates[key] = (plain, _Rate())  # measure drafting afresh
             return True
         return False
@@ -191,11 +162,9 @@ class PayGuard:
 @dataclass(frozen=True)
 class AdaptiveKConfig:
     """How AdaptiveK chooses k (at most k_max). decay, pool_decay: weight a sequence's (the pool's)
-    acceptance evidence keeps per step. A sequence's estimate leans on the pool's alpha (the pool's on
-    prior_alpha) by prior_weight pseudo-trials: a new one starts there, an idle one drifts back.
-    probe_every: after this many steps at k = 0, draft one token anyway (text that turned formulaic
-    wins k back). explore_every: while drafting, every this many steps is plain, so a plain pass's
-    cost stays measured (0: never)."""
+    acceptance evidence keeps per step. A sequence's estimate leans on the pool's alpha (the pool's
+    on prior_alpha) by prior_weight pseudo-trials: a new one starts there, an idle one drifts back.
+    probe_every: after this many steps at k = 0, draft one token anyway, or k = 0 would be for good."""
 
     k_max: int = 8
     decay: float = 0.8
@@ -203,19 +172,17 @@ class AdaptiveKConfig:
     prior_weight: float = 2.0
     probe_every: int = 16
     pool_decay: float = 0.99
-    explore_every: int = 0
 
     def __post_init__(self) -> None:
         if (self.k_max < 0 or not 0.0 < self.decay <= 1.0 or not 0.0 < self.pool_decay <= 1.0
-                or not 0.0 <= self.prior_alpha <= 1.0 or self.prior_weight <= 0 or self.probe_every < 1
-                or self.explore_every < 0):
+                or not 0.0 <= self.prior_alpha <= 1.0 or self.prior_weight <= 0 or self.probe_every < 1):
             raise ValueError(f"invalid {self}: need k_max >= 0, decay and pool_decay in (0, 1], prior_alpha in "
-                             "[0, 1], prior_weight > 0, probe_every >= 1, explore_every >= 0")
+                             "[0, 1], prior_weight > 0, probe_every >= 1")
 
 
 class _Acceptance:
     """Decayed counts of draft tokens accepted and of acceptance trials; the evidence ages at every
-    step, drafting or not, so what a stretch of text said about acceptance fades as it moves on."""
+    step, drafting or not, so what a stretch of text said fades as the text moves on."""
 
     def __init__(self) -> None:
         self.accepted = self.trials = 0.0
@@ -238,9 +205,12 @@ class AdaptiveK:
     """k for a batch from its rows' running acceptance and the costs measured at its size, checked
     by a PayGuard. Per decode step: `choose_batch(seq_ids, constrained)` before proposing,
     `observe(seq_id, proposed, accepted)` per row after verification, `record(...)` with the
-    step's times and tokens; `on_finished(seq_id)` when a sequence ends."""
+    step's times and tokens; `on_finished(seq_id)` when a sequence ends. The costs of a bucket are
+    refit every `refit_every` of its steps."""
 
     def __init__(self, config: AdaptiveKConfig, costs: CostModel = PRIOR_COSTS, refit_every: int = 16) -> None:
+        if refit_every < 1:
+            raise ValueError(f"refit_every must be >= 1, got {refit_every}")
         self.config, self.costs, self.refit_every = config, costs, refit_every
         self.meter = StepCostMeter()
         self.guard = PayGuard()
@@ -248,7 +218,6 @@ class AdaptiveK:
         self._pool = _Acceptance()
         self._seqs: dict[str, _Acceptance] = {}
         self._steps_at_zero: dict[int, int] = {}  # per bucket: consecutive plain steps
-        self._steps_drafting: dict[int, int] = {}  # per bucket: consecutive drafting steps
 
     def set_costs(self, costs: CostModel, num_rows: int | None = None) -> None:
         """Replaces the cost model of num_rows' bucket (None: the default)."""
@@ -258,11 +227,8 @@ class AdaptiveK:
             self._bucket_costs[bucket(num_rows)] = costs
 
     def costs_for(self, num_rows: int) -> CostModel:
-        """The costs of num_rows' bucket, else of the nearest bucket measured, else the default."""
-        if not self._bucket_costs:
-            return self.costs
-        b = bucket(num_rows)
-        return self._bucket_costs[min(self._bucket_costs, key=lambda k: (abs(k - b), k))]
+        """The costs of num_rows' bucket, else the default."""
+        return self._bucket_costs.get(bucket(num_rows), self.costs)
 
     def alpha(self, seq_id: str) -> float:
         """The sequence's running acceptance estimate (the pool's for unknown ids)."""
@@ -285,18 +251,15 @@ class AdaptiveK:
         return best
 
     def choose_batch(self, seq_ids: list[str], constrained: bool = False) -> list[int]:
-        """k for each row of this step's batch (one k for all); 0 means a plain step.
-
-        When no row drafts, every probe_every-th step all rows draft one token (a probe); while
-        rows draft, every explore_every-th step is plain. A drafting step is refused where PayGuard saw drafting
-        not pay (`constrained`: whether a row has a grammar, part of its key)."""
+        """k for each row of this step's batch (one k for all; 0: a plain step). After probe_every
+        plain steps all rows draft one token (a probe); a drafting step is refused where the guard
+        saw drafting not pay (`constrained`: whether a row has a grammar, part of its key)."""
         n, b = len(seq_ids), bucket(len(seq_ids))
         states = [self._state(s) for s in seq_ids]
         k = self.best_batch_k([self._alpha(s) for s in states], self.costs_for(n))
         if self.config.k_max == 0 or n == 0:
             return [k] * n
         if k == 0:
-            self._steps_drafting[b] = 0
             self._steps_at_zero[b] = self._steps_at_zero.get(b, 0) + 1
             if self._steps_at_zero[b] >= self.config.probe_every:
                 self._steps_at_zero[b] = 0
@@ -306,18 +269,14 @@ class AdaptiveK:
                     state.age(self.config.decay)
         else:
             self._steps_at_zero[b] = 0
-            d = self._steps_drafting[b] = self._steps_drafting.get(b, 0) + 1
-            if self.config.explore_every and d % self.config.explore_every == 0:
-                k = 0
         if k and not self.guard.allows((b, constrained)):
             k = 0
         return [k] * n
 
     def observe(self, seq_id: str, num_proposed: int, num_accepted: int, cut: bool = False) -> None:
-        """One verification: num_proposed drafted (what the proposer returned), num_accepted of
-        them kept. cut: the proposal ended short for a reason that ends the pass there (a draft
-        its grammar refused, or the output's end), which counts as a failed trial, so alpha
-        estimates what a pass yields."""
+        """One verification: num_proposed drafted, num_accepted of them kept. cut: the proposal
+        ended short where the pass ends anyway (a draft its grammar refused, or the output's end),
+        which counts as a failed trial, so alpha estimates what a pass yields."""
         if not 0 <= num_accepted <= num_proposed:
             raise ValueError(f"need 0 <= num_accepted <= num_proposed, got {num_accepted}, {num_proposed}")
         if num_proposed == 0 and not cut:
@@ -327,9 +286,8 @@ class AdaptiveK:
 
     def record(self, num_rows: int, constrained: bool, width: int, draft_s: float, target_s: float, tokens: int,
                seconds: float) -> None:
-        """A decode step: its widest proposal (0: plain), drafting and target seconds (refit into the
-        bucket's costs every refit_every of its steps, the nearest bucket's as the prior), and, for
-        PayGuard, the tokens the target chose and the whole step's seconds."""
+        """A decode step: its widest proposal (0: plain), drafting and target seconds (for the
+        costs), and the tokens the target chose and the whole step's seconds (for the guard)."""
         self.meter.record(num_rows, width, draft_s, target_s)
         if self.meter.num_recorded_at(num_rows) % self.refit_every == 0:
             self.set_costs(self.meter.fit(self.costs_for(num_rows), num_rows), num_rows)
@@ -344,7 +302,4 @@ class AdaptiveK:
         return pool if state is None else state.alpha(pool, self.config.prior_weight)
 
     def _state(self, seq_id: str) -> _Acceptance:
-        state = self._seqs.get(seq_id)
-        if state is None:
-            state = self._seqs[seq_id] = _Acceptance()
-        return state
+        return self._seqs.setdefault(seq_id, _Acceptance())

@@ -1,12 +1,11 @@
 """Proposers: whatever guesses the draft tokens that the target then verifies.
 
-Two implementations sit behind one interface: prompt lookup (`ngram`, model-free, in this
-package) and a small dense draft model (in-process or as its own deployment). The engine
-asks for a batch of proposals once per step and turns them into padded tensors for the
-rejection sampler with `pad_proposals`.
+Two implementations sit behind one interface: prompt lookup (ngram.py, model-free) and a small
+dense draft model (moeserve/engine/draft_model.py, in-process or as its own deployment). The
+engine asks for a batch of proposals once per step and packs them for the rejection sampler with
+`pad_proposals`.
 
-Shapes: B sequences, K draft tokens (the widest row), k one sequence's draft tokens,
-V vocabulary size.
+Shapes: B sequences, K draft tokens (the widest row), k one sequence's draft tokens, V vocabulary.
 """
 
 from __future__ import annotations
@@ -38,24 +37,17 @@ class DraftGrammar(Protocol):
 
 @dataclass(frozen=True)
 class ProposalRequest:
-    """Ask for up to `num_tokens` draft tokens continuing `token_ids`.
+    """Ask for up to `num_tokens` (0: none) draft tokens continuing `token_ids`.
 
-    token_ids: the sequence so far, prompt + generated (accepted) tokens. Between calls
-        for one seq_id it only grows; rejected drafts never appear in it.
-    num_tokens: k for this sequence this step; 0 asks for nothing.
-    params: the request's sampling parameters. A draft model that samples uses them for
-        its own q (temperature, top-k, top-p as the target applies them to p), which is
-        what keeps acceptance high; None (or greedy params) asks for deterministic drafts.
-    grammar: the request's grammar matcher, standing at the end of token_ids (a draft
-        deployment is sent its spec and drafts under a matcher of its own). A draft model
-        drafts from its own masked distribution with it, so it proposes only tokens the
-        grammar allows, and a sampled draft's q is masked as the target's p is. The proposer
-        leaves it where it was.
-    jump_forward: the engine appends text its grammar forces without sampling it. A deterministic
-        proposal then puts the forced text in after the draft token it follows and drafts its
-        remaining tokens after it (num_tokens counts draft tokens only); the engine puts it in
-        anyway (and verifies drafts after it only when they follow it). It ends after the stop
-        token that completes the output.
+    token_ids: prompt + accepted tokens; between calls for one seq_id it only grows.
+    params: the request's sampling parameters; a sampling draft draws its q with them (as the
+        target processes p), which keeps acceptance high. None or greedy: deterministic drafts.
+    grammar: the request's matcher, standing at the end of token_ids and left there. A draft
+        model drafts from its own masked distribution (a sampled q masked as p is); a draft
+        deployment drafts unconstrained and the engine cuts what the grammar refuses.
+    jump_forward: the engine appends text its grammar forces. A deterministic proposal then puts
+        that text in after the draft token it follows and drafts on after it (num_tokens counts
+        draft tokens only); it ends after the stop token that completes the output.
     """
 
     seq_id: str
@@ -74,16 +66,13 @@ class ProposalRequest:
 class Proposal:
     """Draft tokens for one sequence; possibly fewer than asked for (even none).
 
-    probs: [k, V] the draft distributions the tokens were sampled from, or None when the
-        proposal is deterministic (prompt lookup, greedy draft), which the rejection
-        sampler treats as one-hot q.
-    predrafted: drafted ahead while the target verified the step before (a draft deployment's
-        pre-draft that guessed this step's history), so no one waited for it.
-    forced: the positions of tokens a grammar forces there (jump-forward text inside the proposal,
-        set by the engine): the target's mask allows only that token at each, so it is accepted
-        whenever the tokens before it are, as decoding without drafts appends it unsampled.
-    bonus: the token the bonus position (after the last proposed token) must be, when the token
-        budget cut forced text off there (set by the engine); None: the target samples it.
+    probs: [k, V] the distributions the tokens were drawn from; None for a deterministic proposal,
+        which the rejection sampler treats as one-hot q.
+    predrafted: drafted ahead while the target verified the step before (a draft deployment's hit).
+    forced: positions of tokens a grammar forces (jump-forward text, set by the engine): the target's
+        mask allows only that token there, so it is accepted whenever the tokens before it are.
+    bonus: the token the bonus position must be, where the token budget cut forced text off there
+        (set by the engine); None: the target samples it.
     """
 
     token_ids: list[int]
@@ -94,10 +83,7 @@ class Proposal:
 
     def __post_init__(self) -> None:
         if self.probs is not None and (self.probs.dim() != 2 or self.probs.shape[0] != len(self.token_ids)):
-            raise ValueError(
-                f"probs must be [{len(self.token_ids)}, V] for {len(self.token_ids)} tokens, "
-                f"got {list(self.probs.shape)}"
-            )
+            raise ValueError(f"probs must be [{len(self.token_ids)}, V], got {list(self.probs.shape)}")
 
     @property
     def num_tokens(self) -> int:
@@ -116,18 +102,11 @@ class Proposer(ABC):
         """Frees per-sequence state (index, KV cache); unknown ids are ignored."""
 
 
-def pad_proposals(
-    proposals: list[Proposal],
-    width: int | None = None,
-    device: torch.device | str | None = None,
-) -> tuple[Tensor, Tensor | None, Tensor]:
-    """Packs proposals into the rejection sampler's inputs.
-
-    Returns draft_ids [B, K] (padding 0), draft_probs [B, K, V] or None, num_draft [B],
-    where K = width or the longest proposal. draft_probs is None unless some proposal
-    carries probabilities; then deterministic rows get one-hot q at their tokens, which is
-    what None means row-wise, so mixed batches stay exact.
-    """
+def pad_proposals(proposals: list[Proposal], width: int | None = None) -> tuple[Tensor, Tensor | None, Tensor]:
+    """The rejection sampler's inputs: draft_ids [B, K] (padding 0), draft_probs [B, K, V] or None,
+    num_draft [B], with K = width or the longest proposal. draft_probs is None unless some proposal
+    carries probabilities; then deterministic rows get one-hot q at their tokens (what None means),
+    so mixed batches stay exact. Probabilities stay on the device the draft computed them on."""
     lengths = [p.num_tokens for p in proposals]
     k_max = max(lengths, default=0) if width is None else width
     if any(n > k_max for n in lengths):
@@ -136,14 +115,11 @@ def pad_proposals(
     for b, p in enumerate(proposals):
         draft_ids[b, : p.num_tokens] = torch.tensor(p.token_ids, dtype=torch.long)
     num_draft = torch.tensor(lengths, dtype=torch.long)  # [B]
-
     with_probs = [p.probs for p in proposals if p.probs is not None]
     if not with_probs:
-        return draft_ids.to(device), None, num_draft.to(device)
-    # Keep the draft's probabilities where the draft computed them unless told otherwise.
-    device = device if device is not None else with_probs[0].device
-    vocab = with_probs[0].shape[-1]
-    draft_probs = torch.zeros(len(proposals), k_max, vocab, device=device)  # [B, K, V]
+        return draft_ids, None, num_draft
+    device = with_probs[0].device
+    draft_probs = torch.zeros(len(proposals), k_max, with_probs[0].shape[-1], device=device)  # [B, K, V]
     for b, p in enumerate(proposals):
         if p.probs is not None:
             draft_probs[b, : p.num_tokens] = p.probs.to(device).float()  # [k, V]

@@ -14,30 +14,19 @@ from torch import Tensor
 
 @dataclass(frozen=True)
 class SpecOutput:
-    """What one verification step emits.
-
-    token_ids: per row, the accepted draft tokens followed by exactly one recovered or
-        bonus token, so 1 .. num_draft + 1 tokens.
-    num_accepted: [B] how many draft tokens each row kept; the engine rolls the KV caches
-        of target and draft back past the rest.
-    """
+    """What one verification step emits: per row, the accepted draft tokens and then exactly one
+    recovered or bonus token (token_ids), and how many draft tokens it kept (num_accepted [B]; the
+    engine rolls the KV caches of target and draft back past the rest)."""
 
     token_ids: list[list[int]]
     num_accepted: Tensor  # [B]
 
     def __post_init__(self) -> None:
         if self.num_accepted.dim() != 1 or self.num_accepted.shape[0] != len(self.token_ids):
-            raise ValueError(
-                f"num_accepted must have shape [{len(self.token_ids)}], got {list(self.num_accepted.shape)}"
-            )
+            raise ValueError(f"num_accepted must have shape [{len(self.token_ids)}], got {list(self.num_accepted.shape)}")
         for row, (tokens, n) in enumerate(zip(self.token_ids, self.num_accepted.tolist())):
             if len(tokens) != n + 1:
                 raise ValueError(f"row {row}: {n} accepted tokens must emit {n + 1} tokens, got {len(tokens)}")
-
-    @property
-    def num_emitted(self) -> Tensor:
-        """[B] tokens each row emitted this step: accepted + 1."""
-        return self.num_accepted + 1
 
 
 class RejectionSampler:
@@ -52,8 +41,7 @@ class RejectionSampler:
     - bonus token: when all k draft tokens are accepted, the target's pass has already
       computed the distribution p_{k+1} after them; a token sampled from it comes for free.
 
-    Every row therefore emits between 1 and k + 1 tokens per target pass, and never fewer
-    than plain decoding would.
+    Every row therefore emits between 1 and k + 1 tokens per target pass.
 
     Exactness (Leviathan et al. 2023; Chen et al. 2023): accepting draft token x ~ q with
     probability min(1, p(x) / q(x)) and otherwise sampling from the normalised residual
@@ -62,30 +50,21 @@ class RejectionSampler:
     only changes how many tokens one target pass yields.
 
     The probabilities are taken as given: temperature, top-k, top-p and grammar masks are
-    applied to both p and q by the caller, before this class sees them. Nothing here
-    renormalises p or q, except the residual, which the rule itself defines.
-
-    A greedy request can also go through `sample` with one-hot target probabilities; the
-    result then equals `greedy`.
+    applied to both p and q by the caller; nothing here renormalises p or q except the residual.
+    Through `sample`, one-hot target probabilities give what `greedy` gives.
     """
 
     def greedy(self, target_argmax: Tensor, draft_ids: Tensor, num_draft: Tensor) -> SpecOutput:
-        """Greedy verification: keep proposals while they equal the target's argmax.
-
-        target_argmax: [B, K+1] the target's argmax after 0 .. K draft tokens.
-        draft_ids: [B, K] proposals, right-padded (padding is ignored).
-        num_draft: [B] how many of each row's K slots hold real proposals (0 .. K).
-        """
-        batch, k_max = _check_common(draft_ids, num_draft, target_argmax.shape[:2], "target_argmax")
+        """Keeps proposals while they equal the target's argmax. target_argmax: [B, K+1] after
+        0 .. K draft tokens; draft_ids: [B, K] right-padded; num_draft: [B] real proposals per row."""
+        _, k_max = _check_common(draft_ids, num_draft, target_argmax.shape[:2], "target_argmax")
         device = draft_ids.device
         num_draft = num_draft.to(device)
         valid = torch.arange(k_max, device=device) < num_draft[:, None]  # [B, K]
         matches = (draft_ids == target_argmax[:, :k_max].to(device)) & valid  # [B, K]
         num_accepted = matches.long().cumprod(dim=1).sum(dim=1)  # [B]
-        # Accepted draft tokens equal the target's argmax, so the output is simply the
-        # target's argmax up to and including the first mismatch (or the bonus position).
-        rows = target_argmax.tolist()
-        counts = num_accepted.tolist()
+        # accepted drafts equal the argmax: emit the argmax up to the first mismatch (or the bonus)
+        rows, counts = target_argmax.tolist(), num_accepted.tolist()
         return SpecOutput(token_ids=[row[: n + 1] for row, n in zip(rows, counts)], num_accepted=num_accepted)
 
     def sample(
@@ -98,17 +77,13 @@ class RejectionSampler:
     ) -> SpecOutput:
         """Sampled verification, exact in distribution.
 
-        target_probs: [B, K+1, V] target distributions after 0 .. K draft tokens; for row b
-            only positions 0 .. num_draft[b] are read.
-        draft_ids: [B, K] proposals, right-padded (padding is ignored).
-        draft_probs: [B, K, V] the distributions the proposals were sampled from, or None
-            when proposals are deterministic (n-gram lookup, greedy draft): q is then
-            one-hot at the proposal, so x is accepted with probability p(x) and the
-            residual is p with x removed — still exact.
-        num_draft: [B] real proposals per row (0 .. K); 0 emits one token sampled from p_0.
-        generators: one per row (None: the default generator). A row with its own
-            generator draws exactly num_draft[b] + 1 uniforms from it, so its output
-            depends only on its seed and its own inputs, not on the batch.
+        target_probs: [B, K+1, V] after 0 .. K draft tokens (row b reads 0 .. num_draft[b]).
+        draft_ids: [B, K] right-padded; num_draft: [B] real proposals per row (0: one token from p_0).
+        draft_probs: [B, K, V] the distributions the drafts were drawn from, or None for
+            deterministic drafts: q one-hot, so x is accepted with probability p(x) and the
+            residual is p without x (still exact).
+        generators: one per row (None: the default). A row with its own draws exactly
+            num_draft[b] + 1 uniforms from it, so its output does not depend on the batch.
         """
         batch, k_max = _check_common(draft_ids, num_draft, target_probs.shape[:2], "target_probs")
         if target_probs.dim() != 3:
@@ -162,11 +137,8 @@ class RejectionSampler:
 
     @staticmethod
     def recovery_distribution(p: Tensor, q: Tensor) -> Tensor:
-        """Unnormalised residual max(0, p - q) to sample the recovered token from.
-
-        p, q: [B, V]. Where the residual is all zeros (p == q up to rounding, so a rejection
-        was a floating-point accident), falls back to p.
-        """
+        """The unnormalised residual max(0, p - q) [B, V]; p where it is all zeros (p == q up to
+        rounding: the rejection was a floating-point accident)."""
         residual = (p - q).clamp_min(0.0)  # [B, V]
         empty = residual.sum(dim=-1, keepdim=True) <= 0.0  # [B, 1]
         return torch.where(empty, p, residual)  # [B, V]
@@ -186,18 +158,10 @@ def _check_common(draft_ids: Tensor, num_draft: Tensor, target_shape: torch.Size
     return batch, k_max
 
 
-def _draw_uniforms(
-    num_draft: list[int],
-    k_max: int,
-    generators: list[torch.Generator | None] | None,
-    device: torch.device,
-) -> tuple[Tensor, Tensor]:
-    """Uniforms for acceptance [B, K] and for the recovered/bonus token [B].
-
-    A seeded row draws exactly num_draft[b] + 1 uniforms from its own generator, so what a
-    seed produces does not depend on the batch or its padding. Unseeded rows share one draw
-    from the default generator.
-    """
+def _draw_uniforms(num_draft: list[int], k_max: int, generators: list[torch.Generator | None] | None,
+                   device: torch.device) -> tuple[Tensor, Tensor]:
+    """Uniforms for acceptance [B, K] and for the recovered or bonus token [B]: a seeded row draws
+    exactly num_draft[b] + 1 from its own generator; unseeded rows share one default draw."""
     batch = len(num_draft)
     gens = list(generators) if generators is not None else [None] * batch
     uniform = torch.ones(batch, k_max + 1, device=device)  # [B, K+1]
@@ -220,10 +184,9 @@ def _draw_uniforms(
 def _sample_inverse_cdf(weights: Tensor, uniform: Tensor) -> Tensor:
     """One index per row with probability proportional to weights [B, V], from uniform [B].
 
-    Inverse CDF needs one uniform per row where Gumbel or exponential races need V, which
-    on CPU costs more than everything else here together. The CDF is accumulated in float64
-    so that rounding over a large vocabulary cannot shift mass between tokens; searching
-    for the first cdf > u * total never lands on a zero-weight token.
+    Inverse CDF takes one uniform per row where Gumbel races take V. The CDF is summed in float64
+    so rounding over a large vocabulary cannot shift mass between tokens, and the first
+    cdf > u * total never lands on a zero-weight token.
     """
     cdf = weights.double().cumsum(dim=-1)  # [B, V]
     target = uniform.double() * cdf[:, -1]  # [B]

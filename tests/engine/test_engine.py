@@ -286,7 +286,7 @@ def test_drafting_that_does_not_pay_as_realized_is_refused(tiny):
         runner = ModelRunner(load_checkpoint(folder), max_num_seqs=8, max_model_len=128)
         free = CostModel(target_base_s=1e-3, target_per_token_s=1e-6, draft_per_token_s=1e-6)
         engine = LLMEngine(runner, proposer=SlowPerfectDraft(continuations, delay),
-                           spec=SpecConfig(num_tokens=1, adaptive=True, refit_every=10**6),
+                           spec=SpecConfig(num_tokens=1, adaptive=True),
                            adaptive=AdaptiveK(AdaptiveKConfig(k_max=1), free, refit_every=10**6))
         assert [o.token_ids for o in engine.generate([ps[0]], params)] == [plain[0]]
         before = engine.spec_metrics.num_seq_passes

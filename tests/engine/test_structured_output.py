@@ -165,7 +165,7 @@ def test_adaptive_k_counts_a_constrained_draft_that_stops_short_as_a_pass_ending
         free = CostModel(target_base_s=1e-3, target_per_token_s=1e-6, draft_per_token_s=1e-6)
         engine = LLMEngine(ModelRunner(load_checkpoint(folder), max_num_seqs=8, max_model_len=512), tokenizer,
                            SchedulerConfig(8, 1 << 14, 512), proposer=one,
-                           spec=SpecConfig(num_tokens=4, adaptive=True, refit_every=10**6),
+                           spec=SpecConfig(num_tokens=4, adaptive=True),
                            adaptive=AdaptiveK(AdaptiveKConfig(k_max=4, prior_weight=1e-3), free, refit_every=10**6))
         (tokens, _, _), = run(engine, job)
         assert tokens == plain_tokens

@@ -87,12 +87,12 @@ def test_batch_of_sequences_keeps_them_apart() -> None:
     assert [p.token_ids for p in proposer.propose(requests)] == [[3], [4], []]
 
 
-def test_stateless_lookup_agrees_with_brute_force() -> None:
+def test_lookup_of_a_fresh_history_agrees_with_brute_force() -> None:
     rng = random.Random(0)
     proposer = NgramProposer(min_n=1, max_n=3)
-    for _ in range(300):
+    for i in range(300):
         tokens = [rng.randrange(4) for _ in range(rng.randrange(1, 30))]
-        assert proposer.lookup(tokens, 3) == _brute_force(tokens, 3, 1, 3)
+        assert proposer.propose([ProposalRequest(f"s{i}", tokens, 3)])[0].token_ids == _brute_force(tokens, 3, 1, 3)
 
 
 def _brute_force(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:

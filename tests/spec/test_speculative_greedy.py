@@ -94,6 +94,7 @@ def test_adaptive_k_is_exact_and_fits_measured_costs(setup):
     target, drafts, prompts, params, plain = setup
     engine = make_engine(target, _proposer("noisy", drafts), k=6, max_num_seqs=NUM_SEQS, adaptive=True)
     assert run(engine, prompts, params) == plain
-    # refitted from the measured steps (costs_for: the bucket of a full batch, else the nearest one fitted)
-    assert engine.adaptive is not None and engine.adaptive.costs_for(NUM_SEQS) != PRIOR_COSTS
-    assert sum(engine.adaptive.meter.num_recorded_at(n) for n in (1, 2, 4)) > engine.spec.refit_every  # 1-7 rows
+    # refitted from the measured steps of some batch size (buckets 1, 2-3, 4-7)
+    assert engine.adaptive is not None
+    assert any(engine.adaptive.costs_for(n) != PRIOR_COSTS for n in (1, 2, 4))
+    assert sum(engine.adaptive.meter.num_recorded_at(n) for n in (1, 2, 4)) > engine.adaptive.refit_every
