@@ -40,7 +40,7 @@ from moeserve.engine.core_client import InprocCore, ProcessCore
 from moeserve.engine.factory import EngineConfig, build_engine
 from moeserve.errors import ErrorCode
 from moeserve.protocol import Abort, ApplyPlacement, GenerateChunk, GenerateRequest, Usage, error_chunk
-from router_service.capacity import ExpertLoadStats
+from router_service.gating import ExpertLoadStats
 
 logger = logging.getLogger(__name__)
 

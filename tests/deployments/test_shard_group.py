@@ -101,7 +101,7 @@ def test_served_group_moves_its_experts_live_and_stays_exact(ray_cluster, tmp_pa
     from deployments.engine_server import EngineServer
     from moeserve.config import AppConfig
     from moeserve.protocol import GenerateRequest
-    from router_service.capacity import ExpertLoadStats
+    from router_service.gating import ExpertLoadStats
 
     ckpt = save_tiny_checkpoint(tmp_path)  # with a tokenizer, as a served engine needs
     expected = reference(ckpt)
