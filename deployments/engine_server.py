@@ -8,10 +8,10 @@ The replica does no model work and no text: it admits requests (backpressure), f
 to the core, and hands each step's chunks to the waiting streams, coalescing a stream's later
 chunks under load (every chunk is two Serve hops). Deadlines are enforced here.
 
-Where the core runs: in a process of its own (`engine.core_process` of the config tree, the
-served default), so the step loop never shares a GIL with Serve's event loop; or on a thread of this
-process (moeserve/engine/core_client.py `InprocCore`) when the engine is handed in (tests)
-or needs this replica's Ray handles (an expert-parallel shard group). With a draft deployment
+Where the core runs: in a process of its own (the config tree's `engine.core_process`, the
+served default), so the step loop never shares a GIL with Serve's event loop; or on a thread
+of this process (moeserve/engine/core_client.py `InprocCore`) when the engine is handed in
+(tests) or needs this replica's Ray handles (an expert-parallel shard group). With a draft deployment
 the core's one proposer is a `RemoteDraftProposer` on the channel this replica asked it for.
 
 No stream can hang: every chunk the core sends for a request reaches its stream; a dead core
@@ -43,6 +43,7 @@ from moeserve.protocol import Abort, ApplyPlacement, GenerateChunk, GenerateRequ
 from router_service.gating import ExpertLoadStats
 
 logger = logging.getLogger(__name__)
+
 
 @dataclass
 class _Stream:

@@ -264,6 +264,7 @@ class Frontend:
         finally:
             await chunks.aclose()
 
+
 def _grammar_param(spec: GrammarSpec) -> str:
     return {"json_object": "response_format", "json_schema": "response_format", "regex": "guided_regex",
             "ebnf": "guided_grammar", "choice": "guided_choice"}[spec.kind]
