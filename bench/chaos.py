@@ -85,7 +85,7 @@ STACKS: dict[str, dict[str, Any]] = {
 
 def app_config(overrides: dict[str, Any]):
     """The shipped app config with gRPC off (port 9000 may be taken on this box) and `overrides`."""
-    from deployments.config import AppConfig, deep_merge
+    from moeserve.config import AppConfig, deep_merge
 
     return AppConfig.load(SERVE_CONFIG, deep_merge({"gateway": {"grpc_port": 0}}, overrides))
 

@@ -268,7 +268,7 @@ def free_port() -> int:
 
 
 def app_config():
-    from deployments.config import AppConfig
+    from moeserve.config import AppConfig
 
     # gRPC off: nothing here uses it, and port 9000 may belong to another server on this box.
     return AppConfig.load(SERVE_CONFIG, {"gateway": {"grpc_port": 0}, "deployments": LOAD_TEST_SCALING})
@@ -636,9 +636,9 @@ def offline_baselines(cfg, tokenizer, prompts: list[list[int]], new_tokens: int,
     import torch
 
     from bench.timing import interleaved, summarize
-    from moeserve.engine.factory import build_engine
+    from moeserve.engine.factory import EngineConfig, build_engine
 
-    served = cfg.engine_server_config().engine
+    served = EngineConfig.from_app(cfg)
     hf_model = workloads.load_hf(served.model)
     engines = {f"our engine in-process, max_num_seqs {served.max_num_seqs}, {served.speculation} (one replica)":
                build_engine(served),
@@ -911,7 +911,7 @@ def main(argv: list[str] | None = None) -> int:
 
     env = report.environment(torch.get_num_threads())
     cfg = app_config()
-    from deployments.config import resolve_path
+    from moeserve.config import resolve_path
     from moeserve.tokenizer import load_tokenizer
 
     model_path = resolve_path(cfg.model.path)

@@ -99,20 +99,19 @@ async def run(base_url: str, model: str, transport: httpx.AsyncBaseTransport | N
 def in_process(args):
     """Gateway + EngineServer in this process on a tiny random MoE (no Ray)."""
     from bench.tiny_checkpoint import MODEL_NAME, save_tiny_checkpoint
-    from deployments.engine_server import EngineServer, EngineServerConfig
+    from deployments.engine_server import EngineServer
     from deployments.gateway import Gateway
     from moeserve.config import AppConfig
-    from moeserve.engine.factory import EngineConfig
 
     folder = Path(args.model) if args.model else save_tiny_checkpoint(Path(tempfile.mkdtemp()) / "tiny-moe")
-    engine = EngineConfig(model=str(folder), speculation=args.draft, max_num_seqs=args.concurrency,
-                          max_model_len=args.max_tokens + 64)
-    server = EngineServer(EngineServerConfig(engine, max_queued_requests=1024))
-    gw = Gateway(server, AppConfig.from_dict({"model": {"name": MODEL_NAME, "path": str(folder)},
-                                              "engine": {"max_model_len": args.max_tokens + 64},
-                                              "gateway": {"grpc_port": None, "max_body_bytes": 1 << 20,
-                                                          "request_timeout_s": None}}))
-    return server, gw, MODEL_NAME
+    tree = AppConfig.from_dict({
+        "model": {"name": MODEL_NAME, "path": str(folder)}, "speculative": {"draft": args.draft},
+        "engine": {"max_num_seqs": args.concurrency, "max_model_len": args.max_tokens + 64, "max_queued_requests": 1024},
+        "deployments": {"engine": {"max_ongoing_requests": args.concurrency + 1024}},
+        "gateway": {"grpc_port": None, "max_body_bytes": 1 << 20, "request_timeout_s": None},
+    })  # fmt: skip
+    server = EngineServer(tree)
+    return server, Gateway(server, tree), MODEL_NAME
 
 
 def markdown(r: dict) -> str:

@@ -41,7 +41,7 @@ def start(http_port: int, max_num_seqs: int, draft_cpus: list[int] | None) -> di
 
     from bench.serve_app import wait_healthy
     from deployments.app import build
-    from deployments.config import AppConfig
+    from moeserve.config import AppConfig
 
     ray.init(num_cpus=16, include_dashboard=False, log_to_driver=False)  # logical CPUs: three apps' replicas
     serve.start(http_options={"host": "127.0.0.1", "port": http_port})

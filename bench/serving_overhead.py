@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
     from demo.prompts import formulaic
-    from deployments.config import AppConfig
+    from moeserve.config import AppConfig
     from moeserve.engine.llm import LLM
     from moeserve.sampling_params import SamplingParams
 

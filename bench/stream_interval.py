@@ -45,7 +45,7 @@ ONE_REPLICA = {"num_replicas": 1, "autoscaling": None}
 
 
 def app_config(interval: tuple[float, float]):
-    from deployments.config import AppConfig
+    from moeserve.config import AppConfig
 
     return AppConfig.load(SERVE_CONFIG, {
         "gateway": {"grpc_port": 0},
@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
 
     env = report.environment(torch.get_num_threads())
     first = app_config(next(iter(SETTINGS.values())))
-    from deployments.config import resolve_path
+    from moeserve.config import resolve_path
 
     prompts = formulaic(load_tokenizer(resolve_path(first.model.path)), args.streams)
     port = free_port()

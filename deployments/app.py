@@ -21,9 +21,9 @@ from typing import Any
 from ray import serve
 from ray.serve import Application
 
-from deployments.config import AppConfig, resolve_path
 from deployments.engine_server import EngineServer
 from deployments.gateway import Gateway
+from moeserve.config import AppConfig, resolve_path
 from moeserve.engine.factory import EngineConfig
 
 APP_NAME = "moeserve"
@@ -38,8 +38,7 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
 def build(cfg: AppConfig) -> Application:
     """Bind gateway -> engine (-> draft deployment)."""
     draft = _bind_draft(cfg)
-    engine = serve.deployment(EngineServer, name="engine", **cfg.deployments.engine.serve_options())
-    engine = engine.bind(cfg.engine_server_config(), draft=draft)
+    engine = serve.deployment(EngineServer, name="engine", **cfg.deployments.engine.serve_options()).bind(cfg, draft=draft)
     ingress = serve.ingress()(Gateway)  # the app comes from Gateway.__serve_build_asgi_app__ per replica
     gateway = serve.deployment(ingress, name="gateway", **cfg.deployments.gateway.serve_options())
     return gateway.bind(engine, cfg)

@@ -42,7 +42,7 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def serve_config(args: argparse.Namespace, config_class: type[AppConfig] = AppConfig) -> AppConfig:
+def serve_config(args: argparse.Namespace) -> AppConfig:
     """The config tree `moeserve serve` runs: the --config file (or the defaults), then the flags."""
     overrides: dict = {"engine": {}}
     if args.shards is not None:
@@ -59,17 +59,16 @@ def serve_config(args: argparse.Namespace, config_class: type[AppConfig] = AppCo
     if args.api_key:
         overrides.setdefault("gateway", {})["api_keys"] = list(args.api_key)
     if args.config:
-        return config_class.load(args.config, overrides)
-    return config_class.from_dict(overrides)
+        return AppConfig.load(args.config, overrides)
+    return AppConfig.from_dict(overrides)
 
 
 def _serve(args: argparse.Namespace) -> int:
     """Deploy gateway + engine on an embedded local Ray; Ray is imported only here."""
-    from deployments.config import AppConfig as ServedConfig  # lazy: `moeserve generate` never loads Ray
-    from deployments.local import serve_locally
+    from deployments.local import serve_locally  # lazy: `moeserve generate` never loads Ray
 
     try:
-        cfg = serve_config(args, ServedConfig)
+        cfg = serve_config(args)
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

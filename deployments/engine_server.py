@@ -8,10 +8,10 @@ The replica does no model work and no text: it admits requests (backpressure), f
 to the core, and hands each step's chunks to the waiting streams, coalescing a stream's later
 chunks under load (every chunk is two Serve hops). Deadlines are enforced here.
 
-Where the core runs: in a process of its own (`EngineServerConfig.core_process`, the served
-default), so the step loop never shares a GIL with Serve's event loop; or on a thread of this
-process (moeserve/engine/core_client.py `InprocCore`) when the engine is handed in (tests)
-or needs this replica's Ray handles (an expert-parallel shard group). With a draft deployment
+Where the core runs: in a process of its own (the config tree's `engine.core_process`, the
+served default), so the step loop never shares a GIL with Serve's event loop; or on a thread
+of this process (moeserve/engine/core_client.py `InprocCore`) when the engine is handed in
+(tests) or needs this replica's Ray handles (an expert-parallel shard group). With a draft deployment
 the core's one proposer is a `RemoteDraftProposer` on the channel this replica asked it for.
 
 No stream can hang: every chunk the core sends for a request reaches its stream; a dead core
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import threading
 import time
 from collections import Counter
@@ -31,16 +32,17 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from deployments.engine_loader import EngineServerConfig, load_engine
+from model_shards.device import resolve_device
+from moeserve.config import AppConfig, resolve_path
 from moeserve.engine import LLMEngine
 from moeserve.engine.core import EngineCore
 from moeserve.engine.core_client import InprocCore, ProcessCore
-from moeserve.protocol import Abort, ApplyPlacement, ErrorCode, GenerateChunk, GenerateRequest, Usage, error_chunk
-from router_service.capacity import ExpertLoadStats
+from moeserve.engine.factory import EngineConfig, build_engine
+from moeserve.errors import ErrorCode
+from moeserve.protocol import Abort, ApplyPlacement, GenerateChunk, GenerateRequest, Usage, error_chunk
+from router_service.gating import ExpertLoadStats
 
 logger = logging.getLogger(__name__)
-
-__all__ = ["EngineServer", "EngineServerConfig"]
 
 
 @dataclass
@@ -56,23 +58,20 @@ class _Stream:
 class EngineServer:
     """Serves one engine core to many concurrent async streams.
 
-    Construct with a ready `engine` (tests: its core runs on a thread) or let the replica start
-    the core from `config` (Serve). `compiler` compiles grammar specs for a handed-in engine.
-    `draft`: a handle to the draft deployment; the engine then drafts through it.
+    `config` is the one config tree: its `engine` section says how the replica queues, streams
+    and reports, `shards` whether it runs an expert-parallel group, and the whole tree what it
+    loads. Construct with a ready `engine` (tests: its core runs on a thread) or let the replica
+    start the core (Serve). `compiler` compiles grammar specs for a handed-in engine. `draft`: a
+    handle to the draft deployment; the engine then drafts through it.
     """
 
-    def __init__(
-        self,
-        config: EngineServerConfig,
-        engine: LLMEngine | None = None,
-        compiler: Any | None = None,
-        draft: Any | None = None,
-    ) -> None:
+    def __init__(self, config: AppConfig, engine: LLMEngine | None = None, compiler: Any | None = None,
+                 draft: Any | None = None) -> None:
         self.config = config
-        if config.torch_threads:
+        if config.engine.torch_threads:
             import torch
 
-            torch.set_num_threads(config.torch_threads)
+            torch.set_num_threads(config.engine.torch_threads)
         self.shard_group: Any = None
         self.engine = engine  # None when the core runs in its own process
         self._lock = threading.Lock()  # guards _streams and _counters (event loops and the core's thread)
@@ -84,14 +83,15 @@ class EngineServer:
             from deployments.draft_channel import RemoteDraftProposer
 
             proposer = RemoteDraftProposer(draft.options(method_name="channel").remote().result(timeout_s=60.0))
-        if engine is None and config.core_process and config.num_shards == 1:
-            self.core = ProcessCore((config.engine, config.torch_threads, proposer), self._on_chunks, self._on_dead)
+        if engine is None and config.engine.core_process and config.shards.num_shards == 1:
+            spec = (EngineConfig.from_app(config), config.engine.torch_threads, proposer)
+            self.core = ProcessCore(spec, self._on_chunks, self._on_dead)
             self.max_num_seqs = config.engine.max_num_seqs
         else:
             self.core = self._thread_core(engine, compiler, proposer)
             self.max_num_seqs = self.engine.scheduler.cfg.max_num_seqs
         self._reporter: threading.Thread | None = None
-        if config.report_expert_load_s > 0:
+        if config.engine.expert_load_report_s > 0 and _in_ray():  # reporting needs Ray
             self._reporter = threading.Thread(target=self._report_expert_load, name="expert-load", daemon=True)
             self._reporter.start()
 
@@ -102,7 +102,8 @@ class EngineServer:
         if compiler is None and engine.tokenizer is not None:
             from moeserve.grammar import GrammarCompiler
 
-            compiler = GrammarCompiler(engine.tokenizer, engine.runner.vocab_size, config=self.config.engine.grammar)
+            grammar = self.config.grammar.grammar_config()
+            compiler = GrammarCompiler(engine.tokenizer, engine.runner.vocab_size, config=grammar)
         group = self.shard_group
         core = EngineCore(engine, compiler, recover=self._reform if group else None,
                           expert_load=group.collect_stats if group else None,
@@ -113,7 +114,7 @@ class EngineServer:
         """A broken shard group forms again, with the placement the router service proposes now."""
         from deployments.router_actor import proposed_placement
 
-        return self.shard_group.restart(proposed_placement(self.config.num_shards))
+        return self.shard_group.restart(proposed_placement(self.config.shards.num_shards))
 
     def _replace(self, rank_experts: tuple[tuple[int, ...], ...]) -> None:
         """Live re-placement, on the core's thread between two steps."""
@@ -125,9 +126,9 @@ class EngineServer:
         """Ask the router service for a plan; send it to the core if it pays (live re-placement)."""
         import ray
 
-        group = self.shard_group
-        plan = ray.get(router.plan.remote(group.cfg.world_size, group.placement), timeout=self.config.report_expert_load_s)
-        if plan["gain"] >= self.config.replacement_min_gain and plan["placement"] != group.placement:
+        group, wait = self.shard_group, self.config.engine.expert_load_report_s
+        plan = ray.get(router.plan.remote(group.cfg.world_size, group.placement), timeout=wait)
+        if plan["gain"] >= self.config.shards.replacement_min_gain and plan["placement"] != group.placement:
             logger.info("re-placing experts: busiest rank %.2f -> %.2f of the mean", plan["imbalance_now"],
                         plan["imbalance_proposed"])
             self.core.send(ApplyPlacement(plan["placement"].rank_experts))
@@ -156,7 +157,7 @@ class EngineServer:
                                       stream.usage)
                     return  # the finally aborts it in the core
                 if not chunk.finished and chunk.usage.completion_tokens > 1:
-                    interval = self.config.stream_interval(len(self._streams))
+                    interval = self.config.engine.stream_interval(len(self._streams))
                     if interval:
                         await asyncio.sleep(interval)  # after the first token: fewer, larger messages
                 while not first and not chunk.finished and not stream.chunks.empty():  # coalesce a backlog
@@ -196,18 +197,18 @@ class EngineServer:
         from deployments.router_actor import router_actor
         from model_shards.config import ModelConfig
 
-        cfg = ModelConfig.from_file(self.config.engine.model)
-        router, last = None, None
+        cfg = ModelConfig.from_file(resolve_path(self.config.model.path))
+        router, last, every = None, None, self.config.engine.expert_load_report_s
         while not self._stopping and self.core.dead is None:
-            time.sleep(self.config.report_expert_load_s)
+            time.sleep(every)
             if self._stopping or not ray.is_initialized():  # never start a Ray of our own (a call would)
                 return
             try:
                 if last is not None:
-                    ray.get(last, timeout=self.config.report_expert_load_s)  # raises if the actor died
+                    ray.get(last, timeout=every)  # raises if the actor died
                 router = router or router_actor(cfg.num_layers, cfg.num_experts)
                 last = router.report.remote(f"engine-{id(self):x}", self.expert_load())
-                if self.config.live_replacement and self.shard_group is not None:
+                if self.config.shards.live_replacement and self.shard_group is not None:
                     self._maybe_replace(router)
             except Exception as e:  # statistics must never disturb serving
                 if isinstance(e, ray.exceptions.RayActorError):
@@ -253,7 +254,7 @@ class EngineServer:
     # ---- admission (event-loop side) ---------------------------------------------------------
     def _admit(self, stream: _Stream, request: GenerateRequest) -> GenerateChunk | None:
         rid = request.request_id
-        limit = self.max_num_seqs + self.config.max_queued_requests
+        limit = self.max_num_seqs + self.config.engine.max_queued_requests
         with self._lock:
             if not self.core.alive or self._stopping:
                 return error_chunk(rid, ErrorCode.UNAVAILABLE,
@@ -293,6 +294,37 @@ class EngineServer:
         if streams:
             logger.error("engine core stopped with %d live requests: %s", len(streams), reason)
         _deliver([(s, error_chunk(s.request_id, ErrorCode.UNAVAILABLE, reason, s.usage)) for s in streams])
+
+
+def load_engine(config: AppConfig, proposer: Any = None) -> tuple[LLMEngine, Any]:
+    """The engine `config` names, and its shard group (None when the model runs in this process).
+
+    With a shard group, rank 0's ShardedRunner replaces the single-process ModelRunner; the
+    group is Ray actors, so this path needs a running Ray (deployments/shard_group.py).
+    """
+    cfg, shards = EngineConfig.from_app(config), config.shards
+    if shards.num_shards == 1:
+        return build_engine(cfg, proposer=proposer), None
+    from deployments.router_actor import proposed_placement
+    from deployments.shard_group import ShardGroup, ShardGroupConfig
+
+    per_rank = -(-cfg.max_num_seqs // shards.num_shards)  # sequences are spread over the ranks
+    group_cfg = ShardGroupConfig(
+        cfg.model, world_size=shards.num_shards, max_num_seqs=per_rank, max_model_len=cfg.max_model_len,
+        block_size=cfg.block_size, prefix_caching=cfg.prefix_caching, compile=cfg.compile, routing=cfg.routing,
+        dtype=cfg.dtype, strategy=shards.strategy, gpus_per_shard=shards.gpus_per_shard,
+    )  # fmt: skip
+    if cfg.device != "auto" and resolve_device(cfg.device) != group_cfg.device:
+        raise ValueError(f"engine.device {cfg.device!r} and shards.gpus_per_shard {shards.gpus_per_shard} "
+                         f"disagree: a shard group runs every rank on {group_cfg.device}")
+    group = ShardGroup(group_cfg, placement=proposed_placement(shards.num_shards))
+    return build_engine(cfg, runner=group.start(), proposer=proposer), group
+
+
+def _in_ray() -> bool:
+    """Whether this process is connected to Ray (a Serve replica); never imports or starts it."""
+    ray = sys.modules.get("ray")
+    return ray is not None and ray.is_initialized()
 
 
 def _deliver(items: list[tuple[_Stream, GenerateChunk]]) -> None:

@@ -32,13 +32,12 @@ from deployments.metrics import GatewayMetrics
 from moeserve.config import AppConfig
 from moeserve.errors import ErrorCode, ServingError, as_serving_error
 from moeserve.grammar.spec import GrammarSpec
-from moeserve.protocol import ErrorCode as StreamCode
 from moeserve.protocol import GenerateChunk, GenerateRequest, StreamError, error_chunk
 from moeserve.sampling_params import MAX_SEED, SamplingParams
 from moeserve.tokenizer import IncrementalDetokenizer, render_chat
 
 # A failed step (INTERNAL) or an unreachable replica (UNAVAILABLE) is worth one more attempt.
-RESUMABLE = (StreamCode.INTERNAL, StreamCode.UNAVAILABLE)
+RESUMABLE = (ErrorCode.INTERNAL, ErrorCode.UNAVAILABLE)
 STALL_GRACE_S = 5.0  # past the request timeout, how long the gateway still waits for the engine's own error
 
 
@@ -205,13 +204,13 @@ class Frontend:
         param, reason = err.param, None
         if err.param == "grammar" and req.grammar is not None:
             param = _grammar_param(req.grammar)
-            if err.code is StreamCode.INVALID_ARGUMENT:
+            if err.code is ErrorCode.INVALID_ARGUMENT:
                 self.metrics.grammar_refused.labels(kind=req.grammar.kind).inc()
             else:
                 self.metrics.grammar_guard_refusals.inc()
-        if param and err.code is StreamCode.INVALID_ARGUMENT:
+        if param and err.code is ErrorCode.INVALID_ARGUMENT:
             reason = "invalid_grammar"
-        return ServingError(ErrorCode(err.code.value), err.message, param=param, reason=reason)
+        return ServingError(err.code, err.message, param=param, reason=reason)
 
     async def _resumable_stream(self, req: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         """The engine's chunks; when an attempt fails in a way a fresh attempt can fix (a dead
@@ -256,14 +255,15 @@ class Frontend:
                     return
                 except asyncio.TimeoutError:
                     msg = f"no answer from the engine within {req.timeout_s:g} s"
-                    yield error_chunk(req.request_id, StreamCode.DEADLINE_EXCEEDED, msg)
+                    yield error_chunk(req.request_id, ErrorCode.DEADLINE_EXCEEDED, msg)
                     return
                 except Exception as e:  # a dead replica or a lost connection: an error, never a hang
                     msg = f"engine call failed: {type(e).__name__}: {e}"
-                    yield error_chunk(req.request_id, StreamCode.UNAVAILABLE, msg)
+                    yield error_chunk(req.request_id, ErrorCode.UNAVAILABLE, msg)
                     return
         finally:
             await chunks.aclose()
+
 
 def _grammar_param(spec: GrammarSpec) -> str:
     return {"json_object": "response_format", "json_schema": "response_format", "regex": "guided_regex",

@@ -9,8 +9,8 @@ through SO_REUSEPORT, which grpcio sets by default).
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
 GET /metrics. A generation route hands its body to the OpenAI adapter (openai_api.py) for a
-ServeRequest, streams that through the serving layer (frontend.py) and returns what
-openai_responses.py makes of the chunks. Bad input is always a 4xx in OpenAI's error shape,
+ServeRequest, streams that through the serving layer (frontend.py) and returns what the
+adapter makes of the chunks. Bad input is always a 4xx in OpenAI's error shape,
 never a 500 (http_edge.py).
 """
 
@@ -30,8 +30,15 @@ from ray.serve.handle import DeploymentHandle
 from deployments.frontend import Frontend, ServeRequest
 from deployments.http_edge import ApiKeys, error_responses, install_edge
 from deployments.metrics import GatewayMetrics
-from deployments.openai_api import ChatCompletionRequest, CompletionRequest, chat_request, completion_request
-from deployments.openai_responses import ResponseBuilder, full_response, sse_events
+from deployments.openai_api import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ResponseBuilder,
+    chat_request,
+    completion_request,
+    full_response,
+    sse_events,
+)
 from deployments.tools import ToolCalling
 from moeserve.config import AppConfig, resolve_path
 from moeserve.errors import ErrorCode, ServingError

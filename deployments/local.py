@@ -17,7 +17,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from deployments.config import AppConfig
+from moeserve.config import AppConfig
 
 SERVE_SHUTDOWN_S = 10.0  # how long Ctrl-C waits for Serve to drain before Ray is stopped
 
@@ -119,13 +119,13 @@ def gateway_in_thread(engine: Any, model_name: str, model_path: str, max_model_l
     run by an in-process EngineServer); yields its base URL, stops both on exit."""
     import uvicorn
 
-    from deployments.engine_server import EngineServer, EngineServerConfig
+    from deployments.engine_server import EngineServer
     from deployments.gateway import Gateway
     from model_shards.local_group import free_port
 
-    server = EngineServer(EngineServerConfig(), engine=engine)
     tree = AppConfig.from_dict({"model": {"name": model_name, "path": model_path},
                                 "engine": {"max_model_len": max_model_len}, "gateway": {"grpc_port": None}})
+    server = EngineServer(tree, engine=engine)
     gateway = Gateway(server, tree)
     port = free_port()
     http = uvicorn.Server(uvicorn.Config(gateway.http_app, host="127.0.0.1", port=port, log_level="warning"))

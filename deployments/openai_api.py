@@ -1,24 +1,34 @@
-"""The OpenAI-compatible API's request bodies (pydantic), each turned into the serving layer's
-`ServeRequest` by `completion_request` / `chat_request`.
+"""The OpenAI-compatible API: request bodies (pydantic) in as `ServeRequest`s, responses out.
 
-Request models validate types only; values are checked by `SamplingParams` (in the serving
-layer) and `GrammarSpec`, whose ValueErrors name the field, so one rule set serves HTTP and
-gRPC. Unknown fields are ignored (as vLLM does); known but unsupported ones get a 400.
+Request models validate types only; values are checked by `SamplingParams` and `GrammarSpec`,
+whose ValueErrors name the field, so one rule set serves HTTP and gRPC. Unknown fields are
+ignored (as vLLM does); known but unsupported ones get a 400. Responses, whole or as SSE chunks,
+are plain dicts in OpenAI's exact shapes (a pydantic model per streamed chunk costs more than
+the token did); with tools, the text becomes `tool_calls` (deployments/tools.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
+import json
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from deployments.frontend import ServeRequest
+from deployments.http_edge import error_body
 from deployments.tools import Tool, ToolCalling
-from moeserve.errors import ErrorCode, ServingError
+from moeserve.errors import ErrorCode, ServingError, as_serving_error
 from moeserve.grammar.spec import GrammarSpec
-from moeserve.sampling_params import MAX_LOGPROBS
+from moeserve.protocol import GenerateChunk, Usage
+from moeserve.sampling_params import MAX_LOGPROBS, TokenLogprob, TokenTrace
 
 MAX_CHOICES = 16  # n: each choice is its own engine request
+SSE_DONE = "data: [DONE]\n\n"
 
 
 class StreamOptions(BaseModel):
@@ -104,12 +114,8 @@ class ChatCompletionRequest(_Common):
 def completion_request(body: CompletionRequest, request_id: str) -> ServeRequest:
     """`POST /v1/completions`: one prompt (text or token ids), n choices."""
     _check_supported(body)
-    if body.echo:
-        raise _invalid("echo is not supported", "echo")
     if body.best_of not in (None, 1):
         raise _invalid("best_of must be 1", "best_of")
-    if body.suffix:
-        raise _invalid("suffix is not supported", "suffix")
     prompt = body.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         if len(prompt) != 1:
@@ -124,9 +130,8 @@ def chat_request(body: ChatCompletionRequest, request_id: str) -> tuple[ServeReq
     _check_supported(body)
     if body.top_logprobs is not None and not body.logprobs:
         raise _invalid("top_logprobs needs logprobs: true", "top_logprobs")
-    calling = None
-    if body.tools or body.tool_choice not in (None, "none", "auto"):
-        calling = ToolCalling(body.tools or [], body.tool_choice, body.parallel_tool_calls)
+    wants_tools = body.tools or body.tool_choice not in (None, "none", "auto")
+    calling = ToolCalling(body.tools or [], body.tool_choice, body.parallel_tool_calls) if wants_tools else None
     grammar = _grammar(body)
     forced = calling.grammar() if calling is not None else None
     if forced is not None and grammar is not None:
@@ -145,12 +150,10 @@ def _invalid(message: str, param: str) -> ServingError:
 
 
 def _check_supported(body: _Common) -> None:
-    """400 for known OpenAI options this server does not implement."""
-    if body.logit_bias:
-        raise _invalid("logit_bias is not supported", "logit_bias")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(body, name) not in (None, 0, 0.0):
-            raise _invalid(f"{name} is not supported (only 0)", name)
+    """400 for known OpenAI options this server does not implement (set to anything but their off value)."""
+    for name in ("logit_bias", "presence_penalty", "frequency_penalty", "echo", "suffix"):
+        if getattr(body, name, None):  # None, 0, False, "" and {} are off
+            raise _invalid(f"{name} is not supported", name)
 
 
 def _sampling(body: _Common, logprobs: int | None) -> dict[str, Any]:
@@ -158,18 +161,15 @@ def _sampling(body: _Common, logprobs: int | None) -> dict[str, Any]:
     out: dict[str, Any] = {"ignore_eos": body.ignore_eos, "logprobs": logprobs}
     if body.trace is not None:
         out |= {"trace_experts": body.trace.experts, "trace_speculation": body.trace.speculation}
-    for name in ("temperature", "top_p", "top_k", "seed", "stop"):
-        if getattr(body, name) is not None:
-            out[name] = getattr(body, name)
+    out |= body.model_dump(include={"temperature", "top_p", "top_k", "seed", "stop"}, exclude_none=True)
     if body.stop_token_ids:
         out["stop_token_ids"] = tuple(body.stop_token_ids)
     return out
 
 
 def _grammar(body: _Common) -> GrammarSpec | None:
-    fields = {"response_format": body.response_format, "guided_json": body.guided_json,
-              "guided_regex": body.guided_regex, "guided_grammar": body.guided_grammar,
-              "guided_choice": body.guided_choice}
+    fields = body.model_dump(include={"response_format", "guided_json", "guided_regex", "guided_grammar",
+                                      "guided_choice"})
     return None if all(v is None for v in fields.values()) else GrammarSpec.from_request(**fields)
 
 
@@ -184,10 +184,167 @@ def _messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
                     raise _invalid(f"messages[{i}].content[{j}]: only text parts are supported, got {part.type!r}",
                                    f"messages[{i}].content")
             content = "".join(part.text for part in content)
-        d: dict[str, Any] = {"role": m.role, "content": content if content is not None or m.tool_calls else ""}
-        if m.tool_calls:
-            d["tool_calls"] = m.tool_calls
-        if m.tool_call_id is not None:
-            d["tool_call_id"] = m.tool_call_id
-        out.append(d)
+        d = {"role": m.role, "content": content if content is not None or m.tool_calls else ""}
+        out.append(d | m.model_dump(include={"tool_calls", "tool_call_id"}, exclude_none=True))
     return out
+
+
+# ---- responses -----------------------------------------------------------------------------------
+@dataclass
+class Choice:
+    """One choice's output so far; with tool calls, `text` is the content besides them (None: none)."""
+
+    index: int
+    text: str | None = ""
+    finish_reason: str | None = None
+    logprobs: list[TokenLogprob] | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    trace: list[TokenTrace] | None = None
+
+
+class ResponseBuilder:
+    """Bodies for one request: the full response, or its SSE chunks, in OpenAI's formats.
+    `token_bytes(id)` gives a token's bytes, for the logprobs' token strings."""
+
+    def __init__(self, request_id: str, model: str, chat: bool,
+                 token_bytes: Callable[[int], bytes] | None = None) -> None:
+        self.id, self.model, self.chat, self.created = request_id, model, chat, int(time.time())
+        self.chunk_object = "chat.completion.chunk" if chat else "text_completion"
+        self.token_bytes = token_bytes or (lambda token_id: b"")
+        self._offsets: dict[int, int] = {}  # completions' text_offset, per choice
+
+    def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
+
+    def _choice(self, index: int, content: dict[str, Any], finish_reason: str | None,
+                logprobs: Sequence[TokenLogprob] | None = None, trace: Sequence[TokenTrace] | None = None) -> dict:
+        return ({"index": index, **content, "logprobs": self.logprobs(index, logprobs), "finish_reason": finish_reason}
+                | self.trace(trace))
+
+    def full(self, choices: list[Choice], usage: Usage) -> dict[str, Any]:
+        out = []
+        for c in choices:
+            message = {"role": "assistant", "content": c.text} | ({"tool_calls": c.tool_calls} if c.tool_calls else {})
+            content = {"message": message} if self.chat else {"text": c.text}
+            out.append(self._choice(c.index, content, c.finish_reason, c.logprobs, c.trace))
+        return self._envelope("chat.completion" if self.chat else "text_completion", out) | {"usage": usage_dict(usage)}
+
+    def chunk(self, text: str, finish_reason: str | None = None, first: bool = False, index: int = 0,
+              logprobs: Sequence[TokenLogprob] | None = None, trace: Sequence[TokenTrace] | None = None) -> str:
+        delta = {"role": "assistant", "content": text} if first else {"content": text} if text else {}  # role: once
+        content = {"delta": delta} if self.chat else {"text": text}
+        return sse(self._envelope(self.chunk_object, [self._choice(index, content, finish_reason, logprobs, trace)]))
+
+    def tool_calls_chunk(self, calls: list[dict[str, Any]], index: int = 0) -> str:
+        """A chat delta with whole tool calls (id, name and all the arguments at once)."""
+        delta = {"tool_calls": [{"index": j, **call} for j, call in enumerate(calls)]}
+        return sse(self._envelope(self.chunk_object, [self._choice(index, {"delta": delta}, None)]))
+
+    def usage_chunk(self, usage: Usage) -> str:
+        return sse({**self._envelope(self.chunk_object, []), "usage": usage_dict(usage)})
+
+    def trace(self, entries: Sequence[TokenTrace] | None) -> dict[str, Any]:
+        """{"trace": [{token, token_id, source, experts: [{layer, ids, weights}]}]} when the request
+        asked for a trace (source / experts null where not asked); {} otherwise."""
+        if entries is None:
+            return {}
+        return {"trace": [{
+            "token": self._token(e.token_id)[0], "token_id": e.token_id, "source": e.source,
+            "experts": None if e.experts is None else [{"layer": layer, "ids": list(ids), "weights": list(weights)}
+                                                       for layer, ids, weights in e.experts],
+        } for e in entries]}
+
+    def logprobs(self, index: int, entries: Sequence[TokenLogprob] | None) -> dict[str, Any] | None:
+        """Chat: {"content": [{token, logprob, bytes, top_logprobs}]}; completions: tokens,
+        token_logprobs, top_logprobs ({token: logprob}) and text_offset (from the completion's start)."""
+        if entries is None:
+            return None
+        token = self._token  # (text, bytes)
+        if self.chat:
+            def entry(token_id: int, logprob: float) -> dict[str, Any]:
+                text, raw = token(token_id)
+                return {"token": text, "logprob": logprob, "bytes": raw}
+            content = [entry(e.token_id, e.logprob) | {"top_logprobs": [entry(*top) for top in e.top]} for e in entries]
+            return {"content": content, "refusal": None}
+        tokens = [token(e.token_id)[0] for e in entries]
+        offsets = list(itertools.accumulate(map(len, tokens), initial=self._offsets.get(index, 0)))
+        self._offsets[index] = offsets.pop()  # where the next chunk's text starts
+        return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+                "top_logprobs": [{token(i)[0]: lp for i, lp in e.top} for e in entries], "text_offset": offsets}
+
+    def _token(self, token_id: int) -> tuple[str, list[int]]:
+        """A token's text (bytes that are not UTF-8 replaced) and its bytes."""
+        raw = self.token_bytes(token_id)
+        return raw.decode("utf-8", errors="replace"), list(raw)
+
+
+def sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def usage_dict(usage: Usage) -> dict[str, int]:
+    return {**dataclasses.asdict(usage), "total_tokens": usage.total_tokens}
+
+
+Merged = AsyncGenerator[tuple[int, GenerateChunk], None]  # (choice index, chunk), every choice's stream merged
+
+
+async def full_response(merged: Merged, n: int, builder: ResponseBuilder, calling: ToolCalling | None) -> dict:
+    """The whole response of n choices; closes `merged` (also when the client went away)."""
+    choices, usage = [Choice(i) for i in range(n)], [Usage()] * n
+    try:
+        async for i, chunk in merged:
+            c = choices[i]
+            c.text += chunk.text
+            if chunk.logprobs is not None:
+                c.logprobs = (c.logprobs or []) + list(chunk.logprobs)
+            if chunk.trace is not None:
+                c.trace = (c.trace or []) + list(chunk.trace)
+            c.finish_reason, usage[i] = chunk.finish_reason, chunk.usage
+    finally:
+        await merged.aclose()
+    if calling is not None:
+        for c in choices:
+            c.text, c.tool_calls = calling.split(c.text)
+            c.finish_reason = "tool_calls" if c.tool_calls else c.finish_reason
+    return builder.full(choices, _total(usage))
+
+
+async def sse_events(merged: Merged, n: int, builder: ResponseBuilder, include_usage: bool,
+                     calling: ToolCalling | None) -> AsyncIterator[str]:
+    """The response's SSE events, `data: [DONE]` last; an error mid-stream is an error event and
+    then `data: [DONE]`. Closes `merged` (a client that went away aborts its requests)."""
+    usage: list[Usage] = [Usage()] * n
+    tools = [calling.stream() for _ in range(n)] if calling is not None else None
+    try:
+        if builder.chat:
+            for i in range(n):
+                yield builder.chunk("", first=True, index=i)
+        async for i, chunk in merged:
+            text, calls = chunk.text, []
+            if tools is not None:  # content only outside tool calls; the calls once complete
+                text = tools[i].feed(text)
+                if chunk.finished:
+                    rest, calls = tools[i].finish()
+                    text += rest
+            if calls:
+                if text or chunk.logprobs or chunk.trace:
+                    yield builder.chunk(text, index=i, logprobs=chunk.logprobs, trace=chunk.trace)
+                yield builder.tool_calls_chunk(calls, index=i)
+                yield builder.chunk("", "tool_calls", index=i)
+            elif text or chunk.finished or chunk.logprobs or chunk.trace:
+                yield builder.chunk(text, chunk.finish_reason, index=i, logprobs=chunk.logprobs, trace=chunk.trace)
+            usage[i] = chunk.usage
+        if include_usage:
+            yield builder.usage_chunk(_total(usage))
+        yield SSE_DONE
+    except Exception as e:  # the status line is sent: the error goes in-band
+        yield sse(error_body(as_serving_error(e)))
+        yield SSE_DONE
+    finally:
+        await merged.aclose()
+
+
+def _total(usage: list[Usage]) -> Usage:
+    """Usage of all choices: the prompt once, every choice's completion tokens."""
+    return Usage(usage[0].prompt_tokens, sum(u.completion_tokens for u in usage))

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import ray
 
-from router_service.capacity import ExpertLoadStats
+from router_service.gating import ExpertLoadStats
 from router_service.placement import Placement, balanced_placement, contiguous_placement
 
 

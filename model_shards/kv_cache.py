@@ -1,26 +1,35 @@
-"""The paged KV cache, reserved whole at start, and the per-step description of where a batch reads and writes it.
+"""The paged KV cache: its blocks, which sequence holds which, and where a pass reads and writes them.
 
 Shapes: N blocks, L layers, Bs tokens per block, Hkv key/value heads, Dh head dim,
 B batch rows, Tq query positions this step (rows shorter than Tq are padded), nb blocks per row.
 
-Every block is allocated when the cache is built (as vLLM and nano-vllm do): memory is the
-KV budget from the start and never grows, and the cache tensors keep one address for their
-lifetime, so captured CUDA graphs can read and write them. Which blocks a sequence holds is
-model_shards/block_manager.py's bookkeeping; block 0 is scratch (padded query positions write
-there, and block tables are padded with it). Rolling back rejected speculative tokens is
-free: the owner just feeds from an earlier position; stale entries past it are never read
-(the attention mask stops at each row's own length) and are overwritten by the next step.
+Every block is allocated when the cache is built (as in vLLM and nano-vllm): memory is the KV
+budget from the start, and the tensors keep one address, so captured CUDA graphs can use them
+(`PagedKVCache`). Which blocks a sequence holds is bookkeeping without tensors (`BlockManager`):
+ceil(tokens / Bs) blocks, in its block table; the lowest free ids go first. Block 0 is scratch:
+padded query positions write there, and block tables are padded with it. Rolling back rejected
+drafts is free: the owner feeds from an earlier position; stale entries past it are never read
+(the mask stops at each row's length) and are overwritten by the next step.
+
+Prefix caching (vLLM's automatic prefix caching): a full, committed block is identified by a hash
+of its tokens chained with its parent's, so equal hashes mean equal prefixes. A new sequence
+reuses the longest chain of cached blocks matching its tokens (held once more, never written
+again). A block no sequence holds stays cached, least recently used out first, until needed.
 """
 
 from __future__ import annotations
 
+import itertools
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
-from model_shards.block_manager import SCRATCH
 from model_shards.config import ModelConfig
+
+SCRATCH = 0
 
 
 class PagedIndex(NamedTuple):
@@ -52,11 +61,9 @@ def paged_index(tables: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor, bs
     """The pass's PagedIndex for rows with block tables [B, nb], query positions pos [B, T] and
     real tokens valid [B, T] (padding writes to the scratch block). The mask spans every key of a
     row's nb blocks, not a slice to the keys it holds, whose size would become a graph guard.
-
     The positions keys are read at are computed once into a buffer: inlined, the block-table
     lookup ran again for every layer, head and key. The values' copy stays an expression, so
-    inductor vectorizes their weighted sum over Dh; read from a buffer, it vectorized over the
-    keys instead, with gathers, the slower loop."""
+    inductor vectorizes their weighted sum over Dh (from a buffer: over the keys, with gathers)."""
     p = torch.where(valid, pos, 0)
     write = torch.where(valid, tables.gather(1, p // bs) * bs + p % bs, SCRATCH * bs)  # [B, T]
     j = torch.arange(tables.shape[1] * bs, device=tables.device)  # [J]
@@ -67,21 +74,14 @@ def paged_index(tables: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor, bs
 
 @dataclass
 class StepBatch:
-    """Where an eager forward pass's rows read and write the paged cache.
+    """Where an eager forward pass's rows read and write the paged cache. `prepare(Tq)` builds the
+    pass's index tensors once for every layer (a compiled step builds the same PagedIndex inside its
+    graph). `known`, set by `build` from the host's lists: the shortest row's q_len and whether every
+    row starts at 0, so `prepare` reads nothing back from the device (else two host syncs a pass)."""
 
-    block_table: [B, nb] each row's blocks in position order (padded with the scratch block)
-    start:       [B] tokens already cached for each row (position of the row's first query token)
-    q_lens:      [B] valid query tokens in each row (<= Tq; the rest is padding)
-
-    `prepare(Tq)` builds the pass's index tensors once for every layer (a compiled step builds
-    the same PagedIndex inside its graph). `known`, set by `build` from the host's lists: the
-    shortest row's q_len and whether every row starts at 0, so `prepare` reads nothing back
-    from the device (else it reads both: two host syncs a pass on a GPU).
-    """
-
-    block_table: torch.Tensor
-    start: torch.Tensor
-    q_lens: torch.Tensor
+    block_table: torch.Tensor  # [B, nb] each row's blocks in position order (padded with the scratch block)
+    start: torch.Tensor  # [B] tokens already cached for each row (position of the row's first query token)
+    q_lens: torch.Tensor  # [B] valid query tokens in each row (<= Tq; the rest is padding)
     block_size: int
     tq: int = 0
     pos: torch.Tensor | None = None  # [B, Tq] absolute position of each query token
@@ -115,31 +115,17 @@ class StepBatch:
 
 
 class PagedKVCache:
-    """Keys and values of each layer in one tensor [2, Hkv, N, Bs, Dh], every block allocated
-    here: a block is Bs consecutive positions of one sequence. Attention writes and reads it
-    (model_shards/layers.py) through a pass's PagedIndex. Multi-head latent attention stores one
-    part, one head: its compressed latent [1, 1, N, Bs, kv_lora_rank + rope] (model_shards/mla.py)."""
+    """Keys and values of each layer in one tensor [2, Hkv, N, Bs, Dh]; a block is Bs consecutive
+    positions of one sequence. Attention writes and reads it (model_shards/layers.py) through a pass's
+    PagedIndex. Latent attention stores one part, one head: [1, 1, N, Bs, kv_lora_rank + rope] (mla.py)."""
 
-    def __init__(
-        self,
-        num_layers: int,
-        num_blocks: int,
-        block_size: int,
-        num_kv_heads: int,
-        head_dim: int,
-        dtype: torch.dtype = torch.float32,
-        device: torch.device | str = "cpu",
-        parts: int = 2,
-    ) -> None:
-        if block_size < 1:
-            raise ValueError(f"block_size: must be >= 1, got {block_size}")
-        if num_blocks < 2:
-            raise ValueError(f"num_blocks: need at least 2 (one is scratch), got {num_blocks}")
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", parts: int = 2) -> None:
+        _check_sizes(num_blocks, block_size)
         # zeros, not empty: attention weighs unread keys by 0, and 0 * NaN would still be NaN
         shape = (parts, num_kv_heads, num_blocks, block_size, head_dim)
         self.kv = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.num_blocks = num_blocks
-        self.block_size = block_size
+        self.num_blocks, self.block_size = num_blocks, block_size
 
     @classmethod
     def for_model(cls, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype = torch.float32,
@@ -166,3 +152,199 @@ class PagedKVCache:
         src, dst = (torch.tensor(ids, device=self.kv[0].device) for ids in zip(*pairs))
         for t in self.kv:
             t.index_copy_(2, dst, t.index_select(2, src))
+
+
+def _check_sizes(num_blocks: int, block_size: int) -> None:
+    if block_size < 1 or num_blocks < 2:
+        raise ValueError(f"need block_size >= 1 and num_blocks >= 2 (one is scratch), got {block_size}, {num_blocks}")
+
+
+def block_hashes(tokens: Sequence[int], bs: int, end: int, parent: int | None = None, first: int = 0) -> Iterator[int]:
+    """The ids of full blocks first..end-1 of `tokens`: each block's tokens chained with its parent's id."""
+    for i in range(first, end):
+        parent = hash((parent, tuple(tokens[i * bs : (i + 1) * bs])))
+        yield parent
+
+
+class OutOfBlocks(RuntimeError):
+    """No free or evictable block is left (the scheduler's budget should prevent this)."""
+
+
+@dataclass
+class _Block:
+    ref: int = 0
+    hash: int | None = None  # set once the block is full and committed (then it is never written again)
+
+
+class BlockAllocator:
+    """Hands out blocks 1..N-1; reference counts; the prefix-cache index and its LRU of idle blocks."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self._blocks = [_Block() for _ in range(num_blocks)]
+        self._free: list[int] = list(range(num_blocks - 1, 0, -1))  # never-cached free blocks (pop from the end)
+        self._cached: dict[int, int] = {}  # block hash -> block id
+        self._idle: OrderedDict[int, None] = OrderedDict()  # cached blocks no one holds, oldest first
+        self.hits = self.queries = 0  # blocks reused from the prefix cache, of the full blocks looked up
+
+    @property
+    def num_free(self) -> int:
+        """Blocks an allocation can take now: free ones plus idle cached ones (evictable)."""
+        return len(self._free) + len(self._idle)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._cached)
+
+    def allocate(self) -> int:
+        if self._free:
+            block = self._free.pop()
+        elif self._idle:
+            block, _ = self._idle.popitem(last=False)  # evict the least recently used
+            del self._cached[self._blocks[block].hash]
+            self._blocks[block].hash = None
+        else:
+            raise OutOfBlocks("no free KV cache block")
+        self._blocks[block].ref = 1
+        return block
+
+    def free(self, block: int) -> None:
+        b = self._blocks[block]
+        if b.ref <= 0:
+            raise ValueError(f"block {block} freed more often than it was held")
+        b.ref -= 1
+        if b.ref == 0 and b.hash is None:
+            self._free.append(block)
+        elif b.ref == 0:
+            self._idle[block] = None  # cached: stays findable until evicted
+
+    def commit(self, block: int, h: int) -> None:
+        """`block` is full with the tokens behind hash `h`: make it findable."""
+        b = self._blocks[block]
+        if b.hash is not None or h in self._cached:  # the same prefix computed twice (in one batch): keep the first
+            return
+        b.hash = h
+        self._cached[h] = block
+
+    def lookup(self, hashes: list[int]) -> list[int]:
+        """The cached blocks for the longest prefix of `hashes`, each now held once more."""
+        found = []
+        for h in hashes:
+            self.queries += 1
+            block = self._cached.get(h)
+            if block is None:
+                break
+            b = self._blocks[block]
+            if b.ref == 0:
+                del self._idle[block]
+            b.ref += 1
+            found.append(block)
+        self.hits += len(found)
+        return found
+
+    def refcount(self, block: int) -> int:
+        return self._blocks[block].ref
+
+    def is_cached(self, h: int) -> bool:
+        return h in self._cached
+
+    def is_committed(self, block: int) -> bool:
+        return self._blocks[block].hash is not None
+
+
+class BlockManager:
+    """Which blocks each sequence holds: block tables, the tokens behind them and prefix caching.
+    Bookkeeping only (no tensors): the model runner owns one per cache, a shard group one per rank."""
+
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool) -> None:
+        _check_sizes(num_blocks, block_size)
+        self.allocator = BlockAllocator(num_blocks)
+        self.block_size, self.prefix_caching = block_size, prefix_caching
+        self.tables: dict[str, list[int]] = {}  # sequence -> its blocks, in position order
+        self._tokens: dict[str, list[int]] = {}  # sequence -> the tokens at its positions so far
+        self._hashes: dict[str, list[int]] = {}  # sequence -> hashes of its committed full blocks
+
+    def __len__(self) -> int:
+        return len(self.tables)
+
+    def __contains__(self, seq_id: str) -> bool:
+        return seq_id in self.tables
+
+    def add(self, seq_id: str, token_ids: list[int] | tuple[int, ...] = ()) -> int:
+        """Start a sequence; returns how many of its leading tokens are already cached (a
+        multiple of the block size, always leaving the last token to compute)."""
+        if seq_id in self.tables:
+            raise ValueError(f"sequence {seq_id!r} is already running")
+        bs = self.block_size
+        full = (len(token_ids) - 1) // bs if self.prefix_caching else 0  # full blocks before the last token
+        hashes = list(block_hashes(token_ids, bs, full))
+        found = self.allocator.lookup(hashes)
+        self.tables[seq_id] = found
+        self._hashes[seq_id] = hashes[: len(found)]
+        self._tokens[seq_id] = list(token_ids[: len(found) * bs])
+        return len(found) * bs
+
+    def cached_prefix(self, token_ids: list[int] | tuple[int, ...]) -> int:
+        """How many leading tokens `add` would find cached now (nothing is taken)."""
+        if not self.prefix_caching:
+            return 0
+        full = block_hashes(token_ids, self.block_size, (len(token_ids) - 1) // self.block_size)
+        return self.block_size * sum(1 for _ in itertools.takewhile(self.allocator.is_cached, full))
+
+    def remove(self, seq_id: str) -> None:
+        for block in self.tables.pop(seq_id, ()):
+            self.allocator.free(block)
+        self._tokens.pop(seq_id, None)
+        self._hashes.pop(seq_id, None)
+
+    def write(self, seq_id: str, start: int, tokens: list[int], reserve: int = 0) -> list[tuple[int, int]]:
+        """Make room for `tokens` at positions start.. (and `reserve` more positions after them).
+        Tokens before `start` are final: their full blocks become findable. Blocks past the end
+        (rejected drafts) are freed. A block to be written that others share or the prefix cache
+        holds (the sequence rewound into it) is first replaced by one of its own: the returned
+        (src, dst) pairs are the copies the cache must make before writing. May raise OutOfBlocks
+        (then the sequence holds what it held before)."""
+        bs, table, known = self.block_size, self.tables[seq_id], self._tokens[seq_id]
+        del self._hashes[seq_id][start // bs :]  # blocks at or after `start` are no longer final
+        self.commit(seq_id, start)
+        a, need = self.allocator, -(-(start + len(tokens) + reserve) // bs)
+        shared = [i for i in range(start // bs, min(need, len(table)))
+                  if a.refcount(table[i]) > 1 or a.is_committed(table[i])]
+        if len(shared) + max(need - len(table), 0) > a.num_free:
+            raise OutOfBlocks(f"sequence {seq_id!r} needs more KV cache blocks than are free")
+        copies = []
+        for i in shared:
+            block = table[i]
+            table[i] = a.allocate()
+            a.free(block)
+            if i * bs < start:  # it keeps positions before `start`
+                copies.append((block, table[i]))
+        while len(table) > need:
+            a.free(table.pop())
+        while len(table) < need:
+            table.append(a.allocate())
+        del known[start:]
+        known.extend(tokens)
+        return copies
+
+    def commit(self, seq_id: str, upto: int) -> None:
+        """Tokens before `upto` are final: their full blocks become findable."""
+        if not self.prefix_caching:
+            return
+        bs, hashes, tokens, table = self.block_size, self._hashes[seq_id], self._tokens[seq_id], self.tables[seq_id]
+        new = block_hashes(tokens, bs, min(upto, len(tokens)) // bs, hashes[-1] if hashes else None, len(hashes))
+        for i, h in enumerate(new, len(hashes)):
+            hashes.append(h)
+            self.allocator.commit(table[i], h)
+
+    def record(self, seq_id: str, tokens: list[int]) -> None:
+        """The tokens now at positions 0.. (after writes of one token at a time): what commits hash."""
+        self._tokens[seq_id] = list(tokens)
+
+    def stats(self) -> dict[str, int | float]:
+        """Blocks in use and the prefix cache's counters (for /metrics)."""
+        a, total = self.allocator, self.allocator.num_blocks - 1
+        return {"kv_blocks_total": total, "kv_blocks_free": a.num_free, "kv_blocks_held": total - a.num_free,
+                "prefix_cache_blocks": a.num_cached, "prefix_cache_hit_blocks": a.hits,
+                "prefix_cache_query_blocks": a.queries, "prefix_cache_hit_tokens": a.hits * self.block_size,
+                "prefix_cache_hit_rate": a.hits / max(a.queries, 1)}

@@ -19,7 +19,7 @@ from model_shards.layers import MLP, Attention, RMSNorm, RotaryEmbedding
 from model_shards.mla import LatentAttention
 from model_shards.moe import Dispatch, MoEBlock, phase
 from moeserve.config import RoutingSection
-from router_service.capacity import ExpertLoadStats
+from router_service.gating import ExpertLoadStats
 
 
 class DecoderLayer(nn.Module):

@@ -38,8 +38,8 @@ from torch import nn
 from model_shards.config import ModelConfig
 from model_shards.layers import MLP
 from moeserve.config import RoutingSection
-from router_service.capacity import ExpertLoadStats, apply_capacity, expert_capacity
-from router_service.gating import GateConfig, Gates, topk_gate
+from router_service.capacity import apply_capacity, expert_capacity
+from router_service.gating import ExpertLoadStats, GateConfig, Gates, topk_gate
 
 
 class PhaseTimer:

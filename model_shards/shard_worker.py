@@ -24,8 +24,7 @@ import torch
 import torch.distributed as dist
 
 from model_shards.all_to_all import AllToAllDispatch, wait_for_group
-from model_shards.block_manager import BlockManager
-from model_shards.kv_cache import PagedKVCache, StepBatch
+from model_shards.kv_cache import BlockManager, PagedKVCache, StepBatch
 from model_shards.loader import reload_experts
 from model_shards.model import CausalLM, split_routing
 from moeserve.config import EngineSection, default_of

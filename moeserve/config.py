@@ -3,9 +3,8 @@
 Every way in builds this same tree: `moeserve serve --config FILE` and its flags, the
 `args:` of the application in deployments/serve_config.yaml (Ray's own `serve run` /
 `serve deploy`), KubeRay's serveConfigV2, and the offline API `LLM(**options)`
-(`AppConfig.from_options`). Each component then receives its own part: the engine its
-EngineConfig (`moeserve.engine.factory.EngineConfig.from_app`), the deployments theirs
-(deployments/config.py).
+(`AppConfig.from_options`). Each component then receives its own part: the engine core its
+EngineConfig (`moeserve.engine.factory.EngineConfig.from_app`), a deployment its sections.
 
 A file may hold either this dict or a whole Serve config (then the first application's
 `args` is used). A relative path is looked up beside the config file first, then in the
@@ -59,9 +58,9 @@ class EngineSection(_Section):
     # How often each replica pushes its expert-load counters to the router-service actor (0: never).
     expert_load_report_s: float = Field(10.0, ge=0)
     # Chunks of a stream after its first token at most this often (every chunk is two Serve hops),
-    # growing linearly with the live requests to stream_interval_max_s at max_num_seqs.
+    # growing linearly with the live requests to stream_interval_max_s at max_num_seqs (`stream_interval`).
     stream_interval_s: float = Field(0.025, ge=0, le=1)
-    stream_interval_max_s: float = Field(0.2, ge=0, le=1)
+    stream_interval_max_s: float = Field(0.2, ge=0, le=1)  # below stream_interval_s: taken as that
     # The step loop in a process of its own (no GIL shared with Serve); see deployments/engine_server.py.
     core_process: bool = True
     # Decode and verify passes (and the in-process draft's steps) as torch.compile'd graphs, compiled
@@ -81,6 +80,12 @@ class EngineSection(_Section):
         if self.kv_cache_memory < 0:
             raise ValueError(f"kv_cache_memory: must be >= 0, got {self.kv_cache_memory}")
         return self
+
+    def stream_interval(self, live: int) -> float:
+        """Seconds between a stream's chunks (after its first) while `live` requests are in the replica."""
+        top = max(self.stream_interval_s, self.stream_interval_max_s)
+        load = min(1.0, max(0, live - 1) / max(1, self.max_num_seqs - 1))
+        return self.stream_interval_s + (top - self.stream_interval_s) * load
 
 
 class SpeculativeSection(_Section):
@@ -210,14 +215,9 @@ class DeploymentSection(_Section):
 
     def serve_options(self) -> dict[str, Any]:
         """Keyword arguments for serve.deployment(...)."""
-        opts: dict[str, Any] = {
-            "max_ongoing_requests": self.max_ongoing_requests,
-            "max_queued_requests": self.max_queued_requests,
-            "ray_actor_options": {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus, "resources": self.resources},
-            "health_check_period_s": self.health_check_period_s,
-            "health_check_timeout_s": self.health_check_timeout_s,
-            "graceful_shutdown_timeout_s": self.graceful_shutdown_timeout_s,
-        }
+        opts = self.model_dump(include={"max_ongoing_requests", "max_queued_requests", "health_check_period_s",
+                                        "health_check_timeout_s", "graceful_shutdown_timeout_s"})
+        opts["ray_actor_options"] = {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus, "resources": self.resources}
         if self.autoscaling is not None:
             opts["autoscaling_config"] = self.autoscaling.model_dump(exclude_none=True)
         else:
@@ -255,7 +255,7 @@ class DeploymentsSection(_Section):
 
 
 class AppConfig(_Section):
-    """Everything `build_app` needs. Each component gets its own frozen part (`*_config()`)."""
+    """Everything `build_app` needs; each component gets its own sections of it."""
 
     model: ModelSection = Field(default_factory=ModelSection)
     engine: EngineSection = Field(default_factory=EngineSection)

@@ -3,7 +3,7 @@
 The serving layer (deployments/frontend.py) raises only `ServingError`; HTTP maps its code
 to a status once (deployments/http_edge.py) and gRPC to a status code once
 (deployments/grpc_server.py). Codes follow gRPC's names. The engine's in-band stream
-errors (`moeserve.protocol.ErrorCode`) use the same values, a subset of these.
+errors (`moeserve.protocol.StreamError`) carry the same codes.
 """
 
 from __future__ import annotations

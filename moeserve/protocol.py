@@ -13,27 +13,17 @@ core sends its chunks as one list per step. Between an engine and a draft deploy
 (deployments/draft_channel.py) travels one `DraftCall` per step, answered by its proposals.
 
 Errors travel in-band: a chunk with `error` set is the last chunk of its stream. Its
-`code` is the one error vocabulary of the project, mapped once to HTTP statuses
-(deployments/openai_api.py) and once to gRPC codes (deployments/grpc_server.py).
+`code` is the project's one error vocabulary (moeserve/errors.py), mapped once to HTTP
+statuses (deployments/http_edge.py) and once to gRPC codes (deployments/grpc_server.py).
 """
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 
+from moeserve.errors import ErrorCode
 from moeserve.grammar.spec import GrammarSpec
 from moeserve.sampling_params import SamplingParams, TokenLogprob, TokenTrace
-
-
-class ErrorCode(str, enum.Enum):
-    """Why a stream ended without a normal finish; names follow gRPC status codes."""
-
-    INVALID_ARGUMENT = "invalid_argument"  # the request itself is bad (HTTP 400)
-    RESOURCE_EXHAUSTED = "resource_exhausted"  # engine queue full: retry later (HTTP 503 + Retry-After)
-    UNAVAILABLE = "unavailable"  # engine stopped or failed (HTTP 503)
-    DEADLINE_EXCEEDED = "deadline_exceeded"  # the request's timeout passed (HTTP 504)
-    INTERNAL = "internal"  # a bug or an engine step error (HTTP 500)
 
 
 @dataclass(frozen=True)

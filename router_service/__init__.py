@@ -3,16 +3,9 @@
 Pure torch: no Ray, no torch.distributed.
 """
 
-from router_service.capacity import (
-    ExpertLoadStats,
-    OverflowPolicy,
-    Routed,
-    apply_capacity,
-    expert_capacity,
-    switch_balance_loss,
-)
+from router_service.capacity import OverflowPolicy, Routed, apply_capacity, expert_capacity
 from router_service.dispatch_plan import DispatchPlan, build_dispatch_plan
-from router_service.gating import GateConfig, Gates, GateStyle, topk_gate
+from router_service.gating import ExpertLoadStats, GateConfig, Gates, GateStyle, switch_balance_loss, topk_gate
 from router_service.placement import Placement, balanced_placement, contiguous_placement
 
 __all__ = [

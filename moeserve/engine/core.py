@@ -6,18 +6,19 @@ HTTP. Its loop fits on a screen:
     drain the inbox (add / abort / stats) -> admit requests whose grammar has compiled
     -> engine.step() -> send one message with every request's new tokens
 
-It runs the same in a thread (`InprocCore`, tests and the expert-parallel group) or in a
-process of its own (`ProcessCore`, the served default: no GIL shared with Serve), both in
-moeserve/engine/core_client.py. Messages are the small frozen dataclasses of
-moeserve/protocol.py; a channel is anything with `send(msg)` and `recv(timeout)`.
+It runs the same in a thread (`InprocCore`) or in a process of its own (`ProcessCore`, the
+served default: no GIL shared with Serve), both in core_client.py. Messages are the frozen
+dataclasses of moeserve/protocol.py; a channel is anything with `send(msg)` and `recv(timeout)`.
 
-A step that fails before emitting anything does not end every stream: its requests are
-requeued and run one at a time until the one that breaks it is found (isolation.py).
+Grammars are compiled here, where the masks are used, on the compiler's threads: a request waits
+(outside the scheduler) until its grammar is ready, so a slow compile never stalls the batch.
+An invalid grammar ends its request with INVALID_ARGUMENT before it costs a step.
 
-Grammars are compiled here and only here, where the masks are used, on the compiler's own
-threads: a request waits (outside the scheduler) until its grammar is ready, so a slow
-compile never stalls the running batch. An invalid grammar ends its request with
-INVALID_ARGUMENT before it costs a step.
+Failure isolation (`Isolation`): a step that fails before it emitted anything (StepError) blames
+no one yet. Its requests are requeued (output kept, cache recomputed) and run one at a time,
+ISOLATION_STEPS steps each (the scheduler's `focus`). Failing alone twice (once could be a dying
+shard), a request is the cause: it ends with a non-retryable INTERNAL error; the others never see
+the failure. Batching resumes when every suspect has been cleared.
 """
 
 from __future__ import annotations
@@ -30,13 +31,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
 
 from moeserve.engine.engine import LLMEngine, StepError
-from moeserve.engine.isolation import Isolation
+from moeserve.errors import ErrorCode
 from moeserve.grammar.errors import GrammarError
 from moeserve.protocol import (
     Abort,
     ApplyPlacement,
     CoreStopped,
-    ErrorCode,
     GenerateChunk,
     GenerateRequest,
     StatsReply,
@@ -49,6 +49,8 @@ from moeserve.sequence import RequestOutput
 logger = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.05  # an idle core blocks on its inbox this long at a time
+ISOLATION_STEPS = 2  # steps a suspect runs alone (its prefill and a decode) to be cleared
+ALONE_FAILURES = 2  # failures alone that make a request the cause
 
 
 class Channel(Protocol):
@@ -68,18 +70,10 @@ class EngineCore:
     `replace` moves a shard group's experts to a new placement (ApplyPlacement), between steps.
     """
 
-    def __init__(
-        self,
-        engine: LLMEngine,
-        compiler: Any = None,
-        recover: Callable[[], Any] | None = None,
-        expert_load: Callable[[], list[dict[str, Any]]] | None = None,
-        replace: Callable[[tuple[tuple[int, ...], ...]], None] | None = None,
-    ) -> None:
-        self.engine = engine
-        self.compiler = compiler
-        self.recover = recover
-        self.replace = replace
+    def __init__(self, engine: LLMEngine, compiler: Any = None, recover: Callable[[], Any] | None = None,
+                 expert_load: Callable[[], list[dict[str, Any]]] | None = None,
+                 replace: Callable[[tuple[tuple[int, ...], ...]], None] | None = None) -> None:
+        self.engine, self.compiler, self.recover, self.replace = engine, compiler, recover, replace
         self._placement: ApplyPlacement | None = None  # the latest one asked for, applied before the next step
         self.counters: Counter[str] = Counter()
         self.step_seconds = 0.0
@@ -210,7 +204,8 @@ class EngineCore:
             try:
                 refusal = self._start(req, job.result())
             except GrammarError as e:
-                refusal = error_chunk(rid, ErrorCode.INVALID_ARGUMENT, _grammar_message(req, e), param="grammar")
+                msg = str(e) if str(e).startswith("invalid") else f"invalid {req.grammar.kind} grammar: {e}"
+                refusal = error_chunk(rid, ErrorCode.INVALID_ARGUMENT, msg, param="grammar")
             except Exception as e:  # a compiler bug or a pathological grammar: refuse it, keep serving
                 logger.exception("grammar compile failed")
                 msg = f"could not compile the {req.grammar.kind} grammar: {type(e).__name__}: {e}"
@@ -257,8 +252,7 @@ class EngineCore:
 
     def stats(self) -> dict[str, Any]:
         """Gauges and counters of the engine: batch, KV, steps, speculation, grammar, expert load."""
-        eng = self.engine
-        sched = eng.scheduler
+        eng, sched = self.engine, self.engine.scheduler
         return {
             "running": len(sched.running),
             "waiting": len(sched.waiting) + len(self._compiling),
@@ -294,16 +288,63 @@ def _chunk(out: RequestOutput) -> GenerateChunk:
                          trace=trace)
 
 
-def _grammar_message(req: GenerateRequest, e: GrammarError) -> str:
-    msg = str(e)
-    return msg if msg.startswith("invalid") else f"invalid {req.grammar.kind} grammar: {msg}"
-
-
 def _routing_gauges(model: Any) -> dict[str, float]:
     """The MoE layers' capacity settings as numbers for /metrics (overflow as a one-hot)."""
-    blocks = getattr(model, "moe_blocks", [])
-    if not blocks:
+    if not (blocks := getattr(model, "moe_blocks", [])):
         return {}
     r = blocks[0].routing
     return {"capacity_factor": r.capacity_factor, "min_capacity": r.min_capacity,
             **{f"overflow_{o}": float(r.overflow == o) for o in ("none", "drop", "reroute")}}
+
+
+class Isolation:
+    """Finds the request that breaks a failing step (the module docstring); its neighbours carry on."""
+
+    def __init__(self, engine: LLMEngine, counters: Counter[str]) -> None:
+        self.engine, self.counters = engine, counters
+        self.suspects: list[str] = []  # requests of failed steps, waiting to run alone
+        self._alone_failures: Counter[str] = Counter()
+        self._focus_steps = 0
+
+    def failed(self, request_ids: list[str], cause: BaseException | None) -> list[GenerateChunk]:
+        """A step with `request_ids` failed before emitting: requeue, then try them one by one.
+        Returns the error chunk of a request found to be the cause, if any."""
+        focus = self.engine.scheduler.focus
+        if focus is None or focus.seq_id not in request_ids:
+            self.engine.requeue(request_ids)
+            self.suspects += [rid for rid in request_ids if rid not in self.suspects]
+            self._next()
+            return []
+        self._alone_failures[focus.seq_id] += 1
+        if self._alone_failures[focus.seq_id] < ALONE_FAILURES:  # once more, in case the fault was not its own
+            self.engine.requeue([focus.seq_id])
+            self._focus_steps = 0
+            return []
+        self.counters["isolated_failures"] += 1
+        chunk = error_chunk(focus.seq_id, ErrorCode.INTERNAL,
+                            f"engine step failed with this request alone: {type(cause).__name__}: {cause}",
+                            Usage(len(focus.prompt_ids), len(focus.output_ids)), retryable=False)
+        self.engine.abort(focus.seq_id)
+        self._next()
+        return [chunk]
+
+    def stepped(self) -> None:
+        """A step succeeded: the request in focus is cleared after ISOLATION_STEPS of them."""
+        sched = self.engine.scheduler
+        if sched.focus is None and not self.suspects:
+            return
+        self._focus_steps += 1
+        if sched.focus is None or self._focus_steps >= ISOLATION_STEPS:  # cleared (or finished)
+            sched.focus = None
+            self._next()
+
+    def _next(self) -> None:
+        """Focus the scheduler on the next suspect still alive (none left: back to batching)."""
+        sched, live = self.engine.scheduler, self.engine.requests
+        self.suspects = [rid for rid in self.suspects if rid in live]
+        for rid in [r for r in self._alone_failures if r not in live]:
+            del self._alone_failures[rid]
+        if sched.focus is not None and sched.focus.seq_id in self.suspects:
+            self.suspects.remove(sched.focus.seq_id)
+        sched.focus = live[self.suspects.pop(0)] if self.suspects else None
+        self._focus_steps = 0

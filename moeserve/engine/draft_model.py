@@ -27,7 +27,7 @@ from dataclasses import replace
 import torch
 
 from model_shards import CausalLM, StepBatch
-from model_shards.block_manager import OutOfBlocks
+from model_shards.kv_cache import OutOfBlocks
 from moeserve.config import EngineSection, default_of
 from moeserve.engine.draft_rows import DraftBatch, DraftRow, DraftSeq, common_prefix
 from moeserve.engine.model_runner import ModelRunner, Row, forward_last

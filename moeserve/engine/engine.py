@@ -34,16 +34,9 @@ from moeserve.spec.verify import verify, verify_window
 
 
 class LLMEngine:
-    def __init__(
-        self,
-        runner: ModelRunner,
-        tokenizer=None,
-        scheduler: SchedulerConfig | None = None,
-        proposer: Proposer | None = None,
-        spec: SpecConfig | None = None,
-        adaptive: AdaptiveK | None = None,
-        structured: StructuredConfig | None = None,
-    ) -> None:
+    def __init__(self, runner: ModelRunner, tokenizer=None, scheduler: SchedulerConfig | None = None,
+                 proposer: Proposer | None = None, spec: SpecConfig | None = None, adaptive: AdaptiveK | None = None,
+                 structured: StructuredConfig | None = None) -> None:
         self.runner = runner
         self.tokenizer = tokenizer
         cfg = scheduler or SchedulerConfig(max_num_seqs=runner.max_num_seqs, max_model_len=runner.max_model_len,
@@ -160,7 +153,7 @@ class LLMEngine:
         """One new token per sequence from logits [B, V] at its last fed token (grammar-masked)."""
         for s in seqs:
             s.num_cached = s.num_tokens
-        if self.structured.fill_last(seqs):
+        if any(s.grammar is not None for s in seqs) and self.structured.fill_last(seqs):  # free text: no masks
             self.structured.apply(logits)
         tokens = self.sampler.sample(logits, [s.params for s in seqs], positions=[s.num_tokens for s in seqs])
         chosen = [[t] for t in tokens.tolist()]
@@ -207,7 +200,8 @@ class LLMEngine:
         t0 = time.perf_counter()
         proposals = self._propose(seqs)
         self._forced_emitted = 0
-        if any(proposals):  # refused drafts cut, forced text put in; masks for all k+1 positions filled
+        constrained = any(s.grammar is not None for s in seqs)  # free text never reaches structured output
+        if constrained and any(proposals):  # refused drafts cut, forced text put in; masks for all k+1 positions filled
             self._last_proposals = self.structured.cut_and_fill(seqs, self._last_proposals, self._rooms)
             proposals = [list(p.token_ids) for p in self._last_proposals]
         t1 = time.perf_counter()
@@ -220,7 +214,8 @@ class LLMEngine:
         logits = self.runner.forward(rows, logits="all")  # [B, Tq, V]
         width = max(map(len, proposals))
         logits = verify_window(logits, fed, width)  # [B, K+1, V]
-        self.structured.apply(logits)
+        if constrained:
+            self.structured.apply(logits)
         t2 = time.perf_counter()
         draft_ids, draft_probs, num_draft = pad_proposals(self._last_proposals, width=width)
         out = verify(self.sampler, self.rejection, seqs, logits, draft_ids, draft_probs, num_draft)

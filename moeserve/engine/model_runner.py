@@ -25,8 +25,7 @@ from typing import Literal
 import torch
 
 from model_shards import CausalLM
-from model_shards.block_manager import BlockManager
-from model_shards.kv_cache import PagedKVCache, StepBatch
+from model_shards.kv_cache import BlockManager, PagedKVCache, StepBatch
 from model_shards.model import split_routing
 from moeserve.config import EngineSection, default_of
 

@@ -11,15 +11,16 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from deployments.config import PROJECT_ROOT, AppConfig
+from moeserve.config import PROJECT_ROOT, AppConfig
+from moeserve.engine.factory import EngineConfig
 
 SERVE_CONFIG = PROJECT_ROOT / "deployments" / "serve_config.yaml"
 
 
 def test_shipped_serve_config_is_valid_and_deliberate():
     cfg = AppConfig.load(SERVE_CONFIG)
-    engine = cfg.engine_server_config()
-    assert Path(engine.engine.model).is_absolute() and engine.engine.model.endswith("checkpoints/demo-moe")
+    engine = EngineConfig.from_app(cfg)
+    assert Path(engine.model).is_absolute() and engine.model.endswith("checkpoints/demo-moe")
     for part in (cfg.deployments.gateway, cfg.deployments.engine):
         opts = part.serve_options()
         assert opts["max_ongoing_requests"] > 5 and "autoscaling_config" in opts
@@ -27,13 +28,13 @@ def test_shipped_serve_config_is_valid_and_deliberate():
     assert cfg.deployments.engine.max_ongoing_requests == cfg.engine.max_num_seqs + cfg.engine.max_queued_requests
     assert AppConfig.from_dict({"config": "deployments/serve_config.yaml"}) == cfg
     # the demo pair's draft in the engine's process, k chosen where it pays (no static cut-off)
-    assert engine.engine.speculation == "model" and engine.engine.adaptive_k
-    assert engine.engine.spec_disable_by_batch_size == 0 and engine.engine.num_spec_tokens == 8
+    assert engine.speculation == "model" and engine.adaptive_k
+    assert engine.spec_disable_by_batch_size == 0 and engine.num_spec_tokens == 8
 
 
 def test_overrides_and_errors():
     cfg = AppConfig.from_dict({"config": str(SERVE_CONFIG), "speculative": {"draft": "model"}, "gateway": {"grpc_port": 0}})
-    assert cfg.engine_server_config().engine.speculation == "model"
+    assert EngineConfig.from_app(cfg).speculation == "model"
     assert cfg.gateway.grpc_port == 0  # the gateway starts no gRPC server
     with pytest.raises(ValidationError, match="extra"):
         AppConfig.from_dict({"engine": {"max_num_seq": 4}})  # typo: unknown keys are refused
@@ -52,9 +53,9 @@ def test_build_app_binds_without_starting_ray():
     assert isinstance(build_app({"config": str(SERVE_CONFIG)}), Application)
     sharded = AppConfig.from_dict({"shards": {"num_shards": 4, "gpus_per_shard": 1, "strategy": "STRICT_PACK"},
                                    "model": {"dtype": "bfloat16"}})
-    engine = sharded.engine_server_config()
-    assert (engine.num_shards, engine.gpus_per_shard, engine.shard_strategy) == (4, 1, "STRICT_PACK")
-    assert engine.engine.dtype == "bfloat16"
+    shards = sharded.shards
+    assert (shards.num_shards, shards.gpus_per_shard, shards.strategy) == (4, 1, "STRICT_PACK")
+    assert EngineConfig.from_app(sharded).dtype == "bfloat16"
     assert isinstance(build_app(sharded.model_dump()), Application)
 
 

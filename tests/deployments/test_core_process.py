@@ -9,14 +9,14 @@ import os
 import pytest
 
 from bench.tiny_checkpoint import save_tiny_checkpoint
-from deployments.engine_server import EngineServer, EngineServerConfig
+from deployments.engine_server import EngineServer
 from deployments.frontend import Frontend, ServeRequest
 from deployments.metrics import GatewayMetrics
 from moeserve.config import AppConfig
-from moeserve.engine.factory import EngineConfig
 from moeserve.engine.llm import LLM
+from moeserve.errors import ErrorCode
 from moeserve.grammar import GrammarSpec, check_output
-from moeserve.protocol import ErrorCode, GenerateRequest
+from moeserve.protocol import GenerateRequest
 from moeserve.sampling_params import SamplingParams
 from moeserve.tokenizer import load_tokenizer
 
@@ -30,6 +30,15 @@ def tree(model_name: str, max_model_len: int, **gateway) -> AppConfig:
                                 "gateway": gateway})
 
 
+def served(folder: str, speculative: dict | None = None, **engine) -> AppConfig:
+    """The config tree of an engine replica on `folder`: a 4-sequence batch, one torch thread, every
+    step's tokens a chunk of their own."""
+    engine = {"max_num_seqs": 4, "max_model_len": 256, "torch_threads": 1, "stream_interval_s": 0,
+              "stream_interval_max_s": 0, **engine}
+    return AppConfig.from_dict({"model": {"path": folder}, "engine": engine,
+                                "speculative": speculative or {"draft": "none"}})
+
+
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
     return str(save_tiny_checkpoint(tmp_path_factory.mktemp("tiny-moe")))
@@ -37,8 +46,7 @@ def folder(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(folder):
-    engine = EngineConfig(model=folder, speculation="none", max_num_seqs=4, max_model_len=256)
-    srv = EngineServer(EngineServerConfig(engine, torch_threads=1))
+    srv = EngineServer(served(folder))
     yield srv
     srv.shutdown()
 
@@ -108,8 +116,7 @@ def test_a_paged_core_process_matches_and_reports_its_prefix_cache(folder):
     prompts = [f"Our shop in Pune. {p} " * 3 for p in PROMPTS]
     llm = LLM(folder, draft="none", max_num_seqs=4, max_model_len=256)
     expected = [o.token_ids for o in llm.generate(prompts, GREEDY)]
-    engine = EngineConfig(model=folder, speculation="none", max_num_seqs=4, max_model_len=256, block_size=4)
-    srv = EngineServer(EngineServerConfig(engine, torch_threads=1))
+    srv = EngineServer(served(folder, block_size=4))
     try:
         fe = frontend(srv, folder)
 
@@ -159,9 +166,8 @@ def test_a_core_process_drafts_over_the_draft_deployments_channel(folder, expect
 
     draft = DraftProcess(DraftServerConfig(folder, max_num_seqs=4, max_model_len=256, torch_threads=1))
     handle = _DraftHandle(draft)
-    engine = EngineConfig(model=folder, draft_model=folder, speculation="model", num_spec_tokens=4, adaptive_k=False,
-                          max_num_seqs=4, max_model_len=256)
-    srv = EngineServer(EngineServerConfig(engine, torch_threads=1), draft=handle)
+    speculative = {"draft": "model", "draft_path": folder, "num_tokens": 4, "adaptive": False}
+    srv = EngineServer(served(folder, speculative=speculative), draft=handle)
     try:
         assert srv.engine is None and srv.core.pid not in (None, os.getpid())
         outs = asyncio.run(stream_all(frontend(srv, folder)))

@@ -8,12 +8,13 @@ import time
 import pytest
 
 from bench.tiny_checkpoint import save_tiny_checkpoint
-from deployments.engine_server import EngineServer, EngineServerConfig
+from deployments.engine_server import EngineServer
 from model_shards import load_checkpoint
+from moeserve.config import AppConfig, EngineSection
 from moeserve.engine import LLMEngine, ModelRunner
-from moeserve.engine.factory import EngineConfig
+from moeserve.errors import ErrorCode
 from moeserve.grammar import GrammarSpec, check_output
-from moeserve.protocol import ErrorCode, GenerateChunk, GenerateRequest
+from moeserve.protocol import GenerateChunk, GenerateRequest
 from moeserve.sampling_params import SamplingParams
 from moeserve.tokenizer import load_tokenizer
 
@@ -33,7 +34,8 @@ def tokenizer(folder):
 
 def make_server(folder, tokenizer, max_num_seqs=4, queued=8, **config) -> EngineServer:
     engine = LLMEngine(ModelRunner(load_checkpoint(folder), max_num_seqs, 512), tokenizer)
-    return EngineServer(EngineServerConfig(max_queued_requests=queued, **config), engine=engine)
+    engine_section = {"max_queued_requests": queued, "stream_interval_s": 0, "stream_interval_max_s": 0, **config}
+    return EngineServer(AppConfig.from_dict({"engine": engine_section}), engine=engine)
 
 
 @pytest.fixture
@@ -178,11 +180,12 @@ def test_backpressure_and_deadline(folder, tokenizer):
 
 
 def test_stream_interval_grows_with_the_live_requests():
-    cfg = EngineServerConfig(EngineConfig(max_num_seqs=5), stream_interval_s=0.02, stream_interval_max_s=0.1)
+    cfg = EngineSection(max_num_seqs=5, stream_interval_s=0.02, stream_interval_max_s=0.1)
     assert [round(cfg.stream_interval(n), 4) for n in (0, 1, 3, 5, 50)] == [0.02, 0.02, 0.06, 0.1, 0.1]
-    assert EngineServerConfig(stream_interval_s=0.03).stream_interval(40) == 0.03  # no max: fixed
+    assert EngineSection(stream_interval_s=0.03, stream_interval_max_s=0.03).stream_interval(40) == 0.03  # fixed
+    assert EngineSection(stream_interval_s=0.05, stream_interval_max_s=0.01).stream_interval(40) == 0.05  # max below
     with pytest.raises(ValueError, match="stream_interval"):
-        EngineServerConfig(stream_interval_s=0.05, stream_interval_max_s=0.01)
+        EngineSection(stream_interval_s=-0.05)
 
 
 def test_chunks_coalesce_after_the_first_token(folder, tokenizer):

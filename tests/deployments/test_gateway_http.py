@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from bench.tiny_checkpoint import MODEL_NAME, save_tiny_checkpoint
-from deployments.engine_server import EngineServer, EngineServerConfig
+from deployments.engine_server import EngineServer
 from deployments.frontend import ServeRequest
 from deployments.gateway import Gateway
 from model_shards import load_checkpoint
@@ -41,9 +41,9 @@ def _gateway(folder, max_len: int):
     tokenizer = load_tokenizer(folder)
     engine = LLMEngine(ModelRunner(load_checkpoint(folder), 8, max_len), tokenizer, proposer=NgramProposer(),
                        spec=SpecConfig(num_tokens=3))
-    server = EngineServer(EngineServerConfig(), engine=engine)
     tree = AppConfig.from_dict({"model": {"name": MODEL_NAME, "path": str(folder)}, "engine": {"max_model_len": max_len},
                                 "gateway": {"grpc_port": None, "max_body_bytes": 64 * 1024}})
+    server = EngineServer(tree, engine=engine)
     return server, Gateway(server, tree)
 
 
@@ -397,7 +397,7 @@ def test_the_engine_guard_stops_a_refused_token_and_the_gateway_counts_it(gatewa
     engine = LLMEngine(ModelRunner(load_checkpoint(gateway.config.model.path), 2, MAX_LEN), tokenizer)
     bang = tokenizer.encode("!")[0]
     monkeypatch.setattr(engine.sampler, "sample", lambda logits, *_, **__: torch.full((logits.shape[0],), bang))
-    server = EngineServer(EngineServerConfig(), engine=engine)
+    server = EngineServer(gateway.config, engine=engine)
     liar = Gateway(server, gateway.config, tokenizer=tokenizer)
     try:
         body = {"model": MODEL_NAME, "prompt": "x", "guided_regex": "[a-z]+"}

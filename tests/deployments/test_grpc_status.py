@@ -15,7 +15,8 @@ from deployments.metrics import GatewayMetrics
 from deployments.proto import generate_pb2 as pb
 from deployments.proto import generate_pb2_grpc as pb_grpc
 from moeserve.config import AppConfig
-from moeserve.protocol import ErrorCode, GenerateChunk, Usage, error_chunk
+from moeserve.errors import ErrorCode
+from moeserve.protocol import GenerateChunk, Usage, error_chunk
 from moeserve.sampling_params import TokenLogprob, TokenTrace
 
 

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from schemathesis.checks import not_a_server_error, response_schema_conformance, status_code_conformance
 
 from bench.tiny_checkpoint import MODEL_NAME, save_tiny_checkpoint
-from deployments.engine_server import EngineServer, EngineServerConfig
+from deployments.engine_server import EngineServer
 from deployments.gateway import Gateway
 from model_shards import load_checkpoint
 from moeserve.config import AppConfig
@@ -24,11 +24,10 @@ MAX_LEN = 64  # short contexts: a generated request runs at most a few dozen tin
 def api_schema(tmp_path_factory):
     folder = save_tiny_checkpoint(tmp_path_factory.mktemp("tiny-moe"))
     tokenizer = load_tokenizer(folder)
-    server = EngineServer(EngineServerConfig(), engine=LLMEngine(ModelRunner(load_checkpoint(folder), 4, MAX_LEN),
-                                                                    tokenizer))
-    gateway = Gateway(server, AppConfig.from_dict({"model": {"name": MODEL_NAME, "path": str(folder)},
-                                                   "engine": {"max_model_len": MAX_LEN},
-                                                   "gateway": {"grpc_port": None, "request_timeout_s": 30}}))
+    tree = AppConfig.from_dict({"model": {"name": MODEL_NAME, "path": str(folder)}, "engine": {"max_model_len": MAX_LEN},
+                                "gateway": {"grpc_port": None, "request_timeout_s": 30}})
+    server = EngineServer(tree, engine=LLMEngine(ModelRunner(load_checkpoint(folder), 4, MAX_LEN), tokenizer))
+    gateway = Gateway(server, tree)
     yield schemathesis.openapi.from_asgi("/openapi.json", gateway.http_app)
     server.shutdown()
 

@@ -9,26 +9,26 @@ import asyncio
 import pytest
 
 from bench.tiny_checkpoint import save_tiny_checkpoint
-from deployments.engine_server import EngineServer, EngineServerConfig
+from deployments.engine_server import EngineServer
 from deployments.frontend import Frontend, ServeRequest
 from deployments.metrics import GatewayMetrics
 from model_shards import load_checkpoint
 from moeserve.config import AppConfig
 from moeserve.engine import LLMEngine, ModelRunner
 from moeserve.engine.core import EngineCore
-from moeserve.errors import ErrorCode as ServingCode
-from moeserve.errors import ServingError
+from moeserve.errors import ErrorCode, ServingError
 from moeserve.grammar import GrammarSpec, check_output
-from moeserve.protocol import ErrorCode, GenerateRequest, Shutdown
+from moeserve.protocol import GenerateRequest, Shutdown
 from moeserve.sampling_params import SamplingParams
 from moeserve.tokenizer import load_tokenizer
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}  # and max_tokens 24
 
 def tree(model_name: str, max_model_len: int, **gateway) -> AppConfig:
-    """The config tree a frontend serving `model_name` takes (gateway: that section's settings)."""
-    return AppConfig.from_dict({"model": {"name": model_name}, "engine": {"max_model_len": max_model_len},
-                                "gateway": gateway})
+    """The config tree a frontend serving `model_name` and its engine replica take (gateway: that
+    section's settings); every step's tokens are a chunk of their own (DroppingReplica counts them)."""
+    engine = {"max_model_len": max_model_len, "stream_interval_s": 0, "stream_interval_max_s": 0}
+    return AppConfig.from_dict({"model": {"name": model_name}, "engine": engine, "gateway": gateway})
 
 
 @pytest.fixture(scope="module")
@@ -80,8 +80,7 @@ class PoisonRunner:
 
 def run(folder, fail_at: int | None, grammar: GrammarSpec | None = None, retries: int = 2):
     tokenizer = load_tokenizer(folder)
-    server = EngineServer(EngineServerConfig(), engine=LLMEngine(ModelRunner(load_checkpoint(folder), 4, 256),
-                                                                 tokenizer))
+    server = EngineServer(tree("tiny", 256), engine=LLMEngine(ModelRunner(load_checkpoint(folder), 4, 256), tokenizer))
     metrics = GatewayMetrics()
     replica = DroppingReplica(server, fail_at) if fail_at else server
     frontend = Frontend(tree("tiny", 256, max_retries=retries), tokenizer, replica, metrics)
@@ -124,7 +123,7 @@ def test_failed_step_mid_stream_is_resumed_without_loss(folder, grammar):
 
 def test_without_retries_the_client_gets_a_clear_error(folder):
     tokens, _, _, error, _ = run(folder, fail_at=5, retries=0)
-    assert error.code is ServingCode.UNAVAILABLE and "replica connection lost" in error.message
+    assert error.code is ErrorCode.UNAVAILABLE and "replica connection lost" in error.message
     assert 0 < len(tokens) < 24
 
 
@@ -137,7 +136,7 @@ def test_a_poisoned_request_fails_alone_and_its_neighbours_carry_on(folder):
     params = {"temperature": 0.0, "ignore_eos": True}
 
     def serve(runner):
-        server = EngineServer(EngineServerConfig(), engine=LLMEngine(runner, tokenizer))
+        server = EngineServer(tree("tiny", 256), engine=LLMEngine(runner, tokenizer))
         frontend = Frontend(tree("tiny", 256), tokenizer, server, GatewayMetrics())
 
         async def one(ids):
@@ -157,7 +156,7 @@ def test_a_poisoned_request_fails_alone_and_its_neighbours_carry_on(folder):
     for (good, _), (got, error) in zip(clean[:3], outs[:3]):
         assert error is None and [t for c in got for t in c.token_ids] == [t for c in good for t in c.token_ids]
     _, poisoned = outs[3]
-    assert poisoned.code is ServingCode.INTERNAL and "alone" in poisoned.message
+    assert poisoned.code is ErrorCode.INTERNAL and "alone" in poisoned.message
     assert metrics.retries._value.get() == 0  # nobody resumed: the neighbours never saw an error, and the
     # poisoned request's error said a fresh attempt would fail the same way (INTERNAL is resumable otherwise)
 

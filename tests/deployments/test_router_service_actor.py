@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from deployments.router_actor import RouterService
-from router_service.capacity import ExpertLoadStats
+from router_service.gating import ExpertLoadStats
 
 
 def counters(num_layers: int, num_experts: int, hot: int, tokens: int) -> dict:

@@ -98,18 +98,20 @@ def test_served_group_moves_its_experts_live_and_stays_exact(ray_cluster, tmp_pa
     import asyncio
 
     from bench.tiny_checkpoint import save_tiny_checkpoint
-    from deployments.engine_server import EngineServer, EngineServerConfig
-    from moeserve.engine.factory import EngineConfig
+    from deployments.engine_server import EngineServer
+    from moeserve.config import AppConfig
     from moeserve.protocol import GenerateRequest
-    from router_service.capacity import ExpertLoadStats
+    from router_service.gating import ExpertLoadStats
 
     ckpt = save_tiny_checkpoint(tmp_path)  # with a tokenizer, as a served engine needs
     expected = reference(ckpt)
     cfg = load_checkpoint(ckpt).config
     actor = router_actor(cfg.num_layers, cfg.num_experts)
-    engine_cfg = EngineConfig(model=str(ckpt), max_num_seqs=8, max_model_len=64, speculation="none")
-    server = EngineServer(EngineServerConfig(engine_cfg, num_shards=2, report_expert_load_s=0.3,
-                                             live_replacement=True, replacement_min_gain=0.2))
+    server = EngineServer(AppConfig.from_dict({
+        "model": {"path": str(ckpt)}, "speculative": {"draft": "none"},
+        "engine": {"max_num_seqs": 8, "max_model_len": 64, "expert_load_report_s": 0.3},
+        "shards": {"num_shards": 2, "live_replacement": True, "replacement_min_gain": 0.2},
+    }))  # fmt: skip
 
     async def replies(tag: str) -> list[list[int]]:
         async def one(i, p):

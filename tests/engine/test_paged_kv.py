@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from model_shards import PagedKVCache, load_checkpoint
-from model_shards.block_manager import BlockAllocator, OutOfBlocks
 from model_shards.config import ModelConfig
+from model_shards.kv_cache import BlockAllocator, OutOfBlocks
 from moeserve.engine import LLMEngine, ModelRunner, SchedulerConfig, SpecConfig
 from moeserve.engine.factory import EngineConfig
 from moeserve.engine.model_runner import Row

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import pytest
 import yaml
 
-from deployments.config import AppConfig, deep_merge
+from moeserve.config import AppConfig, deep_merge
 from tests.k8s.manifests import K8S, REPO, VARIANTS, build, one, pod_templates, serve_config
 
 SERVE_CONFIG = REPO / "deployments" / "serve_config.yaml"

@@ -15,7 +15,7 @@ import os
 import httpx
 
 from bench.serve_app import serve_app
-from deployments.config import deep_merge, resolve_path
+from moeserve.config import deep_merge, resolve_path
 from tests.k8s.manifests import build, one, serve_config
 
 
