@@ -68,6 +68,8 @@ class EngineServer:
     def __init__(self, config: AppConfig, engine: LLMEngine | None = None, compiler: Any | None = None,
                  draft: Any | None = None) -> None:
         self.config = config
+        # seconds between chunks by live requests (the load saturates at max_num_seqs)
+        self._intervals = [config.engine.stream_interval(n) for n in range(config.engine.max_num_seqs + 1)]
         if config.engine.torch_threads:
             import torch
 
@@ -157,7 +159,7 @@ class EngineServer:
                                       stream.usage)
                     return  # the finally aborts it in the core
                 if not chunk.finished and chunk.usage.completion_tokens > 1:
-                    interval = self.config.engine.stream_interval(len(self._streams))
+                    interval = self._intervals[min(len(self._streams), len(self._intervals) - 1)]
                     if interval:
                         await asyncio.sleep(interval)  # after the first token: fewer, larger messages
                 while not first and not chunk.finished and not stream.chunks.empty():  # coalesce a backlog
