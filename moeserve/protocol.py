@@ -1,20 +1,17 @@
 """What crosses a process boundary on the way to the engine core and back.
 
-One request is one stream: the serving side sends a `GenerateRequest` (prompt token ids,
-SamplingParams, GrammarSpec) and receives `GenerateChunk`s of new token ids until one has
-`finished` set. The engine core is token-in, token-out: text, stop strings and usage for
-the client are the serving side's (deployments/frontend.py). Everything here is a small
-frozen, picklable dataclass; no tensors, no tokenizer, no compiled grammar (the core
-compiles the spec itself, once, from its cache).
+One request is one stream: the serving side sends a `GenerateRequest` (prompt ids,
+SamplingParams, GrammarSpec) and receives `GenerateChunk`s of new token ids until one is
+`finished`. The core is token-in, token-out: text, stop strings and usage are the serving
+side's (deployments/frontend.py). Everything here is a small frozen, picklable dataclass: no
+tensors, no tokenizer, no compiled grammar (the core compiles the spec from its cache).
 
-Between the engine replica and its core (moeserve/engine/core.py) travel also `Abort`,
-`StatsRequest`/`StatsReply`, `Shutdown` and, as the core's last word, `CoreStopped`; the
-core sends its chunks as one list per step. Between an engine and a draft deployment's worker
-(deployments/draft_channel.py) travels one `DraftCall` per step, answered by its proposals.
+Between a replica and its core (moeserve/engine/core.py) travel also `Abort`, `StatsRequest`/
+`StatsReply`, `Shutdown` and, last, `CoreStopped`; the core sends one list of chunks per step.
+An engine sends a draft worker (deployments/draft_channel.py) one `DraftCall` per step.
 
-Errors travel in-band: a chunk with `error` set is the last chunk of its stream. Its
-`code` is the project's one error vocabulary (moeserve/errors.py), mapped once to HTTP
-statuses (deployments/http_edge.py) and once to gRPC codes (deployments/grpc_server.py).
+Errors travel in-band: a chunk with `error` set ends its stream; its `code` (moeserve/errors.py)
+maps once to HTTP statuses (deployments/http_edge.py) and once to gRPC codes (grpc_server.py).
 """
 
 from __future__ import annotations
@@ -38,11 +35,10 @@ class StreamError:
 class GenerateRequest:
     """One generation request, already tokenized and validated by the gateway.
 
-    timeout_s: the engine aborts the request with DEADLINE_EXCEEDED this long after it
-        receives it (None: no limit). The gateway keeps its own overall limit as well.
-    resume_ids: output tokens an earlier attempt already streamed to the client; when a
-        replica or shard dies mid-stream the gateway resubmits with them and the engine
-        continues after them, so the client sees one uninterrupted stream.
+    timeout_s: the engine aborts the request with DEADLINE_EXCEEDED this long after receiving
+        it (None: no limit; the gateway keeps its own overall limit too).
+    resume_ids: output an earlier attempt already streamed; after a replica or shard dies the
+        gateway resubmits with them and the engine continues after them (one unbroken stream).
     """
 
     request_id: str

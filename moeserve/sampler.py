@@ -1,33 +1,18 @@
 """Batched token sampling with per-row parameters: temperature -> top-k -> top-p -> draw.
 
-Shape legend:
-    B  rows (sequences) in the batch
-    T  positions per row (1 for plain decoding; k + 1 when verifying k draft tokens)
-    V  vocabulary size
-    S  rows that sample (the rest, G, are greedy)
-    C  top-p candidates (TOP_P_CANDIDATES); N positions whose nucleus is wider than C
+Shape legend: B rows, T positions per row (1, or k + 1 when verifying k drafts), V vocab,
+S rows that sample (the rest, G, are greedy), C top-p candidates, N rows past C.
 
-Every row carries its own SamplingParams. The per-row values become [B] tensors so one
-set of tensor ops serves the whole batch, whatever mix of settings it holds.
+Per-row SamplingParams become [B] tensors, so one set of ops serves any mix of settings.
+Semantics follow vLLM and transformers: top-k keeps ties with the k-th largest logit; top-p
+keeps the smallest most-likely set reaching top_p (at least one token). Greedy rows take the
+argmax of the raw logits and never touch a generator. Draws use inverse CDF: one uniform per
+position, far cheaper on CPU than V exponential or Gumbel numbers.
 
-Semantics follow vLLM and transformers' TopK/TopP warpers: temperature scales the
-logits; top-k keeps every token whose logit is >= the k-th largest (ties are kept); top-p
-then renormalises what is left and keeps the smallest set of most likely tokens whose
-probability reaches top_p (always at least one). Greedy rows (temperature 0 or top_k 1)
-take the argmax of the raw logits and never touch a random generator.
-
-Cost per step, B rows of V logits: one softmax, a torch.topk for top-k and another over
-TOP_P_CANDIDATES for top-p (a full sort only for rows whose nucleus is wider than that),
-one cumulative sum and one uniform number per position for the draw (inverse CDF, far
-cheaper on CPU than V exponential or Gumbel numbers).
-
-Seeded requests draw differently: the token at absolute position i of a request with seed
-s is argmax_x p(x) / E_x, with E ~ Exp(1)^V keyed by (s, i) (the exponential race, which is
-Gumbel-max: an exact sample from p). The noise depends on nothing but the request, so its
-reply is the same whatever else is in the batch, with or without speculation, with any
-proposer and after a resume: a draft that samples with the same keyed noise proposes
-exactly the target's token wherever p and q agree, and verification keeps a draft token iff
-it is the target's own keyed sample (`keyed_sample`).
+Seeded requests draw token i as argmax_x p(x) / E_x with E ~ Exp(1)^V keyed by (seed, i):
+Gumbel-max, an exact sample from p that depends on nothing but the request. Its reply is the
+same whatever the batch, with or without speculation, and after a resume; a draft that uses
+the same keyed noise proposes exactly the target's token wherever p and q agree.
 """
 
 from __future__ import annotations
@@ -78,12 +63,8 @@ def keyed_sample(probs: torch.Tensor, keys: list[tuple[int, int]]) -> torch.Tens
 
 
 def random_sample(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
-    """Draw one token per position by inverse CDF: probs [B, T, V] -> token ids [B, T].
-
-    Rows need not be normalised; tokens with probability 0 are never drawn. Rows whose
-    generator is None share torch's default generator; the others each draw from their
-    own, so their tokens do not depend on the rest of the batch.
-    """
+    """Inverse-CDF draw: probs [B, T, V] (unnormalised; zeros never drawn) -> token ids [B, T].
+    Rows with a generator draw from their own, independent of the batch; None: torch's default."""
     cdf = probs.cumsum(dim=-1)  # [B, T, V]
     u = torch.empty(cdf.shape[:-1] + (1,), dtype=cdf.dtype, device=cdf.device)  # [B, T, 1]
     seeded = [i for i, g in enumerate(generators) if g is not None]
@@ -117,12 +98,9 @@ def _apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
 
 
 def _apply_top_p(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Keep the nucleus and renormalise: probs [S, T, V], top_p [S] in (0, 1] (1 = off).
-
-    A token is kept when the mass of the tokens more likely than it is < top_p, which is
-    transformers' rule (drop while the ascending cumulative sum <= 1 - top_p) read from
-    the other end. Tokens tied with the last kept one are kept too.
-    """
+    """Keep the nucleus and renormalise: probs [S, T, V], top_p [S] in (0, 1] (1 = off). A token
+    stays when the mass more likely than it is < top_p (transformers' rule read from the other
+    end); ties with the last kept token stay too."""
     vocab = probs.shape[-1]
     p = top_p.view(-1, 1, 1).expand(-1, probs.shape[1], 1)  # [S, T, 1]
     candidates = probs.topk(min(vocab, TOP_P_CANDIDATES), dim=-1).values  # [S, T, C] descending
@@ -150,17 +128,11 @@ def _top_p_threshold_sorted(probs: torch.Tensor, p: torch.Tensor) -> torch.Tenso
 
 
 class Sampler:
-    """Turns logits into probabilities or tokens, each row with its own SamplingParams.
-
-    Stateless: per-request state (the seeded generator) lives with the request.
-    """
+    """Logits to probabilities or tokens, per-row SamplingParams; stateless (generators live with requests)."""
 
     def probs(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-        """Processed probabilities, float32, same shape as logits ([B, V] or [B, T, V]).
-
-        Greedy rows get a one-hot at the argmax. The rejection sampler uses these for
-        both the draft and the target, so they must be exactly what `sample` draws from.
-        """
+        """Processed float32 probabilities shaped as logits; greedy rows one-hot at the argmax.
+        The rejection sampler uses these for draft and target: exactly what `sample` draws from."""
         logits3, squeeze = _as_3d(logits, params)
         greedy = [i for i, p in enumerate(params) if p.greedy]
         sampled = [i for i, p in enumerate(params) if not p.greedy]
@@ -183,13 +155,9 @@ class Sampler:
         generators: list[torch.Generator | None] | None = None,
         positions: list[int] | None = None,
     ) -> torch.Tensor:
-        """Token ids [B] for logits [B, V] (or [B, T] for logits [B, T, V]).
-
-        Rows whose params carry a seed draw keyed noise (`keyed_sample`) for the absolute
-        position positions[i] (+ t for the t-th of T positions). Otherwise generators[i] is
-        row i's own generator (from make_generator) or None (torch's default); it is only
-        consulted for rows that actually sample. All-greedy batches are a plain argmax.
-        """
+        """Token ids [B] for logits [B, V] (or [B, T] for [B, T, V]). Seeded rows draw keyed noise
+        for absolute position positions[i] + t; others use generators[i] (make_generator) or
+        torch's default (None). All-greedy batches are a plain argmax."""
         logits3, squeeze = _as_3d(logits, params)
         if generators is None:
             generators = [None] * len(params)
@@ -215,13 +183,9 @@ class Sampler:
         return tokens.squeeze(1) if squeeze else tokens
 
     def logprobs(self, logits: torch.Tensor, params: list[SamplingParams], tokens: list[int]) -> list[TokenLogprob]:
-        """Log-probability of each chosen token under row i's final distribution, logits [N, V]
-        (grammar masks already applied) -> N entries, each with params[i].logprobs alternatives.
-
-        Sampling rows: the processed distribution `sample` draws from (temperature, top-k, top-p).
-        Greedy rows: the model's own distribution (softmax of the masked logits), whose maximum
-        is the greedy token (their processed distribution would be a one-hot).
-        """
+        """Each chosen token's log-probability, with params[i].logprobs alternatives; logits [N, V]
+        already masked. Sampling rows: the processed distribution `sample` draws from. Greedy
+        rows: the model's masked softmax (their processed one would be a one-hot)."""
         logp = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)  # [N, V]
         greedy = [i for i, p in enumerate(params) if p.greedy]
         sampled = [i for i, p in enumerate(params) if not p.greedy]

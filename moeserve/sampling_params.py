@@ -1,8 +1,7 @@
 """Per-request sampling parameters: how to pick each next token and when to stop.
 
-The field names and meanings follow vLLM and the OpenAI API, so a gateway can copy a
-request body into them. Every bad value raises a ValueError that names the field and
-says why; the gateway turns it into a 400/422 (gRPC: INVALID_ARGUMENT).
+Field names and meanings follow vLLM and the OpenAI API, so a gateway can copy a request body
+into them. A bad value raises a ValueError naming the field (HTTP 400/422, gRPC INVALID_ARGUMENT).
 """
 
 from __future__ import annotations
@@ -11,8 +10,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-# Temperatures below this are treated as greedy decoding (vLLM uses the same epsilon):
-# dividing logits by ~0 only amplifies rounding noise.
+# Temperatures below this are greedy (as in vLLM): dividing logits by ~0 only amplifies rounding noise.
 SAMPLING_EPS = 1e-5
 MAX_TEMPERATURE = 100.0
 # torch.Generator.manual_seed accepts exactly this range.
@@ -61,12 +59,10 @@ TRACE_SOURCES = ("target", "draft", "forced")
 class TokenTrace:
     """How one generated token came to be (an opt-in trace).
 
-    source: "target" (drawn from the target's own distribution: a plain step, or the token
-        that corrected or followed a run of drafts), "draft" (a draft token the target
-        accepted) or "forced" (the grammar allowed nothing else: jump-forward); None unless
-        the request asked for it.
-    experts: per MoE layer, (layer index, expert ids, gate weights) at the position whose
-        output chose this token; None unless asked, and for forced tokens (no pass chose them)."""
+    source: "target" (drawn from the target's distribution: a plain step, or a recovered or bonus
+        token), "draft" (an accepted draft token) or "forced" (jump-forward); None unless asked.
+    experts: per MoE layer, (layer index, expert ids, gate weights) at the position whose output
+        chose this token; None unless asked, and for forced tokens (no pass chose them)."""
 
     token_id: int
     source: str | None = None
@@ -81,25 +77,19 @@ class SamplingParams:
         max_tokens: most tokens to generate (>= 1).
         temperature: 0 means greedy (argmax); otherwise logits are divided by it (0..100].
         top_k: keep the k most likely tokens; 0 or -1 turns it off.
-        top_p: nucleus sampling, keep the smallest set of tokens whose probability
-            reaches top_p (0 < top_p <= 1; 1 turns it off).
-        seed: keys this request's random draws by (seed, position), so the same request gives
-            the same tokens whatever else is in the batch, with or without speculation and
-            after a resume; None draws from the shared generator.
-        stop: strings that end generation; the stop string is not part of the output.
-            A single string or a list is accepted and stored as a tuple.
-        stop_token_ids: token ids that end generation (besides EOS); the token is not
-            part of the output text.
+        top_p: keep the smallest set of tokens whose probability reaches top_p (1: off).
+        seed: keys this request's draws by (seed, position): the same tokens whatever the batch,
+            with or without speculation and after a resume; None: the shared generator.
+        stop: strings that end generation, left out of the output (a string or a list; kept as a tuple).
+        stop_token_ids: token ids that end generation (besides EOS), left out of the text.
         ignore_eos: keep generating past EOS until max_tokens or a stop condition.
-        logprobs: None (off), or report each generated token's log-probability and this many
-            (0..20) most likely alternatives: from the final distribution the token was drawn
-            from (after grammar masks, temperature, top-k and top-p); for greedy requests, the
-            model's distribution under the grammar mask, whose maximum is the greedy token.
-        trace_experts, trace_speculation: report for each generated token the experts it was
-            routed to in every MoE layer, and where it came from (see TokenTrace).
+        logprobs: None (off), or each token's log-probability and this many (0..20) alternatives,
+            from the final distribution it was drawn from (Sampler.logprobs; greedy requests:
+            the model's masked distribution).
+        trace_experts, trace_speculation: report each token's experts per MoE layer and where it
+            came from (see TokenTrace).
 
-    The order of processing is temperature, then top-k, then top-p (vLLM and
-    transformers agree on it).
+    Processing order: temperature, top-k, top-p (as in vLLM and transformers).
     """
 
     max_tokens: int = 128

@@ -1,46 +1,27 @@
 """Tokenizer loading, chat rendering, and incremental detokenization.
 
-`load_tokenizer` reads a Hugging Face tokenizer folder (usually the checkpoint folder)
-and insists on an EOS token, since generation cannot end without one.
+`load_tokenizer` reads a Hugging Face tokenizer folder and insists on an EOS token.
 
-`render_chat` turns OpenAI-style messages into the prompt string, through the
-tokenizer's own chat template when it has one, else through DEFAULT_CHAT_TEMPLATE:
+`render_chat` turns OpenAI-style messages into the prompt string through the tokenizer's chat
+template, else DEFAULT_CHAT_TEMPLATE (`<|user|>` ... `<|end|>` per message: the demo
+tokenizer's special tokens, plain but unambiguous text for others). Tools go as they are to
+templates that mention `tools` or `tool_calls` (Qwen, Mistral, Llama 3, ...); for others the
+conversation is rewritten Hermes-style: tools listed in the system message, earlier calls as
+`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, results as user messages inside
+`<tool_response>` ... `</tool_response>`.
 
-    <|system|>
-    You are a helpful assistant.<|end|>
-    <|user|>
-    Hello<|end|>
-    <|assistant|>
+`IncrementalDetokenizer` streams text; two things make that harder than `decode(all_ids)`:
 
-The markers are the demo tokenizer's special tokens; for a tokenizer that lacks them
-they are plain text, which still gives the model an unambiguous transcript.
+1. Byte-level BPE splits multi-byte characters across tokens; a prefix ending inside one
+   decodes to U+FFFD, which must never reach the client. As in vLLM, text is final up to
+   offset `read`; each push decodes only the window from `prefix` on and emits the part past
+   the prefix text once it no longer ends in U+FFFD (O(window) per push).
+2. Text that could start a stop string is held back until it completes one (then it and all
+   after are dropped, as the OpenAI API does) or cannot anymore.
 
-Tools (`tools=`, assistant messages with `tool_calls`, `tool` messages with the results) go to
-templates that know them (any that mentions `tools` or `tool_calls`: Qwen, Mistral, Llama 3,
-...) as they are. For templates that do not (the demo's), the conversation is rewritten
-into the roles they know, in the Hermes style: the tools are listed in the system message
-with how to call them (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`), earlier
-calls are appended to their assistant message that way, and each result becomes a user
-message inside `<tool_response>` ... `</tool_response>`.
-
-`IncrementalDetokenizer`: token ids in, finished text out, with stop strings.
-
-Two things make streaming text harder than `tokenizer.decode(all_ids)`:
-
-1. Byte-level BPE splits multi-byte UTF-8 characters across tokens ("₹" is three bytes
-   and may be two or three tokens). Decoding a prefix that ends inside a character
-   yields U+FFFD, which must never reach the client. We keep two offsets into the
-   token ids, as vLLM does: text is final up to `read`; each push decodes only the
-   window from `prefix` (the previous `read`) to the end, and emits the part past the
-   prefix text once the window no longer ends in U+FFFD. Each push costs O(window),
-   not O(everything generated).
-2. Stop strings: text that could be the start of a stop string is held back until it
-   either completes the stop string (then it and everything after are dropped, as the
-   OpenAI API does) or cannot anymore.
-
-Invariant (tested against full decodes): the concatenation of everything `push` and
-`finish` return equals `tokenizer.decode(generated, skip_special_tokens=...)` for
-byte-level tokenizers, cut before the first stop string.
+Invariant (tested): everything `push` and `finish` return, joined, equals
+`tokenizer.decode(generated, skip_special_tokens=...)` for byte-level tokenizers, cut before
+the first stop string.
 """
 
 from __future__ import annotations
@@ -61,18 +42,10 @@ PROMPT_CONTEXT_TOKENS = 5
 
 
 class IncrementalDetokenizer:
-    """Per-request streaming decoder.
-
-    Args:
-        tokenizer: a transformers tokenizer (fast ones are decoded through their Rust
-            backend directly).
-        prompt_ids: the prompt's token ids; only the last few are used as context.
-        stop: stop strings; the output ends just before the first one to complete.
-        skip_special_tokens: leave special tokens (EOS, chat markers) out of the text.
-
-    Use: `push(new_ids)` after each step returns the newly final text; `stopped`
-    turns true once a stop string completed (stop generating then); `finish()` returns
-    whatever was held back.
+    """Per-request streaming decoder over a transformers tokenizer (fast ones via their Rust
+    backend); the last few `prompt_ids` serve as context, and the output ends just before the
+    first `stop` string to complete. `push(new_ids)` returns the newly final text; `stopped`
+    turns true once a stop string completed; `finish()` returns whatever was held back.
     """
 
     def __init__(
@@ -175,11 +148,8 @@ def _stop_prefix_length(text: str, stops: tuple[str, ...]) -> int:
 
 
 def _decoder(tokenizer: Any, skip_special_tokens: bool) -> Callable[[list[int]], str]:
-    """The cheapest faithful decode: the Rust backend when there is one.
-
-    No clean-up of tokenization spaces: it rewrites text across window boundaries, and
-    modern tokenizers turn it off anyway (vLLM does not apply it either).
-    """
+    """The cheapest faithful decode: the Rust backend when there is one. No clean-up of
+    tokenization spaces: it rewrites text across window boundaries (vLLM skips it too)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None:
         return lambda ids: backend.decode(ids, skip_special_tokens=skip_special_tokens)
@@ -201,11 +171,8 @@ DEFAULT_CHAT_TEMPLATE = (
 
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
-    """Load the tokenizer saved in folder `path` (no network access).
-
-    Raises FileNotFoundError when the folder or its tokenizer files are missing, and
-    ValueError when the tokenizer has no EOS token; both name the folder.
-    """
+    """Load the tokenizer saved in folder `path` (no network access). FileNotFoundError when the
+    folder or its files are missing, ValueError when it has no EOS token."""
     folder = Path(path)
     if not folder.is_dir():
         raise FileNotFoundError(f"tokenizer folder {folder} does not exist")
@@ -226,13 +193,10 @@ def render_chat(
     add_generation_prompt: bool = True,
     tools: Sequence[Mapping[str, Any]] | None = None,
 ) -> str:
-    """Render chat messages ({"role": ..., "content": ...}) to the prompt text.
-
-    Roles are "system", "user", "assistant" and "tool"; content is a string (an assistant
-    message with `tool_calls` may have none). `tools`: OpenAI function tools. Bad messages
-    (and templates that reject the conversation) raise ValueError saying which message and
-    why. Tokenize the result without adding special tokens: the template has them.
-    """
+    """Render chat messages ({"role": ..., "content": ...}; roles in CHAT_ROLES; an assistant
+    message with `tool_calls` may lack content) and OpenAI function `tools` to the prompt text.
+    Bad messages raise ValueError saying which and why. Tokenize the result without adding
+    special tokens: the template has them."""
     _check_messages(messages)
     template = tokenizer.chat_template or DEFAULT_CHAT_TEMPLATE
     extra: dict[str, Any] = {} if tokenizer.chat_template else {"chat_template": DEFAULT_CHAT_TEMPLATE}

@@ -4,16 +4,13 @@
     on_message(list[GenerateChunk])        <- every step's new tokens, on a client thread
     client.stats(timeout)                  -> the core's gauges (one round trip)
 
-`ProcessCore` (the served default) starts `python -m moeserve.engine.core_client FD`, which
-loads the engine and runs EngineCore.run on its main thread: a busy loop with a core of its
-own, no GIL shared with Serve's event loop. The channel is one Unix socket pair, each
-message pickled once (per step: one list of chunks for all requests). A dead core process
-closes its end of the socket, so the client notices at once (not after a heartbeat), tells
-`on_dead`, and starts a fresh core; requests sent while it starts wait in a backlog.
+`ProcessCore` (the served default) starts `python -m moeserve.engine.core_client FD`, which runs
+EngineCore.run on its own main thread, sharing no GIL with Serve's event loop. The channel is a
+Unix socket pair, each message pickled once. A dead core closes its end, so the client notices
+at once, tells `on_dead`, and starts a fresh core; messages sent meanwhile wait in a backlog.
 
-`InprocCore` runs the same loop on a thread over two in-memory queues: the reference the
-tests drive directly, and the home of cores that need this process's Ray handles (an
-expert-parallel group's rank 0).
+`InprocCore` runs the same loop on a thread over in-memory queues: the reference the tests
+drive, and the home of cores that need this process's Ray handles (an expert-parallel rank 0).
 """
 
 from __future__ import annotations
@@ -154,10 +151,7 @@ class _ConnChannel:
 
 
 class ProcessCore(CoreClient):
-    """The core in a child process; restarted when it dies, until `close()`.
-
-    `spec` is pickled to the child, which builds its core with `build_core(spec)`.
-    """
+    """The core in a child process (built there by `build_core(spec)`); restarted when it dies, until `close()`."""
 
     def __init__(self, spec: Any, on_message: Callable, on_dead: Callable) -> None:
         super().__init__(on_message, on_dead)

@@ -5,17 +5,14 @@ row), V vocab, S rows that sample their drafts.
 
 One `propose` call per engine step, for the whole batch:
 
-1. sync: the draft's own paged KV cache (prefix caching on) keeps the common prefix of what it
-   holds and the request's token ids: that is the rollback after a rejection, and the rebuild
-   after a miss (a new, evicted or unseen sequence).
-2. catch-up: every row's uncached tail is fed, batched; the logits after its last token give draft 1.
+1. sync: the draft's paged KV cache keeps the common prefix of what it holds and the request's
+   token ids (the rollback after a rejection; a rebuild for a new, evicted or unseen sequence).
+2. catch-up: every row's uncached tail is fed, batched; the logits after it give draft 1.
 3. K - 1 batched one-token forwards; the rows still drafting stay a prefix of the batch.
 
-Every forward is the model's own (CausalLM over the runner's paged cache), as the target's; with
-`compile`, one-token steps run as the runner's compiled step. Drafts are the draft's argmax
-(`Proposal.probs` None) unless the proposer samples and the request does: then each is drawn from
-the draft's probabilities under the request's temperature, top-k and top-p, sent along as q; a
-seeded request draws with noise keyed by (seed, position), so it does not depend on the batch.
+Drafts are the draft's argmax (`Proposal.probs` None) unless the proposer and the request both
+sample: then each is drawn from the draft's processed probabilities, sent along as q (seeded
+requests with keyed noise, as the target draws).
 """
 
 from __future__ import annotations
@@ -41,12 +38,10 @@ class DraftModelProposer(Proposer):
 
     model: the draft (a CausalLM, or a checkpoint folder), sharing the target's tokenizer.
     max_num_seqs: sequences held; when full (or out of KV blocks) the least recently used one
-        outside this step's batch is evicted (and rebuilt if it comes back), so a leaked id costs nothing.
+        outside this step's batch is evicted, so a leaked id costs nothing.
     max_model_len: tokens per sequence; rows that would pass it draft fewer tokens.
-    greedy: the draft's argmax for every request; False samples drafts for sampled requests with
-        their own SamplingParams and returns q.
-    num_blocks, block_size, prefix_caching: the paged cache, reserved whole at start (0 blocks: room
-        for max_num_seqs sequences of max_model_len). compile: one-token steps as a compiled graph.
+    greedy: the draft's argmax for every request; False samples drafts for sampled requests (with q).
+    num_blocks, block_size, prefix_caching, compile: the runner's (see ModelRunner).
     """
 
     def __init__(self, model: CausalLM | str | os.PathLike, max_num_seqs: int = default_of(EngineSection, "max_num_seqs"),
@@ -82,12 +77,9 @@ class DraftModelProposer(Proposer):
     @torch.inference_mode()
     def propose(self, requests: list[ProposalRequest], hypothetical: bool = False) -> list[Proposal]:
         """Up to request.num_tokens draft tokens per request, in order (possibly none).
-        hypothetical: the histories are guesses (pre-drafting): drafting rolls back from them
-        without counting a rebuild, and evicts nothing.
-
-        A greedy row under a grammar whose forced text the engine appends (`jump_forward`) drafts
-        through that text: the text goes into the proposal and the row drafts its remaining tokens
-        after it, in one more batched round of the rows that got that far."""
+        hypothetical: the histories are guesses (pre-drafting): no rebuild counted, nothing evicted.
+        A greedy row with `jump_forward` drafts through forced text: the text goes into the
+        proposal, and the row drafts on after it in one more batched round."""
         self._clock += 1
         proposals, through = self._round(requests, hypothetical)
         left = {i: requests[i].num_tokens - (len(proposals[i].token_ids) - len(f)) for i, f in through.items()}
@@ -176,12 +168,9 @@ class DraftModelProposer(Proposer):
         return rows
 
     def _catch_up(self, rows: list[DraftRow], batch: DraftBatch) -> torch.Tensor:
-        """Feeds each row's uncached tail; logits [B, V] after each row's last token.
-
-        Tails are usually 1 token (a recovered token) or 2 (the last draft and the bonus
-        token): those go through one-token steps. Up to their last token, longer tails (forced
-        text a grammar appended, drafts a step accepted, new sequences, rebuilds) go through the
-        runner's forward, grouped by length."""
+        """Feeds each row's uncached tail; logits [B, V] after each row's last token. Tails of 1
+        (a recovered token) or 2 (last draft + bonus) go through one-token steps; longer ones run
+        through the runner's forward up to their last token, grouped by length."""
         prefill = [Row(r.seq_id, r.tokens[r.start : -1], r.start) for r in rows if len(r.tokens) - r.start > 2]
         if prefill:
             forward_last(self.runner, prefill, prepared=True)
@@ -236,8 +225,7 @@ class DraftModelProposer(Proposer):
         """Draws draft j for the sampling rows `idx` from their processed q; stores q."""
         q = self.sampler.probs(logits[idx].float().cpu(), [rows[b].params for b in idx])  # [s, V]
         drawn = random_sample(q[:, None], [None] * len(idx)).squeeze(1)  # [s]
-        # A seeded row drafts with the target's keyed noise for that position: wherever q and
-        # the target's p agree on the sample, the draft is exactly the token the target keeps.
+        # seeded rows use the target's keyed noise: where q and p agree, the draft is the target's token
         seeded = [i for i, b in enumerate(idx) if rows[b].params.seed is not None]
         if seeded:
             keys = [(rows[idx[i]].params.seed, len(rows[idx[i]].tokens) + j) for i in seeded]

@@ -1,8 +1,7 @@
 """The in-process engine: continuous batching over a target model, optional speculation.
 
-One step = schedule -> (propose) -> run the target -> sample or verify -> postprocess.
-Everything per step stays in this process; callers (CLI, Serve deployment) add requests
-and call `step()` in a loop.
+One step = schedule -> (propose) -> run the target -> sample or verify -> postprocess;
+callers (CLI, the engine core) add requests and call `step()` in a loop.
 
 Shapes: B rows, K draft tokens (widest row), V vocab.
 """
@@ -76,8 +75,8 @@ class LLMEngine:
         grammar: CompiledGrammar | None = None,
         resume_ids: Seq[int] = (),
     ) -> str:
-        """Queue a request; `grammar` (from GrammarCompiler.compile) constrains its output. `resume_ids`:
-        output an earlier attempt delivered (a retry), continued after and counted toward max_tokens."""
+        """Queue a request, its output constrained by `grammar` (GrammarCompiler.compile) and continued
+        after `resume_ids` (what an earlier attempt delivered; counted toward max_tokens)."""
         params = params or SamplingParams()
         prompt_ids = list(self.tokenizer.encode(prompt)) if isinstance(prompt, str) else [int(t) for t in prompt]
         limit = self.scheduler.cfg.max_model_len

@@ -37,8 +37,7 @@ def demo_checkpoint(name: str) -> str:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """What the engine core builds itself from: the engine's part of the config tree
-    (`from_app`). Defaults are the tree's; model paths default to the demo pair."""
+    """What the engine core builds itself from: the engine's part of the config tree (`from_app`)."""
 
     model: str = ""  # checkpoint folder of the target; default: the demo MoE
     draft_model: str = ""  # checkpoint folder of the draft; default: the demo draft
@@ -170,8 +169,8 @@ def build_engine(cfg: EngineConfig, runner=None, proposer=None) -> LLMEngine:
         runner = ModelRunner(model, cfg.max_num_seqs, cfg.max_model_len, cfg.kv_blocks(lookahead), cfg.block_size,
                              cfg.prefix_caching, compile=cfg.compile)
     if getattr(runner, "compiled", None) is not None:
-        # passes of several positions: verify passes, and the short prefill after a prefix-cache hit
-        # (one shape-generic graph serves 2..MAX_QUERY positions; compiling it on first use stalls a request)
+        # warm the multi-position graph too (verify passes, short prefills after a prefix hit): compiled
+        # on first use, it would stall a request
         if proposer is not None:
             multi = (cfg.num_spec_tokens + 1,)
         else:

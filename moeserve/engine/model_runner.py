@@ -2,19 +2,11 @@
 
 Shapes: B rows, Tq query tokens (the longest row; shorter rows are padded), V vocab.
 
-`add` is told the sequence's tokens and answers how many leading ones the prefix cache
-already holds: the engine then feeds only the rest.
-
-What a forward pass does to a sequence's blocks (BlockManager.write):
-- positions before a row's `start` are committed (the engine feeds from its cached length, so
-  rejected draft tokens are never behind it): full blocks among them are hashed and become
-  findable by later sequences;
-- blocks past what this pass writes held only rejected draft tokens: they are freed;
-- blocks are allocated for the positions this pass writes; a prefill's or plain decode's
-  tokens are committed right after the pass (a verify pass's drafts only at the next one).
-Shared blocks are never written: a prefix hit ends on a block boundary before the last
-prompt token, so every position a sequence writes lies in a block of its own (and a sequence
-that rewinds into a shared block gets a copy of its own first).
+`add` is told the sequence's tokens and answers how many leading ones the prefix cache already
+holds: the engine then feeds only the rest. What a pass does to a sequence's blocks (commit
+before `start`, free rejected drafts' blocks, copy a shared block before writing it) is
+BlockManager.write's; a prefill's or plain decode's tokens are committed right after the pass,
+a verify pass's drafts only at the next one.
 """
 
 from __future__ import annotations
@@ -29,17 +21,14 @@ from model_shards.kv_cache import BlockManager, PagedKVCache, StepBatch
 from model_shards.model import split_routing
 from moeserve.config import EngineSection, default_of
 
-# A forward pass costs about as much fixed overhead (per-op dispatch, one pass over every
-# weight) as this many extra token positions: the ratio of a pass's fixed cost to one position's
-# for the demo model on CPU. Prefill groups only split when that saves more padding than it costs.
+# A pass's fixed overhead (per-op dispatch, one read of every weight) in token positions, for the
+# demo model on CPU: prefill groups split only when that saves more padding than it costs.
 FORWARD_OVERHEAD_TOKENS = 256
 
 
 def length_groups(lengths: list[int], overhead_tokens: int = FORWARD_OVERHEAD_TOKENS) -> list[list[int]]:
-    """Split rows of these lengths into forward passes, minimising the padded token positions
-    computed plus `overhead_tokens` per pass. A pass pads its rows to its longest one, so the
-    best groups are runs of the rows sorted by length (dynamic programming over the runs).
-    Returns lists of row indices; when there are several passes, the longest rows come first."""
+    """Row indices grouped into forward passes (longest rows first), minimising padded positions
+    plus `overhead_tokens` per pass: dynamic programming over runs of the rows sorted by length."""
     n = len(lengths)
     if n and max(lengths) * n - sum(lengths) <= overhead_tokens:
         return [list(range(n))]  # a second pass costs more than all the padding it could save
@@ -68,9 +57,8 @@ class Row:
 
 
 def forward_last(runner, rows: list[Row], **kwargs) -> torch.Tensor:
-    """Logits [B, V] at each row's last token, in row order; rows of very different lengths
-    (prompts being prefilled) run as separate passes, each padded only to its own longest
-    row (length_groups). `runner`: a ModelRunner or anything with its forward() (which gets `kwargs`)."""
+    """Logits [B, V] at each row's last token, in row order, rows grouped by length_groups.
+    `runner`: a ModelRunner or anything with its forward() (which gets `kwargs`)."""
     groups = length_groups([len(r.tokens) for r in rows])
     if len(groups) == 1:
         return runner.forward(rows, logits="last", **kwargs)
@@ -87,13 +75,10 @@ def routing_by_row(trace: list, rows: list[Row], tq: int) -> dict[str, list[tupl
 
 class ModelRunner:
     """The model + a paged KV cache of `num_blocks` blocks of `block_size` tokens (block 0 is
-    scratch; 0: room for `max_num_seqs` sequences of `max_model_len` tokens), all allocated here,
-    for up to `max_num_seqs` sequences of up to `max_model_len` tokens.
-
-    The cache and every per-step tensor live on the model's device; logits come back on the
-    CPU (one copy per step), where sampling, grammar masks and verification run.
-    compile: run decode and verify passes as a compiled graph (model_shards/compiled_step.py)
-    whenever the batch allows it; prefill and anything else stays eager."""
+    scratch; 0: room for `max_num_seqs` sequences of `max_model_len` tokens). The cache lives on
+    the model's device; logits come back on the CPU (one copy per step), where sampling, grammar
+    masks and verification run. compile: decode and verify passes as a compiled graph
+    (model_shards/compiled_step.py) when the batch allows it; the rest stays eager."""
 
     def __init__(self, model: CausalLM, max_num_seqs: int, max_model_len: int, num_blocks: int = 0,
                  block_size: int = default_of(EngineSection, "block_size"),

@@ -1,16 +1,13 @@
 """Continuous batching: which sequences run in the next step.
 
-A step is either a prefill (new sequences, their whole prompts, padded into one batch) or a
-decode (every running sequence feeds its pending token plus any draft tokens). Waiting
-requests join between steps whenever the batch, the KV budget and the token budget allow;
-prefill goes first so new requests start quickly.
+A step is either a prefill (new sequences' whole prompts, padded into one batch) or a decode
+(every running sequence feeds its pending token plus any drafts). Waiting requests join between
+steps when the batch, KV and token budgets allow; prefill goes first so new requests start quickly.
 
-KV budget: the running sequences may hold at most `kv_budget_tokens` tokens of KV cache
-(every token so far plus `lookahead` for the next step's draft, rounded up to whole blocks of
-`block_size` tokens for a paged cache). A request is admitted only
-when its tokens fit; when growing sequences would overflow the budget, the newest running
-ones are preempted: their KV cache is freed and they go back to the front of the queue,
-keeping their output, which the next prefill recomputes (vLLM's recompute preemption).
+KV budget: running sequences hold at most `kv_budget_tokens` of KV cache (their tokens plus
+`lookahead` drafts, in whole blocks). When growing sequences would overflow it, the newest are
+preempted: KV freed, back to the front of the queue with their output, which the next prefill
+recomputes (vLLM's recompute preemption).
 """
 
 from __future__ import annotations
@@ -25,15 +22,12 @@ from moeserve.sequence import Sequence, SequenceStatus
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = default_of(EngineSection, "max_num_seqs")  # running batch size
-    # prompt tokens in one prefill step (one prompt always fits)
-    max_num_batched_tokens: int = default_of(EngineSection, "max_num_batched_tokens")
+    max_num_batched_tokens: int = default_of(EngineSection, "max_num_batched_tokens")  # per prefill step
     max_model_len: int = default_of(EngineSection, "max_model_len")
-    # KV-cache tokens for all running sequences; 0: max_num_seqs * max_model_len
-    kv_budget_tokens: int = default_of(EngineSection, "kv_budget_tokens")
+    kv_budget_tokens: int = default_of(EngineSection, "kv_budget_tokens")  # all running seqs; 0: derived
     lookahead: int = 0  # tokens a sequence may add in one step beyond the next one (draft tokens)
     block_size: int = default_of(EngineSection, "block_size")  # KV is held in blocks of this many tokens
-    # With prefix caching: of several waiting sequences with the same prompt (n choices), prefill
-    # one; the others follow a step later and reuse its prompt blocks.
+    # with prefix caching: of waiting sequences sharing a prompt, prefill one; the rest reuse its blocks next step
     share_prefill: bool = False
 
     def __post_init__(self) -> None:
@@ -72,8 +66,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
-        # Isolation after a failed step: only this sequence is scheduled (the others wait, their
-        # KV cache kept) until the engine core clears it.
+        # after a failed step: only this sequence is scheduled (the others wait) until the core clears it
         self.focus: Sequence | None = None
 
     @property

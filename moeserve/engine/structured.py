@@ -1,24 +1,18 @@
 """Grammar-constrained decoding inside the engine step: masks, matcher advance, jump-forward.
 
-Per request the grammar state is `Sequence.grammar` (a RequestGrammar: the request's
-GrammarMatcher and its closing policy); this helper holds the per-engine parts (the
-bitmask buffer, the closing tables) and the three moments a step touches the grammar:
+Per-request state is `Sequence.grammar` (a RequestGrammar: matcher + closing policy); this
+helper holds the per-engine parts (bitmask buffer, closing tables) and the three moments a
+step touches the grammar:
 
-1. before the target runs (decode with drafts): `cut_and_fill` walks each constrained
-   row's draft through its matcher and cuts the proposal at the first token the grammar
-   refuses: before it for a deterministic draft (the masked target gives it probability 0,
-   and with a one-hot q the residual is the masked target itself), after it for a sampled
-   one (its rejection must draw from the residual max(0, p - q), or the output would lean
-   toward what the draft likes), and puts in the text the grammar forces after a draft
-   token (jump-forward inside the verify pass: those positions allow only their own token);
-   then it fills bitmask rows for all verification positions, rolling the matcher back
-   after; plain steps fill one row per sequence (`fill_last`);
-2. before sampling: `apply` masks the logits with those rows and, in the last
-   `close_margin` tokens of a request's budget, biases the allowed tokens toward closing
-   the output (termination.py), so a weak model still ends with a complete document;
-3. after sampling: `advance` moves the matcher over the emitted tokens, reports whether
-   the grammar is finished (only a stop token could follow), and returns the tokens the
-   grammar forces next (jump-forward), which the engine appends without sampling.
+1. before the target runs: `cut_and_fill` walks each constrained row's draft through its
+   matcher, cuts it at the first refused token (before it for a deterministic draft, after
+   it for a sampled one, whose rejection must draw from the residual max(0, p - q)), puts in
+   the text the grammar forces, and fills bitmask rows for every verification position;
+   plain steps fill one row per sequence (`fill_last`);
+2. before sampling: `apply` masks the logits and, near the end of a request's budget, biases
+   them toward closing the output (termination.py), so a weak model still ends complete;
+3. after sampling: `advance` moves the matcher over the emitted tokens, reports whether only
+   a stop token could follow, and returns the forced tokens the engine appends unsampled.
 
 Shapes: B rows, K draft tokens (widest row), P = K + 1 positions, V vocab, W = ceil(V / 32).
 """
@@ -50,11 +44,8 @@ logger = logging.getLogger(__name__)
 class StructuredConfig:
     """jump_forward: append grammar-forced tokens without sampling them.
     close_margin, close_fraction: in the last max(close_margin, close_fraction * max_tokens)
-        tokens of a request's budget (never more than half of it), steer sampling toward the
-        shortest complete output. Measured on JSONSchemaBench with a random model at
-        max_tokens 512: a 32-token tail leaves 7% of outputs cut off (a number that wandered
-        for 400 digits still has five required fields to go), a 64-token tail ends them.
-        A model that finishes on its own never reaches the tail, so it is never steered."""
+        tokens of a request's budget (at most half), steer sampling toward the shortest complete
+        output; a model that finishes on its own never reaches that tail."""
 
     jump_forward: bool = True
     close_margin: int = 32
@@ -73,8 +64,7 @@ class StructuredConfig:
 
 @dataclass
 class RequestGrammar:
-    """One request's grammar state, kept on `Sequence.grammar`: where the output stands in the
-    grammar (matcher) and in the JSON lexer that scores closing tokens (closing)."""
+    """One request's grammar state (`Sequence.grammar`): its matcher and closing-token scorer."""
 
     matcher: GrammarMatcher
     closing: ClosingPolicy
@@ -117,15 +107,10 @@ class StructuredOutput:
 
     # ---- per request -------------------------------------------------------------------------
     def new_request(self, compiled: CompiledGrammar, resume_ids: Seq[int] = ()) -> RequestGrammar:
-        """Fresh per-request state for `compiled` (from the process's GrammarCompiler), advanced
-        past `resume_ids`, output an earlier attempt already delivered (ValueError if the grammar
-        refuses it).
-
-        An earlier attempt may have stopped inside text the grammar forces (a cut within one
-        step's output). That step appended the text unsampled (jump-forward); sampled under the
-        grammar's mask instead, it could be split into other tokens, shifting every later
-        position, the key of a seeded draw. So the next draw is pinned to the first forced token
-        (`next_forced`), and `advance` forces the rest after it."""
+        """Per-request state for `compiled`, advanced past `resume_ids` (output an earlier attempt
+        delivered; ValueError if the grammar refuses it). An attempt cut inside forced text must
+        not sample it (another split would shift every later seeded position), so the next draw
+        is pinned to the first forced token (`next_forced`) and `advance` forces the rest."""
         if compiled.vocab_size != self.vocab_size:
             raise ValueError(f"grammar was compiled for {compiled.vocab_size} tokens; the model has {self.vocab_size}")
         if self._tables is None:  # a Python pass over the vocabulary, once per engine
@@ -148,22 +133,16 @@ class StructuredOutput:
         return self._fill(seqs, None)
 
     def cut_and_fill(self, seqs: Seq[Sequence], proposals: list[Proposal], limits: Seq[int] | None = None) -> list[Proposal]:
-        """Walk each constrained row's proposal through its matcher, cut it at its first refused
-        draft token (keeping that token when the draft sampled it), put in the text the grammar
-        forces (jump-forward), then fill rows b * P + j for j = 0..k, with P = 1 + the widest
-        proposal after this; limits[b]: the most tokens row b's proposal may keep.
+        """Walk each constrained proposal through its matcher, cut it at its first refused token
+        (kept when the draft sampled it), put in forced text, then fill rows b * P + j for
+        j = 0..k (P = 1 + the widest proposal after this); limits[b]: most tokens row b keeps.
 
-        With jump-forward, decoding without drafts emits a token and then the text the grammar
-        forces after it, unsampled. So where a draft token is followed by forced text, the forced
-        tokens go into the proposal after it (`Proposal.forced`), and their mask rows allow only
-        them: verified, they are accepted whenever the tokens before them are, and the target
-        never chooses a split of its own there. The draft goes on after them when it proposed
-        them itself (a draft drafting through forced text); else the proposal ends after them and
-        the target's token there is the next one decoding without drafts would sample. Greedy
-        output is exactly the same with and without speculation; sampled output follows the same
-        distribution, since where text is forced depends only on tokens already verified, and a
-        sampled proposal is never cut by its own value at a position (only a refusal ends it; the
-        budget cuts by position, `_cut_at_budget`)."""
+        As plain decoding appends forced text after a token, forced tokens go into the proposal
+        after the draft token they follow (`Proposal.forced`), their mask rows allowing only
+        them, so they are accepted whenever the tokens before are. The draft goes on after them
+        only if it proposed them itself; else the proposal ends there. Greedy output matches
+        plain decoding exactly, sampled output in distribution: forcing depends only on verified
+        tokens, and a sampled proposal is never cut by its own value (see `_cut_at_budget`)."""
         walked = list(proposals)
         for b, seq in enumerate(seqs):
             if seq.grammar is not None and walked[b].token_ids:
@@ -172,9 +151,8 @@ class StructuredOutput:
         return walked
 
     def _walk(self, matcher: GrammarMatcher, proposal: Proposal, limit: int | None) -> Proposal:
-        """The proposal as verification sees it (cut_and_fill; `bonus` set where the budget cut
-        forced text off); the matcher is left unchanged. Each token is checked against the filled
-        mask first: xgrammar logs a warning for every refused token."""
+        """The proposal as verification sees it (`bonus` set where the budget cut forced text off);
+        the matcher is left unchanged. Tokens are checked against the mask first (xgrammar warns on refusals)."""
         draft, probs = proposal.token_ids, proposal.probs
         row = self._bitmask[-1:]  # [1, W] scratch, filled again by _fill afterwards
         tokens: list[int] = []
@@ -296,18 +274,12 @@ class StructuredOutput:
 
 def _cut_at_budget(source: Seq[int], limit: int | None) -> int:
     """How many tokens of a walked proposal verification keeps: the first `limit`, whatever they
-    are (source[j]: the draft position token j came from, -1 for forced text).
+    are (source[j]: the draft position of token j, -1 for forced text).
 
-    A cut by position only keeps sampled drafts unbiased. Cutting back before forced text that
-    crosses the budget would drop a sampled draft token for its value (one with forced text
-    after it), and the target would then sample that position afresh: the position's output
-    becomes q(kept) * (accept or residual) + q(dropped) * p, not p (with q = p = [.5, .5] over a
-    token with forced text after it and one without, the first comes out a quarter of the time).
-    Where the cut falls inside forced text (or right before it), the bonus position is pinned to
-    the next forced token (cut_and_fill), as decoding without drafts appends it there, so the
-    output up to max_tokens is plain decoding's. Whether a position before the cut holds a draft
-    token or forced text depends only on the tokens before it, all accepted by the time
-    verification reaches it."""
+    Only a cut by position keeps sampled drafts unbiased: cutting back before forced text that
+    crosses the budget would drop a sampled token for its value, and the position's output would
+    become q(kept) * (accept or residual) + q(dropped) * p, not p. A cut inside forced text pins
+    the bonus position to the next forced token (cut_and_fill), as plain decoding appends it."""
     return len(source) if limit is None else min(len(source), limit)
 
 

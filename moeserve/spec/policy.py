@@ -62,12 +62,10 @@ def bucket(num_rows: int) -> int:
 
 
 class StepCostMeter:
-    """A window of recent decode steps per batch-size bucket, and the CostModel they imply.
-
-    Per sequence of a B-row step whose widest row drafts K tokens: target_s / B ~ base + slope *
-    (K + 1), draft_s / B ~ base + slope * K, both least squares. With one width in the window no
-    slope can be measured: the target keeps the prior's, and drafting is charged per draft token
-    (wider k look dearer, so adaptive k tries narrower ones and a second width gets measured)."""
+    """A window of recent decode steps per batch-size bucket, and the CostModel they imply: per
+    sequence, target_s / B ~ base + slope * (K + 1) and draft_s / B ~ base + slope * K (least
+    squares). With one width only, the target keeps the prior's slope and drafting is charged per
+    token (so adaptive k tries narrower k, and a second width gets measured)."""
 
     def __init__(self, window: int = 256) -> None:
         self._steps: dict[int, deque[tuple[int, int, float, float]]] = {}  # (rows, width, draft_s, target_s)
@@ -123,10 +121,9 @@ class _Rate:
 
 
 class PayGuard:
-    """Does drafting pay, as realized? Tokens per second of whole decode steps with drafts and
-    without, per key (batch-size bucket, and whether a row is constrained). While either kind has
-    fewer than min_steps steps, plain and drafting steps take turns, so both are measured over the
-    same stretch of text and load; then drafting is refused at a key where it emitted fewer per
+    """Does drafting pay, as realized? Tokens per second of decode steps with and without drafts,
+    per key (batch-size bucket, constrained or not). Until both kinds have min_steps steps they
+    take turns (same text, same load); then drafting is refused where it emitted fewer per
     second, and measured afresh after every `recheck` refused steps."""
 
     def __init__(self, decay: float = 0.97, min_steps: int = 8, recheck: int = 64) -> None:
@@ -162,9 +159,8 @@ class PayGuard:
 @dataclass(frozen=True)
 class AdaptiveKConfig:
     """How AdaptiveK chooses k (at most k_max). decay, pool_decay: weight a sequence's (the pool's)
-    acceptance evidence keeps per step. A sequence's estimate leans on the pool's alpha (the pool's
-    on prior_alpha) by prior_weight pseudo-trials: a new one starts there, an idle one drifts back.
-    probe_every: after this many steps at k = 0, draft one token anyway, or k = 0 would be for good."""
+    acceptance evidence keeps per step; prior_weight: pseudo-trials at the pool's alpha (the pool's
+    at prior_alpha). probe_every: after this many steps at k = 0, draft one token anyway."""
 
     k_max: int = 8
     decay: float = 0.8
@@ -203,10 +199,9 @@ class _Acceptance:
 
 class AdaptiveK:
     """k for a batch from its rows' running acceptance and the costs measured at its size, checked
-    by a PayGuard. Per decode step: `choose_batch(seq_ids, constrained)` before proposing,
-    `observe(seq_id, proposed, accepted)` per row after verification, `record(...)` with the
-    step's times and tokens; `on_finished(seq_id)` when a sequence ends. The costs of a bucket are
-    refit every `refit_every` of its steps."""
+    by a PayGuard. Per decode step: `choose_batch` before proposing, `observe` per row after
+    verification, `record` with the step's times and tokens; `on_finished` when a sequence ends.
+    A bucket's costs are refit every `refit_every` of its steps."""
 
     def __init__(self, config: AdaptiveKConfig, costs: CostModel = PRIOR_COSTS, refit_every: int = 16) -> None:
         if refit_every < 1:

@@ -1,9 +1,8 @@
 """Proposers: whatever guesses the draft tokens that the target then verifies.
 
-Two implementations sit behind one interface: prompt lookup (ngram.py, model-free) and a small
-dense draft model (moeserve/engine/draft_model.py, in-process or as its own deployment). The
-engine asks for a batch of proposals once per step and packs them for the rejection sampler with
-`pad_proposals`.
+Two implementations: prompt lookup (ngram.py) and a small dense draft model (engine/draft_model.py,
+in-process or as its own deployment). The engine asks for a batch of proposals once per step and
+packs them for the rejection sampler with `pad_proposals`.
 
 Shapes: B sequences, K draft tokens (the widest row), k one sequence's draft tokens, V vocabulary.
 """
@@ -40,14 +39,12 @@ class ProposalRequest:
     """Ask for up to `num_tokens` (0: none) draft tokens continuing `token_ids`.
 
     token_ids: prompt + accepted tokens; between calls for one seq_id it only grows.
-    params: the request's sampling parameters; a sampling draft draws its q with them (as the
-        target processes p), which keeps acceptance high. None or greedy: deterministic drafts.
-    grammar: the request's matcher, standing at the end of token_ids and left there. A draft
-        model drafts from its own masked distribution (a sampled q masked as p is); a draft
+    params: the request's sampling parameters; a sampling draft draws q with them (as the target
+        processes p). None or greedy: deterministic drafts.
+    grammar: the request's matcher, standing at the end of token_ids and left there; a draft
         deployment drafts unconstrained and the engine cuts what the grammar refuses.
-    jump_forward: the engine appends text its grammar forces. A deterministic proposal then puts
-        that text in after the draft token it follows and drafts on after it (num_tokens counts
-        draft tokens only); it ends after the stop token that completes the output.
+    jump_forward: the engine appends forced text; a deterministic proposal puts it in after the
+        draft token it follows and drafts on (num_tokens counts draft tokens only).
     """
 
     seq_id: str
@@ -66,8 +63,7 @@ class ProposalRequest:
 class Proposal:
     """Draft tokens for one sequence; possibly fewer than asked for (even none).
 
-    probs: [k, V] the distributions the tokens were drawn from; None for a deterministic proposal,
-        which the rejection sampler treats as one-hot q.
+    probs: [k, V] the distributions the tokens were drawn from; None: deterministic (one-hot q).
     predrafted: drafted ahead while the target verified the step before (a draft deployment's hit).
     forced: positions of tokens a grammar forces (jump-forward text, set by the engine): the target's
         mask allows only that token there, so it is accepted whenever the tokens before it are.

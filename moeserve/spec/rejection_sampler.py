@@ -1,7 +1,6 @@
 """Verification of draft tokens by the target: greedy and exact rejection sampling.
 
-Shapes: B sequences (rows of the batch), K draft tokens (the widest row; shorter rows are
-padded on the right), V vocabulary size.
+Shapes: B sequences, K draft tokens (the widest row; shorter rows right-padded), V vocab.
 """
 
 from __future__ import annotations
@@ -36,22 +35,18 @@ class RejectionSampler:
 
     - accepted tokens: draft tokens the target keeps, in order, up to the first rejection.
     - recovered token: at the first rejected position j, a token sampled from the residual
-      max(0, p_j - q_j) renormalised (greedy: the target's argmax at j). It replaces the
-      rejected draft token.
-    - bonus token: when all k draft tokens are accepted, the target's pass has already
-      computed the distribution p_{k+1} after them; a token sampled from it comes for free.
+      max(0, p_j - q_j) renormalised (greedy: the target's argmax at j), replacing the draft.
+    - bonus token: when all k drafts are accepted, a token sampled from p_{k+1}, which the
+      target's pass computed already.
 
-    Every row therefore emits between 1 and k + 1 tokens per target pass.
+    So every row emits 1 to k + 1 tokens per target pass.
 
-    Exactness (Leviathan et al. 2023; Chen et al. 2023): accepting draft token x ~ q with
-    probability min(1, p(x) / q(x)) and otherwise sampling from the normalised residual
-    max(0, p - q) yields a token distributed exactly as p. Applied position by position,
-    the emitted text follows the target's distribution whatever the draft does; the draft
-    only changes how many tokens one target pass yields.
+    Exactness (Leviathan et al. 2023; Chen et al. 2023): accepting x ~ q with probability
+    min(1, p(x) / q(x)), else sampling the normalised residual max(0, p - q), yields a token
+    distributed exactly as p; the draft only changes how many tokens one pass yields.
 
-    The probabilities are taken as given: temperature, top-k, top-p and grammar masks are
-    applied to both p and q by the caller; nothing here renormalises p or q except the residual.
-    Through `sample`, one-hot target probabilities give what `greedy` gives.
+    p and q are taken as given (the caller applies temperature, top-k, top-p and grammar masks
+    to both). Through `sample`, one-hot target probabilities give what `greedy` gives.
     """
 
     def greedy(self, target_argmax: Tensor, draft_ids: Tensor, num_draft: Tensor) -> SpecOutput:
@@ -76,15 +71,12 @@ class RejectionSampler:
         generators: list[torch.Generator | None] | None = None,
     ) -> SpecOutput:
         """Sampled verification, exact in distribution.
-
         target_probs: [B, K+1, V] after 0 .. K draft tokens (row b reads 0 .. num_draft[b]).
         draft_ids: [B, K] right-padded; num_draft: [B] real proposals per row (0: one token from p_0).
-        draft_probs: [B, K, V] the distributions the drafts were drawn from, or None for
-            deterministic drafts: q one-hot, so x is accepted with probability p(x) and the
-            residual is p without x (still exact).
-        generators: one per row (None: the default). A row with its own draws exactly
-            num_draft[b] + 1 uniforms from it, so its output does not depend on the batch.
-        """
+        draft_probs: [B, K, V] the drafts' distributions, or None for deterministic drafts (q
+            one-hot: x is accepted with probability p(x), the residual is p without x; still exact).
+        generators: one per row (None: the default); a row with its own draws exactly
+            num_draft[b] + 1 uniforms from it, so its output does not depend on the batch."""
         batch, k_max = _check_common(draft_ids, num_draft, target_probs.shape[:2], "target_probs")
         if target_probs.dim() != 3:
             raise ValueError(f"target_probs must be [B, K+1, V], got {list(target_probs.shape)}")
@@ -182,12 +174,9 @@ def _draw_uniforms(num_draft: list[int], k_max: int, generators: list[torch.Gene
 
 
 def _sample_inverse_cdf(weights: Tensor, uniform: Tensor) -> Tensor:
-    """One index per row with probability proportional to weights [B, V], from uniform [B].
-
-    Inverse CDF takes one uniform per row where Gumbel races take V. The CDF is summed in float64
-    so rounding over a large vocabulary cannot shift mass between tokens, and the first
-    cdf > u * total never lands on a zero-weight token.
-    """
+    """One index per row, proportional to weights [B, V], from uniform [B] (inverse CDF). The CDF
+    is summed in float64 so rounding cannot shift mass between tokens; the first cdf > u * total
+    never lands on a zero-weight token."""
     cdf = weights.double().cumsum(dim=-1)  # [B, V]
     target = uniform.double() * cdf[:, -1]  # [B]
     index = torch.searchsorted(cdf, target[:, None], right=True).squeeze(-1)  # [B]
