@@ -54,13 +54,9 @@ class _Stream:
 
 
 class EngineServer:
-    """Serves one engine core to many concurrent async streams.
-
-    `config`: the whole tree (`engine`: queueing, streaming, reports; `shards`: an expert-parallel
-    group). Hand in a ready `engine` (tests: its core runs on a thread) or let the replica start
-    the core (Serve). `compiler` compiles grammars for a handed-in engine; `draft`: the draft
-    deployment's handle.
-    """
+    """Serves one engine core to many concurrent async streams. `config`: the whole tree. Hand in
+    a ready `engine` (tests: its core runs on a thread) or let the replica start the core (Serve);
+    `compiler` compiles grammars for a handed-in engine; `draft`: the draft deployment's handle."""
 
     def __init__(self, config: AppConfig, engine: LLMEngine | None = None, compiler: Any | None = None,
                  draft: Any | None = None) -> None:
@@ -294,8 +290,7 @@ class EngineServer:
 
 
 def load_engine(config: AppConfig, proposer: Any = None) -> tuple[LLMEngine, Any]:
-    """The engine `config` names, and its shard group (None when the model runs in this process;
-    a group's rank 0 ShardedRunner is the model runner, its ranks Ray actors)."""
+    """The engine `config` names, and its shard group of Ray actors (None: the model runs here)."""
     cfg, shards = EngineConfig.from_app(config), config.shards
     if shards.num_shards == 1:
         return build_engine(cfg, proposer=proposer), None

@@ -1,9 +1,8 @@
 """The serving layer HTTP and gRPC share: validate, tokenize and render the chat on the way in;
 detokenize, stop strings, usage and resume on the way back.
 
-    transport -> ServeRequest -> Frontend.prepare: prompt ids, SamplingParams, GrammarSpec, one
-    engine request per choice -> Frontend.generate / stream: ONE streaming engine call per choice,
-    token ids back -> text here -> transport
+    transport -> ServeRequest -> Frontend.prepare: one engine request per choice -> Frontend.generate:
+    ONE streaming engine call per choice, token ids back -> text here -> transport
 
 The engine is token-in, token-out. Text is made once, here, by an incremental detokenizer per
 request that also watches the stop strings (a completed one ends the stream with "stop" and
@@ -48,9 +47,8 @@ class EngineClient(Protocol):
 
 @dataclass(frozen=True)
 class ServeRequest:
-    """A request as a transport hands it over, before validation: `prompt` (text or ids) or
-    `messages` (rendered with `tools`); `sampling`: SamplingParams fields but max_tokens (None:
-    what fits). Choice i of `n` uses seed + i; `timeout_s` only shortens the configured timeout."""
+    """A request before validation: `prompt` (text or ids) or `messages` (with `tools`); `sampling`:
+    SamplingParams but max_tokens (None: what fits); choice i seeds seed + i; `timeout_s` only shortens."""
 
     model: str
     prompt: str | Sequence[int] | None = None
@@ -229,8 +227,8 @@ class Frontend:
             self.metrics.retries.inc()
 
     async def _engine_stream(self, req: GenerateRequest) -> AsyncIterator[GenerateChunk]:
-        """The engine's chunks; a failed call or a stalled engine ends the stream with an error."""
-        # The engine enforces timeout_s itself; this backstop covers an engine that stopped answering.
+        """The engine's chunks; a failed call, or an engine silent past its own timeout, ends the stream
+        with an error."""
         deadline = None if req.timeout_s is None else time.monotonic() + req.timeout_s + STALL_GRACE_S
         chunks = self.engine.generate(req)
         try:

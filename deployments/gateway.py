@@ -175,8 +175,7 @@ class Gateway:
         return Response(self.metrics.render(stats), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def experts(self, world_size: int = 2) -> Response:
-        """Admin: expert load over every engine replica and the placement the router-service actor
-        proposes for `world_size` ranks; without the actor, this engine's counters and a contiguous one."""
+        """Admin: expert load and the router service's placement for `world_size` ranks (or local ones)."""
         import ray
 
         from deployments.router_actor import RouterService, find_router_actor

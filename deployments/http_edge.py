@@ -38,8 +38,7 @@ ENV_VAR = "MOESERVE_API_KEY"
 
 class ApiKeys:
     def __init__(self, cfg: GatewaySection, from_env: bool = True) -> None:
-        """cfg.api_keys (and $MOESERVE_API_KEY's when `from_env`), each holding at most
-        cfg.max_streams_per_key requests at once (0: no limit). No key configured: open."""
+        """cfg.api_keys (and $MOESERVE_API_KEY's when `from_env`); no key configured: open."""
         env = os.environ.get(ENV_VAR, "") if from_env else ""
         self.keys = tuple(k.strip() for k in (*cfg.api_keys, *env.split(",")) if k.strip())
         self.max_streams_per_key = cfg.max_streams_per_key

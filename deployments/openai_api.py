@@ -1,9 +1,8 @@
 """The OpenAI-compatible API: request bodies (pydantic) in as `ServeRequest`s, responses out.
 
-Request models check types only; values are checked by `SamplingParams` and `GrammarSpec`, so
-HTTP and gRPC share one rule set. Unknown fields are ignored (as vLLM); known but unsupported ones
-get a 400. Responses are plain dicts in OpenAI's shapes (a pydantic model per SSE chunk costs more
-than the token); with tools, the text becomes `tool_calls` (deployments/tools.py).
+Request models check types only; `SamplingParams` and `GrammarSpec` check values, one rule set
+for HTTP and gRPC. Unknown fields are ignored (as vLLM), known unsupported ones get a 400. Responses
+are plain dicts (a pydantic model per SSE chunk costs more than the token); with tools, see tools.py.
 """
 
 from __future__ import annotations
@@ -35,8 +34,7 @@ class StreamOptions(BaseModel):
 
 
 class TraceOptions(BaseModel):
-    """The per-token trace (an extension): each token's experts, and its source (target, accepted
-    draft, or grammar)."""
+    """The per-token trace (an extension): each token's experts and source (target, draft, grammar)."""
 
     model_config = ConfigDict(extra="forbid")
     experts: bool = False
@@ -202,8 +200,7 @@ class Choice:
 
 
 class ResponseBuilder:
-    """Bodies for one request: the full response, or its SSE chunks, in OpenAI's formats.
-    `token_bytes(id)` gives a token's bytes, for the logprobs' token strings."""
+    """One request's full response or SSE chunks, in OpenAI's formats; `token_bytes(id)`: for logprobs."""
 
     def __init__(self, request_id: str, model: str, chat: bool,
                  token_bytes: Callable[[int], bytes] | None = None) -> None:
@@ -253,8 +250,7 @@ class ResponseBuilder:
         } for e in entries]}
 
     def logprobs(self, index: int, entries: Sequence[TokenLogprob] | None) -> dict[str, Any] | None:
-        """Chat: {"content": [{token, logprob, bytes, top_logprobs}]}; completions: tokens,
-        token_logprobs, top_logprobs and text_offset."""
+        """Chat: {"content": [{token, logprob, bytes, top_logprobs}]}; completions: OpenAI's four lists."""
         if entries is None:
             return None
         token = self._token  # (text, bytes)

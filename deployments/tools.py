@@ -1,5 +1,4 @@
-"""Tool calling for chat completions: `tools`, `tool_choice` and `parallel_tool_calls`, as the
-OpenAI API defines them.
+"""Tool calling for chat completions: `tools`, `tool_choice` and `parallel_tool_calls`, as OpenAI's.
 
     tool_choice   what the model may write                      how
     "none"        text only                                     no grammar (tools still in the prompt)

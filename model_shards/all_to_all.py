@@ -43,8 +43,7 @@ def init_shard_group(rank: int, world_size: int, master: str, timeout_s: float =
 
 
 def wait_for_group(rank: int, world_size: int, timeout_s: float = 600.0) -> None:
-    """Return once every rank has called this (each after its own start-up: loading, compiling).
-    On the group's store, not a collective: start-up may take longer than a collective's timeout."""
+    """Return once every rank has called this, on the store: start-up outlasts a collective's timeout."""
     if not dist.is_initialized():
         return
     store = dist.distributed_c10d._get_default_store()
@@ -53,8 +52,7 @@ def wait_for_group(rank: int, world_size: int, timeout_s: float = 600.0) -> None
 
 
 class AllToAllDispatch(Dispatch):
-    """`padded`: the layout (None: padded on a GPU). `max_tokens`: the most tokens any rank routes
-    in the coming pass, set by the step driver; None or past PADDED_MAX_TOKENS: the exact layout."""
+    """`padded` (None: on a GPU) unless `max_tokens` (any rank's most this pass) is None or too many."""
 
     def __init__(self, placement: Placement, rank: int, group: dist.ProcessGroup | None = None,
                  padded: bool | None = None) -> None:

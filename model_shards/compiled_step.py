@@ -44,8 +44,7 @@ MIN_KEYS = 128  # static graphs: keys read (blocks x Bs), padded to a power of t
 
 
 class CompiledStep:
-    """`model`'s forward over `cache` for decode/verify batches, compiled once per variant. `static`:
-    fixed-shape graphs over padded buckets (default: on a GPU, captured as CUDA graphs)."""
+    """Decode/verify passes compiled per variant; `static`: padded fixed shapes (default on a GPU: CUDA graphs)."""
 
     def __init__(self, model: CausalLM, cache: PagedKVCache, backend: str = "inductor",
                  static: bool | None = None) -> None:
@@ -172,8 +171,7 @@ class CompiledShardStep:
         self._layer = _compile_dynamic(self._layer_fn, backend)
 
     def warm_up(self, query_lens: tuple[int, ...] = (1, 2)) -> float:
-        """Compile now for 1 and 2+ rows and query lengths, without the dispatch (a rank warms up
-        alone). Returns the seconds it took."""
+        """Compile now for 1 and 2+ rows, without the dispatch (a rank warms up alone); returns seconds."""
         t0 = time.perf_counter()
         for t in query_lens:
             for b in (1, 2):
@@ -187,8 +185,7 @@ class CompiledShardStep:
 
     def hidden_states(self, ids: torch.Tensor, tables: torch.Tensor, start: torch.Tensor, q_lens: torch.Tensor,
                       last_only: bool, lengths: list[int]) -> torch.Tensor:
-        """As CausalLM.hidden_states: ids [B, T], tables [B, nb], start, q_lens [B] (`lengths`: on the
-        host) -> normed hidden states [B, T, D] (last_only: [B, 1, D])."""
+        """As CausalLM.hidden_states: ids [B, T], tables [B, nb], start, q_lens [B] (`lengths`: on the host)."""
         self.num_calls += 1
         t = ids.shape[1]
         real = None  # the real tokens' indices [N_real], from the host's lengths: no device read

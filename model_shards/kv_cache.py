@@ -68,9 +68,8 @@ def paged_index(tables: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor, bs
 
 @dataclass
 class StepBatch:
-    """An eager pass's rows over the cache; `prepare(Tq)` builds their PagedIndex once for every
-    layer. `known` (from `build`'s host lists): the shortest q_len and whether every row starts at
-    0, so `prepare` reads nothing back from the device."""
+    """An eager pass's rows; `prepare(Tq)` builds their PagedIndex once for every layer. `known`
+    (from `build`): shortest q_len and all-start-at-0, so `prepare` reads nothing from the device."""
 
     block_table: torch.Tensor  # [B, nb] each row's blocks in position order (padded with the scratch block)
     start: torch.Tensor  # [B] tokens already cached for each row (position of the row's first query token)
@@ -244,8 +243,7 @@ class BlockAllocator:
 
 
 class BlockManager:
-    """Which blocks each sequence holds: block tables, the tokens behind them and prefix caching.
-    Bookkeeping only (no tensors): the model runner owns one per cache, a shard group one per rank."""
+    """Which blocks each sequence holds, the tokens behind them, prefix caching; one per cache, no tensors."""
 
     def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool) -> None:
         _check_sizes(num_blocks, block_size)
@@ -262,8 +260,7 @@ class BlockManager:
         return seq_id in self.tables
 
     def add(self, seq_id: str, token_ids: list[int] | tuple[int, ...] = ()) -> int:
-        """Start a sequence; returns how many of its leading tokens are already cached (a
-        multiple of the block size, always leaving the last token to compute)."""
+        """Start a sequence; returns its leading tokens already cached (whole blocks, never the last token)."""
         if seq_id in self.tables:
             raise ValueError(f"sequence {seq_id!r} is already running")
         bs = self.block_size

@@ -1,5 +1,4 @@
-"""The layers every family shares: RMSNorm, rotary embeddings, the SwiGLU MLP, and grouped-query
-attention (rotary, optional q/k norm) over the paged KV cache.
+"""The shared layers: RMSNorm, rotary embeddings, the SwiGLU MLP, grouped-query attention over the paged cache.
 
 Shapes: B rows, T (=Tq) query positions, J key positions a row reads (its nb blocks x Bs),
 H query heads, Hkv kv heads, Dh head dim, D hidden, I MLP width, N cache blocks.
@@ -38,8 +37,7 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotary position embedding (rotate-half convention of the HF checkpoints) over cfg.rope_dim
-    dimensions, with YaRN's frequencies and cos/sin scale where the config asks for them."""
+    """Rotary embedding (HF's rotate-half) over cfg.rope_dim dimensions, with YaRN where configured."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -63,8 +61,7 @@ def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
 
 
 def yarn(inv_freq: torch.Tensor, y: YarnScaling, theta: float, dim: int) -> tuple[torch.Tensor, float]:
-    """YaRN (arXiv 2309.00071) as transformers computes it: frequencies blended between the
-    original (fast dimensions) and the interpolated ones (slow dimensions), and the cos/sin scale."""
+    """YaRN (arXiv 2309.00071) as transformers computes it: blended frequencies and the cos/sin scale."""
     scale = y.attention_factor
     if scale is None:
         scale = (yarn_mscale(y.factor, y.mscale) / yarn_mscale(y.factor, y.mscale_all_dim)

@@ -280,8 +280,8 @@ def _routed(e: LocalExperts, x: torch.Tensor, g: Gates) -> torch.Tensor:
 
 
 def _dense(e: LocalExperts, x: torch.Tensor, g: Gates) -> torch.Tensor:
-    """[N, D]: every token through every local expert, weighted by its gates (zero off its top-k):
-    E / K times the arithmetic, but each expert's weights are read once."""
+    """[N, D]: every token through every expert, weighted by its gates: E / K times the arithmetic,
+    but each expert's weights read once."""
     n, d = x.shape
     w = x.new_zeros(n, e.num_local).scatter(1, g.expert_ids, g.weights.to(x.dtype))  # [N, E]
     gate, up = F.linear(x, e.gate_up_proj.view(-1, d)).view(n, e.num_local, -1).chunk(2, dim=-1)  # [N, E, I] x2

@@ -9,9 +9,8 @@ Message (int64): header [cmd, rows, Tq, last_only, copies, n, trace], then
 - CMD_STEP: copies [C, 3] (rank, src block, dst block: copy-on-write before the step) and rows
   [B, 3 + Tq + n] (rank, start, q_len, tokens..., n block ids padded with the scratch block 0);
   with `trace`, every rank also gathers its rows' routing to rank 0;
-- CMD_PLACE (live re-placement, between two steps): n values, the count of experts on each rank
-  then every rank's expert ids; each rank reloads its experts and re-wires its all-to-all, while
-  the KV caches stay as they are.
+- CMD_PLACE (live re-placement, between steps): n values, each rank's expert count, then every
+  rank's expert ids; each rank reloads its experts and re-wires its all-to-all (caches stay).
 Shapes: B rows, Tq query tokens, D hidden, V vocab, W ranks.
 """
 

@@ -63,9 +63,8 @@ def apply_capacity(gates: Gates, capacity: int | None, policy: OverflowPolicy = 
     normalised weight is always 1.0 for top-1), then token index, then top-k slot.
 
     Reroute runs in rounds r = 0, 1, ...: each token with overflowing routes asks for its r-th
-    best unchosen expert; the expert takes askers in priority order while it has room, at most one
-    route per token per round. Routes left when candidates run out or have no room are dropped.
-    Rounds where no candidate has room are skipped, so the loop runs at most E - K times.
+    best unchosen expert, which takes askers in priority order while it has room, one route per
+    token per round. Routes left without a candidate with room are dropped (at most E - K rounds).
 
     A rerouted route gets the new expert's weight under the token's own normalisation,
     ``probs[t, new] * sum(gate weights) / sum(chosen probs)``; the token's other weights stay as
@@ -118,8 +117,7 @@ def _reroute(gates: Gates, probs: Tensor, pending: Tensor, room: Tensor, new_ids
     chosen_prob = probs.gather(1, ids).sum(dim=1)  # [T]
     scale = gates.weights.float().sum(dim=1) / chosen_prob.clamp_min(torch.finfo(torch.float32).tiny)  # [T]
 
-    # Room and pending only shrink, so `open_rounds` (rounds that might accept someone) can only go
-    # stale in the safe direction; it is refreshed after a fruitless round.
+    # `open_rounds`: rounds that might accept someone (room and pending only shrink; refreshed when fruitless)
     candidates = candidates[:, : num_experts - top_k]  # [U, E - K]
     r, open_rounds = 0, None
     while pending.numel() > 0:

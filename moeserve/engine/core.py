@@ -54,7 +54,6 @@ class Channel(Protocol):
 
     def recv(self, timeout: float | None) -> Any | None:
         """The next message, or None when none came within `timeout` (0: do not wait)."""
-        ...
 
 
 class EngineCore:
@@ -298,8 +297,7 @@ class Isolation:
         self._focus_steps = 0
 
     def failed(self, request_ids: list[str], cause: BaseException | None) -> list[GenerateChunk]:
-        """A step failed before emitting: requeue its requests, then run them one by one. Returns
-        the error chunk of a request found to be the cause, if any."""
+        """A step failed before emitting: requeue its requests, run them alone; a culprit's error chunk."""
         focus = self.engine.scheduler.focus
         if focus is None or focus.seq_id not in request_ids:
             self.engine.requeue(request_ids)
