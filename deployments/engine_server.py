@@ -5,19 +5,17 @@ async stream per request.
         --GenerateRequest / Abort--> engine core (its own process)  --chunks, one list per step-->
 
 The replica does no model work and no text: it admits requests (backpressure), forwards them
-to the core, and hands each step's chunks to the waiting streams, coalescing a stream's later
-chunks under load (every chunk is two Serve hops). Deadlines are enforced here.
+to the core, enforces deadlines, and hands each step's chunks to the waiting streams, coalescing
+a stream's later chunks under load (every chunk is two Serve hops).
 
-Where the core runs: in a process of its own (the config tree's `engine.core_process`, the
-served default), so the step loop never shares a GIL with Serve's event loop; or on a thread
-of this process (moeserve/engine/core_client.py `InprocCore`) when the engine is handed in
-(tests) or needs this replica's Ray handles (an expert-parallel shard group). With a draft deployment
-the core's one proposer is a `RemoteDraftProposer` on the channel this replica asked it for.
+The core runs in a process of its own (`engine.core_process`, the served default: no GIL shared
+with Serve), or on a thread (`InprocCore`) when the engine is handed in (tests) or needs this
+replica's Ray handles (a shard group). With a draft deployment its proposer is a
+`RemoteDraftProposer` on the channel this replica asked for.
 
-No stream can hang: every chunk the core sends for a request reaches its stream; a dead core
-ends every live stream with UNAVAILABLE (the gateway resumes them; a core process is
-restarted, and requests sent meanwhile wait for it); a client that goes away (Serve cancels
-the generator) aborts its request, which frees its KV slot before the next step.
+No stream can hang: every chunk reaches its stream; a dead core ends every live stream with
+UNAVAILABLE (the gateway resumes them; a core process restarts); a client that goes away aborts
+its request, freeing its KV slot before the next step.
 """
 
 from __future__ import annotations
@@ -56,14 +54,9 @@ class _Stream:
 
 
 class EngineServer:
-    """Serves one engine core to many concurrent async streams.
-
-    `config` is the one config tree: its `engine` section says how the replica queues, streams
-    and reports, `shards` whether it runs an expert-parallel group, and the whole tree what it
-    loads. Construct with a ready `engine` (tests: its core runs on a thread) or let the replica
-    start the core (Serve). `compiler` compiles grammar specs for a handed-in engine. `draft`: a
-    handle to the draft deployment; the engine then drafts through it.
-    """
+    """Serves one engine core to many concurrent async streams. `config`: the whole tree. Hand in
+    a ready `engine` (tests: its core runs on a thread) or let the replica start the core (Serve);
+    `compiler` compiles grammars for a handed-in engine; `draft`: the draft deployment's handle."""
 
     def __init__(self, config: AppConfig, engine: LLMEngine | None = None, compiler: Any | None = None,
                  draft: Any | None = None) -> None:
@@ -138,9 +131,7 @@ class EngineServer:
     # ---- the async API ---------------------------------------------------------------------
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         """Stream `request`'s new token ids; the last chunk has finish_reason set (and error, if any).
-
-        Closing the generator early (client gone, Serve cancellation) aborts the request.
-        """
+        Closing the generator early (client gone, Serve cancellation) aborts the request."""
         rid = request.request_id
         stream = _Stream(rid, asyncio.get_running_loop(), asyncio.Queue())
         refusal = self._admit(stream, request)
@@ -299,11 +290,7 @@ class EngineServer:
 
 
 def load_engine(config: AppConfig, proposer: Any = None) -> tuple[LLMEngine, Any]:
-    """The engine `config` names, and its shard group (None when the model runs in this process).
-
-    With a shard group, rank 0's ShardedRunner replaces the single-process ModelRunner; the
-    group is Ray actors, so this path needs a running Ray (deployments/shard_group.py).
-    """
+    """The engine `config` names, and its shard group of Ray actors (None: the model runs here)."""
     cfg, shards = EngineConfig.from_app(config), config.shards
     if shards.num_shards == 1:
         return build_engine(cfg, proposer=proposer), None

@@ -1,20 +1,14 @@
 """The serving layer HTTP and gRPC share: validate, tokenize and render the chat on the way in;
 detokenize, stop strings, usage and resume on the way back.
 
-    transport -> ServeRequest -> Frontend.prepare: prompt ids, SamplingParams, GrammarSpec, one
-    engine request per choice -> Frontend.generate / stream: ONE streaming engine call per choice,
-    token ids back -> text here -> transport
+    transport -> ServeRequest -> Frontend.prepare: one engine request per choice -> Frontend.generate:
+    ONE streaming engine call per choice, token ids back -> text here -> transport
 
-The engine is token-in, token-out. Text is made once, here, by one incremental detokenizer per
-request that also watches the stop strings: when one completes, the stream ends with "stop"
-and closing the engine stream aborts the request there. Grammars are compiled only in the
-engine core, where the masks are used; an invalid one comes back as the stream's first chunk
-(INVALID_ARGUMENT before any token). The core checks every token it emits against its
-grammar matcher (the guard); a refusal ends the stream with INTERNAL and counts in
-`grammar_guard_refusals_total`, which the tests assert stays 0.
-
-Every failure leaves this layer as a `ServingError` (moeserve/errors.py): bad input from
-`prepare`, an engine's in-band error (or a failed or stalled engine call) from the stream.
+The engine is token-in, token-out. Text is made once, here, by an incremental detokenizer per
+request that also watches the stop strings (a completed one ends the stream with "stop" and
+aborts the engine request). Grammars are compiled in the engine core: an invalid one is the
+stream's first chunk (INVALID_ARGUMENT); a guard refusal ends it with INTERNAL and counts in
+`grammar_guard_refusals_total`. Every failure leaves this layer as a `ServingError`.
 """
 
 from __future__ import annotations
@@ -53,13 +47,8 @@ class EngineClient(Protocol):
 
 @dataclass(frozen=True)
 class ServeRequest:
-    """A request as a transport hands it over, before validation.
-
-    The prompt is `prompt` (text or token ids) or `messages` (a chat, rendered by the tokenizer's
-    template with `tools`). `sampling` holds SamplingParams fields except max_tokens, which is
-    None for "what fits in the context". Choice i of `n` samples with seed + i when seeded.
-    `timeout_s` (the caller's deadline) can only shorten the configured request timeout.
-    """
+    """A request before validation: `prompt` (text or ids) or `messages` (with `tools`); `sampling`:
+    SamplingParams but max_tokens (None: what fits); choice i seeds seed + i; `timeout_s` only shortens."""
 
     model: str
     prompt: str | Sequence[int] | None = None
@@ -83,8 +72,7 @@ class Prepared:
 
 class Frontend:
     def __init__(self, cfg: AppConfig, tokenizer: Any, engine: EngineClient, metrics: GatewayMetrics) -> None:
-        """cfg: the config tree; the frontend serves model.name up to engine.max_model_len tokens, with
-        gateway.request_timeout_s per request (engine side too) and gateway.max_retries resumes."""
+        """cfg: the whole tree (model.name, engine.max_model_len, gateway's timeout and retries)."""
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.engine = engine
@@ -156,9 +144,8 @@ class Frontend:
 
     # ---- streaming -----------------------------------------------------------------------------
     async def generate(self, preps: list[Prepared]) -> AsyncGenerator[tuple[int, GenerateChunk], None]:
-        """Every choice's stream as (choice index, chunk), until each has finished. Returns once every
-        choice's first chunk is in, so an early error (a refused grammar, a full queue) raises here,
-        before a response starts; closing the generator aborts what still runs."""
+        """Every choice's (index, chunk) until each has finished; returns once every first chunk is in,
+        so an early error raises before a response starts. Closing it aborts what still runs."""
         merged = _merge([self.stream(p) for p in preps])
         await anext(merged)
         return merged
@@ -199,8 +186,7 @@ class Frontend:
             m.e2e_seconds.labels(route=route).observe(time.perf_counter() - t0)
 
     def _failure(self, req: GenerateRequest, err: StreamError) -> ServingError:
-        """An engine's in-band error as a ServingError (the one place they enter this layer): name
-        the request field behind a grammar error, and count grammar refusals."""
+        """An engine's in-band error as a ServingError, naming a grammar error's request field."""
         param, reason = err.param, None
         if err.param == "grammar" and req.grammar is not None:
             param = _grammar_param(req.grammar)
@@ -213,9 +199,8 @@ class Frontend:
         return ServingError(err.code, err.message, param=param, reason=reason)
 
     async def _resumable_stream(self, req: GenerateRequest) -> AsyncIterator[GenerateChunk]:
-        """The engine's chunks; when an attempt fails in a way a fresh attempt can fix (a dead
-        replica, a broken shard group), resubmit with the tokens already streamed as
-        `resume_ids`, so the client sees one stream and nothing accepted is lost."""
+        """The engine's chunks; a resumable failure (dead replica, broken shard group) resubmits with
+        the tokens streamed so far as `resume_ids`: the client sees one stream, nothing lost."""
         delivered: list[int] = []
         for attempt in range(self.cfg.gateway.max_retries + 1):
             current = req
@@ -242,8 +227,8 @@ class Frontend:
             self.metrics.retries.inc()
 
     async def _engine_stream(self, req: GenerateRequest) -> AsyncIterator[GenerateChunk]:
-        """The engine's chunks; a failed call or a stalled engine ends the stream with an error."""
-        # The engine enforces timeout_s itself; this backstop covers an engine that stopped answering.
+        """The engine's chunks; a failed call, or an engine silent past its own timeout, ends the stream
+        with an error."""
         deadline = None if req.timeout_s is None else time.monotonic() + req.timeout_s + STALL_GRACE_S
         chunks = self.engine.generate(req)
         try:
@@ -271,9 +256,8 @@ def _grammar_param(spec: GrammarSpec) -> str:
 
 
 async def _merge(streams: list[AsyncIterator[GenerateChunk]]) -> AsyncGenerator[Any, None]:
-    """Yields None once every stream's first chunk is in (or raises the first one's error), then
-    (stream index, chunk) as they come until each has finished; one stream is read directly (no
-    task per request). Closing it closes the streams (their engine requests abort)."""
+    """None once every stream's first chunk is in (or the first error), then (stream index, chunk)
+    until each has finished. Closing it closes the streams (their engine requests abort)."""
     try:
         firsts = await asyncio.gather(*(anext(s) for s in streams), return_exceptions=True)
         for first in firsts:

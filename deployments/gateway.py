@@ -1,17 +1,13 @@
 """The gateway: OpenAI-compatible HTTP (FastAPI, SSE) and gRPC in front of the engine.
 
-`Gateway` is a plain class: construct it with an engine client (an in-process
-EngineServer in tests, a Serve handle in deployments/app.py) and serve `gateway.http_app` with
-any ASGI server. Under Serve, `serve.ingress()` picks the app up through
-`__serve_build_asgi_app__`; the app's lifespan starts and stops the gRPC server, so the
-gRPC port lives and dies with the replica (several replicas on one node share the port
-through SO_REUSEPORT, which grpcio sets by default).
+`Gateway` is a plain class: construct it with an engine client (an EngineServer in tests, a
+Serve handle in deployments/app.py) and serve `gateway.http_app` with any ASGI server; Serve's
+ingress picks it up through `__serve_build_asgi_app__`. The app's lifespan runs the gRPC server,
+so its port lives with the replica (replicas on one node share it through SO_REUSEPORT).
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
-GET /metrics. A generation route hands its body to the OpenAI adapter (openai_api.py) for a
-ServeRequest, streams that through the serving layer (frontend.py) and returns what the
-adapter makes of the chunks. Bad input is always a 4xx in OpenAI's error shape,
-never a 500 (http_edge.py).
+A generation route turns its body into a ServeRequest (openai_api.py), streams it through the
+serving layer (frontend.py) and returns the adapter's response. Bad input is always a 4xx in
+OpenAI's error shape, never a 500 (http_edge.py).
 """
 
 from __future__ import annotations
@@ -51,10 +47,8 @@ PLAYGROUND = Path(__file__).resolve().parent / "playground" / "index.html"
 
 
 class ServeEngineClient:
-    """The engine deployment through a Serve handle, as the serving layer's EngineClient. One
-    streaming handle call per request (a Serve call costs more than a decode step): the chunks then
-    flow over that call. Leaving the stream early (client gone, guard refusal) cancels the call, and
-    Serve's cancellation closes EngineServer.generate in the engine replica, which aborts the request."""
+    """The engine deployment through a Serve handle: one streaming call per request (a call costs
+    more than a decode step). Leaving the stream early cancels the call, which aborts the request."""
 
     def __init__(self, handle: DeploymentHandle) -> None:
         self._handle = handle
@@ -87,8 +81,7 @@ class Gateway:
     """Validates and tokenizes requests, streams token ids from the engine and text to the client."""
 
     def __init__(self, engine: Any, config: AppConfig, tokenizer: Any = None) -> None:
-        """config: the whole tree; the gateway reads its `gateway` section, the served model's
-        name and path, and engine.max_model_len."""
+        """config: the whole tree (`gateway`, the model's name and path, engine.max_model_len)."""
         self.config, self.edge = config, config.gateway
         if tokenizer is None:
             from moeserve.tokenizer import load_tokenizer
@@ -182,10 +175,7 @@ class Gateway:
         return Response(self.metrics.render(stats), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def experts(self, world_size: int = 2) -> Response:
-        """Admin: expert load merged over every engine replica (from the router-service actor)
-        and the placement it proposes for a shard group of `world_size` ranks. Without the actor
-        (no Ray, or no engine has reported yet): this gateway's engine's own counters, and the
-        contiguous placement."""
+        """Admin: expert load and the router service's placement for `world_size` ranks (or local ones)."""
         import ray
 
         from deployments.router_actor import RouterService, find_router_actor
@@ -214,8 +204,7 @@ class Gateway:
                                                      "rank_experts": placement.rank_experts}})
 
     async def playground(self) -> HTMLResponse:
-        """The playground page (one file in the package, no CDN): chat with the served model and see
-        each token's experts and speculation outcome, a JSON-schema box, live expert load and stats."""
+        """The playground page (one file, no CDN): chat, each token's experts and speculation, live stats."""
         return HTMLResponse(PLAYGROUND.read_text(encoding="utf-8"))
 
 

@@ -1,20 +1,15 @@
 """The gateway's HTTP edge: ErrorCode -> HTTP status (once), errors in OpenAI's shape, API keys,
 the body size limit (413) and request counts.
 
-Every error leaves as `{"error": {"message", "type", "param", "code"}}` with the status of its
-ErrorCode: ServingError as it is; pydantic validation errors and ValueErrors (SamplingParams,
-GrammarSpec, tools and chat validation, whose messages start with the field name) as
-INVALID_ARGUMENT; anything unexpected as a logged INTERNAL with a message, so bad input is never a
-bare 500 or a dropped connection.
+Every error leaves as `{"error": {"message", "type", "param", "code"}}` with its ErrorCode's
+status: ServingError as it is; validation errors and ValueErrors (whose messages name the field)
+as INVALID_ARGUMENT; anything unexpected as a logged INTERNAL, never a bare 500.
 
-API keys (`ApiKeys`, the gRPC server's too) come from the config (`gateway.api_keys`, `moeserve
-serve --api-key KEY`) and from the environment variable MOESERVE_API_KEY (comma-separated; how the
-Kubernetes Secret reaches the pods). No key configured: the gateway is open. HTTP callers send
-`Authorization: Bearer KEY`, gRPC callers the same in the `authorization` metadata. Every
-configured key is compared in constant time (hmac.compare_digest), and all of them every time, so
-timing says nothing about which one nearly matched. A key may hold at most `max_streams_per_key`
-requests at once (0: no limit); past it the call is refused (RATE_LIMITED: 429 + Retry-After /
-RESOURCE_EXHAUSTED), before it costs the engine anything.
+API keys (`ApiKeys`, the gRPC server's too) come from `gateway.api_keys` (`--api-key`) and
+MOESERVE_API_KEY (comma-separated; how the Kubernetes Secret arrives); none configured: open.
+Callers send `Authorization: Bearer KEY` (gRPC: `authorization` metadata). Every key is compared
+in constant time, all of them every time. A key holds at most `max_streams_per_key` requests at
+once (0: no limit); past it, RATE_LIMITED (429 + Retry-After) before the engine sees the call.
 """
 
 from __future__ import annotations
@@ -43,8 +38,7 @@ ENV_VAR = "MOESERVE_API_KEY"
 
 class ApiKeys:
     def __init__(self, cfg: GatewaySection, from_env: bool = True) -> None:
-        """cfg.api_keys (and $MOESERVE_API_KEY's when `from_env`), each holding at most
-        cfg.max_streams_per_key requests at once (0: no limit). No key configured: open."""
+        """cfg.api_keys (and $MOESERVE_API_KEY's when `from_env`); no key configured: open."""
         env = os.environ.get(ENV_VAR, "") if from_env else ""
         self.keys = tuple(k.strip() for k in (*cfg.api_keys, *env.split(",")) if k.strip())
         self.max_streams_per_key = cfg.max_streams_per_key
@@ -65,8 +59,8 @@ class ApiKeys:
         return found
 
     def admit(self, authorization: str | None, how: str) -> str:
-        """The caller's key, holding one of its slots (give it back with `release`); ServingError
-        UNAUTHENTICATED without a valid key (`how`: where to send one), RATE_LIMITED past its limit."""
+        """The caller's key, holding one of its slots until `release`; else UNAUTHENTICATED (`how`:
+        where to send one) or RATE_LIMITED."""
         key = self.identify(authorization)
         if key is None:
             raise ServingError(ErrorCode.UNAUTHENTICATED, f"missing or invalid API key ({how})",
@@ -180,10 +174,8 @@ async def _http_error(request: Request, e: StarletteHTTPException) -> JSONRespon
 
 # ---- the edge: body size limit and request counts by route and code ----------------------------
 class _EdgeMiddleware:
-    """Pure ASGI (streamed responses pass through): 401 without a valid API key (when keys are
-    configured; `public` paths stay open), 429 past a key's concurrent streams, 413 past
-    max_body_bytes; an unexpected exception becomes a logged 500 with a message; every
-    status is counted by route."""
+    """Pure ASGI (streams pass through): 401 without a valid key (but `public` paths), 429 past a
+    key's streams, 413 past max_body_bytes, a logged 500 for the unexpected; statuses counted by route."""
 
     def __init__(self, app: Any, routes: frozenset[str], max_body_bytes: int, metrics: GatewayMetrics,
                  auth: ApiKeys, public: frozenset[str]) -> None:

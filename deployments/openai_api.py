@@ -1,10 +1,8 @@
 """The OpenAI-compatible API: request bodies (pydantic) in as `ServeRequest`s, responses out.
 
-Request models validate types only; values are checked by `SamplingParams` and `GrammarSpec`,
-whose ValueErrors name the field, so one rule set serves HTTP and gRPC. Unknown fields are
-ignored (as vLLM does); known but unsupported ones get a 400. Responses, whole or as SSE chunks,
-are plain dicts in OpenAI's exact shapes (a pydantic model per streamed chunk costs more than
-the token did); with tools, the text becomes `tool_calls` (deployments/tools.py).
+Request models check types only; `SamplingParams` and `GrammarSpec` check values, one rule set
+for HTTP and gRPC. Unknown fields are ignored (as vLLM), known unsupported ones get a 400. Responses
+are plain dicts (a pydantic model per SSE chunk costs more than the token); with tools, see tools.py.
 """
 
 from __future__ import annotations
@@ -36,8 +34,7 @@ class StreamOptions(BaseModel):
 
 
 class TraceOptions(BaseModel):
-    """The per-token trace (an extension): the experts each token was routed to, and whether it
-    was decoded by the target, a draft token the target accepted, or forced by the grammar."""
+    """The per-token trace (an extension): each token's experts and source (target, draft, grammar)."""
 
     model_config = ConfigDict(extra="forbid")
     experts: bool = False
@@ -203,8 +200,7 @@ class Choice:
 
 
 class ResponseBuilder:
-    """Bodies for one request: the full response, or its SSE chunks, in OpenAI's formats.
-    `token_bytes(id)` gives a token's bytes, for the logprobs' token strings."""
+    """One request's full response or SSE chunks, in OpenAI's formats; `token_bytes(id)`: for logprobs."""
 
     def __init__(self, request_id: str, model: str, chat: bool,
                  token_bytes: Callable[[int], bytes] | None = None) -> None:
@@ -244,8 +240,7 @@ class ResponseBuilder:
         return sse({**self._envelope(self.chunk_object, []), "usage": usage_dict(usage)})
 
     def trace(self, entries: Sequence[TokenTrace] | None) -> dict[str, Any]:
-        """{"trace": [{token, token_id, source, experts: [{layer, ids, weights}]}]} when the request
-        asked for a trace (source / experts null where not asked); {} otherwise."""
+        """{"trace": [{token, token_id, source, experts: [{layer, ids, weights}]}]}, or {} untraced."""
         if entries is None:
             return {}
         return {"trace": [{
@@ -255,8 +250,7 @@ class ResponseBuilder:
         } for e in entries]}
 
     def logprobs(self, index: int, entries: Sequence[TokenLogprob] | None) -> dict[str, Any] | None:
-        """Chat: {"content": [{token, logprob, bytes, top_logprobs}]}; completions: tokens,
-        token_logprobs, top_logprobs ({token: logprob}) and text_offset (from the completion's start)."""
+        """Chat: {"content": [{token, logprob, bytes, top_logprobs}]}; completions: OpenAI's four lists."""
         if entries is None:
             return None
         token = self._token  # (text, bytes)
@@ -312,8 +306,8 @@ async def full_response(merged: Merged, n: int, builder: ResponseBuilder, callin
 
 async def sse_events(merged: Merged, n: int, builder: ResponseBuilder, include_usage: bool,
                      calling: ToolCalling | None) -> AsyncIterator[str]:
-    """The response's SSE events, `data: [DONE]` last; an error mid-stream is an error event and
-    then `data: [DONE]`. Closes `merged` (a client that went away aborts its requests)."""
+    """The SSE events, `data: [DONE]` last (after an error event, if one comes mid-stream);
+    closes `merged`, so a client that went away aborts its requests."""
     usage: list[Usage] = [Usage()] * n
     tools = [calling.stream() for _ in range(n)] if calling is not None else None
     try:

@@ -1,5 +1,4 @@
-"""Tool calling for chat completions: `tools`, `tool_choice` and `parallel_tool_calls`, as the
-OpenAI API defines them.
+"""Tool calling for chat completions: `tools`, `tool_choice` and `parallel_tool_calls`, as OpenAI's.
 
     tool_choice   what the model may write                      how
     "none"        text only                                     no grammar (tools still in the prompt)
@@ -7,13 +6,10 @@ OpenAI API defines them.
     "required"    one call (or a list, if parallel) of any tool  JSON-schema grammar: always valid
     {function}    a call of that function                        JSON-schema grammar: always valid
 
-With "required" or a named function, the output is grammar-constrained to
-`{"name": <tool>, "arguments": <its parameters schema>}` (or a non-empty array of those), so
-the arguments always validate against the function's schema. The chat template shows the
-tools to the model and renders earlier calls and their results (moeserve/tokenizer.py).
-Calls reach the client as `message.tool_calls` with finish_reason "tool_calls"; streamed, as
-one `delta.tool_calls` entry per call once the call is complete (the openai client joins
-argument fragments, so a whole call per delta is what it reads too).
+A forced call is grammar-constrained to `{"name": <tool>, "arguments": <its parameters schema>}`
+(or a non-empty array of those). The chat template shows the tools and earlier calls
+(moeserve/tokenizer.py). Calls reach the client as `message.tool_calls` with finish_reason
+"tool_calls"; streamed, as one whole call per `delta.tool_calls` entry once complete.
 """
 
 from __future__ import annotations

@@ -4,18 +4,15 @@ Shapes: N tokens on this rank, K routes per token, D hidden, R routes this rank 
 Q routes it receives, W ranks, S the most expert slots any rank holds, El this rank's slots,
 C = max_tokens * K rows per destination in the padded exchange.
 
-Per MoE layer, three collectives on the shard group, in one of two layouts:
+Per MoE layer, three collectives on the shard group (a rank with no tokens still takes part):
 
 - exact (prefill, and every pass on the CPU): routes planned on the host
-  (router_service/dispatch_plan.py); the ranks first exchange how many rows go to each expert
-  slot, then exactly those rows go, grouped by slot, and the outputs come back the same way.
+  (router_service/dispatch_plan.py); ranks exchange row counts per expert slot, then exactly
+  those rows, and the outputs come back the same way.
 - padded (decode and verify on a GPU, as DeepEP's low-latency mode): every rank sends every
-  other a fixed C rows, each with its expert slot (-1: padding); the receiver sorts by slot and
-  runs the grouped matmul with group ends computed on the device. Nothing is read on the host,
-  so a step can be captured in a CUDA graph. All ranks must agree on C: the step driver sets
-  `max_tokens`. On gloo it moves more bytes for no sync saved, so the CPU takes the exact one.
-
-A rank with no tokens still takes part, sending (in the padded layout: padding) and receiving.
+  other C rows, each tagged with its slot (-1: padding); the receiver sorts by slot and runs the
+  grouped matmul with group ends computed on the device, so nothing is read on the host. The
+  step driver sets `max_tokens` so all ranks agree on C. On gloo it only moves more bytes.
 """
 
 from __future__ import annotations
@@ -30,15 +27,14 @@ from model_shards.moe import Dispatch, LocalExperts, phase
 from router_service.dispatch_plan import build_dispatch_plan
 from router_service.placement import Placement
 
-# The padded layout is for decode and verify passes; a pass with more tokens on some rank (a
-# prefill) sends exactly what it has, as DeepEP switches from its low-latency to its normal mode.
+# More tokens on some rank (a prefill): the exact layout, as DeepEP's switch to its normal mode.
 PADDED_MAX_TOKENS = 256
 
 
 def init_shard_group(rank: int, world_size: int, master: str, timeout_s: float = 30.0,
                      device: torch.device | str = "cpu") -> None:
-    """Join the shard group's process group (`master`: rank 0's "host:port") with the backend for
-    `device`, where this rank's model runs. A dead peer makes collectives fail within `timeout_s`."""
+    """Join the shard group (`master`: rank 0's "host:port") with the backend for this rank's
+    `device`; a dead peer makes collectives fail within `timeout_s`."""
     device = torch.device(device)
     if device.type == "cuda":
         torch.cuda.set_device(device)  # NCCL's communicator binds to the current device
@@ -47,8 +43,7 @@ def init_shard_group(rank: int, world_size: int, master: str, timeout_s: float =
 
 
 def wait_for_group(rank: int, world_size: int, timeout_s: float = 600.0) -> None:
-    """Return once every rank has called this (each after its own start-up: loading, compiling).
-    On the group's store, not a collective: start-up may take longer than a collective's timeout."""
+    """Return once every rank has called this, on the store: start-up outlasts a collective's timeout."""
     if not dist.is_initialized():
         return
     store = dist.distributed_c10d._get_default_store()
@@ -57,15 +52,11 @@ def wait_for_group(rank: int, world_size: int, timeout_s: float = 600.0) -> None
 
 
 class AllToAllDispatch(Dispatch):
-    """`padded`: the layout (None: padded on a GPU). `max_tokens`: the most tokens any rank routes
-    in the coming pass, set by the step driver; None or past PADDED_MAX_TOKENS: the exact layout."""
+    """`padded` (None: on a GPU) unless `max_tokens` (any rank's most this pass) is None or too many."""
 
     def __init__(self, placement: Placement, rank: int, group: dist.ProcessGroup | None = None,
                  padded: bool | None = None) -> None:
-        self.placement = placement
-        self.rank = rank
-        self.group = group
-        self.padded = padded
+        self.placement, self.rank, self.group, self.padded = placement, rank, group, padded
         self.max_tokens: int | None = None
 
     def route(self, x: torch.Tensor, expert_ids: torch.Tensor, experts: LocalExperts) -> torch.Tensor:

@@ -3,25 +3,21 @@
 Shapes: B rows, T query positions, J keys read per row (its nb blocks x Bs), D hidden,
 K experts per token, V vocab, L layers, N = B*T tokens.
 
-A small MoE's decode step is nearly all per-op overhead, which `torch.compile` fuses, but only
-over code whose control flow does not depend on tensor values. So the pass runs the eager
-forward's own `DecoderLayer.attend` and MLPs, with what an eager pass reads from tensor values
-fixed up front:
+A small MoE's decode step is nearly all per-op overhead, which `torch.compile` fuses over code
+whose control flow does not depend on tensor values. So the pass runs the eager forward's own
+`DecoderLayer.attend` and MLPs, with what they would read from tensor values fixed up front:
 
-- the PagedIndex is built in the graph (model_shards/kv_cache.py): padding writes go to the
-  scratch block, and decode attention loads keys by index inside fused reductions;
+- the PagedIndex is built in the graph (model_shards/kv_cache.py);
 - each MoE layer runs `MoEBlock.fused` (every expert local, capacity "none", no dispatch);
-- on the CPU: one graph for a batch of one (torch specialises size-1 dimensions) and one
-  shape-generic graph for 2..MAX_ROWS rows, each for T = 1 (decode) and T = k + 1 (verify);
+- on the CPU: one graph for a batch of one (torch specialises size 1) and one shape-generic graph
+  for 2..MAX_ROWS rows, each for T = 1 (decode) and T = k + 1 (verify);
 - on a GPU (`static`): CUDA graphs need fixed shapes, so rows are padded to the next of
-  CAPTURE_SIZES (as vLLM does) and block tables to the next power of two of blocks; padding rows
-  write only the scratch block. The cache never moves, so its tensors are static addresses.
+  CAPTURE_SIZES (as vLLM) and block tables to a power of two of blocks; padding writes scratch.
 
-An expert-parallel rank (`CompiledShardStep`) cannot be one graph: each MoE layer's all-to-all
-waits on the other ranks with split sizes known only after the router. So per layer
-`DecoderLayer.attend` plus the router is one graph and the dispatch stays eager
-(`MoEBlock.after_gating`). Prefill and capacity limits other than "none" run eagerly (`accepts`).
-The router's choices come back with the logits, so load statistics count real tokens only.
+An expert-parallel rank (`CompiledShardStep`) cannot be one graph, since the all-to-all's split
+sizes are known only after the router: per layer, attention plus the router is one graph and the
+dispatch stays eager (`MoEBlock.after_gating`). Prefill and capacity limits run eagerly (`accepts`).
+Gates come back with the logits, so load statistics count real tokens only.
 """
 
 from __future__ import annotations
@@ -48,9 +44,7 @@ MIN_KEYS = 128  # static graphs: keys read (blocks x Bs), padded to a power of t
 
 
 class CompiledStep:
-    """`model`'s forward over `cache` for decode/verify batches, compiled once per variant.
-    `backend`: torch.compile's ("eager": traced, not compiled). `static`: fixed-shape graphs over
-    padded buckets (default: on a GPU, where inductor captures them as CUDA graphs)."""
+    """Decode/verify passes compiled per variant; `static`: padded fixed shapes (default on a GPU: CUDA graphs)."""
 
     def __init__(self, model: CausalLM, cache: PagedKVCache, backend: str = "inductor",
                  static: bool | None = None) -> None:
@@ -85,8 +79,7 @@ class CompiledStep:
 
     @torch.inference_mode()
     def __call__(self, ids: torch.Tensor, tables: torch.Tensor, start: list[int], q_lens: list[int]) -> torch.Tensor:
-        """ids [B, T] (padded on the right past q_lens), the rows' block tables [B, nb] (covering
-        max(start) + T) -> logits [B, T, V]."""
+        """ids [B, T] (right-padded past q_lens), block tables [B, nb] -> logits [B, T, V]."""
         b, t = ids.shape
         self.num_calls += 1
         ids = ids.clone()  # an inference tensor, like every other input: one set of guards
@@ -131,8 +124,7 @@ class CompiledStep:
         return self.model.lm_logits(self.model.model.norm(x)), gates  # [B, T, V]
 
     def _count(self, gates: list[tuple], q_lens: list[int], t: int) -> None:
-        """Expert-load statistics over the real tokens of the first len(q_lens) rows (and the
-        routing of every row, while it is recorded)."""
+        """Expert-load statistics over the real tokens of the first len(q_lens) rows (and the trace)."""
         blocks = self.model.moe_blocks
         if blocks and blocks[0].trace is not None:
             blocks[0].trace.extend((b.layer_idx, ids, w) for b, (w, ids, _) in zip(blocks, gates))
@@ -151,17 +143,15 @@ def _compile_dynamic(fn, backend: str):
 
 
 def _scratch_pass(cache: PagedKVCache, b: int, t: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """A warm-up pass's ids [B, T] and tables: every row in the scratch block, twice (a table of one
-    block would specialise), from position 2 (torch specialises sizes 0 and 1)."""
+    """Warm-up ids [B, T] and tables: the scratch block twice, from position 2 (torch specialises 0 and 1)."""
     tables = torch.zeros(b, max(2, -(-(2 + t) // cache.block_size)), dtype=torch.long, device=device)
     return torch.zeros(b, t, dtype=torch.long, device=device), tables
 
 
 def pass_inputs(model: CausalLM, ids: torch.Tensor, tables: torch.Tensor, start: torch.Tensor, q_lens: torch.Tensor,
                 bs: int) -> tuple:
-    """Inside a graph: the embedded tokens [B, T, D], their rotary embedding, the pass's PagedIndex
-    (row b holds q_lens[b] tokens from position start[b], in its blocks `tables` of bs) and the
-    real positions [B, T]."""
+    """Inside a graph: embedded tokens [B, T, D], their rotary embedding, the PagedIndex (row b: q_lens[b]
+    tokens from start[b]) and the real positions [B, T]."""
     m = model.model
     x = m.embed_tokens(ids)  # [B, T, D]
     steps = torch.arange(ids.shape[1], device=ids.device)
@@ -171,8 +161,7 @@ def pass_inputs(model: CausalLM, ids: torch.Tensor, tables: torch.Tensor, start:
 
 
 class CompiledShardStep:
-    """`model`'s pass over this rank's `cache` for decode/verify rows: compiled per layer up to
-    the router, eager from the dispatch on. `backend` as CompiledStep's."""
+    """This rank's decode/verify pass: compiled per layer up to the router, eager from the dispatch on."""
 
     def __init__(self, model: CausalLM, cache: PagedKVCache, backend: str = "inductor") -> None:
         self.model, self.cache = model, cache
@@ -182,8 +171,7 @@ class CompiledShardStep:
         self._layer = _compile_dynamic(self._layer_fn, backend)
 
     def warm_up(self, query_lens: tuple[int, ...] = (1, 2)) -> float:
-        """Compile the graphs now for one row and several, decode (1) and 2..MAX_QUERY positions
-        (2), without the dispatch, so a rank warms up alone. Returns the seconds it took."""
+        """Compile now for 1 and 2+ rows, without the dispatch (a rank warms up alone); returns seconds."""
         t0 = time.perf_counter()
         for t in query_lens:
             for b in (1, 2):
@@ -197,9 +185,7 @@ class CompiledShardStep:
 
     def hidden_states(self, ids: torch.Tensor, tables: torch.Tensor, start: torch.Tensor, q_lens: torch.Tensor,
                       last_only: bool, lengths: list[int]) -> torch.Tensor:
-        """ids [B, T], the rows' block tables [B, nb], start and q_lens [B] (`lengths`: q_lens on the
-        host) -> final normed hidden states [B, T, D] (or [B, 1, D] at each row's last real token),
-        as CausalLM.hidden_states."""
+        """As CausalLM.hidden_states: ids [B, T], tables [B, nb], start, q_lens [B] (`lengths`: on the host)."""
         self.num_calls += 1
         t = ids.shape[1]
         real = None  # the real tokens' indices [N_real], from the host's lengths: no device read
@@ -223,8 +209,7 @@ class CompiledShardStep:
         return x  # [B, T, D]
 
     def _moe(self, block: nn.Module, h: torch.Tensor, route: tuple, real: torch.Tensor | None) -> torch.Tensor:
-        """`MoEBlock.after_gating` (eager: the all-to-all) over the real ones of this rank's tokens
-        h [N, D]. Returns [N, D] (zeros at padding)."""
+        """`MoEBlock.after_gating` over the real tokens of h [N, D] -> [N, D] (zeros at padding)."""
         weights, expert_ids, probs, shared = route
         if real is None:
             return block.after_gating(h, Gates(weights, expert_ids, probs), shared)
@@ -237,8 +222,8 @@ class CompiledShardStep:
         return pass_inputs(self.model, ids, tables, start, q_lens, bs)
 
     def _layer_fn(self, layer, qkv, x, rope, kv, index):
-        """`DecoderLayer.attend`, then an MoE layer's router and shared expert: (x, h [N, D],
-        (weights, expert ids, probs, shared expert out)); a dense layer's MLP runs here (route None)."""
+        """Attention, then the router and shared expert: (x, h [N, D], (weights, expert_ids, probs,
+        shared)); a dense layer's MLP runs here (route None)."""
         b, t, _ = x.shape
         x, h = layer.attend(x, rope, kv, index, qkv)
         h = h.reshape(b * t, -1)  # [N, D]

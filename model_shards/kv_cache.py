@@ -3,18 +3,15 @@
 Shapes: N blocks, L layers, Bs tokens per block, Hkv key/value heads, Dh head dim,
 B batch rows, Tq query positions this step (rows shorter than Tq are padded), nb blocks per row.
 
-Every block is allocated when the cache is built (as in vLLM and nano-vllm): memory is the KV
-budget from the start, and the tensors keep one address, so captured CUDA graphs can use them
-(`PagedKVCache`). Which blocks a sequence holds is bookkeeping without tensors (`BlockManager`):
-ceil(tokens / Bs) blocks, in its block table; the lowest free ids go first. Block 0 is scratch:
-padded query positions write there, and block tables are padded with it. Rolling back rejected
-drafts is free: the owner feeds from an earlier position; stale entries past it are never read
-(the mask stops at each row's length) and are overwritten by the next step.
+Every block is allocated up front (as in vLLM and nano-vllm), so the tensors keep one address
+that captured CUDA graphs can use (`PagedKVCache`). Which blocks a sequence holds is bookkeeping
+without tensors (`BlockManager`): ceil(tokens / Bs) blocks in its block table, lowest free ids
+first. Block 0 is scratch: padding writes there and pads block tables. Rolling back rejected
+drafts is free: stale entries past a row's length are never read and are overwritten next step.
 
-Prefix caching (vLLM's automatic prefix caching): a full, committed block is identified by a hash
-of its tokens chained with its parent's, so equal hashes mean equal prefixes. A new sequence
-reuses the longest chain of cached blocks matching its tokens (held once more, never written
-again). A block no sequence holds stays cached, least recently used out first, until needed.
+Prefix caching (vLLM's automatic prefix caching): a full, committed block is keyed by a hash of
+its tokens chained with its parent's. A new sequence reuses the longest matching chain of cached
+blocks; a block no sequence holds stays cached until evicted, least recently used first.
 """
 
 from __future__ import annotations
@@ -33,8 +30,7 @@ SCRATCH = 0
 
 
 class PagedIndex(NamedTuple):
-    """Where one pass's rows write and read the paged cache, built once and shared by every layer
-    (`paged_index`). J = nb * Bs key positions per row."""
+    """Where one pass's rows write and read the cache, shared by every layer. J = nb * Bs keys a row."""
 
     tables: torch.Tensor  # [B, nb] each row's blocks in position order (padded with the scratch block)
     write: torch.Tensor  # [B*T] flat cache position (block * Bs + offset) of each query's key/value
@@ -58,12 +54,10 @@ def _(x: torch.Tensor) -> torch.Tensor:
 
 def paged_index(tables: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor, bs: int,
                 fresh: bool = False) -> PagedIndex:
-    """The pass's PagedIndex for rows with block tables [B, nb], query positions pos [B, T] and
-    real tokens valid [B, T] (padding writes to the scratch block). The mask spans every key of a
-    row's nb blocks, not a slice to the keys it holds, whose size would become a graph guard.
-    The positions keys are read at are computed once into a buffer: inlined, the block-table
-    lookup ran again for every layer, head and key. The values' copy stays an expression, so
-    inductor vectorizes their weighted sum over Dh (from a buffer: over the keys, with gathers)."""
+    """The PagedIndex for block tables [B, nb], query positions pos [B, T] and real tokens valid
+    [B, T]. The mask spans all nb blocks (a slice's size would become a graph guard). Key positions
+    go to a buffer (inlined, the lookup reruns per layer, head and key); the values' copy stays an
+    expression, so inductor vectorizes their weighted sum over Dh."""
     p = torch.where(valid, pos, 0)
     write = torch.where(valid, tables.gather(1, p // bs) * bs + p % bs, SCRATCH * bs)  # [B, T]
     j = torch.arange(tables.shape[1] * bs, device=tables.device)  # [J]
@@ -74,10 +68,8 @@ def paged_index(tables: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor, bs
 
 @dataclass
 class StepBatch:
-    """Where an eager forward pass's rows read and write the paged cache. `prepare(Tq)` builds the
-    pass's index tensors once for every layer (a compiled step builds the same PagedIndex inside its
-    graph). `known`, set by `build` from the host's lists: the shortest row's q_len and whether every
-    row starts at 0, so `prepare` reads nothing back from the device (else two host syncs a pass)."""
+    """An eager pass's rows; `prepare(Tq)` builds their PagedIndex once for every layer. `known`
+    (from `build`): shortest q_len and all-start-at-0, so `prepare` reads nothing from the device."""
 
     block_table: torch.Tensor  # [B, nb] each row's blocks in position order (padded with the scratch block)
     start: torch.Tensor  # [B] tokens already cached for each row (position of the row's first query token)
@@ -92,8 +84,7 @@ class StepBatch:
     @classmethod
     def build(cls, tables: list[list[int]], start: list[int], q_lens: list[int], block_size: int,
               device: torch.device | str = "cpu") -> StepBatch:
-        """Rows addressed through their block tables, padded to the widest (or to what the
-        longest row reads after this step)."""
+        """Rows' block tables padded to the widest (or to what the longest row reads this step)."""
         tq = max(q_lens)
         width = max(max(map(len, tables)), -(-(max(start) + tq) // block_size))
         table = torch.tensor([t + [SCRATCH] * (width - len(t)) for t in tables], dtype=torch.long, device=device)
@@ -115,9 +106,8 @@ class StepBatch:
 
 
 class PagedKVCache:
-    """Keys and values of each layer in one tensor [2, Hkv, N, Bs, Dh]; a block is Bs consecutive
-    positions of one sequence. Attention writes and reads it (model_shards/layers.py) through a pass's
-    PagedIndex. Latent attention stores one part, one head: [1, 1, N, Bs, kv_lora_rank + rope] (mla.py)."""
+    """Each layer's keys and values in one tensor [2, Hkv, N, Bs, Dh], read through a PagedIndex;
+    latent attention stores one part, one head: [1, 1, N, Bs, kv_lora_rank + rope] (mla.py)."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", parts: int = 2) -> None:
@@ -253,8 +243,7 @@ class BlockAllocator:
 
 
 class BlockManager:
-    """Which blocks each sequence holds: block tables, the tokens behind them and prefix caching.
-    Bookkeeping only (no tensors): the model runner owns one per cache, a shard group one per rank."""
+    """Which blocks each sequence holds, the tokens behind them, prefix caching; one per cache, no tensors."""
 
     def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool) -> None:
         _check_sizes(num_blocks, block_size)
@@ -271,8 +260,7 @@ class BlockManager:
         return seq_id in self.tables
 
     def add(self, seq_id: str, token_ids: list[int] | tuple[int, ...] = ()) -> int:
-        """Start a sequence; returns how many of its leading tokens are already cached (a
-        multiple of the block size, always leaving the last token to compute)."""
+        """Start a sequence; returns its leading tokens already cached (whole blocks, never the last token)."""
         if seq_id in self.tables:
             raise ValueError(f"sequence {seq_id!r} is already running")
         bs = self.block_size
@@ -298,12 +286,10 @@ class BlockManager:
         self._hashes.pop(seq_id, None)
 
     def write(self, seq_id: str, start: int, tokens: list[int], reserve: int = 0) -> list[tuple[int, int]]:
-        """Make room for `tokens` at positions start.. (and `reserve` more positions after them).
-        Tokens before `start` are final: their full blocks become findable. Blocks past the end
-        (rejected drafts) are freed. A block to be written that others share or the prefix cache
-        holds (the sequence rewound into it) is first replaced by one of its own: the returned
-        (src, dst) pairs are the copies the cache must make before writing. May raise OutOfBlocks
-        (then the sequence holds what it held before)."""
+        """Make room for `tokens` at positions start.. (and `reserve` more). Tokens before `start`
+        are final (committed); blocks past the end are freed. A shared or cached block about to be
+        written is replaced by a private copy: returns those (src, dst) copies, to make before
+        writing. OutOfBlocks leaves the sequence as it was."""
         bs, table, known = self.block_size, self.tables[seq_id], self._tokens[seq_id]
         del self._hashes[seq_id][start // bs :]  # blocks at or after `start` are no longer final
         self.commit(seq_id, start)

@@ -1,13 +1,11 @@
-"""The layers every family shares: RMSNorm, rotary embeddings, the SwiGLU MLP, and grouped-query
-attention (rotary, optional q/k norm) over the paged KV cache.
+"""The shared layers: RMSNorm, rotary embeddings, the SwiGLU MLP, grouped-query attention over the paged cache.
 
 Shapes: B rows, T (=Tq) query positions, J key positions a row reads (its nb blocks x Bs),
 H query heads, Hkv kv heads, Dh head dim, D hidden, I MLP width, N cache blocks.
 
-Attention has no control flow on tensor values, so `torch.compile` traces the eager code as it
-is (model_shards/compiled_step.py). A pass writes its keys and values through the PagedIndex
-first; a prefill with nothing cached then attends causally over its own keys, decode inside a
-graph reads the cache by index (`indexed_attention`), and the rest gathers the rows' blocks.
+Attention has no control flow on tensor values, so `torch.compile` traces it as it is. A pass
+writes its keys and values first; a fresh prefill then attends causally over its own keys, a
+compiled decode reads the cache by index (`indexed_attention`), the rest gathers the rows' blocks.
 """
 
 from __future__ import annotations
@@ -39,8 +37,7 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotary position embedding (rotate-half convention of the HF checkpoints) over cfg.rope_dim
-    dimensions, with YaRN's frequencies and cos/sin scale where the config asks for them."""
+    """Rotary embedding (HF's rotate-half) over cfg.rope_dim dimensions, with YaRN where configured."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -64,8 +61,7 @@ def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
 
 
 def yarn(inv_freq: torch.Tensor, y: YarnScaling, theta: float, dim: int) -> tuple[torch.Tensor, float]:
-    """YaRN (arXiv 2309.00071) as transformers computes it: frequencies blended between the
-    original (fast dimensions) and the interpolated ones (slow dimensions), and the cos/sin scale."""
+    """YaRN (arXiv 2309.00071) as transformers computes it: blended frequencies and the cos/sin scale."""
     scale = y.attention_factor
     if scale is None:
         scale = (yarn_mscale(y.factor, y.mscale) / yarn_mscale(y.factor, y.mscale_all_dim)
@@ -130,8 +126,7 @@ class Attention(nn.Module):
 
     def project(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> tuple[torch.Tensor, ...]:
-        """This step's queries [B, H, T, Dh], keys and values [B, Hkv, T, Dh] (rotary applied).
-        qkv: the three projections' weights (and biases) stacked (`stacked_qkv`): one matmul."""
+        """Queries [B, H, T, Dh], keys and values [B, Hkv, T, Dh] (rotary applied); qkv: `stacked_qkv`."""
         b, t, _ = x.shape
         if qkv is None:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # [B, T, H*Dh], [B, T, Hkv*Dh] x2
@@ -158,8 +153,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv: torch.Tensor | None = None,
                 index: PagedIndex | None = None, qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None,
                 ) -> torch.Tensor:
-        """x [B, T, D] -> [B, T, D]. kv: this layer's cache [2, Hkv, N, Bs, Dh] with the pass's
-        `index` (None: no cache, causal over x). qkv: stacked weights (`stacked_qkv`)."""
+        """x [B, T, D] -> [B, T, D] over this layer's cache kv [2, Hkv, N, Bs, Dh] at `index` (None: causal)."""
         b, t, _ = x.shape
         q, k, v = self.project(x, rope, qkv)  # [B, H, T, Dh], [B, Hkv, T, Dh] x2
         if kv is None or index.fresh:  # nothing cached before this pass: causal over its own keys
@@ -178,8 +172,8 @@ class Attention(nn.Module):
 
 
 def write_entries(kv: torch.Tensor, index: PagedIndex, entries: torch.Tensor) -> torch.Tensor:
-    """This pass's cache entries [P, B, Hkv, T, Dh] (P parts: keys and values, or one latent) into the
-    cache [P, Hkv, N, Bs, Dh] at `index.write`; returns the cache as [P, Hkv, N*Bs, Dh] (a view)."""
+    """Entries [P, B, Hkv, T, Dh] (keys and values, or one latent) into kv [P, Hkv, N, Bs, Dh] at
+    `index.write`; returns kv viewed as [P, Hkv, N*Bs, Dh]."""
     parts, heads, n, bs, dh = kv.shape
     flat = kv.view(parts, heads, n * bs, dh)
     flat.index_copy_(2, index.write, entries.transpose(1, 2).reshape(parts, heads, -1, dh))
@@ -200,9 +194,8 @@ def _(paged: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
 
 
 def indexed_attention(q: torch.Tensor, flat: torch.Tensor, index: PagedIndex) -> torch.Tensor:
-    """Decode attention straight from the paged cache: q [B, H, 1, Dh], flat [2, Hkv, N*Bs, Dh]
-    (keys, values) -> [B, 1, H*Dh]. Gather-multiply-sums, which inductor fuses into reductions
-    loading the cached rows by index, so no row's blocks are copied out first."""
+    """Decode attention from the cache: q [B, H, 1, Dh], flat [2, Hkv, N*Bs, Dh] -> [B, 1, H*Dh], as
+    gather-multiply-sums that inductor fuses into reductions loading keys by index (no copies)."""
     b, h, _, dh = q.shape
     heads = flat.shape[1]
     keys = flat[0][:, index.keys_at].transpose(0, 1)  # [B, Hkv, J, Dh]

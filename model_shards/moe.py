@@ -3,23 +3,19 @@
 Shapes: N tokens (flattened batch), D hidden, E experts, El local experts, K experts per token,
 I expert width, R kept routes (token copies) sorted by expert.
 
-The gating math lives in router_service/. How routes reach experts is the `Dispatch`: each one
-returns per-route expert outputs in the caller's [N, K] order and `combine` is shared, so the
-single-process reference (`LocalDispatch`) and the all-to-all (model_shards/all_to_all.py) add
-the same numbers in the same order.
+Gating math lives in router_service/. Every `Dispatch` returns per-route outputs in the caller's
+[N, K] order and `combine` is shared, so the reference (`LocalDispatch`) and the all-to-all
+(model_shards/all_to_all.py) add the same numbers in the same order.
 
-`LocalExperts` are SwiGLU FFNs stored fused, as transformers 5.x does, run as one grouped
-matmul per projection (`torch._grouped_mm`) where torch has it for the device and dtype. On the
-CPU that pays for decode-sized batches only: past GROUPED_MAX_ROUTES_CPU routes a plain matmul
-per expert is faster. GPUs without grouped mm take one batched matmul over padded groups.
+`LocalExperts` are SwiGLU FFNs stored fused (as transformers 5.x), run as one grouped matmul per
+projection where torch has one for the device and dtype; on the CPU only up to
+GROUPED_MAX_ROUTES_CPU routes (past that, a matmul per expert), elsewhere a padded batched matmul.
 
-Inside a compiled graph (model_shards/compiled_step.py), where data-dependent split sizes cannot
-go, a block holding every expert runs `fused`: each token through its top-k experts as
-gather-multiply-sums that inductor fuses, or every expert as one dense matmul weighted by the
-gates where routing would read more weights than there are. Both are exact for capacity "none".
+In a compiled graph (model_shards/compiled_step.py), with no data-dependent sizes, a block holding
+every expert runs `fused`: routed gather-multiply-sums, or one dense matmul weighted by the gates
+where routing would read more weights than there are. Both are exact for capacity "none".
 
-`phase()` splits a forward pass's wall clock into named phases for benchmarks; disabled (the
-default), it is one attribute check.
+`phase()` times named phases of a pass for benchmarks; disabled (the default), it costs nothing.
 """
 
 from __future__ import annotations
@@ -80,8 +76,8 @@ def grouped_mm_supported(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 
 def cuda_grouped_kernel(device: torch.device) -> bool:
-    """Whether torch's fused bf16 grouped GEMM runs on this GPU: CUDA builds, compute capability
-    9.x and 10.x; elsewhere `torch._grouped_mm` loops over the groups on the host (and syncs)."""
+    """Whether torch's fused bf16 grouped GEMM runs here (CUDA, capability 9.x/10.x; elsewhere it
+    loops over the groups on the host)."""
     return torch.version.hip is None and torch.cuda.get_device_capability(device)[0] in (9, 10)
 
 
@@ -113,9 +109,8 @@ class LocalExperts(nn.Module):
         return self._padded(x, counts, gate_up, down)
 
     def forward_ends(self, x: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
-        """x: [P, D] routes grouped by local expert, expert j's rows ending at row `ends[j]` ([El]
-        int32 on x's device), padding after the last. Returns [P, D] (padding rows: anything);
-        no host sync where the grouped matmul runs."""
+        """x: [P, D] grouped by local expert, expert j's rows ending at `ends[j]` ([El] int32 on x's
+        device), then padding. Returns [P, D]; no host sync where the grouped matmul runs."""
         if x.shape[0] == 0 or self.num_local == 0:
             return x.new_zeros(x.shape)
         if self._grouped_supported(x):
@@ -202,8 +197,7 @@ class LocalDispatch(Dispatch):
         return out.view(n, k, x.shape[-1])
 
 
-# A layer's experts up to this size are read routed at any batch (they stay in the CPU's caches:
-# demo MoE, 3 MiB); larger ones (Mixtral-8x7B: 2.8 GB a layer) only while N * K <= E.
+# Experts up to this size a layer (they stay in cache) run routed at any batch; larger ones only while N*K <= E.
 ROUTED_MAX_EXPERT_BYTES = 16 << 20
 
 
@@ -245,8 +239,7 @@ class MoEBlock(nn.Module):
         return out if self.shared_expert_gate is None else torch.sigmoid(self.shared_expert_gate(x)) * out
 
     def after_gating(self, x: torch.Tensor, gates: Gates, shared: torch.Tensor | None) -> torch.Tensor:
-        """Everything after the router for x [N, D]: capacity, load statistics, recorded routing,
-        dispatch and combine, plus the shared expert's output `shared`."""
+        """After the router, for x [N, D]: capacity, statistics, tracing, dispatch, combine, + `shared`."""
         with phase("gating"):
             routed = None
             expert_ids, weights = gates.expert_ids, gates.weights
@@ -263,13 +256,11 @@ class MoEBlock(nn.Module):
         return out if shared is None else out + shared
 
     def fused(self, x: torch.Tensor) -> tuple[torch.Tensor, Gates]:
-        """x [N, D] -> ([N, D], the gates), every expert local, no capacity limit, no data-dependent
-        shapes: routed when N * K <= E or the experts fit the caches (ROUTED_MAX_EXPERT_BYTES),
-        else dense. Statistics are the caller's."""
+        """x [N, D] -> ([N, D], gates) with no data-dependent shapes (every expert local, no capacity):
+        routed when N * K <= E or the experts are small, else dense. Statistics are the caller's."""
         g = self.gates(x)  # weights, expert_ids [N, K]; probs [N, E]
         n, k = g.expert_ids.shape
-        # the size test first: N is symbolic, so testing it puts a guard on the graph (a recompile
-        # when a batch crosses E / K tokens), which small experts never need
+        # the size test first: testing the symbolic N guards the graph, which small experts never need
         if self.small_experts() or n * k <= self.experts.num_local:
             out = _routed(self.experts, x, g)
         else:
@@ -289,8 +280,8 @@ def _routed(e: LocalExperts, x: torch.Tensor, g: Gates) -> torch.Tensor:
 
 
 def _dense(e: LocalExperts, x: torch.Tensor, g: Gates) -> torch.Tensor:
-    """[N, D]: every token through every local expert, weighted by its gates (zero off its top-k):
-    E / K times the arithmetic, but each expert's weights are read once."""
+    """[N, D]: every token through every expert, weighted by its gates: E / K times the arithmetic,
+    but each expert's weights read once."""
     n, d = x.shape
     w = x.new_zeros(n, e.num_local).scatter(1, g.expert_ids, g.weights.to(x.dtype))  # [N, E]
     gate, up = F.linear(x, e.gate_up_proj.view(-1, d)).view(n, e.num_local, -1).chunk(2, dim=-1)  # [N, E, I] x2

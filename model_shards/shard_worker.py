@@ -1,18 +1,16 @@
 """The shard group's step protocol over torch.distributed: rank 0 drives, the others follow.
 
-Each rank holds the dense weights, its own experts and the paged KV cache of its own sequences
-(data-parallel attention); rank 0 keeps every rank's block tables (a BlockManager per rank).
-Per step rank 0 broadcasts one message, every rank runs its rows (joining each MoE layer's
-all-to-all), and the final hidden states are gathered to rank 0 for the LM head. Nothing per
-step goes through Ray.
+Each rank holds the dense weights, its own experts and its own sequences' KV cache (data-parallel
+attention); rank 0 keeps every rank's block tables. Per step rank 0 broadcasts one message, every
+rank runs its rows (joining the all-to-all), and hidden states are gathered to rank 0 for the LM
+head. Nothing per step goes through Ray.
 
 Message (int64): header [cmd, rows, Tq, last_only, copies, n, trace], then
 - CMD_STEP: copies [C, 3] (rank, src block, dst block: copy-on-write before the step) and rows
   [B, 3 + Tq + n] (rank, start, q_len, tokens..., n block ids padded with the scratch block 0);
   with `trace`, every rank also gathers its rows' routing to rank 0;
-- CMD_PLACE (live re-placement, between two steps): n values, the count of experts on each rank
-  then every rank's expert ids; each rank reloads its experts and re-wires its all-to-all, while
-  the KV caches stay as they are.
+- CMD_PLACE (live re-placement, between steps): n values, each rank's expert count, then every
+  rank's expert ids; each rank reloads its experts and re-wires its all-to-all (caches stay).
 Shapes: B rows, Tq query tokens, D hidden, V vocab, W ranks.
 """
 
@@ -42,8 +40,7 @@ def _body_size(header: list[int]) -> int:
 
 
 def _broadcast(header: list[int] | None, body: torch.Tensor | None, group) -> tuple[list, torch.Tensor]:
-    """Rank 0 sends (header, body), the others receive them, on the host (`group`: a gloo group):
-    a step's plan is read on the host, never back from a device."""
+    """Rank 0 sends (header, body), the others receive them, over gloo: plans stay on the host."""
     h = torch.tensor(header, dtype=torch.long) if header is not None else torch.empty(_HEADER, dtype=torch.long)
     dist.broadcast(h, src=0, group=group)
     header = h.tolist()
@@ -99,10 +96,8 @@ class _Shard:
         self.model.set_dispatch(AllToAllDispatch(placement, self.rank, padded=padded))
 
     def run(self, header: list[int], body: torch.Tensor) -> tuple[torch.Tensor, tuple | None]:
-        """Make this rank's block copies, run its rows, gather hidden states to rank 0.
-        Returns [W, Bmax, T', D] on rank 0 (padding rows are zeros), an empty tensor elsewhere;
-        with `trace`, also every rank's routing on rank 0: expert ids and gate weights
-        [W, Bmax, Tq, L', K] (L' MoE layers; -1 / 0 past each row's tokens)."""
+        """Copy this rank's blocks, run its rows, gather hidden states [W, Bmax, T', D] to rank 0
+        (elsewhere: empty); traced, also every rank's expert ids and weights [W, Bmax, Tq, L', K]."""
         _, _, tq, last_only, _, _, traced = header
         if bool(traced) != (self.model.routing_trace is not None):
             self.model.record_routing(bool(traced))
@@ -170,9 +165,8 @@ class ShardWorker(_Shard):
 
 
 class ShardedRunner(_Shard):
-    """Rank 0: the engine's model runner for a whole shard group (same interface as ModelRunner).
-    `max_num_seqs` is per rank; a new sequence goes to the rank with most of its prefix cached,
-    unless that rank runs BALANCE_SLACK more sequences than the least busy one."""
+    """Rank 0: the model runner of a whole shard group (ModelRunner's interface). `max_num_seqs` is
+    per rank; a sequence goes to the rank caching most of its prefix, within BALANCE_SLACK of the least busy."""
 
     def __init__(self, model: CausalLM, world_size: int, max_num_seqs: int, max_model_len: int,
                  block_size: int = default_of(EngineSection, "block_size"),
@@ -253,8 +247,7 @@ class ShardedRunner(_Shard):
         return out[inverse]
 
     def replace(self, placement: Placement) -> None:
-        """Live re-placement: every rank moves to `placement` before the next step (call it
-        between steps). Sequences, their ranks and KV caches are untouched."""
+        """Live re-placement between steps: every rank moves to `placement`; KV caches stay."""
         if placement.world_size != self.world_size:
             raise ValueError(f"placement has {placement.world_size} ranks, the group {self.world_size}")
         values = _encode_placement(placement)

@@ -26,14 +26,9 @@ from router_service.gating import Gates
 OverflowPolicy = Literal["none", "drop", "reroute"]
 
 
-def expert_capacity(
-    num_tokens: int, num_experts: int, top_k: int, capacity_factor: float, min_capacity: int
-) -> int:
-    """Routes one expert may take: ``max(min_capacity, ceil(capacity_factor * tokens * k / experts))``.
-
-    ``capacity_factor`` is read as the decimal it was written as (1.1 means 11/10), so an exact
-    product is not pushed over an integer by float rounding (1.1 * 10 * 2 / 2 is 11, not 12).
-    """
+def expert_capacity(num_tokens: int, num_experts: int, top_k: int, capacity_factor: float, min_capacity: int) -> int:
+    """``max(min_capacity, ceil(capacity_factor * tokens * k / experts))`` routes per expert, with
+    capacity_factor read as the decimal written (1.1 * 10 * 2 / 2 is 11, not 12 by float rounding)."""
     if num_tokens < 0 or num_experts < 1 or top_k < 1:
         raise ValueError(f"num_tokens/num_experts/top_k: need >= 0/1/1, got {num_tokens}/{num_experts}/{top_k}")
     if not capacity_factor > 0:
@@ -47,7 +42,6 @@ def expert_capacity(
 @dataclass
 class Routed:
     """Routes after the capacity limit.
-
     weights:    [T, K] combine weight; 0 for dropped routes; the new expert's weight for rerouted ones
     expert_ids: [T, K] int64 expert that processes the route; -1 if dropped
     kept:       [T, K] bool, the route is processed (by its first choice or after a reroute)
@@ -63,28 +57,18 @@ class Routed:
 
 
 def apply_capacity(gates: Gates, capacity: int | None, policy: OverflowPolicy = "drop") -> Routed:
-    """Enforce ``capacity`` routes per expert on ``gates`` under ``policy``.
+    """Enforce ``capacity`` routes per expert on ``gates`` under ``policy`` (None: no limit).
 
-    Priority when an expert is full: the route's router probability ``probs[t, e]`` (what DeepSpeed
-    sorts by; the normalised weight would not rank anything for Mixtral-style top-1, where it is
-    always 1.0), highest first; ties by token index, then top-k slot.
+    Priority when an expert is full: router probability ``probs[t, e]`` (as DeepSpeed; the
+    normalised weight is always 1.0 for top-1), then token index, then top-k slot.
 
-    Reroute proceeds in rounds r = 0, 1, ...: each token still holding overflowing routes asks for
-    its r-th best expert by router probability among those it did not choose; the expert takes
-    askers in priority order while it has room, and at most one route per token per round (the
-    token's highest-priority one; the others ask again next round). Routes left when the
-    candidates run out, or when no candidate has room, are dropped. One round is vectorised, and
-    rounds in which no candidate has room are skipped, so the loop runs at most E - K times.
+    Reroute runs in rounds r = 0, 1, ...: each token with overflowing routes asks for its r-th
+    best unchosen expert, which takes askers in priority order while it has room, one route per
+    token per round. Routes left without a candidate with room are dropped (at most E - K rounds).
 
-    A rerouted route keeps the weight the gate would give the new expert with the token's own
-    normalisation: ``probs[t, new] * (sum of the token's gate weights / sum of its chosen probs)``,
-    i.e. ``probs[t, new] / sum_topk(probs)`` for Mixtral, ``probs[t, new]`` for un-normalised
-    Qwen/OLMoE, ``score * scaling / sum_topk(score)`` for DeepSeek. The token's other weights stay
-    as they are (as with ``drop``, nothing is renormalised), so for the softmax styles a route
-    pushed to a worse expert contributes less. For ``sigmoid_bias`` the ranking uses the unbiased
-    scores in ``probs`` (Gates does not carry the selection bias).
-
-    ``capacity=None`` means no limit, the same as ``policy="none"``.
+    A rerouted route gets the new expert's weight under the token's own normalisation,
+    ``probs[t, new] * sum(gate weights) / sum(chosen probs)``; the token's other weights stay as
+    they are (nothing is renormalised). ``sigmoid_bias`` ranks by the unbiased scores in ``probs``.
     """
     if policy not in get_args(OverflowPolicy):
         raise ValueError(f"policy: {policy!r} is not one of {get_args(OverflowPolicy)}")
@@ -113,19 +97,13 @@ def apply_capacity(gates: Gates, capacity: int | None, policy: OverflowPolicy = 
 
     kept = new_ids >= 0  # [R]
     weights = torch.where(kept, weights, torch.zeros_like(weights))
-    return Routed(
-        weights=weights.view(num_tokens, top_k),
-        expert_ids=new_ids.view(num_tokens, top_k),
-        kept=kept.view(num_tokens, top_k),
-        rerouted=rerouted.view(num_tokens, top_k),
-        num_dropped=int((~kept).sum()),
-        num_rerouted=int(rerouted.sum()),
-    )
+    shape = (num_tokens, top_k)
+    return Routed(weights.view(shape), new_ids.view(shape), kept.view(shape), rerouted.view(shape),
+                  num_dropped=int((~kept).sum()), num_rerouted=int(rerouted.sum()))
 
 
-def _reroute(
-    gates: Gates, probs: Tensor, pending: Tensor, room: Tensor, new_ids: Tensor, rerouted: Tensor, weights: Tensor
-) -> None:
+def _reroute(gates: Gates, probs: Tensor, pending: Tensor, room: Tensor, new_ids: Tensor, rerouted: Tensor,
+             weights: Tensor) -> None:
     """Place ``pending`` routes (priority order) on their tokens' next-best experts; writes in place."""
     if int(room.sum()) == 0:
         return  # every expert is full: all pending routes are dropped
@@ -139,9 +117,7 @@ def _reroute(
     chosen_prob = probs.gather(1, ids).sum(dim=1)  # [T]
     scale = gates.weights.float().sum(dim=1) / chosen_prob.clamp_min(torch.finfo(torch.float32).tiny)  # [T]
 
-    # Room and the pending set only shrink, so a round in which no pending route's candidate has
-    # room accepts nobody and can be skipped. `open_rounds` marks the rounds that might accept
-    # someone; it can only go stale in the safe direction, and is refreshed after a fruitless round.
+    # `open_rounds`: rounds that might accept someone (room and pending only shrink; refreshed when fruitless)
     candidates = candidates[:, : num_experts - top_k]  # [U, E - K]
     r, open_rounds = 0, None
     while pending.numel() > 0:

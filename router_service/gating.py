@@ -12,13 +12,10 @@ model built on it matches transformers' logits:
                     ``topk_group`` of ``n_group`` groups); the weights are the unbiased scores,
                     normalised if ``norm_topk_prob``, times ``routed_scaling_factor``. fp32.
 
-The load the gates put on the experts (`ExpertLoadStats`, counted in every MoE layer's forward)
-and the Switch Transformer balance term: for N experts, f_i is the fraction of routes the
-router sends to expert i and P_i the mean router probability of expert i. With top-k routing
-f_i counts routes divided by T * k, so sum_i f_i = 1 and the balance term ``N * sum_i f_i * P_i``
-is 1.0 for a perfectly even router whatever k is (seeds: balanced 1.0, collapsed 2.8, in units
-of alpha). This equals DeepSpeed's ``topkgating`` l_aux; transformers' ``load_balancing_loss_func``
-counts f_i per top-k slot and is k times larger.
+Expert load (`ExpertLoadStats`) and the Switch Transformer balance term ``N * sum_i f_i * P_i``:
+f_i is the fraction of the T * k routes sent to expert i, P_i its mean router probability, so the
+term is 1.0 for an even router whatever k is. This equals DeepSpeed's ``topkgating`` l_aux;
+transformers' ``load_balancing_loss_func`` counts f_i per top-k slot and is k times larger.
 
 Shapes: T tokens, E experts (= N), K = top_k, G = n_group, L layers.
 """
@@ -39,12 +36,9 @@ GateStyle = Literal["mixtral", "softmax_topk", "sigmoid_bias"]
 
 @dataclass(frozen=True)
 class GateConfig:
-    """How one MoE layer turns router logits into gates.
-
-    ``n_group`` / ``topk_group`` are DeepSeek-V3's group-limited routing (``sigmoid_bias`` only):
-    experts are split into ``n_group`` equal groups, each group is scored by the sum of its two
-    best biased scores, and experts are chosen only from the best ``topk_group`` groups.
-    """
+    """How one MoE layer turns router logits into gates. ``n_group`` / ``topk_group``: DeepSeek-V3's
+    group-limited routing (``sigmoid_bias`` only): experts come only from the ``topk_group`` best of
+    ``n_group`` equal groups, each scored by the sum of its two best biased scores."""
 
     num_experts: int
     top_k: int
@@ -81,7 +75,6 @@ class GateConfig:
 @dataclass
 class Gates:
     """The router's decision for a batch of tokens.
-
     weights:    [T, K] combine weight of each chosen expert (fp32, or the logits dtype for softmax_topk)
     expert_ids: [T, K] int64 chosen experts, sorted by descending (for sigmoid_bias: biased) score
     probs:      [T, E] fp32 full router probabilities (softmax over all experts, or the sigmoid
@@ -106,11 +99,8 @@ class Gates:
 
 
 def topk_gate(router_logits: Tensor, cfg: GateConfig, bias: Tensor | None = None) -> Gates:
-    """Choose ``cfg.top_k`` experts per token and their combine weights.
-
-    router_logits: [..., E] (leading dims are flattened to T, as the transformers routers do).
-    bias: [E] per-expert selection bias, only for ``sigmoid_bias`` (None means zeros).
-    """
+    """``cfg.top_k`` experts per token and their combine weights. router_logits: [..., E] (leading
+    dims flattened to T); bias: [E] selection bias, ``sigmoid_bias`` only (None: zeros)."""
     if router_logits.shape[-1] != cfg.num_experts:
         raise ValueError(f"router_logits: last dim {router_logits.shape[-1]} != num_experts {cfg.num_experts}")
     if bias is not None and cfg.style != "sigmoid_bias":
@@ -154,12 +144,8 @@ def _sigmoid_bias_gate(logits: Tensor, cfg: GateConfig, bias: Tensor | None) -> 
 
 
 def switch_balance_loss(probs: Tensor, expert_ids: Tensor, num_experts: int) -> Tensor:
-    """``N * sum_i f_i * P_i`` (multiply by alpha yourself); differentiable through ``probs``.
-
-    probs: [T, E] router probabilities; expert_ids: [T, K] the router's choices (ids < 0 are ignored
-    but still count in the T * K denominator). f_i comes from a hard choice, so no gradient flows
-    through it.
-    """
+    """``N * sum_i f_i * P_i`` (times alpha is the caller's); differentiable through probs [T, E] only.
+    expert_ids: [T, K]; ids < 0 are not counted but stay in the T * K denominator."""
     if probs.dim() != 2 or probs.shape[1] != num_experts:
         raise ValueError(f"probs: expected [T, {num_experts}], got shape {tuple(probs.shape)}")
     ids = expert_ids.reshape(-1)  # [T * K]
@@ -172,7 +158,6 @@ def switch_balance_loss(probs: Tensor, expert_ids: Tensor, num_experts: int) -> 
 
 class ExpertLoadStats:
     """Per-layer expert-load counters, cheap to update every step and to ship between processes.
-
     route_counts:  [L, E] routes the router chose per expert (demand; f_i)
     expert_load:   [L, E] routes the experts actually processed after capacity (reroutes included)
     prob_sums:     [L, E] sum of router probabilities over tokens (P_i = prob_sums / tokens)
@@ -246,11 +231,8 @@ class ExpertLoadStats:
         return stats
 
     def summary(self) -> list[dict[str, Any]]:
-        """Per layer: f_i, P_i, the Switch balance term, max/mean expert load, overflow counts.
-
-        ``balance`` is ``N * sum_i f_i * P_i`` (1.0 = even); ``imbalance`` is max/mean of the load
-        the experts actually served (1.0 = even). Layers with no tokens report None for both.
-        """
+        """Per layer: f_i, P_i, ``balance`` (the Switch term), ``imbalance`` (max/mean of the load
+        served; both 1.0 when even, None with no tokens) and overflow counts."""
         layers = []
         for layer in range(self.num_layers):
             tokens, routes = int(self.tokens[layer]), int(self.routes[layer])

@@ -1,24 +1,20 @@
 """The engine core: the step loop, token ids in and token ids out over one channel.
 
-The core owns an LLMEngine and nothing else of the request: no text, no stop strings, no
-HTTP. Its loop fits on a screen:
+The core owns an LLMEngine and no text, stop strings or HTTP. Its loop:
 
     drain the inbox (add / abort / stats) -> admit requests whose grammar has compiled
     -> engine.step() -> send one message with every request's new tokens
 
-It runs the same in a thread (`InprocCore`) or in a process of its own (`ProcessCore`, the
-served default: no GIL shared with Serve), both in core_client.py. Messages are the frozen
-dataclasses of moeserve/protocol.py; a channel is anything with `send(msg)` and `recv(timeout)`.
+It runs in a thread (`InprocCore`) or its own process (`ProcessCore`), both in core_client.py.
+Messages are moeserve/protocol.py's dataclasses; a channel has `send(msg)` and `recv(timeout)`.
 
-Grammars are compiled here, where the masks are used, on the compiler's threads: a request waits
-(outside the scheduler) until its grammar is ready, so a slow compile never stalls the batch.
-An invalid grammar ends its request with INVALID_ARGUMENT before it costs a step.
+Grammars compile here, on the compiler's threads: a request waits outside the scheduler until
+its grammar is ready, so a slow compile never stalls the batch.
 
-Failure isolation (`Isolation`): a step that fails before it emitted anything (StepError) blames
-no one yet. Its requests are requeued (output kept, cache recomputed) and run one at a time,
-ISOLATION_STEPS steps each (the scheduler's `focus`). Failing alone twice (once could be a dying
-shard), a request is the cause: it ends with a non-retryable INTERNAL error; the others never see
-the failure. Batching resumes when every suspect has been cleared.
+Failure isolation (`Isolation`): a step that fails before emitting anything (StepError) blames no
+one yet. Its requests are requeued and run one at a time, ISOLATION_STEPS steps each (the
+scheduler's `focus`). Failing alone twice (once could be a dying shard), a request is the cause
+and ends with a non-retryable INTERNAL error; the others never see the failure.
 """
 
 from __future__ import annotations
@@ -58,17 +54,13 @@ class Channel(Protocol):
 
     def recv(self, timeout: float | None) -> Any | None:
         """The next message, or None when none came within `timeout` (0: do not wait)."""
-        ...
 
 
 class EngineCore:
-    """Runs `engine` for the requests that arrive on a channel (`run`).
-
-    `compiler` compiles GrammarSpecs (None: grammars are refused); `recover` is called after a
-    failed step and returns a fresh model runner (an expert-parallel group re-formed);
-    `expert_load` returns per-rank expert-load counters when they live elsewhere (shard ranks);
-    `replace` moves a shard group's experts to a new placement (ApplyPlacement), between steps.
-    """
+    """Runs `engine` for the requests that arrive on a channel (`run`). `compiler` compiles
+    GrammarSpecs (None: refused); `recover` returns a fresh model runner after a failed step (a
+    shard group re-formed); `expert_load` returns per-rank counters kept elsewhere; `replace`
+    moves a shard group's experts to a new placement between steps."""
 
     def __init__(self, engine: LLMEngine, compiler: Any = None, recover: Callable[[], Any] | None = None,
                  expert_load: Callable[[], list[dict[str, Any]]] | None = None,
@@ -148,8 +140,7 @@ class EngineCore:
         return [_chunk(out) for out in outputs]
 
     def _apply_placement(self) -> None:
-        """Live re-placement between two steps: running requests keep their caches and go on
-        exactly. If it fails the group is re-formed, as after a failed step."""
+        """Live re-placement between steps (caches kept); a failure re-forms the group."""
         msg, self._placement = self._placement, None
         if self.replace is None:
             logger.warning("ignoring a placement: this engine has no shard group")
@@ -166,8 +157,7 @@ class EngineCore:
         logger.info("experts re-placed in %.2f s: %s", time.perf_counter() - t0, msg.rank_experts)
 
     def _reform(self) -> None:
-        """After a failed step on an expert-parallel group (a shard died, a collective timed out):
-        form a new group; every running request recomputes its cache there."""
+        """After a failed step on a shard group: a new group, where running requests recompute."""
         if self.recover is None:
             return
         self.engine.requeue([s.seq_id for s in self.engine.scheduler.running])
@@ -307,8 +297,7 @@ class Isolation:
         self._focus_steps = 0
 
     def failed(self, request_ids: list[str], cause: BaseException | None) -> list[GenerateChunk]:
-        """A step with `request_ids` failed before emitting: requeue, then try them one by one.
-        Returns the error chunk of a request found to be the cause, if any."""
+        """A step failed before emitting: requeue its requests, run them alone; a culprit's error chunk."""
         focus = self.engine.scheduler.focus
         if focus is None or focus.seq_id not in request_ids:
             self.engine.requeue(request_ids)
