@@ -45,7 +45,7 @@ class PhaseTimer:
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
-        if not self.enabled:
+        if torch.compiler.is_compiling() or not self.enabled:  # inside a graph: one op stream, no phases
             yield
             return
         t0 = time.perf_counter()

@@ -168,3 +168,19 @@ def test_compiled_engine_writes_the_eager_tokens_and_counts_the_same_load(tiny):
         assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # compiled, not run eagerly
         assert runs[True][0] == runs[False][0]
         assert torch.equal(runs[True][1], runs[False][1])
+
+
+def test_the_phase_timer_does_not_break_the_graph(tmp_path, monkeypatch):
+    """The layer code's phases (bench.expert_parallel's split) are no-ops inside a graph: timing a
+    compiled pass neither breaks its graph nor compiles another."""
+    save_tiny("mixtral", tmp_path)
+    model = load_checkpoint(tmp_path)
+    eager, graph = prefilled(model, [7, 3, 11])
+    step = CompiledStep(model, graph, backend="eager")
+    rows, start, q_lens, t = STEPS[0]
+    ids = torch.randint(2, model.config.vocab_size, (len(rows), t))
+    step(ids, TABLES[rows], start, q_lens)
+    monkeypatch.setattr(moe.TIMER, "enabled", True)
+    step(ids, TABLES[rows], start, q_lens)
+    stats = torch._dynamo.utils.counters
+    assert not stats["graph_break"] and stats["stats"]["unique_graphs"] == 1
