@@ -15,9 +15,9 @@ so a model of any size is built and run at no memory cost. It checks three thing
   ops whose output size depends on the data, such as `nonzero`) is counted. A decode or verify
   pass on the padded all-to-all (model_shards/all_to_all.py) must have none besides the one
   hand-off of its logits to the sampler.
-- compiled (`--gpus 1`): decode and verify as the engine runs them on one GPU, in
-  CompiledStep's graphs (model_shards/compiled_step.py) traced by dynamo, each graph run op by
-  op under the same audit: a graph break or a read inside a graph fails the run.
+- compiled: decode and verify as the engine runs them compiled (model_shards/compiled_step.py:
+  one graph on one GPU; per-layer graphs around the all-to-all on a rank of several), traced by
+  dynamo, each graph run op by op under the same audit: a graph break or a read fails the run.
 
 The rank holds its experts of the contiguous placement, loaded by `load_checkpoint` from a fake
 checkpoint index (the layout's per-expert tensor names, shapes and dtypes; the safetensors
@@ -57,7 +57,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from bench.fake_checkpoint import DTYPE, load_rank
 from bench.scale_model import HARDWARE, Layout, Shape, step
 from model_shards.all_to_all import AllToAllDispatch
-from model_shards.compiled_step import CompiledStep
+from model_shards.compiled_step import CompiledShardStep, CompiledStep
 from model_shards.config import ModelConfig
 from model_shards.moe import LocalDispatch, LocalExperts
 from moeserve.engine.model_runner import ModelRunner, Row
@@ -212,23 +212,36 @@ class AuditedGraphs:
         return run
 
     def run(self, runner: ModelRunner, audit: PassAudit, rows: list, logits: str) -> torch.Tensor:
-        """`runner.forward`'s compiled branch for these rows; the logits' hand-off to the host
-        (outside the graph: a copy a `meta` tensor cannot make) answered with zeros."""
+        """`runner.forward`'s compiled branch for these rows (an expert-parallel rank's: its graphs
+        and, audited too, the eager all-to-all between them); the logits' hand-off to the host
+        (outside the graphs: a copy a `meta` tensor cannot make) answered with zeros."""
         self.audit = audit
+        step = runner.compiled
         for r in rows:
             runner.prepare(r.seq_id, r.start, r.tokens)
         starts, q_lens, tq = [r.start for r in rows], [len(r.tokens) for r in rows], max(len(r.tokens) for r in rows)
-        if not runner.compiled.accepts(len(rows), tq):
+        if not step.accepts(len(rows), tq):
             raise DryRunError(f"{audit.name}: the compiled step does not take {len(rows)} rows of {tq}")
         ids = torch.tensor([r.tokens + [0] * (tq - len(r.tokens)) for r in rows], device=runner.device)  # [B, Tq]
         tables = runner.block_tables([r.seq_id for r in rows], -(-(max(starts) + tq) // runner.block_size))
         try:
-            out = runner.compiled(ids, tables, starts, q_lens)  # [B, Tq, V]
+            if isinstance(step, CompiledShardStep):
+                moe = step._moe
+                with mock.patch.object(step, "_moe", lambda *a: self._audited(moe, *a)):
+                    on = lambda v: torch.tensor(v, device=runner.device)  # noqa: E731
+                    h = step.hidden_states(ids, tables, on(starts), on(q_lens), logits == "last", q_lens)
+                out = runner.model.lm_logits(h)  # [B, T', V]
+            else:
+                out = step(ids, tables, starts, q_lens)  # [B, Tq, V]
         except (RuntimeError, NotImplementedError) as e:  # a read of data outside a graph (meta has none)
             raise DryRunError(f"{audit.name}: host sync in the compiled step ({e}); "
                               f"graph breaks: {dict(counters['graph_break'])}") from e
         audit.handoffs += 1
         return torch.zeros(out.shape[0], out.shape[-1]) if logits == "last" else torch.zeros(out.shape)
+
+    def _audited(self, fn, *args):
+        with self.audit:
+            return fn(*args)
 
 
 # ---- the run ------------------------------------------------------------------------------------
@@ -283,13 +296,12 @@ def dry_run(name: str, gpus: int = 8, batch: int = 64, context: int = 2048, prom
     sequences of `context` tokens; prefill `batch` prompts of `prompt` tokens, decode one step and
     verify `draft` drafted tokens a row. Raises DryRunError on a defect.
 
-    compiled (one GPU only): decode and verify run as the engine runs them on one GPU, every
-    expert local (LocalDispatch) in CompiledStep's graph, traced by dynamo and run by
-    `AuditedGraphs` (inductor cannot target `meta`); a graph break or a host sync inside a graph
-    fails the run. Prefill stays eager.
+    compiled: decode and verify run compiled as the engine runs them: on one GPU every expert
+    local (LocalDispatch) in CompiledStep's graph; on a rank of several, CompiledShardStep's graphs
+    between its eager all-to-alls (audited as well). Graphs are traced by dynamo and run by
+    `AuditedGraphs` (inductor cannot target `meta`); a graph break or a host sync fails the run.
+    Prefill stays eager.
     layers: keep only the first `layers` decoder layers (full width; every layer runs the same code)."""
-    if compiled and gpus != 1:
-        raise SystemExit("--compiled: one GPU only (an expert-parallel rank's pass is compiled per layer)")
     hf = shape_of(name)
     if layers is not None:
         hf = {**hf, "num_hidden_layers": layers}
@@ -328,8 +340,12 @@ def dry_run(name: str, gpus: int = 8, batch: int = 64, context: int = 2048, prom
                     out = runner.forward(rows, logits=logits)
             if compiled and pass_name == "prefill":
                 torch._dynamo.reset()
-                model.set_dispatch(LocalDispatch())
-                runner.compiled = CompiledStep(model, runner.cache, backend=graphs)
+                counters["graph_break"].clear()  # this run's graphs only
+                if gpus == 1:
+                    model.set_dispatch(LocalDispatch())
+                    runner.compiled = CompiledStep(model, runner.cache, backend=graphs)
+                else:
+                    runner.compiled = CompiledShardStep(model, runner.cache, backend=graphs)
             if audit.handoffs != 1 or out.dtype != torch.float32 or out.device.type != "cpu":
                 raise DryRunError(f"{pass_name}: logits must reach the sampler once, fp32 on the host; "
                                   f"got {audit.handoffs} hand-offs of {out.dtype} on {out.device}")
@@ -337,7 +353,7 @@ def dry_run(name: str, gpus: int = 8, batch: int = 64, context: int = 2048, prom
             result.workspace[pass_name], result.syncs[pass_name] = audit.peak, len(audit.syncs)
         if compiled:
             breaks = dict(counters["graph_break"])
-            if breaks or runner.compiled.num_calls != 2 or graphs.graphs != 2:
+            if breaks or runner.compiled.num_calls != 2 or not graphs.graphs:
                 raise DryRunError(f"compiled decode/verify: {runner.compiled.num_calls} calls, {graphs.graphs} "
                                   f"graphs, graph breaks {breaks}")
             result.graphs = graphs.graphs

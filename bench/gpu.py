@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         from bench import dry_run
 
-        compiled = not args.no_compile and args.gpus == 1  # a rank of several is compiled per layer: eager here
+        compiled = not args.no_compile
         print(dry_run.report(dry_run.dry_run(args.model, args.gpus, args.batch, args.context or 2048,
                                              compiled=compiled, layers=args.dry_run_layers)))
         return 0

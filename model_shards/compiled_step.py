@@ -203,7 +203,8 @@ class CompiledShardStep:
         with self.step._no_duck_sizing:
             x, rope, index, _ = self._head(ids.clone(), tables, start, q_lens, self.cache.block_size)
             for i, layer in enumerate(self.model.model.layers):
-                x, h, route = self._layer(layer, self.step._qkv[i], x, rope, self.cache.kv[i], index)
+                qkv = None if self.step._qkv is None else self.step._qkv[i]  # latent attention: none stacked
+                x, h, route = self._layer(layer, qkv, x, rope, self.cache.kv[i], index)
                 if route is not None and dispatch:
                     x = x + self._moe(layer.mlp, h, route, real).view(b, t, -1)
         return x  # [B, T, D]
