@@ -27,6 +27,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -77,7 +78,9 @@ class EngineServer:
         if draft is not None:  # the draft deployment's channel, asked once (a worker's restart keeps it)
             from deployments.draft_channel import RemoteDraftProposer
 
-            proposer = RemoteDraftProposer(draft.options(method_name="channel").remote().result(timeout_s=60.0))
+            ask = draft.options(method_name="channel").remote  # a blocking call may not run on the replica's
+            with ThreadPoolExecutor(1) as pool:  # event loop (Serve refuses it there): it runs beside it
+                proposer = RemoteDraftProposer(pool.submit(lambda: ask().result(timeout_s=60.0)).result())
         if engine is None and config.engine.core_process and config.shards.num_shards == 1:
             spec = (EngineConfig.from_app(config), config.engine.torch_threads, proposer)
             self.core = ProcessCore(spec, self._on_chunks, self._on_dead)
