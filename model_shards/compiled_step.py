@@ -110,7 +110,7 @@ class CompiledStep:
     # ---- the graph -------------------------------------------------------------------------
     def _forward(self, ids, tables, start, q_lens, kv) -> tuple[torch.Tensor, list[tuple]]:
         b, t = ids.shape
-        x, rope, index, _ = pass_inputs(self.model, ids, tables, start, q_lens, kv[0].shape[3])
+        x, rope, index = pass_inputs(self.model, ids, tables, start, q_lens, kv[0].shape[3])
         gates = []
         for i, layer in enumerate(self.model.model.layers):
             x, h = layer.attend(x, rope, kv[i], index, None if self._qkv is None else self._qkv[i])  # [B, T, D] x2
@@ -151,13 +151,13 @@ def _scratch_pass(cache: PagedKVCache, b: int, t: int, device: torch.device) -> 
 def pass_inputs(model: CausalLM, ids: torch.Tensor, tables: torch.Tensor, start: torch.Tensor, q_lens: torch.Tensor,
                 bs: int) -> tuple:
     """Inside a graph: embedded tokens [B, T, D], their rotary embedding, the PagedIndex (row b: q_lens[b]
-    tokens from start[b]) and the real positions [B, T]."""
+    tokens from start[b])."""
     m = model.model
     x = m.embed_tokens(ids)  # [B, T, D]
     steps = torch.arange(ids.shape[1], device=ids.device)
     pos = start[:, None] + steps  # [B, T]
     valid = steps[None, :] < q_lens[:, None]  # [B, T]
-    return x, m.rotary(pos, x.dtype), paged_index(tables, pos, valid, bs), valid
+    return x, m.rotary(pos, x.dtype), paged_index(tables, pos, valid, bs)
 
 
 class CompiledShardStep:
@@ -201,7 +201,7 @@ class CompiledShardStep:
               dispatch: bool = True, real: torch.Tensor | None = None) -> torch.Tensor:
         b, t = ids.shape
         with self.step._no_duck_sizing:
-            x, rope, index, _ = self._head(ids.clone(), tables, start, q_lens, self.cache.block_size)
+            x, rope, index = self._head(ids.clone(), tables, start, q_lens, self.cache.block_size)
             for i, layer in enumerate(self.model.model.layers):
                 qkv = None if self.step._qkv is None else self.step._qkv[i]  # latent attention: none stacked
                 x, h, route = self._layer(layer, qkv, x, rope, self.cache.kv[i], index)
