@@ -631,19 +631,17 @@ def offline_baselines(cfg, tokenizer, prompts: list[list[int]], new_tokens: int,
     interleaved (bench/timing.py), 1 warm-up + `runs` each, at each thread count; each engine row
     carries its `Ratio` to transformers over those runs. Also returns transformers' tokens (for the
     texts check)."""
-    import dataclasses
-
     import torch
 
     from bench.timing import interleaved, summarize
-    from moeserve.engine.factory import EngineConfig, build_engine
+    from moeserve.engine.factory import build_engine, model_path, speculation
 
-    served = EngineConfig.from_app(cfg)
-    hf_model = workloads.load_hf(served.model)
-    engines = {f"our engine in-process, max_num_seqs {served.max_num_seqs}, {served.speculation} (one replica)":
-               build_engine(served),
-               f"our engine in-process, max_num_seqs {len(prompts)}, {served.speculation}":
-               build_engine(dataclasses.replace(served, max_num_seqs=len(prompts)))}
+    kind = speculation(cfg)
+    hf_model = workloads.load_hf(model_path(cfg))
+    engines = {f"our engine in-process, max_num_seqs {cfg.engine.max_num_seqs}, {kind} (one replica)":
+               build_engine(cfg),
+               f"our engine in-process, max_num_seqs {len(prompts)}, {kind}":
+               build_engine(cfg.with_overrides({"engine": {"max_num_seqs": len(prompts)}}))}
     out: dict[str, Any] = {}
     for threads in thread_counts:
         torch.set_num_threads(threads)

@@ -20,7 +20,8 @@ import torch
 
 from bench import report
 from bench.timing import format_ratio, ratio_over_rounds
-from moeserve.engine.factory import EngineConfig, build_engine
+from moeserve.config import AppConfig
+from moeserve.engine.factory import build_engine
 from moeserve.sampling_params import SamplingParams
 from moeserve.tokenizer import render_chat
 
@@ -34,7 +35,7 @@ ASKS = ("Do you have rye bread today?", "What does a baguette cost?", "Is the ma
 
 
 def engine(prefix_caching: bool, max_num_seqs: int):
-    return build_engine(EngineConfig(speculation="none", prefix_caching=prefix_caching, max_num_seqs=max_num_seqs))
+    return build_engine(AppConfig.from_options(draft="none", prefix_caching=prefix_caching, max_num_seqs=max_num_seqs))
 
 
 def run(eng, prompts: list[list[int]], params: list[SamplingParams], sample=None) -> dict[str, Any]:

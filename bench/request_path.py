@@ -60,10 +60,10 @@ def main(argv: list[str] | None = None) -> int:
 
     from deployments.local import DEMO_MESSAGES, DEMO_SCHEMA, gateway_in_thread
     from moeserve.config import AppConfig, resolve_path
-    from moeserve.engine.factory import EngineConfig, build_engine
+    from moeserve.engine.factory import build_engine
 
     tree = AppConfig.from_options(draft=args.draft)
-    engine = build_engine(EngineConfig.from_app(tree))
+    engine = build_engine(tree)
     body = {"model": tree.model.name, "messages": DEMO_MESSAGES, "stream": True, "max_tokens": 24}
     if args.schema:
         body["response_format"] = {"type": "json_schema", "json_schema": {"name": "order", "schema": DEMO_SCHEMA}}

@@ -24,7 +24,7 @@ from ray.serve import Application
 from deployments.engine_server import EngineServer
 from deployments.gateway import Gateway
 from moeserve.config import AppConfig, resolve_path
-from moeserve.engine.factory import EngineConfig
+from moeserve.engine.factory import speculation
 
 APP_NAME = "moeserve"
 
@@ -49,7 +49,7 @@ def _bind_draft(cfg: AppConfig) -> Application | None:
     engine drafts in its own process (the default: a call per step is a good part of a decode
     step) or does not use the draft model."""
     s = cfg.speculative
-    if s.placement != "deployment" or EngineConfig.from_app(cfg).speculation != "model":  # "auto" resolved
+    if s.placement != "deployment" or speculation(cfg) != "model":  # "auto" resolved
         return None
     from deployments.draft import DraftServerConfig, bind_draft
 

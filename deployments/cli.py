@@ -7,6 +7,7 @@ import sys
 import time
 
 from moeserve.config import AppConfig
+from moeserve.engine.factory import speculation
 from moeserve.engine.llm import LLM
 from moeserve.sampling_params import SamplingParams
 from moeserve.tokenizer import render_chat
@@ -37,7 +38,7 @@ def _generate(args: argparse.Namespace) -> int:
     print()
     if args.verbose:
         stats = llm.engine.spec_metrics
-        print(f"[{n} tokens in {dt:.2f} s, {n / dt:.1f} tokens/s; speculation={llm.config.speculation}, "
+        print(f"[{n} tokens in {dt:.2f} s, {n / dt:.1f} tokens/s; speculation={speculation(llm.config)}, "
               f"tokens per target pass {stats.tokens_per_pass:.2f}]", file=sys.stderr)
     return 0
 

@@ -36,7 +36,7 @@ from moeserve.config import AppConfig, resolve_path
 from moeserve.engine import LLMEngine
 from moeserve.engine.core import EngineCore
 from moeserve.engine.core_client import InprocCore, ProcessCore
-from moeserve.engine.factory import EngineConfig, build_engine
+from moeserve.engine.factory import build_engine, model_path
 from moeserve.errors import ErrorCode
 from moeserve.protocol import Abort, ApplyPlacement, GenerateChunk, GenerateRequest, Usage, error_chunk
 from router_service.gating import ExpertLoadStats
@@ -82,7 +82,7 @@ class EngineServer:
             with ThreadPoolExecutor(1) as pool:  # event loop (Serve refuses it there): it runs beside it
                 proposer = RemoteDraftProposer(pool.submit(lambda: ask().result(timeout_s=60.0)).result())
         if engine is None and config.engine.core_process and config.shards.num_shards == 1:
-            spec = (EngineConfig.from_app(config), config.engine.torch_threads, proposer)
+            spec = (config, config.engine.torch_threads, proposer)
             self.core = ProcessCore(spec, self._on_chunks, self._on_dead)
             self.max_num_seqs = config.engine.max_num_seqs
         else:
@@ -294,23 +294,23 @@ class EngineServer:
 
 def load_engine(config: AppConfig, proposer: Any = None) -> tuple[LLMEngine, Any]:
     """The engine `config` names, and its shard group of Ray actors (None: the model runs here)."""
-    cfg, shards = EngineConfig.from_app(config), config.shards
+    e, shards = config.engine, config.shards
     if shards.num_shards == 1:
-        return build_engine(cfg, proposer=proposer), None
+        return build_engine(config, proposer=proposer), None
     from deployments.router_actor import proposed_placement
     from deployments.shard_group import ShardGroup, ShardGroupConfig
 
-    per_rank = -(-cfg.max_num_seqs // shards.num_shards)  # sequences are spread over the ranks
+    per_rank = -(-e.max_num_seqs // shards.num_shards)  # sequences are spread over the ranks
     group_cfg = ShardGroupConfig(
-        cfg.model, world_size=shards.num_shards, max_num_seqs=per_rank, max_model_len=cfg.max_model_len,
-        block_size=cfg.block_size, prefix_caching=cfg.prefix_caching, compile=cfg.compile, routing=cfg.routing,
-        dtype=cfg.dtype, strategy=shards.strategy, gpus_per_shard=shards.gpus_per_shard,
+        model_path(config), world_size=shards.num_shards, max_num_seqs=per_rank, max_model_len=e.max_model_len,
+        block_size=e.block_size, prefix_caching=e.prefix_caching, compile=e.compile, routing=config.routing,
+        dtype=config.model.dtype, strategy=shards.strategy, gpus_per_shard=shards.gpus_per_shard,
     )  # fmt: skip
-    if cfg.device != "auto" and resolve_device(cfg.device) != group_cfg.device:
-        raise ValueError(f"engine.device {cfg.device!r} and shards.gpus_per_shard {shards.gpus_per_shard} "
+    if e.device != "auto" and resolve_device(e.device) != group_cfg.device:
+        raise ValueError(f"engine.device {e.device!r} and shards.gpus_per_shard {shards.gpus_per_shard} "
                          f"disagree: a shard group runs every rank on {group_cfg.device}")
     group = ShardGroup(group_cfg, placement=proposed_placement(shards.num_shards))
-    return build_engine(cfg, runner=group.start(), proposer=proposer), group
+    return build_engine(config, runner=group.start(), proposer=proposer), group
 
 
 def _in_ray() -> bool:

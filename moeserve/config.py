@@ -3,8 +3,8 @@
 Every way in builds this same tree: `moeserve serve --config FILE` and its flags, the
 `args:` of the application in deployments/serve_config.yaml (Ray's own `serve run` /
 `serve deploy`), KubeRay's serveConfigV2, and the offline API `LLM(**options)`
-(`AppConfig.from_options`). Each component then receives its own part: the engine core its
-EngineConfig (`moeserve.engine.factory.EngineConfig.from_app`), a deployment its sections.
+(`AppConfig.from_options`). Each component then receives the tree or its own sections of it,
+never a copy field by field (moeserve/engine/factory.py reads the engine's part).
 
 A file may hold either this dict or a whole Serve config (then the first application's
 `args` is used). A relative path is looked up beside the config file first, then in the
@@ -79,6 +79,9 @@ class EngineSection(_Section):
             raise ValueError("set kv_budget_tokens or kv_cache_memory, not both")
         if self.kv_cache_memory < 0:
             raise ValueError(f"kv_cache_memory: must be >= 0, got {self.kv_cache_memory}")
+        if self.kv_budget_tokens and self.kv_budget_tokens < self.max_model_len:
+            raise ValueError(f"kv_budget_tokens: {self.kv_budget_tokens} cannot hold one sequence of "
+                             f"max_model_len {self.max_model_len}")
         return self
 
     def stream_interval(self, live: int) -> float:

@@ -3,14 +3,12 @@ tree, every component's defaults are the tree's, and relative paths resolve besi
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
 from deployments.cli import build_parser, serve_config
 from moeserve.config import AppConfig, EngineSection, SpeculativeSection, resolve_path
-from moeserve.engine.factory import EngineConfig
+from moeserve.engine.factory import draft_path, kv_blocks, model_path, scheduler_config, speculation
 
 SETTINGS_YAML = """
 model:
@@ -35,18 +33,16 @@ def test_yaml_cli_and_llm_options_give_the_same_config(tmp_path):
     from_llm = AppConfig.from_options("checkpoints/demo-moe", "none", max_num_seqs=8, max_model_len=512,
                                       kv_cache_memory="4MiB")
     assert from_yaml.model_dump() == from_cli.model_dump() == from_llm.model_dump()
-    engines = {EngineConfig.from_app(c) for c in (from_yaml, from_cli, from_llm)}
-    assert len(engines) == 1
-    engine = engines.pop()
-    assert (engine.max_num_seqs, engine.kv_cache_memory) == (8, 4 * 2**20)
+    assert from_yaml == from_cli == from_llm
+    assert (from_yaml.engine.max_num_seqs, from_yaml.engine.kv_cache_memory) == (8, 4 * 2**20)
 
 
 def test_every_component_default_is_the_trees():
-    tree, engine = AppConfig(), EngineConfig()
-    assert engine == EngineConfig.from_app(tree)  # no default of its own disagrees
-    assert (engine.max_num_seqs, engine.max_num_batched_tokens) == (
+    tree = AppConfig()
+    scheduler = scheduler_config(tree)  # the one component config derived from the tree: its limits are the tree's
+    assert (scheduler.max_num_seqs, scheduler.max_num_batched_tokens) == (
         EngineSection.model_fields["max_num_seqs"].default, EngineSection.model_fields["max_num_batched_tokens"].default)
-    assert engine.spec_disable_by_batch_size == SpeculativeSection.model_fields["disable_by_batch_size"].default
+    assert tree.speculative.disable_by_batch_size == SpeculativeSection.model_fields["disable_by_batch_size"].default
     import inspect
 
     from deployments.engine_server import EngineServer
@@ -62,22 +58,24 @@ def test_the_shipped_yaml_states_the_defaults():
 
     shipped = AppConfig.load(PROJECT_ROOT / "deployments" / "serve_config.yaml")
     assert shipped.engine == AppConfig().engine and shipped.speculative == AppConfig().speculative
-    assert EngineConfig.from_app(shipped) == EngineConfig()
+    assert scheduler_config(shipped) == scheduler_config(AppConfig())
 
 
 def test_the_json_style_reaches_the_grammar_compiler():
     from moeserve.engine.core_client import build_core
 
-    compact = AppConfig.from_dict({"grammar": {"json_style": "compact", "max_spec_chars": 4096}})
-    config = EngineConfig.from_app(compact)
-    assert (config.grammar.separators, config.grammar.max_spec_chars) == ((",", ":"), 4096)
-    assert EngineConfig().grammar.separators == (", ", ": ")  # the default: spaced, as the demo pair writes
+    compact = AppConfig.from_dict({"grammar": {"json_style": "compact", "max_spec_chars": 4096},
+                                   "speculative": {"draft": "none"}})
+    grammar = compact.grammar.grammar_config()
+    assert (grammar.separators, grammar.max_spec_chars) == ((",", ":"), 4096)
+    # the default: spaced, as the demo pair writes
+    assert AppConfig().grammar.grammar_config().separators == (", ", ": ")
     threads = torch.get_num_threads()  # build_core sets the core process's threads
     try:
-        core = build_core((dataclasses.replace(config, speculation="none"), 1))
+        core = build_core((compact, 1))
     finally:
         torch.set_num_threads(threads)
-    assert core.compiler.config == config.grammar
+    assert core.compiler.config == grammar
 
 
 def test_relative_paths_resolve_beside_the_file_first(tmp_path):
@@ -85,8 +83,8 @@ def test_relative_paths_resolve_beside_the_file_first(tmp_path):
     path = tmp_path / "app.yaml"
     path.write_text("model:\n  path: my-model\n")
     assert AppConfig.load(path).model.path == str(tmp_path / "my-model")
-    default = EngineConfig.from_app(AppConfig())
-    assert default.model == resolve_path("checkpoints/demo-moe") and default.model.endswith("checkpoints/demo-moe")
+    default = model_path(AppConfig())
+    assert default == resolve_path("checkpoints/demo-moe") and default.endswith("checkpoints/demo-moe")
 
 
 def test_unknown_options_are_refused_by_name():
@@ -94,7 +92,10 @@ def test_unknown_options_are_refused_by_name():
         AppConfig.from_options(max_num_seq=4)
     with pytest.raises(ValueError, match="max_num_seqs"):
         AppConfig.from_options(max_num_seqs=0)
-    assert dataclasses.replace(EngineConfig(), speculation="draft").speculation == "model"  # the older name
+    with pytest.raises(ValueError, match="kv_budget_tokens: 100 cannot hold one sequence"):
+        AppConfig.from_options(kv_budget_tokens=100, max_model_len=512)
+    with pytest.raises(ValueError, match="draft_path is not set"):
+        speculation(AppConfig.from_dict({"speculative": {"draft": "model", "draft_path": None}}))
 
 
 def test_moeserve_generate_runs_on_the_demo_pair():
@@ -114,10 +115,9 @@ def test_the_overflow_policy_set_in_the_yaml_reaches_every_moe_layer_and_metrics
     from moeserve.engine.factory import build_engine
 
     tree = AppConfig.from_dict({"routing": {"overflow": "drop", "capacity_factor": 1.0}, "speculative": {"draft": "none"}})
-    cfg = EngineConfig.from_app(tree)
-    assert (cfg.routing.overflow, cfg.routing.capacity_factor, cfg.routing.min_capacity) == ("drop", 1.0, 4)
-    engine = build_engine(cfg)
-    assert {b.routing for b in engine.runner.model.moe_blocks} == {cfg.routing}
+    assert (tree.routing.overflow, tree.routing.capacity_factor, tree.routing.min_capacity) == ("drop", 1.0, 4)
+    engine = build_engine(tree)
+    assert {b.routing for b in engine.runner.model.moe_blocks} == {tree.routing}
     gauges = EngineCore(engine).stats()["routing"]
     assert gauges["overflow_drop"] == 1.0 and gauges["overflow_none"] == 0.0 and gauges["capacity_factor"] == 1.0
 
@@ -131,9 +131,9 @@ def test_the_kv_budget_in_bytes_and_the_paged_cache_reach_the_engine():
         parse_bytes("lots")
     with pytest.raises(ValueError, match="not both"):
         AppConfig.from_dict({"engine": {"kv_cache_memory": "8MiB", "kv_budget_tokens": 4096}})
-    engine = EngineConfig.from_app(AppConfig.from_dict({"engine": {"kv_cache_memory": "8MiB"}}))
+    tree = AppConfig.from_dict({"engine": {"kv_cache_memory": "8MiB"}})
     # demo MoE: 4 layers x 2 kv heads x head dim 32 x (key + value) x 4 bytes = 2 KiB per token, 32 KiB a block
-    assert engine.kv_blocks() == 256 and engine.scheduler().kv_budget == 255 * 16
+    assert kv_blocks(tree) == 256 and scheduler_config(tree).kv_budget == 255 * 16
     llm = LLM(draft="none", kv_cache_memory="8MiB", prefix_caching=False, block_size=32)
     runner = llm.engine.runner
     assert (runner.blocks.num_blocks, runner.block_size, runner.prefix_caching) == (128, 32, False)
@@ -151,9 +151,9 @@ def test_a_runner_handed_in_keeps_its_own_cache_accounting():
     from moeserve.engine import ModelRunner
     from moeserve.engine.factory import build_engine
 
-    cfg = EngineConfig(speculation="none", max_num_seqs=2, max_model_len=64)
-    assert (cfg.block_size, cfg.prefix_caching) == (16, True)
-    runner = ModelRunner(load_checkpoint(cfg.model), 2, 64, block_size=8, prefix_caching=False)
+    cfg = AppConfig.from_options(draft="none", max_num_seqs=2, max_model_len=64)
+    assert (cfg.engine.block_size, cfg.engine.prefix_caching) == (16, True)
+    runner = ModelRunner(load_checkpoint(model_path(cfg)), 2, 64, block_size=8, prefix_caching=False)
     engine = build_engine(cfg, runner=runner)
     assert (engine.scheduler.cfg.block_size, engine.scheduler.cfg.share_prefill) == (8, False)
 
@@ -161,10 +161,11 @@ def test_a_runner_handed_in_keeps_its_own_cache_accounting():
 def test_auto_speculation_drafts_with_the_draft_model_only_when_it_shares_the_tokenizer(tmp_path):
     """auto (the default): the demo pair shares one tokenizer, so the draft model; a target with
     another tokenizer (or a draft folder that is missing) falls back to prompt lookup."""
-    assert EngineConfig().speculation == "model"
+    assert speculation(AppConfig()) == "model"
+    assert draft_path(AppConfig()) == resolve_path("checkpoints/demo-draft")
     other = tmp_path / "other-model"
     other.mkdir()
     (other / "tokenizer.json").write_text('{"model": {"type": "BPE", "vocab": {}}}')
-    assert EngineConfig(model=str(other)).speculation == "ngram"
-    assert EngineConfig(draft_model=str(tmp_path / "missing")).speculation == "ngram"
-    assert EngineConfig(speculation="ngram").speculation == "ngram"  # an explicit choice stands
+    assert speculation(AppConfig.from_options(str(other))) == "ngram"
+    assert speculation(AppConfig.from_options(draft_path=str(tmp_path / "missing"))) == "ngram"
+    assert speculation(AppConfig.from_options(draft="ngram")) == "ngram"  # an explicit choice stands

@@ -249,19 +249,20 @@ class ProcessCore(CoreClient):
 
 
 def build_core(spec: Any) -> EngineCore:
-    """The child's core from its spec: an EngineConfig, torch threads, and optionally the
+    """The child's core from its spec: the config tree, torch threads, and optionally the
     engine's proposer (a draft deployment's, which connects to its channel on first use)."""
     import torch
 
     from moeserve.engine.factory import build_engine
     from moeserve.grammar import GrammarCompiler
 
-    engine_config, torch_threads, *rest = spec
+    config, torch_threads, *rest = spec
     proposer = rest[0] if rest else None
     # unset: leave a core to the serving processes (the replica, the gateway, Serve's proxy)
     torch.set_num_threads(torch_threads or max(1, torch.get_num_threads() - 1))
-    engine = build_engine(engine_config, proposer=proposer)
-    return EngineCore(engine, GrammarCompiler(engine.tokenizer, engine.runner.vocab_size, config=engine_config.grammar))
+    engine = build_engine(config, proposer=proposer)
+    grammar = config.grammar.grammar_config()
+    return EngineCore(engine, GrammarCompiler(engine.tokenizer, engine.runner.vocab_size, config=grammar))
 
 
 def main(fd: int) -> None:

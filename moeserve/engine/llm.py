@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from moeserve.config import AppConfig
-from moeserve.engine.factory import EngineConfig, build_engine
+from moeserve.engine.factory import build_engine
 from moeserve.sampling_params import SamplingParams, TokenLogprob, TokenTrace
 from moeserve.tokenizer import IncrementalDetokenizer
 
@@ -48,15 +48,14 @@ class LLM:
         """`config`: a whole config tree to start from (e.g. `AppConfig.load(FILE)`); the other
         arguments override it."""
         if config is None:
-            self.app_config = AppConfig.from_options(model, draft, **options)
+            self.config = AppConfig.from_options(model, draft, **options)
         else:
             flat = AppConfig.from_options(model, draft, **options).model_dump(exclude_unset=True)
-            self.app_config = config.with_overrides(flat)
-        self.config = EngineConfig.from_app(self.app_config)
-        if self.app_config.engine.torch_threads:
+            self.config = config.with_overrides(flat)
+        if self.config.engine.torch_threads:
             import torch
 
-            torch.set_num_threads(self.app_config.engine.torch_threads)
+            torch.set_num_threads(self.config.engine.torch_threads)
         self.engine = build_engine(self.config)
         self.tokenizer = self.engine.tokenizer
 

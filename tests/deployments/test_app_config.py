@@ -12,15 +12,15 @@ import pytest
 from pydantic import ValidationError
 
 from moeserve.config import PROJECT_ROOT, AppConfig
-from moeserve.engine.factory import EngineConfig
+from moeserve.engine.factory import model_path, speculation
 
 SERVE_CONFIG = PROJECT_ROOT / "deployments" / "serve_config.yaml"
 
 
 def test_shipped_serve_config_is_valid_and_deliberate():
     cfg = AppConfig.load(SERVE_CONFIG)
-    engine = EngineConfig.from_app(cfg)
-    assert Path(engine.model).is_absolute() and engine.model.endswith("checkpoints/demo-moe")
+    model = model_path(cfg)
+    assert Path(model).is_absolute() and model.endswith("checkpoints/demo-moe")
     for part in (cfg.deployments.gateway, cfg.deployments.engine):
         opts = part.serve_options()
         assert opts["max_ongoing_requests"] > 5 and "autoscaling_config" in opts
@@ -28,13 +28,13 @@ def test_shipped_serve_config_is_valid_and_deliberate():
     assert cfg.deployments.engine.max_ongoing_requests == cfg.engine.max_num_seqs + cfg.engine.max_queued_requests
     assert AppConfig.from_dict({"config": "deployments/serve_config.yaml"}) == cfg
     # the demo pair's draft in the engine's process, k chosen where it pays (no static cut-off)
-    assert engine.speculation == "model" and engine.adaptive_k
-    assert engine.spec_disable_by_batch_size == 0 and engine.num_spec_tokens == 8
+    s = cfg.speculative
+    assert speculation(cfg) == "model" and s.adaptive and s.disable_by_batch_size == 0 and s.num_tokens == 8
 
 
 def test_overrides_and_errors():
     cfg = AppConfig.from_dict({"config": str(SERVE_CONFIG), "speculative": {"draft": "model"}, "gateway": {"grpc_port": 0}})
-    assert EngineConfig.from_app(cfg).speculation == "model"
+    assert speculation(cfg) == "model"
     assert cfg.gateway.grpc_port == 0  # the gateway starts no gRPC server
     with pytest.raises(ValidationError, match="extra"):
         AppConfig.from_dict({"engine": {"max_num_seq": 4}})  # typo: unknown keys are refused
@@ -55,7 +55,7 @@ def test_build_app_binds_without_starting_ray():
                                    "model": {"dtype": "bfloat16"}})
     shards = sharded.shards
     assert (shards.num_shards, shards.gpus_per_shard, shards.strategy) == (4, 1, "STRICT_PACK")
-    assert EngineConfig.from_app(sharded).dtype == "bfloat16"
+    assert sharded.model.dtype == "bfloat16"
     assert isinstance(build_app(sharded.model_dump()), Application)
 
 

@@ -13,8 +13,9 @@ import torch
 from model_shards import PagedKVCache, load_checkpoint
 from model_shards.config import ModelConfig
 from model_shards.kv_cache import BlockAllocator, OutOfBlocks
+from moeserve.config import AppConfig
 from moeserve.engine import LLMEngine, ModelRunner, SchedulerConfig, SpecConfig
-from moeserve.engine.factory import EngineConfig
+from moeserve.engine.factory import kv_blocks, scheduler_config
 from moeserve.engine.model_runner import Row
 from moeserve.sampling_params import SamplingParams
 from moeserve.spec.ngram import NgramProposer
@@ -154,13 +155,13 @@ def test_memory_is_the_budget_from_the_start_and_after_a_thousand_requests_with_
     """engine.kv_cache_memory: the cache is as many blocks as fit, every one allocated at start; a
     thousand short requests (with aborts and prefix hits) neither grow nor move it, and
     every block comes back."""
-    cfg = EngineConfig(model=str(ckpt), speculation="none", max_num_seqs=8, max_model_len=MAX_LEN, block_size=4,
-                       kv_cache_memory=120 * 1024 + 1000)
+    cfg = AppConfig.from_options(str(ckpt), "none", max_num_seqs=8, max_model_len=MAX_LEN, block_size=4,
+                                 kv_cache_memory=120 * 1024 + 1000)
     block = PagedKVCache.block_bytes(ModelConfig.from_file(ckpt), 4, torch.float32)
     assert block == 2 * 2 * 4 * 2 * 8 * 4  # tiny mixtral: K and V, 2 layers, 4 tokens, 2 kv heads of 8, fp32
-    assert cfg.kv_blocks() == 120 and block == 1024  # whole blocks within the budget, the scratch one included
-    runner = ModelRunner(load_checkpoint(ckpt), 8, MAX_LEN, cfg.kv_blocks(), 4)
-    eng = LLMEngine(runner, scheduler=cfg.scheduler())
+    assert kv_blocks(cfg) == 120 and block == 1024  # whole blocks within the budget, the scratch one included
+    runner = ModelRunner(load_checkpoint(ckpt), 8, MAX_LEN, kv_blocks(cfg), 4)
+    eng = LLMEngine(runner, scheduler=scheduler_config(cfg))
     assert runner.stats()["kv_bytes_allocated"] == 120 * block
     addresses = [t.data_ptr() for t in runner.cache.kv]
     rng = random.Random(5)
@@ -185,10 +186,10 @@ def test_memory_is_the_budget_from_the_start_and_after_a_thousand_requests_with_
 def test_the_budget_in_tokens_is_blocks_plus_scratch_and_a_full_cache_refuses_blocks(ckpt):
     """engine.kv_budget_tokens: that many tokens in blocks plus the scratch block, all allocated at
     start; a sequence wanting more blocks than are free is refused (OutOfBlocks), holding what it held."""
-    cfg = EngineConfig(model=str(ckpt), speculation="none", max_num_seqs=2, max_model_len=20, block_size=4,
-                       kv_budget_tokens=30)
-    assert cfg.kv_blocks() == 9 and cfg.scheduler().kv_budget == 32
-    runner = ModelRunner(load_checkpoint(ckpt), 2, 20, cfg.kv_blocks(), 4)
+    cfg = AppConfig.from_options(str(ckpt), "none", max_num_seqs=2, max_model_len=20, block_size=4,
+                                 kv_budget_tokens=30)
+    assert kv_blocks(cfg) == 9 and scheduler_config(cfg).kv_budget == 32
+    runner = ModelRunner(load_checkpoint(ckpt), 2, 20, kv_blocks(cfg), 4)
     assert runner.cache.nbytes == 9 * 1024
     runner.add("a")
     runner.prepare("a", 0, list(range(2, 22)))  # 5 blocks

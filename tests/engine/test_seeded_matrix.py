@@ -22,9 +22,9 @@ import pytest
 import torch
 
 from model_shards.local_group import LocalShardGroup
-from moeserve.config import GrammarSection
+from moeserve.config import AppConfig, GrammarSection
 from moeserve.engine import LLMEngine
-from moeserve.engine.factory import EngineConfig, build_engine, demo_checkpoint
+from moeserve.engine.factory import build_engine, demo_checkpoint
 from moeserve.grammar import GrammarCompiler, GrammarMatcher, check_output
 from tests.engine.seeded_cases import PARAMS, QUESTIONS, SCHEMA_SPEC, Result, Runs, run_matrix
 
@@ -42,10 +42,11 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 @contextmanager
 def engine_on(runner: str) -> Iterator[LLMEngine]:
-    cfg = EngineConfig(model=demo_checkpoint("demo-moe"), speculation="model" if runner == "drafted" else "none",
-                       max_num_seqs=16, max_model_len=MAX_LEN, compile=runner == "compiled")
+    model = demo_checkpoint("demo-moe")
+    cfg = AppConfig.from_options(model, "model" if runner == "drafted" else "none", max_num_seqs=16,
+                                 max_model_len=MAX_LEN, compile=runner == "compiled")
     if runner == "sharded":
-        with LocalShardGroup(cfg.model, 2, max_num_seqs=8, max_model_len=MAX_LEN) as group:
+        with LocalShardGroup(model, 2, max_num_seqs=8, max_model_len=MAX_LEN) as group:
             yield build_engine(cfg, runner=group)
     elif runner == "compiled":
         torch._dynamo.reset()  # graphs of other modules' models would count toward dynamo's recompile limit

@@ -40,10 +40,11 @@ def greedy():
     return SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
 
 
-def engine(**kw):
-    from moeserve.engine.factory import EngineConfig, build_engine
+def engine(speculation: str, **kw):
+    from moeserve.config import AppConfig
+    from moeserve.engine.factory import build_engine
 
-    return build_engine(EngineConfig(device="cuda", max_num_seqs=16, max_model_len=256, **kw))
+    return build_engine(AppConfig.from_options(draft=speculation, device="cuda", max_num_seqs=16, max_model_len=256, **kw))
 
 
 def teacher_forced(runner, prompt: list[int], tokens: list[int]) -> torch.Tensor:

@@ -8,8 +8,9 @@ import torch
 
 from model_shards import load_checkpoint
 from model_shards.device import collective_backend, resolve_device, resolve_dtype
+from moeserve.config import AppConfig
 from moeserve.engine import LLMEngine, ModelRunner
-from moeserve.engine.factory import EngineConfig, demo_checkpoint
+from moeserve.engine.factory import demo_checkpoint, engine_device, engine_dtype
 from moeserve.engine.model_runner import Row
 from moeserve.sampling_params import SamplingParams
 from moeserve.tokenizer import load_tokenizer
@@ -21,9 +22,9 @@ def test_auto_means_the_gpu_when_there_is_one_and_its_precision():
     assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
     assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
     assert resolve_dtype("float16", torch.device("cpu")) == torch.float16
-    cfg = EngineConfig()
-    assert cfg.device == "auto" and cfg.torch_device.type == want
-    assert cfg.torch_dtype == (torch.bfloat16 if want == "cuda" else torch.float32)
+    cfg = AppConfig()
+    assert cfg.engine.device == "auto" and engine_device(cfg).type == want
+    assert engine_dtype(cfg) == (torch.bfloat16 if want == "cuda" else torch.float32)
 
 
 def test_bad_devices_and_dtypes_say_what_is_allowed():
@@ -32,7 +33,7 @@ def test_bad_devices_and_dtypes_say_what_is_allowed():
     with pytest.raises(ValueError, match="dtype"):
         resolve_dtype("int8", torch.device("cpu"))
     with pytest.raises(ValueError, match="device"):
-        EngineConfig(device="gpu")
+        AppConfig.from_options(device="gpu")
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="num_gpus"):
             resolve_device("cuda")
@@ -78,7 +79,7 @@ def test_a_bf16_model_keeps_weights_cache_and_activations_in_bf16():
 
 
 def test_an_engine_built_for_bf16_generates():
-    cfg = EngineConfig(dtype="bfloat16", speculation="model", max_num_seqs=2, max_model_len=128)
+    cfg = AppConfig.from_options(draft="model", dtype="bfloat16", max_num_seqs=2, max_model_len=128)
     from moeserve.engine.factory import build_engine
 
     engine: LLMEngine = build_engine(cfg)
@@ -106,6 +107,6 @@ def test_cuda_without_a_gpu_is_a_start_error_for_the_engine_and_the_draft():
     from moeserve.engine.factory import build_engine
 
     with pytest.raises(ValueError, match="no CUDA GPU"):
-        build_engine(EngineConfig(device="cuda", speculation="model"))
+        build_engine(AppConfig.from_options(draft="model", device="cuda"))
     with pytest.raises(ValueError, match="no CUDA GPU"):
         DraftWorker(DraftServerConfig(demo_checkpoint("demo-draft"), device="cuda"))
