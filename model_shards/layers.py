@@ -47,13 +47,17 @@ class RotaryEmbedding(nn.Module):
         if cfg.rope_scaling is not None:
             inv_freq, self.scale = yarn(inv_freq, cfg.rope_scaling, cfg.rope_theta, dim)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        # rotate-half's sign, carried by sin: -x2 * sin == x2 * -sin exactly (see apply_rotary)
+        self.register_buffer("sign", torch.tensor([-1.0, 1.0]).repeat_interleave(dim // 2), persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float()[..., None] * self.inv_freq  # [B, T, Dh/2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [B, T, Dh]
-        if self.scale == 1.0:
-            return emb.cos().to(dtype), emb.sin().to(dtype)
-        return (emb.cos() * self.scale).to(dtype), (emb.sin() * self.scale).to(dtype)
+        """positions [B, T] -> cos and signed sin [B, 1, T, Dh], shaped for queries and keys [B, H, T, Dh]."""
+        freqs = positions.float()[:, None, :, None] * self.inv_freq  # [B, 1, T, Dh/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [B, 1, T, Dh]
+        cos, sin = emb.cos(), emb.sin() * self.sign
+        if self.scale != 1.0:
+            cos, sin = cos * self.scale, sin * self.scale
+        return cos.to(dtype), sin.to(dtype)
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
@@ -80,15 +84,10 @@ def yarn(inv_freq: torch.Tensor, y: YarnScaling, theta: float, dim: int) -> tupl
     return inv_freq / y.factor * ramp + inv_freq * extrapolation, float(scale)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [B, H, T, Dh]; cos/sin: [B, T, Dh]."""
-    cos, sin = cos[:, None], sin[:, None]  # [B, 1, T, Dh]
-    return x * cos + _rotate_half(x) * sin
+    """x: [B, H, T, Dh]; cos and signed sin: [B, 1, T, Dh] (RotaryEmbedding). The roll is rotate-half's
+    (x2, x1); sin's sign makes it (-x2, x1)."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
 
 
 class MLP(nn.Module):
@@ -165,7 +164,7 @@ class Attention(nn.Module):
             if t == 1 and torch.compiler.is_compiling():
                 return self.o_proj(indexed_attention(q, flat, index))
             two, heads, _, _, dh = kv.shape
-            read = gather_blocks(kv, index.tables.reshape(-1)).view(two, heads, b, -1, dh)  # [2, Hkv, B, J, Dh]
+            read = read_blocks(kv, index.tables.reshape(-1)).view(two, heads, b, -1, dh)  # [2, Hkv, B, J, Dh]
             out = F.scaled_dot_product_attention(q, read[0].transpose(0, 1), read[1].transpose(0, 1),
                                                  attn_mask=index.mask, enable_gqa=True)  # [B, H, T, Dh]
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
@@ -191,6 +190,11 @@ def gather_blocks(paged: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
 def _(paged: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     two, heads, _, bs, dh = paged.shape
     return paged.new_empty(two, heads, blocks.shape[0], bs, dh)
+
+
+def read_blocks(paged: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """`gather_blocks`; the custom op is for inductor alone, so an eager pass calls aten's directly."""
+    return gather_blocks(paged, blocks) if torch.compiler.is_compiling() else paged.index_select(2, blocks)
 
 
 def indexed_attention(q: torch.Tensor, flat: torch.Tensor, index: PagedIndex) -> torch.Tensor:

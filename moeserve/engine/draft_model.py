@@ -217,7 +217,8 @@ class DraftModelProposer(Proposer):
         n, compiled = tokens.shape[0], self.runner.compiled
         if compiled is not None and compiled.accepts(n, 1):
             return compiled(tokens[:, None], tables, positions.tolist(), [1] * n)[:, 0]
-        batch = StepBatch(tables, positions, torch.ones_like(positions), self.runner.block_size)
+        # known: one token a row, and a cached prefix (a row at position 0 reads only its own key)
+        batch = StepBatch(tables, positions, torch.ones_like(positions), self.runner.block_size, known=(1, False))
         return self.runner.model(tokens[:, None], self.runner.cache, batch, logits="last")  # [n, V]
 
     def _sample(self, rows: list[DraftRow], idx: list[int], logits: torch.Tensor, j: int, out: torch.Tensor,
