@@ -90,6 +90,25 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
 
 
+def stacked(module: nn.Module, linears: tuple[nn.Linear, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The linears' weights stacked [sum of outputs, in] and their biases: one matmul for several
+    small ones. A copy, kept on `module` until one of the weights is replaced or changed in place."""
+    params = [p for lin in linears for p in (lin.weight, lin.bias) if p is not None]
+    key = [(p.data_ptr(), p._version) for p in params]
+    cached = module.__dict__.get("_stacked")
+    if cached is None or cached[0] != key:
+        with torch.inference_mode(False), torch.no_grad():  # a plain tensor, usable in any mode
+            bias = None if linears[0].bias is None else torch.cat([lin.bias for lin in linears])
+            cached = module.__dict__["_stacked"] = (key, torch.cat([lin.weight for lin in linears]), bias)
+    return cached[1], cached[2]
+
+
+def stacks(x: torch.Tensor) -> bool:
+    """Whether an eager pass over x stacks projections: on the CPU, where a small matmul is mostly
+    per-call overhead and memory is plentiful (a graph gets its stacked weights as inputs)."""
+    return x.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
 class MLP(nn.Module):
     """SwiGLU feed-forward: down(silu(gate(x)) * up(x)). Dense layers and shared experts."""
 
@@ -100,7 +119,10 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if not stacks(x):
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = F.linear(x, stacked(self, (self.gate_proj, self.up_proj))[0]).chunk(2, dim=-1)  # [..., I] x2
+        return self.down_proj(F.silu(gate) * up)
 
 
 class Attention(nn.Module):
@@ -127,33 +149,38 @@ class Attention(nn.Module):
                 qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> tuple[torch.Tensor, ...]:
         """Queries [B, H, T, Dh], keys and values [B, Hkv, T, Dh] (rotary applied); qkv: `stacked_qkv`."""
         b, t, _ = x.shape
+        h, hkv, dh = self.num_heads, self.num_kv_heads, self.head_dim
+        if qkv is not None and self.qk_norm == "none" and self.clip_qkv is None:
+            # nothing between projection and rotary: queries and keys turn side by side, in one pass
+            heads = F.linear(x, *qkv).view(b, t, h + 2 * hkv, dh).transpose(1, 2)  # [B, H + 2 Hkv, T, Dh]
+            qk = apply_rotary(heads[:, : h + hkv], *rope)  # [B, H + Hkv, T, Dh]
+            return qk[:, :h], qk[:, h:], heads[:, h + hkv :]
         if qkv is None:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # [B, T, H*Dh], [B, T, Hkv*Dh] x2
         else:
-            kv_dim = self.num_kv_heads * self.head_dim
-            q, k, v = F.linear(x, *qkv).split((self.num_heads * self.head_dim, kv_dim, kv_dim), dim=-1)
+            q, k, v = F.linear(x, *qkv).split((h * dh, hkv * dh, hkv * dh), dim=-1)
         if self.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)
         if self.clip_qkv is not None:
             q, k, v = (z.clamp(-self.clip_qkv, self.clip_qkv) for z in (q, k, v))
-        q = q.view(b, t, self.num_heads, self.head_dim)
-        k = k.view(b, t, self.num_kv_heads, self.head_dim)
-        v = v.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, T, Dh]
+        q = q.view(b, t, h, dh)
+        k = k.view(b, t, hkv, dh)
+        v = v.view(b, t, hkv, dh).transpose(1, 2)  # [B, Hkv, T, Dh]
         if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
         return apply_rotary(q.transpose(1, 2), *rope), apply_rotary(k.transpose(1, 2), *rope), v
 
     def stacked_qkv(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """q, k and v projections' weights [(H + 2 Hkv) * Dh, D] and biases, stacked (a copy)."""
-        projections = (self.q_proj, self.k_proj, self.v_proj)
-        bias = None if self.q_proj.bias is None else torch.cat([p.bias.detach() for p in projections])
-        return torch.cat([p.weight.detach() for p in projections]), bias
+        """q, k and v projections' weights [(H + 2 Hkv) * Dh, D] and biases, stacked (see `stacked`)."""
+        return stacked(self, (self.q_proj, self.k_proj, self.v_proj))
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv: torch.Tensor | None = None,
                 index: PagedIndex | None = None, qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None,
                 ) -> torch.Tensor:
         """x [B, T, D] -> [B, T, D] over this layer's cache kv [2, Hkv, N, Bs, Dh] at `index` (None: causal)."""
         b, t, _ = x.shape
+        if qkv is None and stacks(x):
+            qkv = self.stacked_qkv()
         q, k, v = self.project(x, rope, qkv)  # [B, H, T, Dh], [B, Hkv, T, Dh] x2
         if kv is None or index.fresh:  # nothing cached before this pass: causal over its own keys
             if kv is not None:
