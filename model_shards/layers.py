@@ -90,11 +90,13 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
 
 
-def stacked(module: nn.Module, linears: tuple[nn.Linear, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The linears' weights stacked [sum of outputs, in] and their biases: one matmul for several
-    small ones. A copy, kept on `module` until one of the weights is replaced or changed in place."""
-    params = [p for lin in linears for p in (lin.weight, lin.bias) if p is not None]
-    key = [(p.data_ptr(), p._version) for p in params]
+def stacked(module: nn.Module, names: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The weights of `module`'s linears `names` stacked [sum of outputs, in] and their biases: one
+    matmul for several small ones. A copy, kept on `module` until one of the weights is replaced or
+    changed in place. (Per call, so it reads the registries directly: attribute lookups through
+    nn.Module would cost as much as the matmul it saves.)"""
+    linears = [module._modules[n] for n in names]
+    key = [(p.data_ptr(), p._version) for lin in linears for p in lin._parameters.values() if p is not None]
     cached = module.__dict__.get("_stacked")
     if cached is None or cached[0] != key:
         with torch.inference_mode(False), torch.no_grad():  # a plain tensor, usable in any mode
@@ -121,7 +123,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not stacks(x):
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        gate, up = F.linear(x, stacked(self, (self.gate_proj, self.up_proj))[0]).chunk(2, dim=-1)  # [..., I] x2
+        gate, up = F.linear(x, stacked(self, ("gate_proj", "up_proj"))[0]).chunk(2, dim=-1)  # [..., I] x2
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -172,7 +174,7 @@ class Attention(nn.Module):
 
     def stacked_qkv(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """q, k and v projections' weights [(H + 2 Hkv) * Dh, D] and biases, stacked (see `stacked`)."""
-        return stacked(self, (self.q_proj, self.k_proj, self.v_proj))
+        return stacked(self, ("q_proj", "k_proj", "v_proj"))
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv: torch.Tensor | None = None,
                 index: PagedIndex | None = None, qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None,
