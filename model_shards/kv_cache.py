@@ -34,8 +34,8 @@ class PagedIndex(NamedTuple):
 
     tables: torch.Tensor  # [B, nb] each row's blocks in position order (padded with the scratch block)
     write: torch.Tensor  # [B*T] flat cache position (block * Bs + offset) of each query's key/value
-    keys_at: torch.Tensor  # [B, J] flat cache position of each row's key j (decode attention, in a graph)
-    values_at: torch.Tensor  # the same positions, for values (see `paged_index`)
+    keys_at: torch.Tensor | None  # [B, J] flat cache position of each row's key j (decode attention in a graph; eager: None)
+    values_at: torch.Tensor | None  # the same positions, for values (see `paged_index`)
     mask: torch.Tensor  # [B, 1, T, J] query i sees keys j <= its position
     fresh: bool = False  # every row starts at position 0: causal attention over the pass's own keys
 
@@ -52,17 +52,23 @@ def _(x: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(x)
 
 
-def paged_index(tables: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor, bs: int,
+def paged_index(tables: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor | None, bs: int,
                 fresh: bool = False) -> PagedIndex:
     """The PagedIndex for block tables [B, nb], query positions pos [B, T] and real tokens valid
-    [B, T]. The mask spans all nb blocks (a slice's size would become a graph guard). Key positions
-    go to a buffer (inlined, the lookup reruns per layer, head and key); the values' copy stays an
-    expression, so inductor vectorizes their weighted sum over Dh."""
-    p = torch.where(valid, pos, 0)
-    write = torch.where(valid, tables.gather(1, p // bs) * bs + p % bs, SCRATCH * bs)  # [B, T]
+    [B, T] (None: every token is real). The mask spans all nb blocks (a slice's size would become a
+    graph guard). Only a graph reads keys by index: eagerly, attention gathers whole blocks, and
+    the buffers below (inductor's alone) are left out. In a graph, key positions go to a buffer
+    (inlined, the lookup reruns per layer, head and key); the values' copy stays an expression,
+    so inductor vectorizes their weighted sum over Dh."""
+    p = pos if valid is None else torch.where(valid, pos, 0)
+    write = tables.gather(1, p // bs) * bs + p % bs  # [B, T]
+    if valid is not None:
+        write = torch.where(valid, write, SCRATCH * bs)
     j = torch.arange(tables.shape[1] * bs, device=tables.device)  # [J]
-    at = tables[:, j // bs] * bs + j % bs  # [B, J]
     mask = (j[None, None, :] <= pos[:, :, None])[:, None]  # [B, 1, T, J]
+    if not torch.compiler.is_compiling():
+        return PagedIndex(tables, write.view(-1), None, None, mask, fresh)
+    at = tables[:, j // bs] * bs + j % bs  # [B, J]
     return PagedIndex(tables, materialize(write.view(-1)), materialize(at), at, mask, fresh)
 
 
@@ -95,13 +101,12 @@ class StepBatch:
         if self.tq == tq and self.index is not None:
             return self
         self.tq = tq
-        steps = torch.arange(tq, device=self.start.device)
-        self.pos = self.start[:, None] + steps  # [B, Tq]
-        valid = steps[None, :] < self.q_lens[:, None]  # [B, Tq]
         shortest, fresh = self.known or (int(self.q_lens.min()), not bool(self.start.any()))
-        self.valid_mask = None if shortest >= tq else valid
+        steps = torch.arange(tq, device=self.start.device)
+        self.pos = self.start[:, None] + steps if tq > 1 else self.start[:, None]  # [B, Tq]
+        self.valid_mask = None if shortest >= tq else steps[None, :] < self.q_lens[:, None]  # [B, Tq]
         # Padding is on the right, so with no cached prefix a causal mask is exact for every real token.
-        self.index = paged_index(self.block_table, self.pos, valid, self.block_size, fresh)
+        self.index = paged_index(self.block_table, self.pos, self.valid_mask, self.block_size, fresh)
         return self
 
 

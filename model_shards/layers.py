@@ -6,6 +6,8 @@ H query heads, Hkv kv heads, Dh head dim, D hidden, I MLP width, N cache blocks.
 Attention has no control flow on tensor values, so `torch.compile` traces it as it is. A pass
 writes its keys and values first; a fresh prefill then attends causally over its own keys, a
 compiled decode reads the cache by index (`indexed_attention`), the rest gathers the rows' blocks.
+A small decode step is mostly per-call overhead, so an eager pass on the CPU runs q/k/v and gate/up
+as one matmul each (`stacked`) and turns queries and keys in one rotary.
 """
 
 from __future__ import annotations
@@ -47,13 +49,17 @@ class RotaryEmbedding(nn.Module):
         if cfg.rope_scaling is not None:
             inv_freq, self.scale = yarn(inv_freq, cfg.rope_scaling, cfg.rope_theta, dim)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        # rotate-half's sign, carried by sin: -x2 * sin == x2 * -sin exactly (see apply_rotary)
+        self.register_buffer("sign", torch.tensor([-1.0, 1.0]).repeat_interleave(dim // 2), persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float()[..., None] * self.inv_freq  # [B, T, Dh/2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [B, T, Dh]
-        if self.scale == 1.0:
-            return emb.cos().to(dtype), emb.sin().to(dtype)
-        return (emb.cos() * self.scale).to(dtype), (emb.sin() * self.scale).to(dtype)
+        """positions [B, T] -> cos and signed sin [B, 1, T, Dh], shaped for queries and keys [B, H, T, Dh]."""
+        freqs = positions.float()[:, None, :, None] * self.inv_freq  # [B, 1, T, Dh/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [B, 1, T, Dh]
+        cos, sin = emb.cos(), emb.sin() * self.sign
+        if self.scale != 1.0:
+            cos, sin = cos * self.scale, sin * self.scale
+        return cos.to(dtype), sin.to(dtype)
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
@@ -80,15 +86,31 @@ def yarn(inv_freq: torch.Tensor, y: YarnScaling, theta: float, dim: int) -> tupl
     return inv_freq / y.factor * ramp + inv_freq * extrapolation, float(scale)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [B, H, T, Dh]; cos/sin: [B, T, Dh]."""
-    cos, sin = cos[:, None], sin[:, None]  # [B, 1, T, Dh]
-    return x * cos + _rotate_half(x) * sin
+    """x: [B, H, T, Dh]; cos and signed sin: [B, 1, T, Dh] (RotaryEmbedding). The roll is rotate-half's
+    (x2, x1); sin's sign makes it (-x2, x1)."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
+
+
+def stacked(module: nn.Module, names: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The weights of `module`'s linears `names` stacked [sum of outputs, in] and their biases: one
+    matmul for several small ones. A copy, kept on `module` until one of the weights is replaced or
+    changed in place. (Per call, so it reads the registries directly: attribute lookups through
+    nn.Module would cost as much as the matmul it saves.)"""
+    linears = [module._modules[n] for n in names]
+    key = [(p.data_ptr(), p._version) for lin in linears for p in lin._parameters.values() if p is not None]
+    cached = module.__dict__.get("_stacked")
+    if cached is None or cached[0] != key:
+        with torch.inference_mode(False), torch.no_grad():  # a plain tensor, usable in any mode
+            bias = None if linears[0].bias is None else torch.cat([lin.bias for lin in linears])
+            cached = module.__dict__["_stacked"] = (key, torch.cat([lin.weight for lin in linears]), bias)
+    return cached[1], cached[2]
+
+
+def stacks(x: torch.Tensor) -> bool:
+    """Whether an eager pass over x stacks projections: on the CPU, where a small matmul is mostly
+    per-call overhead and memory is plentiful (a graph gets its stacked weights as inputs)."""
+    return x.device.type == "cpu" and not torch.compiler.is_compiling()
 
 
 class MLP(nn.Module):
@@ -101,7 +123,10 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if not stacks(x):
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = F.linear(x, stacked(self, ("gate_proj", "up_proj"))[0]).chunk(2, dim=-1)  # [..., I] x2
+        return self.down_proj(F.silu(gate) * up)
 
 
 class Attention(nn.Module):
@@ -128,33 +153,38 @@ class Attention(nn.Module):
                 qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> tuple[torch.Tensor, ...]:
         """Queries [B, H, T, Dh], keys and values [B, Hkv, T, Dh] (rotary applied); qkv: `stacked_qkv`."""
         b, t, _ = x.shape
+        h, hkv, dh = self.num_heads, self.num_kv_heads, self.head_dim
+        if qkv is not None and self.qk_norm == "none" and self.clip_qkv is None:
+            # nothing between projection and rotary: queries and keys turn side by side, in one pass
+            heads = F.linear(x, *qkv).view(b, t, h + 2 * hkv, dh).transpose(1, 2)  # [B, H + 2 Hkv, T, Dh]
+            qk = apply_rotary(heads[:, : h + hkv], *rope)  # [B, H + Hkv, T, Dh]
+            return qk[:, :h], qk[:, h:], heads[:, h + hkv :]
         if qkv is None:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # [B, T, H*Dh], [B, T, Hkv*Dh] x2
         else:
-            kv_dim = self.num_kv_heads * self.head_dim
-            q, k, v = F.linear(x, *qkv).split((self.num_heads * self.head_dim, kv_dim, kv_dim), dim=-1)
+            q, k, v = F.linear(x, *qkv).split((h * dh, hkv * dh, hkv * dh), dim=-1)
         if self.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)
         if self.clip_qkv is not None:
             q, k, v = (z.clamp(-self.clip_qkv, self.clip_qkv) for z in (q, k, v))
-        q = q.view(b, t, self.num_heads, self.head_dim)
-        k = k.view(b, t, self.num_kv_heads, self.head_dim)
-        v = v.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, T, Dh]
+        q = q.view(b, t, h, dh)
+        k = k.view(b, t, hkv, dh)
+        v = v.view(b, t, hkv, dh).transpose(1, 2)  # [B, Hkv, T, Dh]
         if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
         return apply_rotary(q.transpose(1, 2), *rope), apply_rotary(k.transpose(1, 2), *rope), v
 
     def stacked_qkv(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """q, k and v projections' weights [(H + 2 Hkv) * Dh, D] and biases, stacked (a copy)."""
-        projections = (self.q_proj, self.k_proj, self.v_proj)
-        bias = None if self.q_proj.bias is None else torch.cat([p.bias.detach() for p in projections])
-        return torch.cat([p.weight.detach() for p in projections]), bias
+        """q, k and v projections' weights [(H + 2 Hkv) * Dh, D] and biases, stacked (see `stacked`)."""
+        return stacked(self, ("q_proj", "k_proj", "v_proj"))
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv: torch.Tensor | None = None,
                 index: PagedIndex | None = None, qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None,
                 ) -> torch.Tensor:
         """x [B, T, D] -> [B, T, D] over this layer's cache kv [2, Hkv, N, Bs, Dh] at `index` (None: causal)."""
         b, t, _ = x.shape
+        if qkv is None and stacks(x):
+            qkv = self.stacked_qkv()
         q, k, v = self.project(x, rope, qkv)  # [B, H, T, Dh], [B, Hkv, T, Dh] x2
         if kv is None or index.fresh:  # nothing cached before this pass: causal over its own keys
             if kv is not None:
@@ -165,7 +195,7 @@ class Attention(nn.Module):
             if t == 1 and torch.compiler.is_compiling():
                 return self.o_proj(indexed_attention(q, flat, index))
             two, heads, _, _, dh = kv.shape
-            read = gather_blocks(kv, index.tables.reshape(-1)).view(two, heads, b, -1, dh)  # [2, Hkv, B, J, Dh]
+            read = read_blocks(kv, index.tables.reshape(-1)).view(two, heads, b, -1, dh)  # [2, Hkv, B, J, Dh]
             out = F.scaled_dot_product_attention(q, read[0].transpose(0, 1), read[1].transpose(0, 1),
                                                  attn_mask=index.mask, enable_gqa=True)  # [B, H, T, Dh]
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
@@ -191,6 +221,11 @@ def gather_blocks(paged: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
 def _(paged: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     two, heads, _, bs, dh = paged.shape
     return paged.new_empty(two, heads, blocks.shape[0], bs, dh)
+
+
+def read_blocks(paged: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """`gather_blocks`; the custom op is for inductor alone, so an eager pass calls aten's directly."""
+    return gather_blocks(paged, blocks) if torch.compiler.is_compiling() else paged.index_select(2, blocks)
 
 
 def indexed_attention(q: torch.Tensor, flat: torch.Tensor, index: PagedIndex) -> torch.Tensor:

@@ -19,7 +19,7 @@ from torch import nn
 
 from model_shards.config import ModelConfig
 from model_shards.kv_cache import PagedIndex
-from model_shards.layers import RMSNorm, apply_rotary, gather_blocks, write_entries, yarn_mscale
+from model_shards.layers import RMSNorm, apply_rotary, read_blocks, write_entries, yarn_mscale
 
 
 class LatentAttention(nn.Module):
@@ -78,7 +78,7 @@ class LatentAttention(nn.Module):
             out = self.expanded(q_nope, q_rot, latent)
         else:
             write_entries(kv, index, latent[None, :, None])
-            read = gather_blocks(kv, index.tables.reshape(-1)).view(b, -1, kv.shape[-1])  # [B, J, R + Dr]
+            read = read_blocks(kv, index.tables.reshape(-1)).view(b, -1, kv.shape[-1])  # [B, J, R + Dr]
             out = self.absorbed(q_nope, q_rot, read, index.mask)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.v_dim))
 

@@ -160,7 +160,7 @@ class CausalLM(nn.Module):
         rope = self.model.rotary(positions, x.dtype)
         for i, layer in enumerate(self.model.layers):
             x = layer(x, rope, None if cache is None else cache.kv[i], None if batch is None else batch.index, valid)
-        if last_only:
+        if last_only and t > 1:
             last = (batch.q_lens - 1) if batch is not None else torch.full((b,), t - 1, device=x.device)
             x = x[torch.arange(b, device=x.device), last][:, None]  # [B, 1, D]
         return self.model.norm(x)

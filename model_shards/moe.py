@@ -24,7 +24,7 @@ import time
 from abc import ABC, abstractmethod
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from itertools import accumulate
 
 import torch
@@ -37,17 +37,21 @@ from moeserve.config import RoutingSection
 from router_service.capacity import apply_capacity, expert_capacity
 from router_service.gating import ExpertLoadStats, GateConfig, Gates, topk_gate
 
+_UNTIMED = nullcontext()  # reusable: entering it does nothing
+
 
 class PhaseTimer:
     def __init__(self) -> None:
         self.enabled = False
         self.totals: dict[str, float] = defaultdict(float)
 
-    @contextmanager
-    def phase(self, name: str) -> Iterator[None]:
+    def phase(self, name: str) -> AbstractContextManager[None]:
         if torch.compiler.is_compiling() or not self.enabled:  # inside a graph: one op stream, no phases
-            yield
-            return
+            return _UNTIMED
+        return self._timed(name)
+
+    @contextmanager
+    def _timed(self, name: str) -> Iterator[None]:
         t0 = time.perf_counter()
         try:
             yield

@@ -54,7 +54,7 @@ class DraftModelProposer(Proposer):
             model = load_checkpoint(model)
         self.runner = ModelRunner(model, max_num_seqs, max_model_len, num_blocks, block_size, prefix_caching, compile)
         if compile:
-            self.runner.compiled.warm_up((1,))
+            self.runner.compiled.warm_up((1, 2))
         self.device = model.device  # the draft's own tensors; sampled drafts are drawn on the CPU
         self.greedy = greedy
         self.sampler = Sampler()
@@ -169,19 +169,16 @@ class DraftModelProposer(Proposer):
 
     def _catch_up(self, rows: list[DraftRow], batch: DraftBatch) -> torch.Tensor:
         """Feeds each row's uncached tail; logits [B, V] after each row's last token. Tails of 1
-        (a recovered token) or 2 (last draft + bonus) go through one-token steps; longer ones run
-        through the runner's forward up to their last token, grouped by length."""
+        (a recovered token) or 2 (last draft + bonus) go through one pass of up to two tokens a row;
+        longer ones run through the runner's forward up to their last token first, grouped by length."""
         prefill = [Row(r.seq_id, r.tokens[r.start : -1], r.start) for r in rows if len(r.tokens) - r.start > 2]
         if prefill:
             forward_last(self.runner, prefill, prepared=True)
-        two = [b for b, r in enumerate(rows) if len(r.tokens) - r.start == 2]
-        if two:
-            idx = torch.tensor(two, device=self.device)
-            starts = [rows[b].start for b in two]
-            tokens = torch.tensor([rows[b].tokens[-2] for b in two], device=self.device)  # [n]
-            self._step(tokens, batch.tables[idx], torch.tensor(starts, device=self.device))
-        last = torch.tensor([r.tokens[-1] for r in rows], device=self.device)  # [B]
-        return self._step(last, batch.tables, batch.lengths - 1)
+        tails = [r.tokens[-2:] if len(r.tokens) - r.start == 2 else r.tokens[-1:] for r in rows]
+        width = max(map(len, tails))
+        ids = torch.tensor([t + [0] * (width - len(t)) for t in tails], device=self.device)  # [B, 1 or 2]
+        q_lens = [len(t) for t in tails]
+        return self._step(ids, batch.tables, batch.lengths - torch.tensor(q_lens, device=self.device), q_lens)
 
     def _draft(self, rows: list[DraftRow], batch: DraftBatch,
                logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, GrammarMasks]:
@@ -201,7 +198,7 @@ class DraftModelProposer(Proposer):
                 n = active[j]
                 if j:  # feed draft j-1 (0-based) at position len + j - 1
                     positions = batch.lengths[:n] + (j - 1)  # [n]
-                    logits = self._step(out[:n, j - 1], batch.tables[:n], positions)
+                    logits = self._step(out[:n, j - 1, None], batch.tables[:n], positions)
                 masks.apply(logits, out, j)
                 if masks.all_ended(n):  # every row still drafting ended (at forced text, or its output)
                     break
@@ -212,13 +209,19 @@ class DraftModelProposer(Proposer):
             masks.rollback()
         return out, probs, masks
 
-    def _step(self, tokens: torch.Tensor, tables: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """One token per row at its position: logits [n, V]. tables: [n, nb] the rows' blocks."""
-        n, compiled = tokens.shape[0], self.runner.compiled
-        if compiled is not None and compiled.accepts(n, 1):
-            return compiled(tokens[:, None], tables, positions.tolist(), [1] * n)[:, 0]
-        batch = StepBatch(tables, positions, torch.ones_like(positions), self.runner.block_size)
-        return self.runner.model(tokens[:, None], self.runner.cache, batch, logits="last")  # [n, V]
+    def _step(self, tokens: torch.Tensor, tables: torch.Tensor, start: torch.Tensor,
+              q_lens: list[int] | None = None) -> torch.Tensor:
+        """Row b's first q_lens[b] (default: all) tokens of tokens [n, T] at positions start[b]...:
+        logits [n, V] after each row's last one. tables: [n, nb] the rows' blocks."""
+        (n, t), compiled = tokens.shape, self.runner.compiled
+        q_lens = q_lens or [t] * n
+        if compiled is not None and compiled.accepts(n, t):
+            logits = compiled(tokens, tables, start.tolist(), q_lens)  # [n, T, V]
+            return logits[:, 0] if t == 1 else logits[torch.arange(n), torch.tensor(q_lens, device=logits.device) - 1]
+        # known: the shortest row, and a cached prefix (a row at position 0 reads only its own keys)
+        batch = StepBatch(tables, start, torch.tensor(q_lens, device=start.device), self.runner.block_size,
+                          known=(min(q_lens), False))
+        return self.runner.model(tokens, self.runner.cache, batch, logits="last")  # [n, V]
 
     def _sample(self, rows: list[DraftRow], idx: list[int], logits: torch.Tensor, j: int, out: torch.Tensor,
                 probs: torch.Tensor) -> None:
