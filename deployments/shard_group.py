@@ -50,7 +50,7 @@ class ShardGroupConfig:
     compile: bool = default_of(EngineSection, "compile")  # each rank's decode and verify passes compiled between its collectives
     routing: RoutingSection = field(default_factory=RoutingSection)
     dtype: str = default_of(ModelSection, "dtype")  # every rank's weights and KV cache (auto: bfloat16 on a GPU, float32 on the CPU)
-    strategy: str = default_of(ShardsSection, "strategy")  # PACK: one machine; SPREAD: across nodes on a cluster
+    strategy: str = default_of(ShardsSection, "strategy")  # of every rank, rank 0's node included (module docstring)
     gpus_per_shard: float = default_of(ShardsSection, "gpus_per_shard")  # 1 on a GPU cluster (NCCL), 0 on CPU
     cpus_per_shard: float = 1.0
     timeout_s: float = 30.0  # a dead peer fails a collective within this

@@ -1,7 +1,7 @@
 """Shard groups and the served app across the nodes of a Ray cluster (three raylets on this
 machine, bench/cluster.py): STRICT_SPREAD puts every rank, rank 0 included, on a node of its own,
-deployments land where their `resources` pin them, and greedy output stays the single-process
-reference's. One cluster for the module, shut down at the end."""
+STRICT_PACK every rank on rank 0's node; deployments land where their `resources` pin them; greedy
+output stays the single-process reference's. One cluster for the module, shut down at the end."""
 
 from __future__ import annotations
 
@@ -47,6 +47,16 @@ def test_strict_spread_puts_every_rank_on_its_own_node(nodes, ckpt, one_torch_th
         assert sorted(rank_nodes) == sorted(nodes.values())  # one rank per node
         assert [h["node_id"] for h in group.health()] == rank_nodes
         assert [c.token_ids for c in LLMEngine(runner).generate(PROMPTS, GREEDY)] == expected
+    finally:
+        group.stop()
+
+
+def test_strict_pack_keeps_every_rank_on_rank0s_node(nodes, ckpt):
+    group = ShardGroup(ShardGroupConfig(str(ckpt), world_size=2, max_num_seqs=2, max_model_len=64,
+                                        strategy="STRICT_PACK", timeout_s=20))
+    try:
+        group.start()
+        assert [i["node_id"] for i in group.shard_info] == [nodes["node_head"]] * 2
     finally:
         group.stop()
 
