@@ -49,21 +49,32 @@ def local_ray() -> Iterator[None]:
 def serve_app(build: Callable[[int], tuple], *, proxy_location: str | None = None,
               attempts: int = 3) -> Iterator[dict[str, str]]:
     """`build(grpc_port)` returns (app, name, route_prefix). Yields {"http": base URL, "grpc": host:port}."""
+    with local_ray(), serve_on_ray(build, proxy_location=proxy_location, attempts=attempts) as urls:
+        yield urls
+
+
+@contextlib.contextmanager
+def serve_on_ray(build: Callable[[int], tuple], *, proxy_location: str | None = None, attempts: int = 3,
+                 healthy_s: float = 60) -> Iterator[dict[str, str]]:
+    """`serve_app` on the Ray this process is already connected to (a local one, a cluster);
+    Serve is shut down after, Ray is left running."""
     from ray import serve
 
-    with local_ray():
-        for attempt in range(attempts):
-            http_port, grpc_port = free_port(), free_port()
-            try:
-                options = {"proxy_location": proxy_location} if proxy_location else {}
-                serve.start(http_options={"host": "127.0.0.1", "port": http_port}, **options)
-                app, name, route_prefix = build(grpc_port)
-                serve.run(app, name=name, route_prefix=route_prefix)
-                base = f"http://127.0.0.1:{http_port}"
-                wait_healthy(base)
-                break
-            except Exception:
-                serve.shutdown()
-                if attempt == attempts - 1:
-                    raise
+    for attempt in range(attempts):
+        http_port, grpc_port = free_port(), free_port()
+        try:
+            options = {"proxy_location": proxy_location} if proxy_location else {}
+            serve.start(http_options={"host": "127.0.0.1", "port": http_port}, **options)
+            app, name, route_prefix = build(grpc_port)
+            serve.run(app, name=name, route_prefix=route_prefix)
+            base = f"http://127.0.0.1:{http_port}"
+            wait_healthy(base, healthy_s)
+            break
+        except Exception:
+            serve.shutdown()
+            if attempt == attempts - 1:
+                raise
+    try:
         yield {"http": base, "grpc": f"127.0.0.1:{grpc_port}"}
+    finally:
+        serve.shutdown()

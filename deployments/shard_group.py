@@ -6,6 +6,11 @@ Ray places, starts and supervises the processes and carries a few calls per grou
 (`replace`). If a shard dies, rank 0's next collective fails within the group timeout; the
 engine fails the step's requests and calls `restart()`, which forms a fresh group (with the
 router service's placement, if it has one).
+
+The placement group holds a bundle per rank, rank 0's included: rank 0 already runs (in the
+engine replica, whose resources Serve reserved), so its bundle is a token pinned to that node by
+Ray's node-id label. `shards.strategy` then places every rank: STRICT_SPREAD puts each on a node
+of its own, STRICT_PACK all of them on the replica's node.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from pathlib import Path
 import ray
 import torch
 import torch.distributed as dist
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.placement_group import NODE_ID_LABEL_KEY, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from model_shards.all_to_all import init_shard_group
@@ -29,6 +34,9 @@ from moeserve.config import EngineSection, ModelSection, RoutingSection, ShardsS
 from router_service.placement import Placement, contiguous_placement
 
 log = logging.getLogger(__name__)
+
+# Rank 0's bundle: what it asks of the replica's node (which must have it free) only to pin the group there.
+RANK0_BUNDLE = {"CPU": 0.001}
 
 
 @dataclass(frozen=True)
@@ -42,7 +50,7 @@ class ShardGroupConfig:
     compile: bool = default_of(EngineSection, "compile")  # each rank's decode and verify passes compiled between its collectives
     routing: RoutingSection = field(default_factory=RoutingSection)
     dtype: str = default_of(ModelSection, "dtype")  # every rank's weights and KV cache (auto: bfloat16 on a GPU, float32 on the CPU)
-    strategy: str = default_of(ShardsSection, "strategy")  # PACK: one machine; SPREAD: across nodes on a cluster
+    strategy: str = default_of(ShardsSection, "strategy")  # of every rank, rank 0's node included (module docstring)
     gpus_per_shard: float = default_of(ShardsSection, "gpus_per_shard")  # 1 on a GPU cluster (NCCL), 0 on CPU
     cpus_per_shard: float = 1.0
     timeout_s: float = 30.0  # a dead peer fails a collective within this
@@ -70,7 +78,8 @@ def _join_and_load(cfg: ShardGroupConfig, placement: Placement, rank: int, maste
     device = resolve_device(cfg.device)
     init_shard_group(rank, cfg.world_size, master, cfg.timeout_s, device)
     model = load_shard(cfg.checkpoint, placement, rank, cfg.routing, resolve_dtype(cfg.dtype, device), device)
-    info = {"rank": rank, "experts": list(placement.rank_experts[rank]), "loaded_bytes": model.loaded_bytes}
+    info = {"rank": rank, "experts": list(placement.rank_experts[rank]), "loaded_bytes": model.loaded_bytes,
+            "node_id": ray.get_runtime_context().get_node_id()}
     return model, model.enable_stats(), info
 
 
@@ -81,6 +90,7 @@ class ShardActor:
     def __init__(self, cfg: ShardGroupConfig, placement: Placement, rank: int, master: str) -> None:
         self.cfg, self.placement, self.rank, self.master = cfg, placement, rank, master
         self.thread: threading.Thread | None = None
+        self.node_id = ray.get_runtime_context().get_node_id()
         self.stats = None
         self.error: str | None = None
 
@@ -101,7 +111,8 @@ class ShardActor:
             dist.destroy_process_group()
 
     def health(self) -> dict:
-        return {"rank": self.rank, "alive": bool(self.thread and self.thread.is_alive()), "error": self.error}
+        return {"rank": self.rank, "alive": bool(self.thread and self.thread.is_alive()), "error": self.error,
+                "node_id": self.node_id}
 
     def get_stats(self) -> dict | None:
         return self.stats.to_dict() if self.stats is not None else None
@@ -128,11 +139,13 @@ class ShardGroup:
         master = f"{ray.util.get_node_ip_address()}:{free_port()}"
         if world > 1:
             bundle = {"CPU": cfg.cpus_per_shard} | ({"GPU": cfg.gpus_per_shard} if cfg.gpus_per_shard else {})
-            self.pg = placement_group([bundle] * (world - 1), strategy=cfg.strategy)
+            here = {NODE_ID_LABEL_KEY: ray.get_runtime_context().get_node_id()}
+            self.pg = placement_group([RANK0_BUNDLE] + [bundle] * (world - 1), strategy=cfg.strategy,
+                                      bundle_label_selector=[here] + [{}] * (world - 1))
             ray.get(self.pg.ready(), timeout=cfg.start_timeout_s)
             self.actors = [ShardActor.options(
                 num_cpus=cfg.cpus_per_shard, num_gpus=cfg.gpus_per_shard, max_concurrency=4,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=r - 1),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=r),
             ).remote(cfg, self.placement, r, master) for r in range(1, world)]
         started = [a.start.remote() for a in self.actors]
         model, self.stats, info = _join_and_load(cfg, self.placement, 0, master)  # blocks until every rank joined
@@ -176,10 +189,13 @@ class ShardGroup:
             info["experts"] = list(placement.rank_experts[info["rank"]])
 
     def health(self, timeout_s: float = 5.0) -> list[dict]:
+        """Every rank's liveness and node, rank 0 (this process) first."""
+        own = [{"rank": 0, "alive": self.runner is not None, "error": None,
+                "node_id": ray.get_runtime_context().get_node_id()}]
         try:
-            return ray.get([a.health.remote() for a in self.actors], timeout=timeout_s)
+            return own + ray.get([a.health.remote() for a in self.actors], timeout=timeout_s)
         except Exception as e:
-            return [{"alive": False, "error": f"{type(e).__name__}: {e}"}]
+            return own + [{"alive": False, "error": f"{type(e).__name__}: {e}"}]
 
     def collect_stats(self, timeout_s: float = 5.0) -> list[dict]:
         """Cumulative expert-load counters of every rank (rank 0 first); called periodically, not per step."""

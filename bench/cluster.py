@@ -1,0 +1,47 @@
+"""A multi-node Ray cluster on one machine (Ray's own `ray.cluster_utils.Cluster`): a head and
+worker nodes, each a raylet of its own with its own logical CPUs and a custom resource named for
+it, so a placement (a deployment's `resources`, a placement group's strategy) can be pinned to a
+node and checked. The driver connects to it; everything is shut down after.
+
+Every node shares this machine's IP address: Serve needs `proxy_location: HeadOnly` on it (one
+HTTP proxy per node would bind the same port three times).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+
+# name -> logical CPUs; the first is the head. Each node also gets the resource {name: 1}.
+NODES = {"node_head": 2, "node_w1": 2, "node_w2": 2}
+
+
+@contextlib.contextmanager
+def local_cluster(nodes: dict[str, float] | None = None, wait_s: float = 120) -> Iterator[dict[str, str]]:
+    """Start the nodes, connect this process (a driver on the head node) and yield
+    {node name: Ray node id}; Serve, if something started it, Ray and the nodes are shut down after."""
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    import ray
+    from ray import serve
+    from ray.cluster_utils import Cluster
+
+    nodes = dict(nodes or NODES)
+    if not nodes:
+        raise ValueError("nodes: a cluster needs at least a head node")
+    (head, head_cpus), *workers = nodes.items()
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": head_cpus, "resources": {head: 1}, "include_dashboard": False})
+    try:
+        ids = {head: cluster.head_node.node_id}
+        for name, cpus in workers:
+            ids[name] = cluster.add_node(num_cpus=cpus, resources={name: 1}, wait=False).node_id
+        cluster.wait_for_nodes(timeout=wait_s)
+        ray.init(address=cluster.address, log_to_driver=False)
+        try:
+            yield ids
+        finally:
+            serve.shutdown()
+            ray.shutdown()
+    finally:
+        cluster.shutdown()
