@@ -25,4 +25,6 @@ export HF_HUB_DISABLE_TELEMETRY=1
 export TOKENIZERS_PARALLELISM=false
 
 ruff check .
-python -m pytest "$@"
+# Two workers (pytest-xdist); the tests that start Ray or Serve run on one of them in turn
+# (tests/conftest.py). MOESERVE_TEST_WORKERS=0 runs everything in this process.
+python -m pytest -n "${MOESERVE_TEST_WORKERS:-2}" --dist loadgroup "$@"
