@@ -109,10 +109,11 @@ class EngineServer:
         return InprocCore(core, self._on_chunks, self._on_dead)
 
     def _reform(self) -> Any:
-        """A broken shard group forms again, with the placement the router service proposes now."""
+        """A broken shard group: its live ranks serve on without the dead (a fresh group, with the
+        placement the router service proposes now, only when none died)."""
         from deployments.router_actor import proposed_placement
 
-        return self.shard_group.restart(proposed_placement(self.config.shards.num_shards))
+        return self.shard_group.recover(lambda: proposed_placement(self.config.shards.num_shards))
 
     def _replace(self, rank_experts: tuple[tuple[int, ...], ...]) -> None:
         """Live re-placement, on the core's thread between two steps."""
@@ -223,6 +224,11 @@ class EngineServer:
             "finished": {k[9:]: v for k, v in counters.items() if k.startswith("finished:")},
             "core_restarts": self.core.restarts,
         }
+        group = self.shard_group
+        if group is not None:  # width, rank failures served through, the last re-form's pause
+            out["shard_group"] = {"width": group.width, "generation": group.generation,
+                                  "rank_failures_survived": group.rank_failures_survived,
+                                  "last_recovery_s": group.last_recovery_s}
         try:
             core = await asyncio.to_thread(self.core.stats)
         except Exception as e:  # a dead or restarting core: the replica's own counters still answer
@@ -305,6 +311,7 @@ def load_engine(config: AppConfig, proposer: Any = None) -> tuple[LLMEngine, Any
         model_path(config), world_size=shards.num_shards, max_num_seqs=per_rank, max_model_len=e.max_model_len,
         block_size=e.block_size, prefix_caching=e.prefix_caching, compile=e.compile, routing=config.routing,
         dtype=config.model.dtype, strategy=shards.strategy, gpus_per_shard=shards.gpus_per_shard,
+        redundancy=shards.redundancy,
     )  # fmt: skip
     if e.device != "auto" and resolve_device(e.device) != group_cfg.device:
         raise ValueError(f"engine.device {e.device!r} and shards.gpus_per_shard {shards.gpus_per_shard} "

@@ -3,9 +3,13 @@
 Ray places, starts and supervises the processes and carries a few calls per group lifetime
 (start, health, stats); the per-step data plane is torch.distributed between the ranks
 (model_shards/shard_worker.py). Experts can move between ranks while the group serves
-(`replace`). If a shard dies, rank 0's next collective fails within the group timeout; the
-engine fails the step's requests and calls `restart()`, which forms a fresh group (with the
-router service's placement, if it has one).
+(`replace`). If a shard dies, rank 0's next collective fails (at the latest after the group
+timeout) and the engine calls `recover()`: the ranks still alive form the group again among
+themselves, in the same processes with the weights they hold, and take over the dead ranks'
+experts (with `shards.redundancy` 1 each expert already has a second home, so nothing is read;
+with 0 the survivors read just the lost experts from the checkpoint). Running requests recompute
+their KV on the smaller group. Only when no rank died, or re-forming fails, `restart()` forms a
+fresh group of the configured width (with the router service's placement, if it has one).
 
 The placement group holds a bundle per rank, rank 0's included: rank 0 already runs (in the
 engine replica, whose resources Serve reserved), so its bundle is a token pinned to that node by
@@ -17,6 +21,8 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,7 +37,7 @@ from model_shards.device import resolve_device, resolve_dtype
 from model_shards.local_group import free_port, load_shard
 from model_shards.shard_worker import ShardedRunner, ShardWorker
 from moeserve.config import EngineSection, ModelSection, RoutingSection, ShardsSection, default_of
-from router_service.placement import Placement, contiguous_placement
+from router_service.placement import Placement, contiguous_placement, with_second_homes, without_ranks
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +58,7 @@ class ShardGroupConfig:
     dtype: str = default_of(ModelSection, "dtype")  # every rank's weights and KV cache (auto: bfloat16 on a GPU, float32 on the CPU)
     strategy: str = default_of(ShardsSection, "strategy")  # of every rank, rank 0's node included (module docstring)
     gpus_per_shard: float = default_of(ShardsSection, "gpus_per_shard")  # 1 on a GPU cluster (NCCL), 0 on CPU
+    redundancy: int = default_of(ShardsSection, "redundancy")  # 1: every expert on two ranks
     cpus_per_shard: float = 1.0
     timeout_s: float = 30.0  # a dead peer fails a collective within this
     start_timeout_s: float = 300.0
@@ -63,6 +70,8 @@ class ShardGroupConfig:
             raise ValueError(f"strategy: must be a Ray placement strategy, got {self.strategy!r}")
         if not Path(self.checkpoint).is_dir():
             raise ValueError(f"checkpoint: folder not found: {self.checkpoint}")
+        if self.redundancy and self.world_size < 2:
+            raise ValueError("redundancy: a second home for every expert needs at least 2 ranks")
         if self.gpus_per_shard:  # rank 0 runs in this process: say so now, not after a placement group waits
             resolve_device(self.device)
 
@@ -83,6 +92,13 @@ def _join_and_load(cfg: ShardGroupConfig, placement: Placement, rank: int, maste
     return model, model.enable_stats(), info
 
 
+def _join_again(cfg: ShardGroupConfig, rank: int, world_size: int, master: str) -> None:
+    """Leave the broken group and join the re-formed one as `rank` (weights stay loaded)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    init_shard_group(rank, world_size, master, cfg.timeout_s, resolve_device(cfg.device))
+
+
 @ray.remote
 class ShardActor:
     """Ranks 1..W-1: the worker loop runs in a thread; Ray methods (health, stats) stay responsive."""
@@ -95,20 +111,37 @@ class ShardActor:
         self.error: str | None = None
 
     def start(self) -> dict:
-        model, self.stats, info = _join_and_load(self.cfg, self.placement, self.rank, self.master)
-        worker = ShardWorker(model, self.rank, self.cfg.world_size, self.cfg.max_num_seqs, self.cfg.max_model_len,
-                             self.cfg.block_size, self.cfg.compile)
+        self.model, self.stats, info = _join_and_load(self.cfg, self.placement, self.rank, self.master)
+        self._serve(ShardWorker(self.model, self.rank, self.cfg.world_size, self.cfg.max_num_seqs,
+                                self.cfg.max_model_len, self.cfg.block_size, self.cfg.compile))
+        return info
+
+    def rejoin(self, rank: int, world_size: int, master: str, placement: Placement, max_num_seqs: int) -> dict:
+        """Join the survivors' group as `rank` once this rank's loop has seen the old group end."""
+        if self.thread is not None:
+            self.thread.join(self.cfg.timeout_s)
+            if self.thread.is_alive():
+                raise RuntimeError(f"rank {self.rank} is still in the old group after {self.cfg.timeout_s} s")
+        self.rank, self.error = rank, None
+        _join_again(self.cfg, rank, world_size, master)
+        worker = ShardWorker(self.model, rank, world_size, max_num_seqs, self.cfg.max_model_len, self.cfg.block_size,
+                             self.cfg.compile)
+        worker.place(placement)  # reads only the experts this rank did not hold
+        self._serve(worker)
+        return {"rank": rank, "experts": list(placement.rank_experts[rank]), "node_id": self.node_id}
+
+    def _serve(self, worker: ShardWorker) -> None:
         self.thread = threading.Thread(target=self._loop, args=(worker,), daemon=True)
         self.thread.start()
-        return info
 
     def _loop(self, worker: ShardWorker) -> None:
         try:
             worker.serve_forever()
-        except Exception as e:  # the group broke (a peer died); the owner will restart us
+        except Exception as e:  # the group broke (a peer died); the owner re-forms or restarts it
             self.error = f"{type(e).__name__}: {e}"
         finally:
-            dist.destroy_process_group()
+            if dist.is_initialized():
+                dist.destroy_process_group()
 
     def health(self) -> dict:
         return {"rank": self.rank, "alive": bool(self.thread and self.thread.is_alive()), "error": self.error,
@@ -126,16 +159,25 @@ class ShardGroup:
 
         self.cfg = cfg
         self.model_config = ModelConfig.from_file(cfg.checkpoint)
-        self.placement = placement or contiguous_placement(self.model_config.num_experts, cfg.world_size)
+        self.placement = self._homes(placement or contiguous_placement(self.model_config.num_experts, cfg.world_size))
         self.actors: list = []
         self.pg = None
         self.runner: ShardedRunner | None = None
         self.stats = None
         self.shard_info: list[dict] = []
         self.generation = 0  # how many times the group was (re)formed
+        self.width = cfg.world_size  # ranks now: fewer than configured after a rank died
+        self.rank_failures_survived = 0
+        self.last_recovery_s = 0.0  # the last re-form's pause: dead rank found to group serving again
+
+    def _homes(self, placement: Placement) -> Placement:
+        """`placement` with a second home for every expert when the config asks for redundancy."""
+        return with_second_homes(placement) if self.cfg.redundancy else placement
 
     def start(self) -> ShardedRunner:
         cfg, world = self.cfg, self.cfg.world_size
+        if self.placement.world_size != world:  # after a shrink: the configured width again
+            self.placement = self._homes(contiguous_placement(self.model_config.num_experts, world))
         master = f"{ray.util.get_node_ip_address()}:{free_port()}"
         if world > 1:
             bundle = {"CPU": cfg.cpus_per_shard} | ({"GPU": cfg.gpus_per_shard} if cfg.gpus_per_shard else {})
@@ -154,6 +196,7 @@ class ShardGroup:
                                     cfg.prefix_caching, cfg.compile)
         self.shard_info = [info] + ray.get(started, timeout=cfg.start_timeout_s)
         self.generation += 1
+        self.width = world
         log.info("shard group %d formed: %s", self.generation, self.shard_info)
         return self.runner
 
@@ -177,8 +220,52 @@ class ShardGroup:
         """Tear the (possibly broken) group down and form a new one, optionally with a new placement."""
         self.stop(graceful=False)
         if placement is not None:
-            self.placement = placement
+            self.placement = self._homes(placement)
         return self.start()
+
+    def recover(self, propose: Callable[[], Placement | None] = lambda: None) -> ShardedRunner:
+        """After a failed step: the live ranks form the group again without the dead (module
+        docstring); a restart, with `propose()`'s placement, when none died or that fails."""
+        t0 = time.monotonic()
+        if dist.is_initialized():
+            dist.destroy_process_group()  # a survivor still waiting on rank 0 sees its group end
+        answers = [a.health.remote() for a in self.actors]
+        alive = []
+        for rank, (actor, answer) in enumerate(zip(self.actors, answers), 1):
+            try:
+                ray.get(answer, timeout=self.cfg.timeout_s)
+                alive.append((rank, actor))
+            except Exception:  # the actor (or its node) is gone
+                ray.kill(actor, no_restart=True)
+        dead = set(range(1, self.width)) - {r for r, _ in alive}
+        if not dead or self.runner is None:
+            return self.restart(propose())
+        try:
+            return self._reform(alive, dead, t0)
+        except Exception:
+            log.exception("re-forming the shard group without rank(s) %s failed; restarting it", sorted(dead))
+            return self.restart(propose())
+
+    def _reform(self, alive: list, dead: set[int], t0: float) -> ShardedRunner:
+        cfg, world = self.cfg, 1 + len(alive)
+        placement = without_ranks(self.placement, dead)
+        per_rank = -(-cfg.max_num_seqs * cfg.world_size // world)  # the whole batch still fits
+        master = f"{ray.util.get_node_ip_address()}:{free_port()}"
+        joined = [a.rejoin.remote(new, world, master, placement, per_rank) for new, (_, a) in enumerate(alive, 1)]
+        model, self.runner = self.runner.model, None
+        _join_again(cfg, 0, world, master)
+        self.runner = ShardedRunner(model, world, per_rank, cfg.max_model_len, cfg.block_size, cfg.prefix_caching,
+                                    cfg.compile)
+        self.runner.place(placement)
+        others = ray.get(joined, timeout=cfg.start_timeout_s)
+        self.actors, self.placement, self.width = [a for _, a in alive], placement, world
+        self.shard_info = [{**self.shard_info[0], "experts": list(placement.rank_experts[0])}] + others
+        self.generation += 1
+        self.rank_failures_survived += len(dead)
+        self.last_recovery_s = time.monotonic() - t0
+        log.warning("shard group %d: rank(s) %s died; %d ranks serve on after %.2f s without a restart",
+                    self.generation, sorted(dead), world, self.last_recovery_s)
+        return self.runner
 
     def replace(self, placement: Placement) -> None:
         """Live re-placement: every rank moves to `placement` now (between two steps, on the

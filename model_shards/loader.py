@@ -160,7 +160,7 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32, *, exp
 
 def reload_experts(model: CausalLM, experts: Sequence[int]) -> int:
     """Make `model` hold exactly `experts` (global ids, in local slot order) in every MoE layer,
-    reading only their tensors from its checkpoint (live re-placement); returns the bytes read."""
+    reading from its checkpoint only the experts it does not hold yet; returns the bytes read."""
     folder = getattr(model, "source", None)
     if folder is None:
         raise CheckpointError("the model was not loaded from a checkpoint folder; cannot reload its experts")
@@ -172,13 +172,20 @@ def reload_experts(model: CausalLM, experts: Sequence[int]) -> int:
     for name, old in list(model.named_modules()):
         if not isinstance(old, LocalExperts):
             continue
+        if old.expert_ids == local:
+            continue
         prefix, _, attr = name.rpartition(".")
         with torch.device("meta"):
             new = LocalExperts(local, old.down_proj.shape[1], old.down_proj.shape[2])
         new = new.to_empty(device=old.down_proj.device).to(old.down_proj.dtype)
         layer = prefix.rsplit(".mlp", 1)[0]
+        held = {e: j for j, e in enumerate(old.expert_ids)}
+        read = [e for e in local if e not in held]
         with torch.no_grad():
             for which in ("gate_up_proj", "down_proj"):
-                getattr(new, which).copy_(_load_experts(tensors, layer, which, local))
+                fresh = dict(zip(read, _load_experts(tensors, layer, which, read))) if read else {}
+                current = getattr(old, which)
+                for j, e in enumerate(local):
+                    getattr(new, which)[j].copy_(current[held[e]] if e in held else fresh[e])
         setattr(model.get_submodule(prefix), attr, new.eval())
     return tensors.bytes_read

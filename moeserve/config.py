@@ -143,6 +143,19 @@ class ShardsSection(_Section):
     # replacement_min_gain (a fraction).
     live_replacement: bool = False
     replacement_min_gain: float = Field(0.1, gt=0, lt=1)
+    # 1: every expert also on a second rank (rank r holds rank r-1's experts too: expert memory per
+    # rank doubles), so when a rank dies the others serve on without reading any weights; 0: the
+    # survivors read the dead rank's experts from the checkpoint. Either way no new process is
+    # started (deployments/shard_group.py, `recover`).
+    redundancy: int = Field(0, ge=0, le=1)
+
+    @model_validator(mode="after")
+    def _second_homes_need_two(self) -> ShardsSection:
+        if self.redundancy and self.num_shards < 2:
+            raise ValueError("redundancy: a second home for every expert needs num_shards >= 2")
+        if self.redundancy and self.live_replacement:
+            raise ValueError("redundancy and live_replacement: the router's plans do not keep second homes yet")
+        return self
 
 
 class GrammarSection(_Section):

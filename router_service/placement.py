@@ -172,3 +172,26 @@ def balanced_placement(load: Tensor, world_size: int, slots_per_rank: int) -> Pl
         held[rank].append(e)
         rank_load[rank] -= neg_share
     return Placement(tuple(tuple(sorted(h)) for h in held))
+
+
+def with_second_homes(placement: Placement) -> Placement:
+    """Redundancy 1: every expert on at least two ranks. Rank r also holds what rank r-1 holds and
+    it does not, so when any one rank dies each of its experts still has a home."""
+    own = placement.rank_experts
+    if len(own) < 2:
+        raise ValueError("redundancy: a second home needs at least 2 ranks")
+    return Placement(tuple(own[r] + tuple(e for e in own[r - 1] if e not in own[r]) for r in range(len(own))))
+
+
+def without_ranks(placement: Placement, dead: set[int]) -> Placement:
+    """The placement of the ranks left when `dead` are gone, renumbered in order; each survivor keeps
+    its experts in their slots, and an expert left without a home goes to the survivor holding the
+    fewest (which reads it from the checkpoint)."""
+    kept = [list(r) for rank, r in enumerate(placement.rank_experts) if rank not in dead]
+    if not kept:
+        raise ValueError("without_ranks: no rank is left")
+    held = {e for r in kept for e in r}
+    for e in range(placement.num_experts):
+        if e not in held:
+            min(kept, key=len).append(e)
+    return Placement(tuple(tuple(r) for r in kept))

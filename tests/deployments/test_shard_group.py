@@ -137,3 +137,59 @@ def test_served_group_moves_its_experts_live_and_stays_exact(ray_cluster, tmp_pa
         server.shutdown()
         server.shard_group.stop()
         ray.kill(actor)
+
+
+@pytest.mark.parametrize("redundancy", [1, 0])
+def test_a_killed_rank_leaves_the_others_serving_without_a_restart(ray_cluster, tmp_path, redundancy):
+    """`shards.redundancy`: a rank killed mid-generation; the live ranks form the group again among
+    themselves (the same actors: no process started, and with a second home for every expert no
+    weights read) and every reply is exactly the fault-free one, during and after."""
+    import asyncio
+
+    from bench.tiny_checkpoint import save_tiny_checkpoint
+    from deployments.engine_server import EngineServer
+    from moeserve.config import AppConfig
+    from moeserve.protocol import GenerateRequest
+
+    ckpt = save_tiny_checkpoint(tmp_path)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    runner = ModelRunner(load_checkpoint(ckpt), max_num_seqs=8, max_model_len=64)
+    expected = [c.token_ids for c in LLMEngine(runner).generate(PROMPTS, params)]
+    server = EngineServer(AppConfig.from_dict({
+        "model": {"path": str(ckpt)}, "speculative": {"draft": "none"},
+        "engine": {"max_num_seqs": 6, "max_model_len": 64, "expert_load_report_s": 0},
+        "shards": {"num_shards": 3, "redundancy": redundancy},
+    }))  # fmt: skip
+    group = server.shard_group
+    survivor = group.actors[0]  # rank 1 lives; rank 2 is killed
+    homes = group.placement.expert_to_ranks()
+    assert all(len(h) >= 1 + redundancy for h in homes)  # (the router service may add replicas)
+
+    async def replies(tag: str, kill: bool) -> list[list[int]]:
+        started = asyncio.Event()
+
+        async def one(i, p):
+            out = []
+            async for c in server.generate(GenerateRequest(f"{tag}{i}", tuple(p), params)):
+                out += c.token_ids
+                started.set()
+            return out
+
+        tasks = [asyncio.create_task(one(i, p)) for i, p in enumerate(PROMPTS)]
+        if kill:
+            await started.wait()
+            ray.kill(group.actors[1], no_restart=True)
+        return list(await asyncio.gather(*tasks))
+
+    try:
+        assert asyncio.run(replies("during", kill=True)) == expected
+        stats = asyncio.run(server.stats())
+        assert stats["finished"].get("error", 0) == 0
+        assert {k: v for k, v in stats["shard_group"].items() if k != "last_recovery_s"} == {
+            "width": 2, "generation": 2, "rank_failures_survived": 1}
+        assert group.actors == [survivor] and [i["rank"] for i in group.shard_info] == [0, 1]
+        assert sorted({e for r in group.placement.rank_experts for e in r}) == list(range(len(homes)))
+        assert asyncio.run(replies("after", kill=False)) == expected
+    finally:
+        server.shutdown()
+        group.stop()

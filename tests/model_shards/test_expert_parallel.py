@@ -222,3 +222,21 @@ def test_compiled_ranks_equal_the_eager_reference(tmp_path):
             for g, at in ((got[0][b, : len(p)], slice(0, len(p))), (got[1][b, : len(e)], slice(len(p), len(p) + len(e))),
                           (got[2][b], len(p) + len(e))):
                 torch.testing.assert_close(g, full[at], rtol=0, atol=1e-4)
+
+
+def test_reloading_experts_reads_only_the_ones_not_held(ckpt):
+    """What a survivor of a dead rank does: keep its experts in their slots, read the lost ones."""
+    from model_shards.loader import reload_experts
+    from model_shards.moe import LocalExperts
+
+    full = load_checkpoint(ckpt)
+    model = load_checkpoint(ckpt, experts=(0, 1))
+    assert reload_experts(model, (0, 1)) == 0  # held already: nothing read
+    read = reload_experts(model, (0, 1, 3))
+    layers = [m for m in model.modules() if isinstance(m, LocalExperts)]
+    one_expert = sum(p[0].numel() * p.element_size() for p in (layers[0].gate_up_proj, layers[0].down_proj))
+    assert read == len(layers) * one_expert  # expert 3, and only it, in every MoE layer
+    for got, want in zip(layers, [m for m in full.modules() if isinstance(m, LocalExperts)]):
+        assert got.expert_ids == (0, 1, 3)
+        assert torch.equal(got.gate_up_proj, want.gate_up_proj[[0, 1, 3]])
+        assert torch.equal(got.down_proj, want.down_proj[[0, 1, 3]])

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from router_service import Placement, balanced_placement, contiguous_placement
+from router_service.placement import with_second_homes, without_ranks
 
 
 def test_contiguous_even_and_uneven():
@@ -93,3 +94,21 @@ def test_balanced_placement_layers_and_edge_cases():
         balanced_placement(torch.ones(8), world_size=2, slots_per_rank=3)
     with pytest.raises(ValueError, match="load"):
         balanced_placement(-torch.ones(4), world_size=2, slots_per_rank=2)
+
+
+def test_second_homes_keep_every_expert_when_any_one_rank_dies():
+    base = contiguous_placement(10, 4)
+    two = with_second_homes(base)
+    assert two.rank_experts[1] == (3, 4, 5, 0, 1, 2)  # its own, then rank 0's in their order
+    assert all(len(homes) == 2 for homes in two.expert_to_ranks())
+    for dead in range(4):
+        left = without_ranks(two, {dead})
+        # nobody takes anything on: each survivor keeps exactly its slots
+        assert left.rank_experts == tuple(r for i, r in enumerate(two.rank_experts) if i != dead)
+    # with no second home the survivors take the dead rank's experts, fewest-held first
+    assert without_ranks(base, {1}).rank_experts == ((0, 1, 2, 5), (6, 7, 3), (8, 9, 4))
+    assert without_ranks(base, {0, 1, 2}).rank_experts == ((8, 9, 0, 1, 2, 3, 4, 5, 6, 7),)
+    with pytest.raises(ValueError, match="no rank is left"):
+        without_ranks(base, {0, 1, 2, 3})
+    with pytest.raises(ValueError, match="at least 2 ranks"):
+        with_second_homes(contiguous_placement(4, 1))
