@@ -15,7 +15,9 @@ from tests.k8s import kustomize_lite
 
 REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "k8s"
-VARIANTS = {"base": K8S / "base", "dev-cpu": K8S / "overlays" / "dev-cpu", "prod-gpu": K8S / "overlays" / "prod-gpu"}
+VARIANTS = {"base": K8S / "base", **{name: K8S / "overlays" / name for name in ("dev-cpu", "prod-gpu", "multinode-gpu")}}
+# The variants on GPU pods: each one's Serve config is the shared one plus its serve-overrides.yaml.
+GPU_VARIANTS = ("prod-gpu", "multinode-gpu")
 # The Kubernetes version whose schemas core objects are checked against (kubernetes-validate ships it).
 K8S_VERSION = "1.32.0"
 

@@ -1,5 +1,5 @@
 """The overlays build, and say what they claim: dev-cpu is one small CPU worker, prod-gpu
-has GPU pods on GPU nodes. Where kubectl or kustomize is installed, the built-in
+and multinode-gpu have GPU pods on GPU nodes (multinode-gpu: one GPU per pod). Where kubectl or kustomize is installed, the built-in
 kustomize_lite must produce exactly what kustomize does (so the tests mean the same
 on machines without it)."""
 
@@ -8,7 +8,15 @@ from __future__ import annotations
 import pytest
 
 from tests.k8s import kustomize_lite
-from tests.k8s.manifests import VARIANTS, build, build_with_kustomize, kustomize_command, one, pod_templates
+from tests.k8s.manifests import (
+    GPU_VARIANTS,
+    VARIANTS,
+    build,
+    build_with_kustomize,
+    kustomize_command,
+    one,
+    pod_templates,
+)
 
 
 def by_key(objects: list[dict]) -> dict[tuple[str, str], dict]:
@@ -45,8 +53,9 @@ def test_dev_cpu_is_one_small_cpu_worker() -> None:
         assert not any(key.endswith("/gpu") for key in limits)
 
 
-def test_prod_gpu_workers_are_gpu_pods_on_gpu_nodes() -> None:
-    objects = build("prod-gpu")
+@pytest.mark.parametrize("variant", GPU_VARIANTS)
+def test_gpu_workers_are_gpu_pods_on_gpu_nodes(variant: str) -> None:
+    objects = build(variant)
     cluster = one(objects, "RayService")["spec"]["rayClusterConfig"]
     (group,) = cluster["workerGroupSpecs"]
     spec = group["template"]["spec"]
@@ -64,10 +73,18 @@ def test_prod_gpu_workers_are_gpu_pods_on_gpu_nodes() -> None:
         assert "/models" in mounts
 
 
-def test_overlays_label_their_objects() -> None:
-    for variant in ("dev-cpu", "prod-gpu"):
-        for obj in build(variant):
-            assert obj["metadata"]["labels"]["moeserve.io/variant"] == variant
+def test_multinode_gpu_pods_hold_one_gpu_each() -> None:
+    """One GPU per worker pod: a spread shard group's ranks are separate pods (the capacity
+    rules in test_capacity.py check that the Serve config spreads them)."""
+    (group,) = one(build("multinode-gpu"), "RayService")["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+    limits = group["template"]["spec"]["containers"][0]["resources"]["limits"]
+    assert int(limits["nvidia.com/gpu"]) == 1
+
+
+@pytest.mark.parametrize("variant", [v for v in VARIANTS if v != "base"])
+def test_overlays_label_their_objects(variant: str) -> None:
+    for obj in build(variant):
+        assert obj["metadata"]["labels"]["moeserve.io/variant"] == variant
 
 
 # --- kustomize_lite itself --------------------------------------------------------------
