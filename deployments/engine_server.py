@@ -38,7 +38,7 @@ from moeserve.engine.core import EngineCore
 from moeserve.engine.core_client import InprocCore, ProcessCore
 from moeserve.engine.factory import build_engine, model_path
 from moeserve.errors import ErrorCode
-from moeserve.protocol import Abort, ApplyPlacement, GenerateChunk, GenerateRequest, Usage, error_chunk
+from moeserve.protocol import Abort, ApplyPlacement, GenerateChunk, GenerateRequest, Resize, Usage, error_chunk
 from router_service.gating import ExpertLoadStats
 
 logger = logging.getLogger(__name__)
@@ -102,24 +102,13 @@ class EngineServer:
 
             grammar = self.config.grammar.grammar_config()
             compiler = GrammarCompiler(engine.tokenizer, engine.runner.vocab_size, config=grammar)
-        group = self.shard_group
-        core = EngineCore(engine, compiler, recover=self._reform if group else None,
-                          expert_load=group.collect_stats if group else None,
-                          replace=self._replace if group else None)
+        group = None
+        if self.shard_group is not None:
+            from deployments.elastic import ElasticGroup
+
+            group = ElasticGroup(self.shard_group, self.config.shards, self.config.engine.max_num_seqs)
+        core = EngineCore(engine, compiler, group)
         return InprocCore(core, self._on_chunks, self._on_dead)
-
-    def _reform(self) -> Any:
-        """A broken shard group: its live ranks serve on without the dead (a fresh group, with the
-        placement the router service proposes now, only when none died)."""
-        from deployments.router_actor import proposed_placement
-
-        return self.shard_group.recover(lambda: proposed_placement(self.config.shards.num_shards))
-
-    def _replace(self, rank_experts: tuple[tuple[int, ...], ...]) -> None:
-        """Live re-placement, on the core's thread between two steps."""
-        from router_service.placement import Placement
-
-        self.shard_group.replace(Placement(rank_experts))
 
     def _maybe_replace(self, router: Any) -> None:
         """Ask the router service for a plan; send it to the core if it pays (live re-placement)."""
@@ -131,6 +120,12 @@ class EngineServer:
             logger.info("re-placing experts: busiest rank %.2f -> %.2f of the mean", plan["imbalance_now"],
                         plan["imbalance_proposed"])
             self.core.send(ApplyPlacement(plan["placement"].rank_experts))
+
+    def resize(self, width: int) -> None:
+        """Take the shard group to `width` ranks, one at a time between steps (deployments/elastic.py)."""
+        if self.shard_group is None:
+            raise ValueError("resize: this engine has no shard group (shards.num_shards is 1)")
+        self.core.send(Resize(width))
 
     # ---- the async API ---------------------------------------------------------------------
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
@@ -226,7 +221,7 @@ class EngineServer:
         }
         group = self.shard_group
         if group is not None:  # width, rank failures served through, the last re-form's pause
-            out["shard_group"] = {"width": group.width, "generation": group.generation,
+            out["shard_group"] = {"width": group.width, "generation": group.generation, "resizes": group.resizes,
                                   "rank_failures_survived": group.rank_failures_survived,
                                   "last_recovery_s": group.last_recovery_s}
         try:

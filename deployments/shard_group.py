@@ -1,30 +1,32 @@
-"""The shard group on Ray: W-1 shard actors in a placement group + rank 0 in the engine's process.
+"""The shard group on Ray: W-1 shard actors + rank 0 in the engine's process.
 
-Ray places, starts and supervises the processes and carries a few calls per group lifetime
-(start, health, stats); the per-step data plane is torch.distributed between the ranks
-(model_shards/shard_worker.py). Experts can move between ranks while the group serves
-(`replace`). If a shard dies, rank 0's next collective fails (at the latest after the group
-timeout) and the engine calls `recover()`: the ranks still alive form the group again among
-themselves, in the same processes with the weights they hold, and take over the dead ranks'
-experts (with `shards.redundancy` 1 each expert already has a second home, so nothing is read;
-with 0 the survivors read just the lost experts from the checkpoint). Running requests recompute
-their KV on the smaller group. Only when no rank died, or re-forming fails, `restart()` forms a
-fresh group of the configured width (with the router service's placement, if it has one).
+Ray places, starts and supervises the processes and carries a few calls per group lifetime; the
+per-step data plane is torch.distributed between the ranks (model_shards/shard_worker.py). The
+group changes between two steps, its ranks keeping the weights they hold: experts move
+(`replace`); after a failed step, the ranks still alive form the group again without the dead
+(`recover`), whose experts already have second homes with `shards.redundancy` 1 or are read
+from the checkpoint (those only) with 0; a rank joins once it has loaded its weights beside the
+serving group, or the last rank leaves (`resize`, deployments/elastic.py). Running requests
+recompute their KV in the new group. Only when no rank died, or re-forming fails, `restart()`
+forms a fresh group of the configured width.
 
 The placement group holds a bundle per rank, rank 0's included: rank 0 already runs (in the
 engine replica, whose resources Serve reserved), so its bundle is a token pinned to that node by
 Ray's node-id label. `shards.strategy` then places every rank: STRICT_SPREAD puts each on a node
-of its own, STRICT_PACK all of them on the replica's node.
+of its own, STRICT_PACK all of them on the replica's node; a rank added later takes a dead
+rank's bundle, or else a node the strategy allows.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import ray
 import torch
@@ -37,7 +39,7 @@ from model_shards.device import resolve_device, resolve_dtype
 from model_shards.local_group import free_port, load_shard
 from model_shards.shard_worker import ShardedRunner, ShardWorker
 from moeserve.config import EngineSection, ModelSection, RoutingSection, ShardsSection, default_of
-from router_service.placement import Placement, contiguous_placement, with_second_homes, without_ranks
+from router_service.placement import Placement, contiguous_placement, with_new_rank, with_second_homes, without_ranks
 
 log = logging.getLogger(__name__)
 
@@ -81,19 +83,14 @@ class ShardGroupConfig:
         return torch.device("cuda" if self.gpus_per_shard else "cpu")
 
 
-def _join_and_load(cfg: ShardGroupConfig, placement: Placement, rank: int, master: str) -> tuple:
-    """Join the group's process group and load this rank's shard on the group's device: the
-    model, its expert-load counters and what the group reports of the shard."""
+def _load(cfg: ShardGroupConfig, placement: Placement, rank: int) -> Any:
+    """This rank's model on the group's device: dense weights and its experts under `placement`."""
     device = resolve_device(cfg.device)
-    init_shard_group(rank, cfg.world_size, master, cfg.timeout_s, device)
-    model = load_shard(cfg.checkpoint, placement, rank, cfg.routing, resolve_dtype(cfg.dtype, device), device)
-    info = {"rank": rank, "experts": list(placement.rank_experts[rank]), "loaded_bytes": model.loaded_bytes,
-            "node_id": ray.get_runtime_context().get_node_id()}
-    return model, model.enable_stats(), info
+    return load_shard(cfg.checkpoint, placement, rank, cfg.routing, resolve_dtype(cfg.dtype, device), device)
 
 
-def _join_again(cfg: ShardGroupConfig, rank: int, world_size: int, master: str) -> None:
-    """Leave the broken group and join the re-formed one as `rank` (weights stay loaded)."""
+def _join(cfg: ShardGroupConfig, rank: int, world_size: int, master: str) -> None:
+    """Leave the old group, if any, and join the one formed at `master` as `rank` (weights stay loaded)."""
     if dist.is_initialized():
         dist.destroy_process_group()
     init_shard_group(rank, world_size, master, cfg.timeout_s, resolve_device(cfg.device))
@@ -101,38 +98,38 @@ def _join_again(cfg: ShardGroupConfig, rank: int, world_size: int, master: str) 
 
 @ray.remote
 class ShardActor:
-    """Ranks 1..W-1: the worker loop runs in a thread; Ray methods (health, stats) stay responsive."""
+    """A rank 1..W-1 process. Its model outlives the groups it joins; the worker loop runs in a
+    thread, so Ray methods (health, stats) stay responsive."""
 
-    def __init__(self, cfg: ShardGroupConfig, placement: Placement, rank: int, master: str) -> None:
-        self.cfg, self.placement, self.rank, self.master = cfg, placement, rank, master
-        self.thread: threading.Thread | None = None
+    def __init__(self, cfg: ShardGroupConfig) -> None:
+        self.cfg = cfg
+        self.model = self.stats = self.thread = self.rank = None
         self.node_id = ray.get_runtime_context().get_node_id()
-        self.stats = None
         self.error: str | None = None
 
-    def start(self) -> dict:
-        self.model, self.stats, info = _join_and_load(self.cfg, self.placement, self.rank, self.master)
-        self._serve(ShardWorker(self.model, self.rank, self.cfg.world_size, self.cfg.max_num_seqs,
-                                self.cfg.max_model_len, self.cfg.block_size, self.cfg.compile))
-        return info
+    def load(self, placement: Placement, rank: int) -> None:
+        """Read this rank's weights before it joins (a new rank does this while the group serves)."""
+        self.model = _load(self.cfg, placement, rank)
+        self.stats = self.model.enable_stats()
 
-    def rejoin(self, rank: int, world_size: int, master: str, placement: Placement, max_num_seqs: int) -> dict:
-        """Join the survivors' group as `rank` once this rank's loop has seen the old group end."""
+    def join(self, rank: int, world_size: int, master: str, placement: Placement, max_num_seqs: int) -> dict:
+        """Join the group formed at `master` as `rank`, once this rank's loop has seen its old group
+        end, holding `placement`'s experts for that rank (reading only those it lacks)."""
         if self.thread is not None:
             self.thread.join(self.cfg.timeout_s)
             if self.thread.is_alive():
                 raise RuntimeError(f"rank {self.rank} is still in the old group after {self.cfg.timeout_s} s")
+        if self.model is None:
+            self.load(placement, rank)
         self.rank, self.error = rank, None
-        _join_again(self.cfg, rank, world_size, master)
+        _join(self.cfg, rank, world_size, master)
         worker = ShardWorker(self.model, rank, world_size, max_num_seqs, self.cfg.max_model_len, self.cfg.block_size,
                              self.cfg.compile)
-        worker.place(placement)  # reads only the experts this rank did not hold
-        self._serve(worker)
-        return {"rank": rank, "experts": list(placement.rank_experts[rank]), "node_id": self.node_id}
-
-    def _serve(self, worker: ShardWorker) -> None:
+        worker.place(placement)
         self.thread = threading.Thread(target=self._loop, args=(worker,), daemon=True)
         self.thread.start()
+        return {"rank": rank, "experts": list(placement.rank_experts[rank]), "loaded_bytes": self.model.loaded_bytes,
+                "node_id": self.node_id}
 
     def _loop(self, worker: ShardWorker) -> None:
         try:
@@ -145,60 +142,90 @@ class ShardActor:
 
     def health(self) -> dict:
         return {"rank": self.rank, "alive": bool(self.thread and self.thread.is_alive()), "error": self.error,
-                "node_id": self.node_id}
+                "node_id": self.node_id, "pid": os.getpid()}
 
     def get_stats(self) -> dict | None:
         return self.stats.to_dict() if self.stats is not None else None
 
 
 class ShardGroup:
-    """Owns one expert-parallel group; `start()` returns rank 0's runner for the engine."""
+    """Owns one expert-parallel group; `start()` returns rank 0's runner for the engine. `base` is
+    the placement without second homes, `placement` what the ranks hold."""
 
     def __init__(self, cfg: ShardGroupConfig, placement: Placement | None = None) -> None:
         from model_shards.config import ModelConfig
 
         self.cfg = cfg
-        self.model_config = ModelConfig.from_file(cfg.checkpoint)
-        self.placement = self._homes(placement or contiguous_placement(self.model_config.num_experts, cfg.world_size))
-        self.actors: list = []
+        self.num_experts = ModelConfig.from_file(cfg.checkpoint).num_experts
+        self.base = placement or contiguous_placement(self.num_experts, cfg.world_size)
+        self.placement = self._homes(self.base)
+        self.actors: list = []  # ranks 1.. in order
+        self.bundles: list[int | None] = []  # each actor's bundle in `pg` (None: placed by node label)
         self.pg = None
-        self.runner: ShardedRunner | None = None
-        self.stats = None
+        self.model = self.runner = self.stats = None  # rank 0's model outlives re-forms
         self.shard_info: list[dict] = []
         self.generation = 0  # how many times the group was (re)formed
-        self.width = cfg.world_size  # ranks now: fewer than configured after a rank died
-        self.rank_failures_survived = 0
+        self.width = cfg.world_size  # ranks now
+        self.rank_failures_survived = self.resizes = 0
         self.last_recovery_s = 0.0  # the last re-form's pause: dead rank found to group serving again
+        self._joining: tuple | None = None  # a new rank loading its weights: (actor, bundle, load ref)
 
-    def _homes(self, placement: Placement) -> Placement:
-        """`placement` with a second home for every expert when the config asks for redundancy."""
-        return with_second_homes(placement) if self.cfg.redundancy else placement
+    def _homes(self, base: Placement) -> Placement:
+        """`base` with a second home for every expert when the config asks for redundancy."""
+        return with_second_homes(base) if self.cfg.redundancy and base.world_size > 1 else base
 
     def start(self) -> ShardedRunner:
         cfg, world = self.cfg, self.cfg.world_size
-        if self.placement.world_size != world:  # after a shrink: the configured width again
-            self.placement = self._homes(contiguous_placement(self.model_config.num_experts, world))
-        master = f"{ray.util.get_node_ip_address()}:{free_port()}"
+        if self.base.world_size != world:  # after a resize: the configured width again
+            self.base = contiguous_placement(self.num_experts, world)
+        self.placement = self._homes(self.base)
         if world > 1:
             bundle = {"CPU": cfg.cpus_per_shard} | ({"GPU": cfg.gpus_per_shard} if cfg.gpus_per_shard else {})
             here = {NODE_ID_LABEL_KEY: ray.get_runtime_context().get_node_id()}
             self.pg = placement_group([RANK0_BUNDLE] + [bundle] * (world - 1), strategy=cfg.strategy,
                                       bundle_label_selector=[here] + [{}] * (world - 1))
             ray.get(self.pg.ready(), timeout=cfg.start_timeout_s)
-            self.actors = [ShardActor.options(
-                num_cpus=cfg.cpus_per_shard, num_gpus=cfg.gpus_per_shard, max_concurrency=4,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=r),
-            ).remote(cfg, self.placement, r, master) for r in range(1, world)]
-        started = [a.start.remote() for a in self.actors]
-        model, self.stats, info = _join_and_load(cfg, self.placement, 0, master)  # blocks until every rank joined
-        # returns once every rank is ready (each rank's start returns only then)
-        self.runner = ShardedRunner(model, world, cfg.max_num_seqs, cfg.max_model_len, cfg.block_size,
-                                    cfg.prefix_caching, cfg.compile)
-        self.shard_info = [info] + ray.get(started, timeout=cfg.start_timeout_s)
-        self.generation += 1
-        self.width = world
+            self.bundles = list(range(1, world))
+            self.actors = [self._new_actor(b) for b in self.bundles]
+        loads = [a.load.remote(self.placement, r) for r, a in enumerate(self.actors, 1)]
+        self.model = _load(cfg, self.placement, 0)
+        self.stats = self.model.enable_stats()
+        ray.get(loads, timeout=cfg.start_timeout_s)
+        runner = self._form(self.actors, self.placement)
         log.info("shard group %d formed: %s", self.generation, self.shard_info)
-        return self.runner
+        return runner
+
+    def _new_actor(self, bundle: int | None) -> Any:
+        """A shard actor in `bundle` of the placement group, or (None) on a node `strategy` allows."""
+        cfg = self.cfg
+        if bundle is not None:
+            where = {"scheduling_strategy": PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=bundle)}
+        elif cfg.strategy == "STRICT_SPREAD":  # a node no rank uses
+            where = {"label_selector": {NODE_ID_LABEL_KEY: f"!in({', '.join(i['node_id'] for i in self.shard_info)})"}}
+        elif cfg.strategy == "STRICT_PACK":
+            where = {"label_selector": {NODE_ID_LABEL_KEY: ray.get_runtime_context().get_node_id()}}
+        else:
+            where = {}
+        return ShardActor.options(num_cpus=cfg.cpus_per_shard, num_gpus=cfg.gpus_per_shard, max_concurrency=4,
+                                  **where).remote(cfg)
+
+    def _form(self, actors: list, placement: Placement) -> ShardedRunner:
+        """Form the group of rank 0 and `actors` (ranks 1.., weights loaded) holding `placement`."""
+        cfg, world = self.cfg, 1 + len(actors)
+        per_rank = -(-cfg.max_num_seqs * cfg.world_size // world)  # the configured batch fits at any width
+        master = f"{ray.util.get_node_ip_address()}:{free_port()}"
+        joined = [a.join.remote(r, world, master, placement, per_rank) for r, a in enumerate(actors, 1)]
+        self.runner = None
+        _join(cfg, 0, world, master)
+        runner = ShardedRunner(self.model, world, per_rank, cfg.max_model_len, cfg.block_size, cfg.prefix_caching,
+                               cfg.compile)  # returns once every rank has joined
+        runner.place(placement)
+        own = {"rank": 0, "experts": list(placement.rank_experts[0]), "loaded_bytes": self.model.loaded_bytes,
+               "node_id": ray.get_runtime_context().get_node_id()}
+        self.shard_info = [own] + ray.get(joined, timeout=cfg.start_timeout_s)
+        self.actors, self.placement, self.width, self.runner = actors, placement, world, runner
+        self.generation += 1
+        return runner
 
     def stop(self, graceful: bool = True) -> None:
         if self.runner is not None and graceful:
@@ -209,9 +236,10 @@ class ShardGroup:
         self.runner = None
         if dist.is_initialized():
             dist.destroy_process_group()
+        self.cancel_growth()
         for a in self.actors:
             ray.kill(a, no_restart=True)
-        self.actors = []
+        self.actors, self.bundles = [], []
         if self.pg is not None:
             remove_placement_group(self.pg)
             self.pg = None
@@ -220,7 +248,7 @@ class ShardGroup:
         """Tear the (possibly broken) group down and form a new one, optionally with a new placement."""
         self.stop(graceful=False)
         if placement is not None:
-            self.placement = self._homes(placement)
+            self.base = placement
         return self.start()
 
     def recover(self, propose: Callable[[], Placement | None] = lambda: None) -> ShardedRunner:
@@ -234,44 +262,78 @@ class ShardGroup:
         for rank, (actor, answer) in enumerate(zip(self.actors, answers), 1):
             try:
                 ray.get(answer, timeout=self.cfg.timeout_s)
-                alive.append((rank, actor))
-            except Exception:  # the actor (or its node) is gone
+                alive.append(rank)
+            except Exception:  # the actor (or its node) is gone, or stopped answering
                 ray.kill(actor, no_restart=True)
-        dead = set(range(1, self.width)) - {r for r, _ in alive}
+        dead = set(range(1, self.width)) - set(alive)
         if not dead or self.runner is None:
             return self.restart(propose())
         try:
-            return self._reform(alive, dead, t0)
+            self.bundles = [self.bundles[r - 1] for r in alive]
+            self._form([self.actors[r - 1] for r in alive], without_ranks(self.placement, dead))
         except Exception:
             log.exception("re-forming the shard group without rank(s) %s failed; restarting it", sorted(dead))
             return self.restart(propose())
-
-    def _reform(self, alive: list, dead: set[int], t0: float) -> ShardedRunner:
-        cfg, world = self.cfg, 1 + len(alive)
-        placement = without_ranks(self.placement, dead)
-        per_rank = -(-cfg.max_num_seqs * cfg.world_size // world)  # the whole batch still fits
-        master = f"{ray.util.get_node_ip_address()}:{free_port()}"
-        joined = [a.rejoin.remote(new, world, master, placement, per_rank) for new, (_, a) in enumerate(alive, 1)]
-        model, self.runner = self.runner.model, None
-        _join_again(cfg, 0, world, master)
-        self.runner = ShardedRunner(model, world, per_rank, cfg.max_model_len, cfg.block_size, cfg.prefix_caching,
-                                    cfg.compile)
-        self.runner.place(placement)
-        others = ray.get(joined, timeout=cfg.start_timeout_s)
-        self.actors, self.placement, self.width = [a for _, a in alive], placement, world
-        self.shard_info = [{**self.shard_info[0], "experts": list(placement.rank_experts[0])}] + others
-        self.generation += 1
+        self.base = without_ranks(self.base, dead)
         self.rank_failures_survived += len(dead)
         self.last_recovery_s = time.monotonic() - t0
         log.warning("shard group %d: rank(s) %s died; %d ranks serve on after %.2f s without a restart",
-                    self.generation, sorted(dead), world, self.last_recovery_s)
+                    self.generation, sorted(dead), self.width, self.last_recovery_s)
+        return self.runner
+
+    # ---- elastic width (deployments/elastic.py decides when) -----------------------------------
+    def prepare_growth(self) -> bool:
+        """Start a new rank loading its weights beside the serving group, in a free bundle of the
+        placement group (a dead rank's) if there is one; True once it is loaded (`resize` may join it)."""
+        if self._joining is None:
+            free = sorted(set(range(1, self.pg.bundle_count if self.pg else 1)) - set(self.bundles))
+            bundle = free[0] if free else None
+            actor = self._new_actor(bundle)
+            self._joining = (actor, bundle, actor.load.remote(self._homes(with_new_rank(self.base)), self.width))
+        ref = self._joining[2]
+        if not ray.wait([ref], timeout=0)[0]:
+            return False
+        try:
+            ray.get(ref)
+        except Exception:  # it died while loading: try another next time
+            log.warning("a new shard rank failed to load", exc_info=True)
+            self.cancel_growth()
+            return False
+        return True
+
+    def cancel_growth(self) -> None:
+        if self._joining is not None:
+            ray.kill(self._joining[0], no_restart=True)
+            self._joining = None
+
+    def resize(self, width: int) -> ShardedRunner:
+        """Between steps: one rank wider (the rank `prepare_growth` loaded joins) or narrower (the
+        last rank leaves). The others keep their weights: they only drop experts when the group
+        widens and read the leaving rank's when it narrows."""
+        t0 = time.monotonic()
+        if width == self.width + 1 and self._joining is not None:
+            actor, bundle, _ = self._joining
+            actors, base, self._joining = self.actors + [actor], with_new_rank(self.base), None
+            self.bundles.append(bundle)
+        elif width == self.width - 1 >= 1:
+            actors, base = self.actors[:-1], without_ranks(self.base, {self.width - 1})
+        else:
+            raise ValueError(f"resize: from {self.width} ranks to {width}, one step at a time (growth prepared)")
+        self.runner.shutdown()  # every rank's loop ends; the old group with it
+        for leaving in self.actors[len(actors):]:
+            ray.kill(leaving, no_restart=True)
+        self.bundles = self.bundles[: len(actors)]
+        self._form(actors, self._homes(base))
+        self.base = base
+        self.resizes += 1
+        log.info("shard group %d: %d ranks after %.2f s", self.generation, self.width, time.monotonic() - t0)
         return self.runner
 
     def replace(self, placement: Placement) -> None:
         """Live re-placement: every rank moves to `placement` now (between two steps, on the
         engine core's thread); a later re-form keeps it."""
         self.runner.replace(placement)
-        self.placement = placement
+        self.base = self.placement = placement
         for info in self.shard_info:
             info["experts"] = list(placement.rank_experts[info["rank"]])
 

@@ -1,10 +1,9 @@
 """moeserve's one config tree (pydantic, frozen, validated at construction): every option once, with its one default.
 
-Every way in builds this same tree: `moeserve serve --config FILE` and its flags, the
-`args:` of the application in deployments/serve_config.yaml (Ray's own `serve run` /
-`serve deploy`), KubeRay's serveConfigV2, and the offline API `LLM(**options)`
-(`AppConfig.from_options`). Each component then receives the tree or its own sections of it,
-never a copy field by field (moeserve/engine/factory.py reads the engine's part).
+Every way in builds this tree: `moeserve serve --config FILE` and its flags, the `args:` of the
+application in deployments/serve_config.yaml (`serve run` / `serve deploy`, KubeRay's
+serveConfigV2), and `LLM(**options)` (`AppConfig.from_options`). Each component receives the tree
+or its own sections, never a copy field by field.
 
 A file may hold either this dict or a whole Serve config (then the first application's
 `args` is used). A relative path is looked up beside the config file first, then in the
@@ -18,7 +17,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, field_validator, model_validator
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, NonNegativeInt, model_validator
 
 PACKAGE_ROOT = Path(__file__).resolve().parent
 PROJECT_ROOT = PACKAGE_ROOT.parent  # the source checkout, when running from one
@@ -48,7 +47,7 @@ class EngineSection(_Section):
     # all running sequences (0: max_num_seqs x max_model_len) in blocks, plus a scratch block.
     kv_budget_tokens: int = Field(0, ge=0)
     # Or the budget in bytes ("2GiB", "512MiB", a number): as many blocks as fit, scratch included.
-    kv_cache_memory: int = 0
+    kv_cache_memory: ByteSize = ByteSize(0)
     block_size: int = Field(16, ge=1, le=1024)
     prefix_caching: bool = True  # reuse the KV of shared prompt prefixes (full blocks)
     # Backpressure: past max_num_seqs running + this many waiting, new requests get 503 / RESOURCE_EXHAUSTED.
@@ -68,17 +67,10 @@ class EngineSection(_Section):
     # what it buys: bench/reports/generation.md.
     compile: bool = False
 
-    @field_validator("kv_cache_memory", mode="before")
-    @classmethod
-    def _bytes(cls, value: int | str) -> int:
-        return parse_bytes(value)
-
     @model_validator(mode="after")
     def _one_budget(self) -> EngineSection:
         if self.kv_cache_memory and self.kv_budget_tokens:
             raise ValueError("set kv_budget_tokens or kv_cache_memory, not both")
-        if self.kv_cache_memory < 0:
-            raise ValueError(f"kv_cache_memory: must be >= 0, got {self.kv_cache_memory}")
         if self.kv_budget_tokens and self.kv_budget_tokens < self.max_model_len:
             raise ValueError(f"kv_budget_tokens: {self.kv_budget_tokens} cannot hold one sequence of "
                              f"max_model_len {self.max_model_len}")
@@ -109,21 +101,6 @@ class SpeculativeSection(_Section):
     disable_by_batch_size: int = Field(0, ge=0)
 
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
-
-
-def parse_bytes(value: int | str) -> int:
-    """2048, "2048", "512MiB", "2 GiB", "1.5GB" -> bytes."""
-    if isinstance(value, int):
-        return value
-    text = str(value).strip().lower().replace(" ", "")
-    number = text.rstrip("abcdefghijklmnopqrstuvwxyz")
-    unit = text[len(number):]
-    if unit not in _UNITS or not number:
-        raise ValueError(f"{value!r}: expected bytes like 2048, '512MiB' or '2GiB'")
-    return int(float(number) * _UNITS[unit])
-
-
 class RoutingSection(_Section):
     """Expert capacity of every MoE layer (router_service/capacity.py): `none` is exact; `drop` and
     `reroute` (to the next-best expert with room) cap each expert at
@@ -138,19 +115,24 @@ class ShardsSection(_Section):
     num_shards: int = Field(1, ge=1)  # > 1: expert-parallel shard group per engine replica
     gpus_per_shard: float = Field(0.0, ge=0)  # 1 on a GPU cluster (NCCL), 0 on CPU (gloo)
     strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"  # placement of the shards
-    # Live re-placement: after each expert-load report the replica asks the router service for a plan
-    # and moves its group's experts between two steps when the busiest rank's load drops by at least
-    # replacement_min_gain (a fraction).
+    # Live re-placement: after each expert-load report, move the group's experts between two steps to
+    # the router service's plan when the busiest rank's load drops by replacement_min_gain (a fraction).
     live_replacement: bool = False
     replacement_min_gain: float = Field(0.1, gt=0, lt=1)
-    # 1: every expert also on a second rank (rank r holds rank r-1's experts too: expert memory per
-    # rank doubles), so when a rank dies the others serve on without reading any weights; 0: the
-    # survivors read the dead rank's experts from the checkpoint. Either way no new process is
-    # started (deployments/shard_group.py, `recover`).
+    # When a rank dies the others serve on (deployments/shard_group.py): 1: every expert also on a
+    # second rank (expert memory per rank doubles), nothing read; 0: they read the dead rank's experts.
     redundancy: int = Field(0, ge=0, le=1)
+    # Elastic width (deployments/elastic.py): the group follows the load between these (None:
+    # num_shards), a change held for resize_after_s; below min_shards (a rank died) it grows back.
+    min_shards: int | None = Field(None, ge=1)
+    max_shards: int | None = Field(None, ge=1)
+    resize_after_s: float = Field(10.0, ge=0)
 
     @model_validator(mode="after")
     def _second_homes_need_two(self) -> ShardsSection:
+        if not (self.min_shards or self.num_shards) <= self.num_shards <= (self.max_shards or self.num_shards):
+            raise ValueError(f"shards: needs min_shards <= num_shards <= max_shards, got "
+                             f"{self.min_shards}, {self.num_shards}, {self.max_shards}")
         if self.redundancy and self.num_shards < 2:
             raise ValueError("redundancy: a second home for every expert needs num_shards >= 2")
         if self.redundancy and self.live_replacement:

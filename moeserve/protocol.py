@@ -140,6 +140,13 @@ class ApplyPlacement:
     rank_experts: tuple[tuple[int, ...], ...]
 
 
+@dataclass(frozen=True)
+class Resize:
+    """Take the shard group to this many ranks, one rank at a time between steps (elastic width)."""
+
+    width: int
+
+
 def _join(a: tuple | None, b: tuple | None) -> tuple | None:
     """Per-token entries of two consecutive chunks (None when neither has any)."""
     return None if a is None and b is None else (a or ()) + (b or ())

@@ -195,3 +195,16 @@ def without_ranks(placement: Placement, dead: set[int]) -> Placement:
         if e not in held:
             min(kept, key=len).append(e)
     return Placement(tuple(tuple(r) for r in kept))
+
+
+def with_new_rank(placement: Placement) -> Placement:
+    """One rank more: the new last rank takes E // (W + 1) experts, each time the last one of the
+    rank holding the most, so the others only drop experts (nothing to read but the new rank's)."""
+    ranks = [list(r) for r in placement.rank_experts]
+    new: list[int] = []
+    for _ in range(max(1, placement.num_experts // (len(ranks) + 1))):
+        fullest = max(ranks, key=len)
+        if len(fullest) < 2:
+            raise ValueError(f"with_new_rank: {len(ranks) + 1} ranks need more than {placement.num_experts} experts")
+        new.append(fullest.pop())
+    return Placement(tuple(tuple(r) for r in ranks) + (tuple(sorted(new)),))

@@ -96,6 +96,10 @@ def test_unknown_options_are_refused_by_name():
         AppConfig.from_options(kv_budget_tokens=100, max_model_len=512)
     with pytest.raises(ValueError, match="draft_path is not set"):
         speculation(AppConfig.from_dict({"speculative": {"draft": "model", "draft_path": None}}))
+    with pytest.raises(ValueError, match="min_shards <= num_shards <= max_shards, got 3, 2, None"):
+        AppConfig.from_dict({"shards": {"num_shards": 2, "min_shards": 3}})
+    with pytest.raises(ValueError, match="second home for every expert needs num_shards >= 2"):
+        AppConfig.from_dict({"shards": {"redundancy": 1}})
 
 
 def test_moeserve_generate_runs_on_the_demo_pair():
@@ -123,12 +127,13 @@ def test_the_overflow_policy_set_in_the_yaml_reaches_every_moe_layer_and_metrics
 
 
 def test_the_kv_budget_in_bytes_and_the_paged_cache_reach_the_engine():
-    from moeserve.config import parse_bytes
     from moeserve.engine.llm import LLM
 
-    assert [parse_bytes(v) for v in (2048, "2048", "512MiB", "2 GiB", "1.5GB")] == [2048, 2048, 2**29, 2**31, 15 * 10**8]
-    with pytest.raises(ValueError, match="expected bytes"):
-        parse_bytes("lots")
+    memory = [AppConfig.from_options(kv_cache_memory=v).engine.kv_cache_memory for v in (2048, "2048", "512MiB", "2 GiB", "1.5GB")]
+    assert memory == [2048, 2048, 2**29, 2**31, 15 * 10**8]
+    for bad in ("lots", -5):
+        with pytest.raises(ValueError, match="kv_cache_memory\n  could not parse value and unit from byte string"):
+            AppConfig.from_options(kv_cache_memory=bad)
     with pytest.raises(ValueError, match="not both"):
         AppConfig.from_dict({"engine": {"kv_cache_memory": "8MiB", "kv_budget_tokens": 4096}})
     tree = AppConfig.from_dict({"engine": {"kv_cache_memory": "8MiB"}})

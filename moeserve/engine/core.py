@@ -35,6 +35,7 @@ from moeserve.protocol import (
     CoreStopped,
     GenerateChunk,
     GenerateRequest,
+    Resize,
     StatsReply,
     StatsRequest,
     Usage,
@@ -58,14 +59,12 @@ class Channel(Protocol):
 
 class EngineCore:
     """Runs `engine` for the requests that arrive on a channel (`run`). `compiler` compiles
-    GrammarSpecs (None: refused); `recover` returns a fresh model runner after a failed step (a
-    shard group re-formed); `expert_load` returns per-rank counters kept elsewhere; `replace`
-    moves a shard group's experts to a new placement between steps."""
+    GrammarSpecs (None: refused). `group`: the controls of the engine's shard group
+    (deployments/elastic.py), used between steps: `recover()` after a failed step, `replace`
+    (live re-placement), `request`/`due`/`apply` (width), `expert_load()` (every rank's counters)."""
 
-    def __init__(self, engine: LLMEngine, compiler: Any = None, recover: Callable[[], Any] | None = None,
-                 expert_load: Callable[[], list[dict[str, Any]]] | None = None,
-                 replace: Callable[[tuple[tuple[int, ...], ...]], None] | None = None) -> None:
-        self.engine, self.compiler, self.recover, self.replace = engine, compiler, recover, replace
+    def __init__(self, engine: LLMEngine, compiler: Any = None, group: Any = None) -> None:
+        self.engine, self.compiler, self.group = engine, compiler, group
         self._placement: ApplyPlacement | None = None  # the latest one asked for, applied before the next step
         self.counters: Counter[str] = Counter()
         self.step_seconds = 0.0
@@ -73,10 +72,9 @@ class EngineCore:
         self.stop_reason: str | None = None  # set as the loop ends, before its streams are failed
         self._compiles = ThreadPoolExecutor(2, thread_name_prefix="core-grammar")
         self._compiling: dict[str, tuple[GenerateRequest, Future]] = {}
-        self._expert_load = expert_load
         self.isolation = Isolation(engine, self.counters)
         model = engine.runner.model
-        self._load_stats = model.enable_stats() if expert_load is None and model.config.is_moe else None
+        self._load_stats = model.enable_stats() if group is None and model.config.is_moe else None
 
     # ---- the loop ------------------------------------------------------------------------------
     def run(self, channel: Channel) -> None:
@@ -88,8 +86,8 @@ class EngineCore:
                 if not self._drain(channel, IDLE_WAIT_S if idle else 0.0):
                     break
                 out = self._admit_compiled()
-                if self._placement is not None:
-                    self._apply_placement()
+                if self.group is not None:
+                    self._change_group()
                 if self.engine.has_unfinished():
                     out += self._step()
                 if out:
@@ -112,8 +110,12 @@ class EngineCore:
                 self._abort(channel, msg.request_id)
             elif isinstance(msg, StatsRequest):
                 channel.send(StatsReply(msg.token, self.stats()))
+            elif isinstance(msg, (ApplyPlacement, Resize)) and self.group is None:
+                logger.warning("ignoring %r: this engine has no shard group", msg)
             elif isinstance(msg, ApplyPlacement):
                 self._placement = msg
+            elif isinstance(msg, Resize):
+                self.group.request(msg.width)
             else:  # Shutdown
                 return False
             msg = channel.recv(0)
@@ -139,29 +141,30 @@ class EngineCore:
         self.isolation.stepped()
         return [_chunk(out) for out in outputs]
 
-    def _apply_placement(self) -> None:
-        """Live re-placement between steps (caches kept); a failure re-forms the group."""
+    def _change_group(self) -> None:
+        """Between steps: live re-placement (caches kept) or a width change (running requests
+        recompute); a failure re-forms the group."""
         msg, self._placement = self._placement, None
-        if self.replace is None:
-            logger.warning("ignoring a placement: this engine has no shard group")
-            return
-        t0 = time.perf_counter()
+        sched = self.engine.scheduler
         try:
-            self.replace(msg.rank_experts)
+            if msg is not None:
+                self.group.replace(msg.rank_experts)
+                self.counters["expert_replacements"] += 1
+            if self.group.due(len(sched.waiting), len(sched.running)):
+                self._regroup(self.group.apply)
         except Exception:
-            logger.exception("live re-placement failed; re-forming the shard group")
+            logger.exception("changing the shard group failed; re-forming it")
             self.counters["step_errors"] += 1
             self._reform()
-            return
-        self.counters["expert_replacements"] += 1
-        logger.info("experts re-placed in %.2f s: %s", time.perf_counter() - t0, msg.rank_experts)
 
     def _reform(self) -> None:
         """After a failed step on a shard group: a new group, where running requests recompute."""
-        if self.recover is None:
-            return
+        if self.group is not None:
+            self._regroup(self.group.recover)
+
+    def _regroup(self, form: Callable[[], Any]) -> None:
         self.engine.requeue([s.seq_id for s in self.engine.scheduler.running])
-        self.engine.runner = self.recover()  # raising here ends the loop: UNAVAILABLE
+        self.engine.runner = form()  # raising in a re-form ends the loop: UNAVAILABLE
 
     # ---- requests ------------------------------------------------------------------------------
     def _add(self, channel: Channel, req: GenerateRequest) -> None:
@@ -236,8 +239,8 @@ class EngineCore:
     # ---- statistics ----------------------------------------------------------------------------
     def expert_load(self) -> list[dict[str, Any]]:
         """Cumulative expert-load counters, one dict per rank (ExpertLoadStats.to_dict)."""
-        if self._expert_load is not None:
-            return self._expert_load()
+        if self.group is not None:
+            return self.group.expert_load()
         return [self._load_stats.to_dict()] if self._load_stats is not None else []
 
     def stats(self) -> dict[str, Any]:

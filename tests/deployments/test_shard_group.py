@@ -158,7 +158,7 @@ def test_a_killed_rank_leaves_the_others_serving_without_a_restart(ray_cluster, 
     server = EngineServer(AppConfig.from_dict({
         "model": {"path": str(ckpt)}, "speculative": {"draft": "none"},
         "engine": {"max_num_seqs": 6, "max_model_len": 64, "expert_load_report_s": 0},
-        "shards": {"num_shards": 3, "redundancy": redundancy},
+        "shards": {"num_shards": 3, "redundancy": redundancy, "min_shards": 2},  # 2: no replacement rank
     }))  # fmt: skip
     group = server.shard_group
     survivor = group.actors[0]  # rank 1 lives; rank 2 is killed
@@ -186,10 +186,113 @@ def test_a_killed_rank_leaves_the_others_serving_without_a_restart(ray_cluster, 
         stats = asyncio.run(server.stats())
         assert stats["finished"].get("error", 0) == 0
         assert {k: v for k, v in stats["shard_group"].items() if k != "last_recovery_s"} == {
-            "width": 2, "generation": 2, "rank_failures_survived": 1}
+            "width": 2, "generation": 2, "resizes": 0, "rank_failures_survived": 1}
         assert group.actors == [survivor] and [i["rank"] for i in group.shard_info] == [0, 1]
         assert sorted({e for r in group.placement.rank_experts for e in r}) == list(range(len(homes)))
         assert asyncio.run(replies("after", kill=False)) == expected
     finally:
         server.shutdown()
+        group.stop()
+
+
+def test_the_group_widens_narrows_and_takes_a_replacement_rank_mid_generation(ray_cluster, tmp_path):
+    """Elastic width: 2 -> 3 -> 2 ranks while requests run, then rank 1 killed: rank 0 serves on
+    alone until a replacement rank has loaded and joins (min_shards 2). Every reply is exactly the
+    fault-free one; a new rank reads only its experts, and the ranks that stay keep their process."""
+    import asyncio
+
+    from bench.tiny_checkpoint import save_tiny_checkpoint
+    from deployments.engine_server import EngineServer
+    from moeserve.config import AppConfig
+    from moeserve.protocol import GenerateRequest
+
+    ckpt = save_tiny_checkpoint(tmp_path)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    runner = ModelRunner(load_checkpoint(ckpt), max_num_seqs=8, max_model_len=64)
+    expected = [c.token_ids for c in LLMEngine(runner).generate(PROMPTS, params)]
+    server = EngineServer(AppConfig.from_dict({
+        "model": {"path": str(ckpt)}, "speculative": {"draft": "none"},
+        "engine": {"max_num_seqs": 6, "max_model_len": 64, "expert_load_report_s": 0},
+        "shards": {"num_shards": 2, "max_shards": 3, "resize_after_s": 1000},  # widths by hand only
+    }))  # fmt: skip
+    group = server.shard_group
+    first = group.actors[0]
+
+    async def replies(tag: str, during) -> list[list[int]]:
+        started = asyncio.Event()
+
+        async def one(i, p):
+            out = []
+            async for c in server.generate(GenerateRequest(f"{tag}{i}", tuple(p), params)):
+                out += c.token_ids
+                started.set()
+            return out
+
+        tasks = [asyncio.create_task(one(i, p)) for i, p in enumerate(PROMPTS)]
+        await started.wait()
+        during()
+        return list(await asyncio.gather(*tasks))
+
+    def rounds(tag: str, during, until) -> None:
+        """Rounds of the four requests, each exact, until `until()` (a new rank loads for seconds)."""
+        deadline = time.monotonic() + 60
+        for n in range(1000):
+            assert asyncio.run(replies(f"{tag}{n}", during)) == expected
+            if until():
+                return
+            assert time.monotonic() < deadline, f"{tag}: still {group.width} ranks"
+            during = lambda: None  # noqa: E731
+
+    try:
+        rounds("wide", lambda: server.resize(3), lambda: group.width == 3)
+        assert group.actors[0] is first and len(group.shard_info) == 3
+        assert group.shard_info[2]["loaded_bytes"] < load_checkpoint(ckpt).loaded_bytes  # its experts only
+        assert sorted({e for r in group.placement.rank_experts for e in r}) == list(range(group.num_experts))
+        rounds("narrow", lambda: server.resize(2), lambda: group.width == 2)
+        assert group.actors == [first] and group.resizes == 2
+
+        rounds("kill", lambda: ray.kill(first, no_restart=True), lambda: group.width == 2)  # 1 rank, then 2
+        stats = asyncio.run(server.stats())
+        assert stats["shard_group"]["width"] == 2 and stats["shard_group"]["rank_failures_survived"] == 1
+        assert stats["shard_group"]["resizes"] == 3 and stats["finished"].get("error", 0) == 0
+        assert group.actors[0] is not first
+    finally:
+        server.shutdown()
+        group.stop()
+
+
+def test_a_rank_that_stops_answering_is_dropped_after_the_collective_timeout(ray_cluster, ckpt):
+    """A peer frozen mid-generation (SIGSTOP: alive, silent) fails the step within the group's
+    timeout, never a hang; it does not answer its health check either, so the others re-form
+    without it and the requests finish exactly as the fault-free run."""
+    import os
+    import signal
+
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    runner = ModelRunner(load_checkpoint(ckpt), max_num_seqs=8, max_model_len=64)
+    expected = [c.token_ids for c in LLMEngine(runner).generate(PROMPTS, params)]
+    group = ShardGroup(ShardGroupConfig(str(ckpt), world_size=3, max_num_seqs=4, max_model_len=64, timeout_s=3))
+    try:
+        engine = LLMEngine(group.start())
+        ids = [engine.add_request(p, params) for p in PROMPTS]
+        tokens = {i: [] for i in ids}
+
+        def step() -> None:
+            for o in engine.step():
+                tokens[o.request_id] += o.new_token_ids
+
+        step()
+        frozen = group.actors[1]
+        os.kill(ray.get(frozen.health.remote())["pid"], signal.SIGSTOP)
+        t0 = time.monotonic()
+        with pytest.raises(Exception):  # noqa: B017 - gloo's timeout: RuntimeError/DistBackendError
+            step()
+        assert time.monotonic() - t0 < 3 * 3
+        engine.requeue([s.seq_id for s in engine.scheduler.running])
+        engine.runner = group.recover()  # the frozen rank's health check times out too: it is killed
+        assert group.width == 2 and frozen not in group.actors and group.rank_failures_survived == 1
+        while engine.has_unfinished():
+            step()
+        assert [tokens[i] for i in ids] == expected
+    finally:
         group.stop()

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from router_service import Placement, balanced_placement, contiguous_placement
-from router_service.placement import with_second_homes, without_ranks
+from router_service.placement import with_new_rank, with_second_homes, without_ranks
 
 
 def test_contiguous_even_and_uneven():
@@ -112,3 +112,15 @@ def test_second_homes_keep_every_expert_when_any_one_rank_dies():
         without_ranks(base, {0, 1, 2, 3})
     with pytest.raises(ValueError, match="at least 2 ranks"):
         with_second_homes(contiguous_placement(4, 1))
+
+
+def test_a_new_rank_takes_experts_the_others_drop_and_nothing_is_lost():
+    two = contiguous_placement(8, 2)
+    three = with_new_rank(two)
+    assert three.world_size == 3 and len(three.rank_experts[2]) == 8 // 3
+    for old, new in zip(two.rank_experts, three.rank_experts):
+        assert set(new) <= set(old)  # the ranks that stay only drop experts: nothing to read
+    assert sorted(e for r in three.rank_experts for e in r) == list(range(8))
+    assert with_new_rank(contiguous_placement(3, 2)).rank_experts == ((0,), (2,), (1,))
+    with pytest.raises(ValueError, match="more than 2 experts"):
+        with_new_rank(contiguous_placement(2, 2))  # every rank holds one: none to give
