@@ -17,10 +17,30 @@ from collections.abc import Iterator
 NODES = {"node_head": 2, "node_w1": 2, "node_w2": 2}
 
 
+class Nodes(dict):
+    """{node name: Ray node id} of a running cluster; worker nodes can be removed (not gracefully:
+    its raylet and every process on it are killed, as when a machine is lost) and added."""
+
+    def __init__(self, cluster) -> None:
+        super().__init__()
+        self.cluster, self._nodes = cluster, {}
+
+    def add(self, name: str, cpus: float, wait: bool = True) -> str:
+        node = self.cluster.add_node(num_cpus=cpus, resources={name: 1}, wait=False)
+        self[name], self._nodes[name] = node.node_id, node
+        if wait:
+            self.cluster.wait_for_nodes()
+        return node.node_id
+
+    def remove(self, name: str) -> None:
+        self.cluster.remove_node(self._nodes.pop(name), allow_graceful=False)
+        del self[name]
+
+
 @contextlib.contextmanager
-def local_cluster(nodes: dict[str, float] | None = None, wait_s: float = 120) -> Iterator[dict[str, str]]:
-    """Start the nodes, connect this process (a driver on the head node) and yield
-    {node name: Ray node id}; Serve, if something started it, Ray and the nodes are shut down after."""
+def local_cluster(nodes: dict[str, float] | None = None, wait_s: float = 120) -> Iterator[Nodes]:
+    """Start the nodes, connect this process (a driver on the head node) and yield them
+    ({node name: Ray node id}); Serve, if something started it, Ray and the nodes are shut down after."""
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import ray
     from ray import serve
@@ -33,9 +53,10 @@ def local_cluster(nodes: dict[str, float] | None = None, wait_s: float = 120) ->
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": head_cpus, "resources": {head: 1}, "include_dashboard": False})
     try:
-        ids = {head: cluster.head_node.node_id}
+        ids = Nodes(cluster)
+        ids[head] = cluster.head_node.node_id
         for name, cpus in workers:
-            ids[name] = cluster.add_node(num_cpus=cpus, resources={name: 1}, wait=False).node_id
+            ids.add(name, cpus, wait=False)
         cluster.wait_for_nodes(timeout=wait_s)
         ray.init(address=cluster.address, log_to_driver=False)
         try:

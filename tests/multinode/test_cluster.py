@@ -5,6 +5,8 @@ output stays the single-process reference's. One cluster for the module, shut do
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import pytest
 
@@ -91,3 +93,57 @@ def test_served_app_across_nodes_answers_as_the_reference(nodes, ckpt):
         }).json()["choices"][0]["text"] for p in TEXT_PROMPTS]  # fmt: skip
     offline = LLM(str(ckpt), "none", max_num_seqs=4, max_model_len=64).generate(TEXT_PROMPTS, GREEDY)
     assert served == [o.text for o in offline]
+
+
+def test_a_removed_node_takes_its_rank_and_a_replacement_joins_on_another(nodes, ckpt):
+    """Rank 1's node removed mid-generation (its raylet and processes killed, as when a machine is
+    lost): rank 0 serves on alone, and a replacement rank loads on a node STRICT_SPREAD allows
+    and joins (min_shards 2). Exact throughout. Runs last: it replaces a node of the module's cluster."""
+    from deployments.elastic import ElasticGroup
+    from moeserve.config import ShardsSection
+
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    runner = ModelRunner(load_checkpoint(ckpt), max_num_seqs=4, max_model_len=64)
+    expected = [c.token_ids for c in LLMEngine(runner).generate(PROMPTS, params)]
+    group = ShardGroup(ShardGroupConfig(str(ckpt), world_size=2, max_num_seqs=2, max_model_len=64,
+                                        strategy="STRICT_SPREAD", timeout_s=10))
+    elastic = ElasticGroup(group, ShardsSection(num_shards=2), max_num_seqs=4)
+    try:
+        engine = LLMEngine(group.start())
+        ids = [engine.add_request(p, params) for p in PROMPTS]
+        tokens = {i: [] for i in ids}
+        lost = next(name for name, node in nodes.items() if node == group.shard_info[1]["node_id"])
+
+        def step() -> None:
+            try:
+                for o in engine.step():
+                    tokens[o.request_id] += o.new_token_ids
+            except Exception:  # what the engine core does after a failed step
+                engine.requeue([s.seq_id for s in engine.scheduler.running])
+                engine.runner = elastic.recover()
+
+        step()
+        nodes.remove(lost)
+        deadline = time.monotonic() + 60
+        while group.generation == 1:  # a step fails (at once, or at the collective timeout): re-formed
+            assert time.monotonic() < deadline and engine.has_unfinished()
+            step()
+        assert group.width == 1 and group.rank_failures_survived == 1
+        step()
+        nodes.add(lost, 2)
+        deadline = time.monotonic() + 90
+        while group.width < 2:  # the replacement loads on the new node, then joins between steps
+            assert time.monotonic() < deadline, "no replacement rank joined"
+            if elastic.due(0, len(engine.scheduler.running)):
+                engine.requeue([s.seq_id for s in engine.scheduler.running])
+                engine.runner = elastic.apply()
+            if engine.has_unfinished():
+                step()
+            else:
+                time.sleep(0.2)
+        assert group.shard_info[1]["node_id"] in set(nodes.values()) - {nodes["node_head"]}
+        while engine.has_unfinished():
+            step()
+        assert [tokens[i] for i in ids] == expected
+    finally:
+        group.stop()
