@@ -170,14 +170,7 @@ class RemoteDraftProposer(Proposer):
 
     def stats(self) -> dict[str, float]:
         """Counters for /metrics (`moeserve_engine{name="draft_..."}`)."""
-        return {
-            "calls": self.num_calls,
-            "proposals": self.num_proposals,
-            "predraft_hits": self.num_predraft_hits,
-            "predraft_hit_rate": self.num_predraft_hits / max(self.num_proposals, 1),
-            "fallback_steps": self.num_fallback_steps,
-            "timeouts": self.num_timeouts,
-            "errors": self.num_errors,
-            "wait_s": self.draft_wait_s,
-            "wait_s_per_call": self.draft_wait_s / max(self.num_calls, 1),
-        }
+        return {"calls": self.num_calls, "proposals": self.num_proposals, "predraft_hits": self.num_predraft_hits,
+                "predraft_hit_rate": self.num_predraft_hits / max(self.num_proposals, 1),
+                "fallback_steps": self.num_fallback_steps, "timeouts": self.num_timeouts, "errors": self.num_errors,
+                "wait_s": self.draft_wait_s, "wait_s_per_call": self.draft_wait_s / max(self.num_calls, 1)}

@@ -112,13 +112,11 @@ class DraftWorker:
     def stats(self) -> dict[str, Any]:
         """This worker's counters."""
         p = self.proposer
-        return {
-            "calls": self.num_calls, "busy_s": self.busy_s, "tracked_seqs": p.num_tracked, "new_seqs": p.num_new_seqs,
-            "rebuilt_tokens": p.num_rebuilt_tokens, "evictions": p.num_evictions, "predrafts": self.num_predrafts,
-            "predraft_hits": self.num_predraft_hits,
-            "channel_connections": self.channel.num_connections if self.channel is not None else 0,
-            "cpus": sorted(os.sched_getaffinity(0)),
-        }
+        return {"calls": self.num_calls, "busy_s": self.busy_s, "tracked_seqs": p.num_tracked,
+                "new_seqs": p.num_new_seqs, "rebuilt_tokens": p.num_rebuilt_tokens, "evictions": p.num_evictions,
+                "predrafts": self.num_predrafts, "predraft_hits": self.num_predraft_hits,
+                "channel_connections": self.channel.num_connections if self.channel is not None else 0,
+                "cpus": sorted(os.sched_getaffinity(0))}
 
 
 def main(fd: int) -> None:

@@ -207,13 +207,9 @@ class Frontend:
             if attempt:
                 current = replace(req, request_id=f"{req.request_id}-resume{attempt}", resume_ids=tuple(delivered))
             async for chunk in self._engine_stream(current):
-                retry = (
-                    chunk.error is not None
-                    and chunk.error.code in RESUMABLE
-                    and chunk.error.retryable
-                    and attempt < self.cfg.gateway.max_retries
-                    and len(delivered) + len(chunk.token_ids) < req.params.max_tokens
-                )
+                retry = (chunk.error is not None and chunk.error.code in RESUMABLE and chunk.error.retryable
+                         and attempt < self.cfg.gateway.max_retries
+                         and len(delivered) + len(chunk.token_ids) < req.params.max_tokens)
                 delivered += chunk.token_ids
                 if retry:
                     if chunk.token_ids:  # tokens coalesced with the error still reach the client

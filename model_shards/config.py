@@ -178,17 +178,14 @@ class ModelConfig:
         num_heads = hf["num_attention_heads"]
         head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
         max_positions = hf.get("max_position_embeddings", 4096)
-        common = dict(
-            family=family, vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
-            num_layers=hf["num_hidden_layers"], num_heads=num_heads,
-            num_kv_heads=hf.get("num_key_value_heads") or num_heads, head_dim=head_dim,
-            intermediate_size=hf.get("intermediate_size", 0), rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-            rope_theta=float(rope_theta), max_position_embeddings=max_positions,
-            rope_scaling=None if rope_type == "default" else YarnScaling.from_hf(rope, max_positions, source),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            eos_token_id=tuple(_as_list(hf.get("eos_token_id"))),
-            bos_token_id=hf.get("bos_token_id"),
-        )
+        common = dict(family=family, vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
+                      num_layers=hf["num_hidden_layers"], num_heads=num_heads,
+                      num_kv_heads=hf.get("num_key_value_heads") or num_heads, head_dim=head_dim,
+                      intermediate_size=hf.get("intermediate_size", 0), rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+                      rope_theta=float(rope_theta), max_position_embeddings=max_positions,
+                      rope_scaling=None if rope_type == "default" else YarnScaling.from_hf(rope, max_positions, source),
+                      tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+                      eos_token_id=tuple(_as_list(hf.get("eos_token_id"))), bos_token_id=hf.get("bos_token_id"))
         n = common["num_layers"]
         if family == "deepseek_v3":
             return cls._deepseek_v3(hf, common, source)

@@ -90,27 +90,13 @@ class GenerateChunk:
 
     def merge(self, later: GenerateChunk) -> GenerateChunk:
         """This chunk followed by `later` as one chunk (coalescing a backlog into one message)."""
-        return GenerateChunk(
-            self.request_id,
-            self.token_ids + later.token_ids,
-            self.text + later.text,
-            later.finish_reason,
-            later.usage,
-            later.error,
-            _join(self.logprobs, later.logprobs),
-            _join(self.trace, later.trace),
-        )
+        return GenerateChunk(self.request_id, self.token_ids + later.token_ids, self.text + later.text,
+                             later.finish_reason, later.usage, later.error, _join(self.logprobs, later.logprobs),
+                             _join(self.trace, later.trace))
 
 
-def error_chunk(
-    request_id: str,
-    code: ErrorCode,
-    message: str,
-    usage: Usage | None = None,
-    token_ids: tuple[int, ...] = (),
-    param: str | None = None,
-    retryable: bool = True,
-) -> GenerateChunk:
+def error_chunk(request_id: str, code: ErrorCode, message: str, usage: Usage | None = None,
+                token_ids: tuple[int, ...] = (), param: str | None = None, retryable: bool = True) -> GenerateChunk:
     """The final chunk of a stream that ended in an error (after `token_ids`, if any)."""
     return GenerateChunk(request_id, token_ids, finish_reason="error", usage=usage or Usage(),
                          error=StreamError(code, message, param, retryable))

@@ -148,13 +148,9 @@ class Sampler:
                 probs[rows] = _processed_probs(logits3[rows], [params[i] for i in sampled])
         return probs.squeeze(1) if squeeze else probs
 
-    def sample(
-        self,
-        logits: torch.Tensor,
-        params: list[SamplingParams],
-        generators: list[torch.Generator | None] | None = None,
-        positions: list[int] | None = None,
-    ) -> torch.Tensor:
+    def sample(self, logits: torch.Tensor, params: list[SamplingParams],
+               generators: list[torch.Generator | None] | None = None,
+               positions: list[int] | None = None) -> torch.Tensor:
         """Token ids [B] for logits [B, V] (or [B, T] for [B, T, V]). Seeded rows draw keyed noise
         for absolute position positions[i] + t; others use generators[i] (make_generator) or
         torch's default (None). All-greedy batches are a plain argmax."""

@@ -52,9 +52,6 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...] = ()
 
 
-TRACE_SOURCES = ("target", "draft", "forced")
-
-
 @dataclass(frozen=True)
 class TokenTrace:
     """How one generated token came to be (an opt-in trace).
@@ -144,12 +141,9 @@ class SamplingParams:
                 raise ValueError(f"stop_token_ids must contain only integers >= 0, got {t!r}")
         object.__setattr__(self, "stop_token_ids", stop_token_ids)
 
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
-
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be null or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
-        for name in ("trace_experts", "trace_speculation"):
+        for name in ("ignore_eos", "trace_experts", "trace_speculation"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
 

@@ -48,13 +48,8 @@ class IncrementalDetokenizer:
     turns true once a stop string completed; `finish()` returns whatever was held back.
     """
 
-    def __init__(
-        self,
-        tokenizer: Any,
-        prompt_ids: Sequence[int],
-        stop: tuple[str, ...] = (),
-        skip_special_tokens: bool = True,
-    ) -> None:
+    def __init__(self, tokenizer: Any, prompt_ids: Sequence[int], stop: tuple[str, ...] = (),
+                 skip_special_tokens: bool = True) -> None:
         if any(not s for s in stop):
             raise ValueError("stop must not contain an empty string")
         self._decode = _decoder(tokenizer, skip_special_tokens)
@@ -187,12 +182,8 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
-def render_chat(
-    tokenizer: PreTrainedTokenizerBase,
-    messages: Sequence[Mapping[str, Any]],
-    add_generation_prompt: bool = True,
-    tools: Sequence[Mapping[str, Any]] | None = None,
-) -> str:
+def render_chat(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Mapping[str, Any]],
+                add_generation_prompt: bool = True, tools: Sequence[Mapping[str, Any]] | None = None) -> str:
     """Render chat messages ({"role": ..., "content": ...}; roles in CHAT_ROLES; an assistant
     message with `tool_calls` may lack content) and OpenAI function `tools` to the prompt text.
     Bad messages raise ValueError saying which and why. Tokenize the result without adding

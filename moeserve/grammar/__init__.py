@@ -19,21 +19,6 @@ from moeserve.grammar.oracle import check_output
 from moeserve.grammar.spec import GRAMMAR_KINDS, GrammarKind, GrammarSpec
 from moeserve.grammar.termination import ClosingPolicy, bias_toward_closing
 
-__all__ = [
-    "GRAMMAR_KINDS",
-    "ClosingPolicy",
-    "CompiledGrammar",
-    "GrammarCompiler",
-    "GrammarConfig",
-    "GrammarError",
-    "GrammarKind",
-    "GrammarMatcher",
-    "GrammarSpec",
-    "GrammarTimeoutError",
-    "allocate_bitmask",
-    "apply_bitmask",
-    "apply_bitmask_torch",
-    "bias_toward_closing",
-    "check_output",
-    "reset_bitmask",
-]
+__all__ = ["GRAMMAR_KINDS", "ClosingPolicy", "CompiledGrammar", "GrammarCompiler", "GrammarConfig", "GrammarError",
+           "GrammarKind", "GrammarMatcher", "GrammarSpec", "GrammarTimeoutError", "allocate_bitmask", "apply_bitmask",
+           "apply_bitmask_torch", "bias_toward_closing", "check_output", "reset_bitmask"]

@@ -99,14 +99,8 @@ class GrammarCompiler:
     """Compiles and caches grammars for one tokenizer and model vocabulary. `vocab_size` is the
     model's (lm_head rows; ids past the tokenizer are never allowed); stop tokens default to EOS."""
 
-    def __init__(
-        self,
-        tokenizer: PreTrainedTokenizerBase,
-        vocab_size: int | None = None,
-        *,
-        config: GrammarConfig,
-        stop_token_ids: Sequence[int] | None = None,
-    ) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int | None = None, *, config: GrammarConfig,
+                 stop_token_ids: Sequence[int] | None = None) -> None:
         self.config = config
         if vocab_size is not None and vocab_size < len(tokenizer):
             raise ValueError(f"vocab_size {vocab_size} is smaller than the tokenizer ({len(tokenizer)} tokens)")

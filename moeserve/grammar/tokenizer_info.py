@@ -17,13 +17,9 @@ from transformers import PreTrainedTokenizerBase
 from moeserve.grammar.utf8 import is_valid_fragment
 
 
-def build_tokenizer_info(
-    tokenizer: PreTrainedTokenizerBase,
-    *,
-    vocab_size: int | None = None,
-    stop_token_ids: Sequence[int] | None = None,
-    forbid_control_bytes: bool = False,
-) -> xgr.TokenizerInfo:
+def build_tokenizer_info(tokenizer: PreTrainedTokenizerBase, *, vocab_size: int | None = None,
+                         stop_token_ids: Sequence[int] | None = None,
+                         forbid_control_bytes: bool = False) -> xgr.TokenizerInfo:
     """TokenizerInfo over `vocab_size` ids (the model's, which may exceed len(tokenizer))."""
     stop = list(stop_token_ids) if stop_token_ids is not None else _default_stop_ids(tokenizer)
     base = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop)

@@ -62,14 +62,8 @@ class RejectionSampler:
         rows, counts = target_argmax.tolist(), num_accepted.tolist()
         return SpecOutput(token_ids=[row[: n + 1] for row, n in zip(rows, counts)], num_accepted=num_accepted)
 
-    def sample(
-        self,
-        target_probs: Tensor,
-        draft_ids: Tensor,
-        draft_probs: Tensor | None,
-        num_draft: Tensor,
-        generators: list[torch.Generator | None] | None = None,
-    ) -> SpecOutput:
+    def sample(self, target_probs: Tensor, draft_ids: Tensor, draft_probs: Tensor | None, num_draft: Tensor,
+               generators: list[torch.Generator | None] | None = None) -> SpecOutput:
         """Sampled verification, exact in distribution.
         target_probs: [B, K+1, V] after 0 .. K draft tokens (row b reads 0 .. num_draft[b]).
         draft_ids: [B, K] right-padded; num_draft: [B] real proposals per row (0: one token from p_0).

@@ -15,15 +15,8 @@ from moeserve.spec.rejection_sampler import RejectionSampler, SpecOutput
 _GREEDY = SamplingParams(temperature=0.0)  # a placeholder for rows verified by rejection sampling
 
 
-def verify(
-    sampler: Sampler,
-    rejection: RejectionSampler,
-    seqs: list[Sequence],
-    logits: torch.Tensor,
-    draft_ids: torch.Tensor,
-    draft_probs: torch.Tensor | None,
-    num_draft: torch.Tensor,
-) -> SpecOutput:
+def verify(sampler: Sampler, rejection: RejectionSampler, seqs: list[Sequence], logits: torch.Tensor,
+           draft_ids: torch.Tensor, draft_probs: torch.Tensor | None, num_draft: torch.Tensor) -> SpecOutput:
     """logits [B, K+1, V] at the verification positions; drafts as `pad_proposals` packs them.
 
     Greedy and seeded rows keep drafts while they equal the target's own token at each
