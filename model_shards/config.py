@@ -1,10 +1,7 @@
 """Model configuration read from a Hugging Face `config.json`.
 
-One frozen dataclass covers every supported family; `from_hf` maps each family's field
-names onto it. Families differ only in a handful of switches (qkv bias, q/k norm, shared
-expert, which layers are sparse, how gates are normalised), so one model class serves all;
-DeepSeek-V3 adds multi-head latent attention (`kv_lora_rank` > 0: model_shards/mla.py), YaRN
-rope scaling and group-limited sigmoid gating.
+One frozen dataclass covers every supported family (`from_hf` maps each family's field names onto
+it): families differ only in a handful of switches, so one model class serves all.
 """
 
 from __future__ import annotations

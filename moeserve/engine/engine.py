@@ -1,7 +1,5 @@
 """The in-process engine: continuous batching over a target model, optional speculation.
-
-One step = schedule -> (propose) -> run the target -> sample or verify -> postprocess;
-callers (CLI, the engine core) add requests and call `step()` in a loop.
+One step = schedule -> (propose) -> run the target -> sample or verify -> postprocess.
 
 Shapes: B rows, K draft tokens (widest row), V vocab.
 """

@@ -5,9 +5,7 @@
     outs = llm.generate(["Is the mawa cake eggless?", "Hi"], SamplingParams(max_tokens=32, temperature=0))
     print(outs[0].text, outs[0].finish_reason)
 
-All prompts go through the continuous-batching engine at once (as many run as
-`max_num_seqs` allows; the rest wait for a slot). Text is made as the server makes it: one
-incremental detokenizer per request that also ends it at a stop string.
+Text is made as the server makes it: one incremental detokenizer per request.
 """
 
 from __future__ import annotations

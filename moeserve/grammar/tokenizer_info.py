@@ -1,10 +1,8 @@
 """The vocabulary as the grammar sees it: xgrammar `TokenizerInfo` built from a transformers tokenizer.
 
-Corrections over `xgr.TokenizerInfo.from_huggingface`, each a blanked (never allowed) token:
-special tokens, whose text xgrammar would allow inside a JSON string although the detokenizer
-drops them; tokens that cannot occur in valid UTF-8 (utf8.py); and for JSON grammars, tokens with
-a raw control byte, which xgrammar 0.2.9's `minLength`/`maxLength` strings admit but `json.loads`
-rejects. Stop tokens stay stop tokens.
+Blanked (never allowed) over `xgr.TokenizerInfo.from_huggingface`: special tokens (the detokenizer
+drops their text), tokens that cannot occur in valid UTF-8, and for JSON grammars tokens with a raw
+control byte (xgrammar 0.2.9's `minLength`/`maxLength` strings admit them, `json.loads` does not).
 """
 
 from __future__ import annotations
