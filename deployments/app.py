@@ -1,17 +1,9 @@
-"""The one place where deployments are bound: config -> the Serve application.
+"""The one place where deployments are bound: config -> the Serve application (gateway -> engine,
+and the draft deployment with `speculative.placement: deployment`).
 
-    client -> gateway (FastAPI + gRPC, autoscaled) --one streaming call per request--> engine
-
-`build_app` serves `moeserve serve` (deployments/cli.py), Ray's `serve run|deploy
-deployments/serve_config.yaml` (the YAML's `args`) and KubeRay's serveConfigV2 alike. The
-other parts plug in here:
-- shard group: not a deployment. With `shards.num_shards > 1` each engine replica forms its own
-  (rank 0 in the replica, the other ranks as Ray actors; deployments/engine_server.py), so
-  autoscaling the engine scales whole groups;
-- draft model: in the engine's process by default, or its own deployment with
-  `speculative.placement: deployment` (deployments/draft.py), bound here and handed to the engine;
-- router-service actor (deployments/router_actor.py): created by the first engine replica that
-  reports expert load; read by the gateway's /admin/experts.
+`build_app` serves `moeserve serve`, Ray's `serve run|deploy deployments/serve_config.yaml` and
+KubeRay's serveConfigV2 alike. A shard group is not a deployment: each engine replica forms its own,
+so autoscaling the engine scales whole groups.
 """
 
 from __future__ import annotations

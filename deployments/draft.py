@@ -1,15 +1,9 @@
 """The draft model as its own Serve deployment.
 
-    engine step --one DraftCall per step, whole batch, on a socket--> DraftWorker (a child process
-                                                                       of a DraftServer replica)
-
-Each replica runs one `DraftWorker` (deployments/draft_worker.py) in a child process
-(`DraftProcess`), started again whenever it dies; an engine asks the deployment once (a Serve
-call) for its replica's data channel (deployments/draft_channel.py), whose address and secret
-outlive the worker's restarts, and sends every step there. The draft keeps a KV cache per
-sequence, so an engine sticks to the replica it asked; a worker rolls back or rebuilds what it
-does not hold. When a call times out or fails, the engine decodes without drafts for a while
-(exact all the same) and then reconnects.
+Each replica runs one `DraftWorker` in a child process (`DraftProcess`), started again whenever it
+dies; an engine asks the deployment once (a Serve call) for its replica's data channel, whose
+address and secret outlive the worker's restarts, and sends every step there. When a call times
+out or fails, the engine decodes without drafts for a while (exact all the same), then reconnects.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """The persistent data channel between an engine and its draft worker, and the engine's end of it.
 
-    engine step --DraftCall (moeserve/protocol.py)--> socket --> DraftWorker (deployments/draft_worker.py)
-                <--list[Proposal]---------------------
-
 A Serve call costs more than a decode step, so per-step traffic bypasses Ray: after one Serve call
-for the channel's address and secret, every step is one message each way
-(`multiprocessing.connection`: length-prefixed frames, HMAC handshake with the secret). An engine
-core in a process of its own gets a `RemoteDraftProposer` pickled into its spec.
+for the channel's address and secret, every step is one `DraftCall` and one list of Proposals
+(`multiprocessing.connection`: length-prefixed frames, HMAC handshake with the secret).
 """
 
 from __future__ import annotations
@@ -78,14 +74,10 @@ def _no_delay(conn: Connection) -> None:
 
 
 class RemoteDraftProposer(Proposer):
-    """Engine-side proposer: one `DraftCall` per engine step over the data channel.
-
-    channel: the worker's (address, secret), or a function that asks for it within a timeout (a
-        Serve call to the draft deployment), asked again after a failure.
-    timeout_s: how long a step waits for drafts before decoding without them.
-    backoff_s, max_backoff_s: after a failure, no call for backoff_s, doubling per further failure
-        up to max_backoff_s; a success resets it. Meanwhile steps decode without drafts.
-    """
+    """Engine-side proposer: one `DraftCall` per engine step over the data channel. channel: the
+    worker's (address, secret), or a function that asks for it within a timeout (asked again after a
+    failure). After a failure no call for backoff_s, doubling per further failure up to max_backoff_s;
+    meanwhile steps decode without drafts."""
 
     def __init__(self, channel: tuple[tuple[str, int], bytes] | Callable[[float], Any], timeout_s: float = 0.5,
                  backoff_s: float = 1.0, max_backoff_s: float = 30.0) -> None:
@@ -170,14 +162,7 @@ class RemoteDraftProposer(Proposer):
 
     def stats(self) -> dict[str, float]:
         """Counters for /metrics (`moeserve_engine{name="draft_..."}`)."""
-        return {
-            "calls": self.num_calls,
-            "proposals": self.num_proposals,
-            "predraft_hits": self.num_predraft_hits,
-            "predraft_hit_rate": self.num_predraft_hits / max(self.num_proposals, 1),
-            "fallback_steps": self.num_fallback_steps,
-            "timeouts": self.num_timeouts,
-            "errors": self.num_errors,
-            "wait_s": self.draft_wait_s,
-            "wait_s_per_call": self.draft_wait_s / max(self.num_calls, 1),
-        }
+        return {"calls": self.num_calls, "proposals": self.num_proposals, "predraft_hits": self.num_predraft_hits,
+                "predraft_hit_rate": self.num_predraft_hits / max(self.num_proposals, 1),
+                "fallback_steps": self.num_fallback_steps, "timeouts": self.num_timeouts, "errors": self.num_errors,
+                "wait_s": self.draft_wait_s, "wait_s_per_call": self.draft_wait_s / max(self.num_calls, 1)}

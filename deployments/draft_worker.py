@@ -1,10 +1,6 @@
 """The draft deployment's worker: the draft model answering each engine step's `DraftCall`, and
-pre-drafting each row's next proposal while the target verifies (deployments/draft.py supervises
-it; deployments/draft_channel.py carries its calls).
-
-It runs in a child process of its replica (`python -m deployments.draft_worker FD`), not in a Ray
-process, so its channel threads share the GIL with nothing but the model. It exits when its
-replica goes (the control socket closes).
+pre-drafting each row's next proposal while the target verifies. It runs in a child process of its
+replica, not in a Ray process, so its channel threads share the GIL with nothing but the model.
 """
 
 from __future__ import annotations
@@ -96,9 +92,8 @@ class DraftWorker:
 
     def predraft(self, call: DraftCall, proposals: list[Proposal]) -> None:
         """While the target verifies: each row's next proposal for the outcome that every draft is
-        accepted and the bonus token is the draft's own (bench/reports/speculative.md: the deployment
-        against the same draft in-process), as one batched propose of k + 1 tokens: the guess, then
-        the next k. Sampled drafts are not drawn ahead of the request's own keyed noise."""
+        accepted and the bonus token is the draft's own, as one batched propose of k + 1 tokens.
+        Sampled drafts are not drawn ahead of the request's own keyed noise."""
         guesses = [ProposalRequest(r.seq_id, list(r.token_ids) + p.token_ids, r.num_tokens + 1, r.params)
                    for r, p in zip(call.requests, proposals) if p.token_ids and r.num_tokens]
         if not guesses or not self.proposer.greedy:
@@ -112,13 +107,11 @@ class DraftWorker:
     def stats(self) -> dict[str, Any]:
         """This worker's counters."""
         p = self.proposer
-        return {
-            "calls": self.num_calls, "busy_s": self.busy_s, "tracked_seqs": p.num_tracked, "new_seqs": p.num_new_seqs,
-            "rebuilt_tokens": p.num_rebuilt_tokens, "evictions": p.num_evictions, "predrafts": self.num_predrafts,
-            "predraft_hits": self.num_predraft_hits,
-            "channel_connections": self.channel.num_connections if self.channel is not None else 0,
-            "cpus": sorted(os.sched_getaffinity(0)),
-        }
+        return {"calls": self.num_calls, "busy_s": self.busy_s, "tracked_seqs": p.num_tracked,
+                "new_seqs": p.num_new_seqs, "rebuilt_tokens": p.num_rebuilt_tokens, "evictions": p.num_evictions,
+                "predrafts": self.num_predrafts, "predraft_hits": self.num_predraft_hits,
+                "channel_connections": self.channel.num_connections if self.channel is not None else 0,
+                "cpus": sorted(os.sched_getaffinity(0))}
 
 
 def main(fd: int) -> None:

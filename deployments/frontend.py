@@ -1,14 +1,8 @@
 """The serving layer HTTP and gRPC share: validate, tokenize and render the chat on the way in;
-detokenize, stop strings, usage and resume on the way back.
+detokenize, stop strings, usage and resume on the way back (one streaming engine call per choice).
 
-    transport -> ServeRequest -> Frontend.prepare: one engine request per choice -> Frontend.generate:
-    ONE streaming engine call per choice, token ids back -> text here -> transport
-
-The engine is token-in, token-out. Text is made once, here, by an incremental detokenizer per
-request that also watches the stop strings (a completed one ends the stream with "stop" and
-aborts the engine request). Grammars are compiled in the engine core: an invalid one is the
-stream's first chunk (INVALID_ARGUMENT); a guard refusal ends it with INTERNAL and counts in
-`grammar_guard_refusals_total`. Every failure leaves this layer as a `ServingError`.
+The engine is token-in, token-out: text is made once, here, by an incremental detokenizer per
+request that also watches the stop strings. Every failure leaves this layer as a `ServingError`.
 """
 
 from __future__ import annotations
@@ -207,13 +201,9 @@ class Frontend:
             if attempt:
                 current = replace(req, request_id=f"{req.request_id}-resume{attempt}", resume_ids=tuple(delivered))
             async for chunk in self._engine_stream(current):
-                retry = (
-                    chunk.error is not None
-                    and chunk.error.code in RESUMABLE
-                    and chunk.error.retryable
-                    and attempt < self.cfg.gateway.max_retries
-                    and len(delivered) + len(chunk.token_ids) < req.params.max_tokens
-                )
+                retry = (chunk.error is not None and chunk.error.code in RESUMABLE and chunk.error.retryable
+                         and attempt < self.cfg.gateway.max_retries
+                         and len(delivered) + len(chunk.token_ids) < req.params.max_tokens)
                 delivered += chunk.token_ids
                 if retry:
                     if chunk.token_ids:  # tokens coalesced with the error still reach the client

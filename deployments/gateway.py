@@ -1,13 +1,8 @@
 """The gateway: OpenAI-compatible HTTP (FastAPI, SSE) and gRPC in front of the engine.
 
 `Gateway` is a plain class: construct it with an engine client (an EngineServer in tests, a
-Serve handle in deployments/app.py) and serve `gateway.http_app` with any ASGI server; Serve's
-ingress picks it up through `__serve_build_asgi_app__`. The app's lifespan runs the gRPC server,
-so its port lives with the replica (replicas on one node share it through SO_REUSEPORT).
-
-A generation route turns its body into a ServeRequest (openai_api.py), streams it through the
-serving layer (frontend.py) and returns the adapter's response. Bad input is always a 4xx in
-OpenAI's error shape, never a 500 (http_edge.py).
+Serve handle in deployments/app.py) and serve `gateway.http_app` with any ASGI server. The app's
+lifespan runs the gRPC server, so its port lives with the replica.
 """
 
 from __future__ import annotations
@@ -72,11 +67,6 @@ class ServeEngineClient:
         return await self._handle.stats.remote()
 
 
-def as_engine_client(engine: Any) -> Any:
-    """Wrap a Serve handle; anything else (an EngineServer in tests) is used as it is."""
-    return ServeEngineClient(engine) if isinstance(engine, DeploymentHandle) else engine
-
-
 class Gateway:
     """Validates and tokenizes requests, streams token ids from the engine and text to the client."""
 
@@ -89,7 +79,9 @@ class Gateway:
             tokenizer = load_tokenizer(resolve_path(config.model.path))
         self.metrics = GatewayMetrics()
         self.auth = ApiKeys(self.edge)
-        self.frontend = Frontend(config, tokenizer, as_engine_client(engine), self.metrics)
+        if isinstance(engine, DeploymentHandle):  # anything else (an EngineServer in tests) is used as it is
+            engine = ServeEngineClient(engine)
+        self.frontend = Frontend(config, tokenizer, engine, self.metrics)
         self.grpc_server: Any = None
         self.http_app = self._build_app()
 

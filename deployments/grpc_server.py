@@ -1,15 +1,9 @@
 """gRPC front end (moeserve.v1.GenerateService), a grpcio aio server inside the gateway replica.
 
-Not Serve's gRPC proxy, which adds a hop and its own status mapping: a grpcio server on the
-replica's event loop shares the Frontend with HTTP (validation, grammar guard, metrics), sets
-status codes directly, and sees client cancellation as task cancellation, which aborts the
-request. It also serves `grpc.health.v1.Health` (SERVING while the engine answers its health
-check; what Kubernetes gRPC probes ask) and server reflection (grpcurl). An unset `model` means
-the served one.
-
-With API keys configured (deployments/http_edge.py) Generate needs `authorization: Bearer KEY`
-metadata; the health services stay open. Every failure is a ServingError, whose ErrorCode
-`GRPC_STATUS` maps to the call's status code, with its message.
+Not Serve's gRPC proxy (one more hop): this server shares the Frontend with HTTP, sets status codes
+directly (`GRPC_STATUS`), and sees client cancellation as task cancellation, which aborts the
+request. It also serves `grpc.health.v1.Health` and server reflection. With API keys configured,
+Generate needs `authorization: Bearer KEY` metadata; the health services stay open.
 """
 
 from __future__ import annotations

@@ -2,14 +2,11 @@
 the body size limit (413) and request counts.
 
 Every error leaves as `{"error": {"message", "type", "param", "code"}}` with its ErrorCode's
-status: ServingError as it is; validation errors and ValueErrors (whose messages name the field)
-as INVALID_ARGUMENT; anything unexpected as a logged INTERNAL, never a bare 500.
+status; anything unexpected as a logged INTERNAL, never a bare 500.
 
-API keys (`ApiKeys`, the gRPC server's too) come from `gateway.api_keys` (`--api-key`) and
-MOESERVE_API_KEY (comma-separated; how the Kubernetes Secret arrives); none configured: open.
-Callers send `Authorization: Bearer KEY` (gRPC: `authorization` metadata). Every key is compared
-in constant time, all of them every time. A key holds at most `max_streams_per_key` requests at
-once (0: no limit); past it, RATE_LIMITED (429 + Retry-After) before the engine sees the call.
+API keys come from `gateway.api_keys` and MOESERVE_API_KEY (comma-separated); none configured:
+open. Every key is compared in constant time, all of them every time. A key holds at most
+`max_streams_per_key` requests at once; past it, RATE_LIMITED (429 + Retry-After).
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
 """`moeserve serve`: an embedded local Ray, the app deployed on it, URLs printed, Ctrl-C stops it.
-And `gateway_in_thread`: the gateway and an engine in this process, no Ray (browser tests, the
-playground screenshot).
-
-Kept out of deployments/cli.py so that the CLI module never imports Ray until `serve` runs.
+And `gateway_in_thread`: the gateway and an engine in this process, no Ray (kept out of cli.py so
+that the CLI never imports Ray until `serve` runs).
 """
 
 from __future__ import annotations

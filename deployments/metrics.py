@@ -1,8 +1,5 @@
-"""The gateway's Prometheus metrics, in a registry of its own (one per Gateway instance).
-
-A registry per instance keeps tests and several gateways in one process independent.
-Under Serve each gateway replica serves its own numbers on GET /metrics; the engine's
-gauges are read from the engine (one Serve call per scrape, never per token).
+"""The gateway's Prometheus metrics, in a registry of its own (one per Gateway instance, so tests and
+several gateways in one process stay independent); the engine's gauges are read once per scrape.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """The OpenAI-compatible API: request bodies (pydantic) in as `ServeRequest`s, responses out.
 
-Request models check types only; `SamplingParams` and `GrammarSpec` check values, one rule set
-for HTTP and gRPC. Unknown fields are ignored (as vLLM), known unsupported ones get a 400. Responses
-are plain dicts (a pydantic model per SSE chunk costs more than the token); with tools, see tools.py.
+Request models check types only (`SamplingParams` and `GrammarSpec` check values). Unknown fields
+are ignored (as vLLM), known unsupported ones get a 400. Responses are plain dicts (cheaper per SSE chunk).
 """
 
 from __future__ import annotations

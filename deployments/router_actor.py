@@ -1,10 +1,8 @@
 """The router-service actor: expert-load statistics from every shard group, and placement plans.
 
 Engine replicas push their groups' cumulative counters every few seconds (never per step); the
-actor keeps the latest per (replica, rank), merges them for /metrics and the admin route, and
-proposes an EPLB-style placement from observed load, which a group forms with; with
-`shards.live_replacement` an engine also asks for a `plan` and moves a running group's experts
-when it lowers the busiest rank's load enough (deployments/engine_server.py).
+actor keeps the latest per (replica, rank), merges them, and proposes an EPLB-style placement (and,
+with `shards.live_replacement`, a `plan` to move a running group's experts).
 """
 
 from __future__ import annotations

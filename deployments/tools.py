@@ -6,10 +6,8 @@
     "required"    one call (or a list, if parallel) of any tool  JSON-schema grammar: always valid
     {function}    a call of that function                        JSON-schema grammar: always valid
 
-A forced call is grammar-constrained to `{"name": <tool>, "arguments": <its parameters schema>}`
-(or a non-empty array of those). The chat template shows the tools and earlier calls
-(moeserve/tokenizer.py). Calls reach the client as `message.tool_calls` with finish_reason
-"tool_calls"; streamed, as one whole call per `delta.tool_calls` entry once complete.
+Calls reach the client as `message.tool_calls` with finish_reason "tool_calls"; streamed, as one
+whole call per `delta.tool_calls` entry once complete.
 """
 
 from __future__ import annotations

@@ -6,13 +6,5 @@ from model_shards.loader import CheckpointError, load_checkpoint
 from model_shards.model import CausalLM
 from model_shards.moe import Dispatch, LocalDispatch
 
-__all__ = [
-    "CausalLM",
-    "CheckpointError",
-    "Dispatch",
-    "LocalDispatch",
-    "ModelConfig",
-    "PagedKVCache",
-    "StepBatch",
-    "load_checkpoint",
-]
+__all__ = ["CausalLM", "CheckpointError", "Dispatch", "LocalDispatch", "ModelConfig", "PagedKVCache", "StepBatch",
+           "load_checkpoint"]

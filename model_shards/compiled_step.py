@@ -3,16 +3,11 @@
 Shapes: B rows, T query positions, J keys read per row (its nb blocks x Bs), D hidden,
 K experts per token, V vocab, L layers, N = B*T tokens.
 
-A small MoE's decode step is nearly all per-op overhead, which `torch.compile` fuses over code
-whose control flow does not depend on tensor values. So the pass runs the eager forward's own
-`DecoderLayer.attend` and MLPs, with what they would read from tensor values fixed up front:
-
-- the PagedIndex is built in the graph (model_shards/kv_cache.py);
-- each MoE layer runs `MoEBlock.fused` (every expert local, capacity "none", no dispatch);
-- on the CPU: one graph for a batch of one (torch specialises size 1) and one shape-generic graph
-  for 2..MAX_ROWS rows, each for T = 1 (decode) and T = k + 1 (verify);
-- on a GPU (`static`): CUDA graphs need fixed shapes, so rows are padded to the next of
-  CAPTURE_SIZES (as vLLM) and block tables to a power of two of blocks; padding writes scratch.
+A small MoE's decode step is nearly all per-op overhead, which `torch.compile` fuses. The pass
+runs the eager forward's own layer code, with what it would read from tensor values fixed up
+front (each MoE layer runs `MoEBlock.fused`). On the CPU: one graph for a batch of one and one
+shape-generic graph for 2..MAX_ROWS rows; on a GPU (`static`) CUDA graphs need fixed shapes, so
+rows are padded to the next of CAPTURE_SIZES and block tables to a power of two of blocks.
 
 An expert-parallel rank (`CompiledShardStep`) cannot be one graph, since the all-to-all's split
 sizes are known only after the router: per layer, attention plus the router is one graph and the

@@ -1,10 +1,7 @@
 """Model configuration read from a Hugging Face `config.json`.
 
-One frozen dataclass covers every supported family; `from_hf` maps each family's field
-names onto it. Families differ only in a handful of switches (qkv bias, q/k norm, shared
-expert, which layers are sparse, how gates are normalised), so one model class serves all;
-DeepSeek-V3 adds multi-head latent attention (`kv_lora_rank` > 0: model_shards/mla.py), YaRN
-rope scaling and group-limited sigmoid gating.
+One frozen dataclass covers every supported family (`from_hf` maps each family's field names onto
+it): families differ only in a handful of switches, so one model class serves all.
 """
 
 from __future__ import annotations
@@ -178,17 +175,14 @@ class ModelConfig:
         num_heads = hf["num_attention_heads"]
         head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
         max_positions = hf.get("max_position_embeddings", 4096)
-        common = dict(
-            family=family, vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
-            num_layers=hf["num_hidden_layers"], num_heads=num_heads,
-            num_kv_heads=hf.get("num_key_value_heads") or num_heads, head_dim=head_dim,
-            intermediate_size=hf.get("intermediate_size", 0), rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-            rope_theta=float(rope_theta), max_position_embeddings=max_positions,
-            rope_scaling=None if rope_type == "default" else YarnScaling.from_hf(rope, max_positions, source),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            eos_token_id=tuple(_as_list(hf.get("eos_token_id"))),
-            bos_token_id=hf.get("bos_token_id"),
-        )
+        common = dict(family=family, vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
+                      num_layers=hf["num_hidden_layers"], num_heads=num_heads,
+                      num_kv_heads=hf.get("num_key_value_heads") or num_heads, head_dim=head_dim,
+                      intermediate_size=hf.get("intermediate_size", 0), rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+                      rope_theta=float(rope_theta), max_position_embeddings=max_positions,
+                      rope_scaling=None if rope_type == "default" else YarnScaling.from_hf(rope, max_positions, source),
+                      tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+                      eos_token_id=tuple(_as_list(hf.get("eos_token_id"))), bos_token_id=hf.get("bos_token_id"))
         n = common["num_layers"]
         if family == "deepseek_v3":
             return cls._deepseek_v3(hf, common, source)

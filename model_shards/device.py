@@ -1,6 +1,4 @@
-"""Where a model runs and in what precision: one answer for the weights, the KV cache, every
-per-step tensor and the collectives (`engine.device` and `model.dtype` in the config tree).
-
+"""Where a model runs and in what precision (`engine.device` and `model.dtype` in the config tree).
 "auto" means the GPU when this process has one (CUDA), else the CPU, and bfloat16 on a GPU,
 float32 on the CPU (where bf16 matmuls are mostly slower, and fp32 matches transformers).
 """

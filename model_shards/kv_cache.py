@@ -3,15 +3,13 @@
 Shapes: N blocks, L layers, Bs tokens per block, Hkv key/value heads, Dh head dim,
 B batch rows, Tq query positions this step (rows shorter than Tq are padded), nb blocks per row.
 
-Every block is allocated up front (as in vLLM and nano-vllm), so the tensors keep one address
-that captured CUDA graphs can use (`PagedKVCache`). Which blocks a sequence holds is bookkeeping
-without tensors (`BlockManager`): ceil(tokens / Bs) blocks in its block table, lowest free ids
-first. Block 0 is scratch: padding writes there and pads block tables. Rolling back rejected
-drafts is free: stale entries past a row's length are never read and are overwritten next step.
+Every block is allocated up front, so the tensors keep one address that captured CUDA graphs can
+use. Which blocks a sequence holds is bookkeeping without tensors (`BlockManager`). Block 0 is
+scratch: padding writes there and pads block tables. Rolling back rejected drafts is free: stale
+entries past a row's length are never read and are overwritten next step.
 
-Prefix caching (vLLM's automatic prefix caching): a full, committed block is keyed by a hash of
-its tokens chained with its parent's. A new sequence reuses the longest matching chain of cached
-blocks; a block no sequence holds stays cached until evicted, least recently used first.
+Prefix caching (as vLLM's): a full, committed block is keyed by a hash of its tokens chained with
+its parent's; a block no sequence holds stays cached until evicted, least recently used first.
 """
 
 from __future__ import annotations

@@ -3,11 +3,9 @@
 Shapes: B rows, T (=Tq) query positions, J key positions a row reads (its nb blocks x Bs),
 H query heads, Hkv kv heads, Dh head dim, D hidden, I MLP width, N cache blocks.
 
-Attention has no control flow on tensor values, so `torch.compile` traces it as it is. A pass
-writes its keys and values first; a fresh prefill then attends causally over its own keys, a
-compiled decode reads the cache by index (`indexed_attention`), the rest gathers the rows' blocks.
-A small decode step is mostly per-call overhead, so an eager pass on the CPU runs q/k/v and gate/up
-as one matmul each (`stacked`) and turns queries and keys in one rotary.
+A pass writes its keys and values first; a fresh prefill then attends causally over its own keys,
+a compiled decode reads the cache by index (`indexed_attention`), the rest gathers the rows' blocks.
+An eager pass on the CPU runs q/k/v and gate/up as one matmul each (`stacked`).
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
 """Start a shard group as plain local processes (no Ray): for tests, benchmarks and single-host use.
-
-The Ray deployment (deployments/shard_group.py) does the same with actors in a placement
-group; both call `load_shard` and run `ShardWorker` / `ShardedRunner`.
-"""
+The Ray deployment (deployments/shard_group.py) does the same with actors."""
 
 from __future__ import annotations
 

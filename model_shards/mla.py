@@ -3,11 +3,9 @@
 Shapes: B rows, T query positions, J key positions a row reads, H heads, D hidden,
 R = kv_lora_rank (the latent), Dn / Dr = the no-rope / rope parts of a query-key head, Dv value head dim.
 
-Each token's keys and values are one latent c [R] (kv_a_proj_with_mqa, normed) plus one rope key
-[Dr] shared by every head; the cache stores that (R + Dr values per token and layer), and
-kv_b_proj expands it to per-head keys' no-rope parts and values. A pass with nothing cached
-attends over its own latents expanded per head (as transformers does); one that reads the cache
-absorbs the up-projections instead (DeepSeek-V2, 2.1.2): the key's into the query (q_nope W_uk)
+The cache stores each token's latent c [R] plus one rope key [Dr] shared by every head. A pass
+with nothing cached attends over its own latents expanded per head (as transformers does); one that
+reads the cache absorbs the up-projections instead (DeepSeek-V2, 2.1.2): the key's into the query
 and the value's into the output, so attention is one kv head of width R + Dr.
 """
 

@@ -3,19 +3,14 @@
 Shapes: N tokens (flattened batch), D hidden, E experts, El local experts, K experts per token,
 I expert width, R kept routes (token copies) sorted by expert.
 
-Gating math lives in router_service/. Every `Dispatch` returns per-route outputs in the caller's
-[N, K] order and `combine` is shared, so the reference (`LocalDispatch`) and the all-to-all
-(model_shards/all_to_all.py) add the same numbers in the same order.
+Every `Dispatch` returns per-route outputs in the caller's [N, K] order and `combine` is shared,
+so the reference (`LocalDispatch`) and the all-to-all add the same numbers in the same order.
 
 `LocalExperts` are SwiGLU FFNs stored fused (as transformers 5.x), run as one grouped matmul per
-projection where torch has one for the device and dtype; on the CPU only up to
-GROUPED_MAX_ROUTES_CPU routes (past that, a matmul per expert), elsewhere a padded batched matmul.
-
-In a compiled graph (model_shards/compiled_step.py), with no data-dependent sizes, a block holding
-every expert runs `fused`: routed gather-multiply-sums, or one dense matmul weighted by the gates
-where routing would read more weights than there are. Both are exact for capacity "none".
-
-`phase()` times named phases of a pass for benchmarks; disabled (the default), it costs nothing.
+projection where torch has one for the device and dtype (on the CPU only up to
+GROUPED_MAX_ROUTES_CPU routes). In a compiled graph a block holding every expert runs `fused`
+instead (no data-dependent sizes; exact for capacity "none"). `phase()` times named phases of a
+pass for benchmarks; disabled (the default), it costs nothing.
 """
 
 from __future__ import annotations

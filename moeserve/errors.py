@@ -1,10 +1,5 @@
-"""The one error vocabulary of the serving path: `ErrorCode` and the `ServingError` carrying it.
-
-The serving layer (deployments/frontend.py) raises only `ServingError`; HTTP maps its code
-to a status once (deployments/http_edge.py) and gRPC to a status code once
-(deployments/grpc_server.py). Codes follow gRPC's names. The engine's in-band stream
-errors (`moeserve.protocol.StreamError`) carry the same codes.
-"""
+"""The one error vocabulary of the serving path: `ErrorCode` (gRPC's names) and the `ServingError`
+carrying it; the engine's in-band `StreamError` carries the same codes."""
 
 from __future__ import annotations
 

@@ -1,17 +1,9 @@
-"""What crosses a process boundary on the way to the engine core and back.
+"""What crosses a process boundary on the way to the engine core and back: small frozen, picklable
+dataclasses (no tensors, no tokenizer, no compiled grammar).
 
-One request is one stream: the serving side sends a `GenerateRequest` (prompt ids,
-SamplingParams, GrammarSpec) and receives `GenerateChunk`s of new token ids until one is
-`finished`. The core is token-in, token-out: text, stop strings and usage are the serving
-side's (deployments/frontend.py). Everything here is a small frozen, picklable dataclass: no
-tensors, no tokenizer, no compiled grammar (the core compiles the spec from its cache).
-
-Between a replica and its core (moeserve/engine/core.py) travel also `Abort`, `StatsRequest`/
-`StatsReply`, `Shutdown` and, last, `CoreStopped`; the core sends one list of chunks per step.
-An engine sends a draft worker (deployments/draft_channel.py) one `DraftCall` per step.
-
-Errors travel in-band: a chunk with `error` set ends its stream; its `code` (moeserve/errors.py)
-maps once to HTTP statuses (deployments/http_edge.py) and once to gRPC codes (grpc_server.py).
+One request is one stream: a `GenerateRequest` in, `GenerateChunk`s of new token ids out until one
+is `finished`; the core sends one list of chunks per step. Errors travel in-band: a chunk with
+`error` set ends its stream.
 """
 
 from __future__ import annotations
@@ -33,13 +25,9 @@ class StreamError:
 
 @dataclass(frozen=True)
 class GenerateRequest:
-    """One generation request, already tokenized and validated by the gateway.
-
-    timeout_s: the engine aborts the request with DEADLINE_EXCEEDED this long after receiving
-        it (None: no limit; the gateway keeps its own overall limit too).
-    resume_ids: output an earlier attempt already streamed; after a replica or shard dies the
-        gateway resubmits with them and the engine continues after them (one unbroken stream).
-    """
+    """One generation request, already tokenized and validated. timeout_s: the engine aborts it with
+    DEADLINE_EXCEEDED this long after receiving it. resume_ids: output an earlier attempt already
+    streamed, which the engine continues after (one unbroken stream after a replica or shard dies)."""
 
     request_id: str
     prompt_ids: tuple[int, ...]
@@ -69,11 +57,7 @@ class Usage:
 
 @dataclass(frozen=True)
 class GenerateChunk:
-    """New output of one request since its previous chunk.
-
-    finish_reason: None while running; then "stop", "length", "abort" or "error".
-    usage: running totals, so the last chunk carries the final counts.
-    """
+    """New output of one request since its previous chunk; `usage` holds running totals."""
 
     request_id: str
     token_ids: tuple[int, ...] = ()
@@ -90,27 +74,13 @@ class GenerateChunk:
 
     def merge(self, later: GenerateChunk) -> GenerateChunk:
         """This chunk followed by `later` as one chunk (coalescing a backlog into one message)."""
-        return GenerateChunk(
-            self.request_id,
-            self.token_ids + later.token_ids,
-            self.text + later.text,
-            later.finish_reason,
-            later.usage,
-            later.error,
-            _join(self.logprobs, later.logprobs),
-            _join(self.trace, later.trace),
-        )
+        return GenerateChunk(self.request_id, self.token_ids + later.token_ids, self.text + later.text,
+                             later.finish_reason, later.usage, later.error, _join(self.logprobs, later.logprobs),
+                             _join(self.trace, later.trace))
 
 
-def error_chunk(
-    request_id: str,
-    code: ErrorCode,
-    message: str,
-    usage: Usage | None = None,
-    token_ids: tuple[int, ...] = (),
-    param: str | None = None,
-    retryable: bool = True,
-) -> GenerateChunk:
+def error_chunk(request_id: str, code: ErrorCode, message: str, usage: Usage | None = None,
+                token_ids: tuple[int, ...] = (), param: str | None = None, retryable: bool = True) -> GenerateChunk:
     """The final chunk of a stream that ended in an error (after `token_ids`, if any)."""
     return GenerateChunk(request_id, token_ids, finish_reason="error", usage=usage or Usage(),
                          error=StreamError(code, message, param, retryable))
@@ -174,9 +144,8 @@ class CoreStopped:
 
 @dataclass(frozen=True)
 class DraftCall:
-    """One engine step's request to a draft worker: every drafting sequence of the step (ids
-    prefixed with the engine's session), and the sequences that ended since the last call (their
-    draft KV blocks are freed first). Answered by a list of `Proposal`s, one per request."""
+    """One engine step's request to a draft worker: every drafting sequence of the step, and the
+    sequences that ended since the last call; answered by a list of `Proposal`s, one per request."""
 
     requests: list  # [ProposalRequest] (moeserve/spec/proposer.py, which imports this package)
     finished: list[str] = field(default_factory=list)

@@ -3,11 +3,9 @@
 Shape legend: B rows, T positions per row (1, or k + 1 when verifying k drafts), V vocab,
 S rows that sample (the rest, G, are greedy), C top-p candidates, N rows past C.
 
-Per-row SamplingParams become [B] tensors, so one set of ops serves any mix of settings.
 Semantics follow vLLM and transformers: top-k keeps ties with the k-th largest logit; top-p
-keeps the smallest most-likely set reaching top_p (at least one token). Greedy rows take the
-argmax of the raw logits and never touch a generator. Draws use inverse CDF: one uniform per
-position, far cheaper on CPU than V exponential or Gumbel numbers.
+keeps the smallest most-likely set reaching top_p (at least one token). Draws use inverse CDF:
+one uniform per position, far cheaper on CPU than V exponential or Gumbel numbers.
 
 Seeded requests draw token i as argmax_x p(x) / E_x with E ~ Exp(1)^V keyed by (seed, i):
 Gumbel-max, an exact sample from p that depends on nothing but the request. Its reply is the
@@ -148,13 +146,9 @@ class Sampler:
                 probs[rows] = _processed_probs(logits3[rows], [params[i] for i in sampled])
         return probs.squeeze(1) if squeeze else probs
 
-    def sample(
-        self,
-        logits: torch.Tensor,
-        params: list[SamplingParams],
-        generators: list[torch.Generator | None] | None = None,
-        positions: list[int] | None = None,
-    ) -> torch.Tensor:
+    def sample(self, logits: torch.Tensor, params: list[SamplingParams],
+               generators: list[torch.Generator | None] | None = None,
+               positions: list[int] | None = None) -> torch.Tensor:
         """Token ids [B] for logits [B, V] (or [B, T] for [B, T, V]). Seeded rows draw keyed noise
         for absolute position positions[i] + t; others use generators[i] (make_generator) or
         torch's default (None). All-greedy batches are a plain argmax."""

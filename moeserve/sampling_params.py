@@ -1,7 +1,5 @@
-"""Per-request sampling parameters: how to pick each next token and when to stop.
-
-Field names and meanings follow vLLM and the OpenAI API, so a gateway can copy a request body
-into them. A bad value raises a ValueError naming the field (HTTP 400/422, gRPC INVALID_ARGUMENT).
+"""Per-request sampling parameters, named as in vLLM and the OpenAI API; a bad value raises a
+ValueError naming the field (HTTP 400, gRPC INVALID_ARGUMENT).
 """
 
 from __future__ import annotations
@@ -52,9 +50,6 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...] = ()
 
 
-TRACE_SOURCES = ("target", "draft", "forced")
-
-
 @dataclass(frozen=True)
 class TokenTrace:
     """How one generated token came to be (an opt-in trace).
@@ -71,25 +66,15 @@ class TokenTrace:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How one request samples tokens and when it stops.
+    """How one request samples tokens (temperature, then top-k, then top-p; temperature 0: greedy;
+    top_k 0 or -1 and top_p 1: off) and when it stops.
 
-    Fields:
-        max_tokens: most tokens to generate (>= 1).
-        temperature: 0 means greedy (argmax); otherwise logits are divided by it (0..100].
-        top_k: keep the k most likely tokens; 0 or -1 turns it off.
-        top_p: keep the smallest set of tokens whose probability reaches top_p (1: off).
-        seed: keys this request's draws by (seed, position): the same tokens whatever the batch,
-            with or without speculation and after a resume; None: the shared generator.
-        stop: strings that end generation, left out of the output (a string or a list; kept as a tuple).
-        stop_token_ids: token ids that end generation (besides EOS), left out of the text.
-        ignore_eos: keep generating past EOS until max_tokens or a stop condition.
-        logprobs: None (off), or each token's log-probability and this many (0..20) alternatives,
-            from the final distribution it was drawn from (Sampler.logprobs; greedy requests:
-            the model's masked distribution).
-        trace_experts, trace_speculation: report each token's experts per MoE layer and where it
-            came from (see TokenTrace).
-
-    Processing order: temperature, top-k, top-p (as in vLLM and transformers).
+    seed: keys this request's draws by (seed, position): the same tokens whatever the batch,
+        with or without speculation and after a resume; None: the shared generator.
+    stop, stop_token_ids: end generation, left out of the output (stop may be a string or a list).
+    logprobs: None (off), or each token's log-probability and this many alternatives, from the
+        final distribution it was drawn from (greedy requests: the model's masked distribution).
+    trace_experts, trace_speculation: see TokenTrace.
     """
 
     max_tokens: int = 128
@@ -144,12 +129,9 @@ class SamplingParams:
                 raise ValueError(f"stop_token_ids must contain only integers >= 0, got {t!r}")
         object.__setattr__(self, "stop_token_ids", stop_token_ids)
 
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
-
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be null or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
-        for name in ("trace_experts", "trace_speculation"):
+        for name in ("ignore_eos", "trace_experts", "trace_speculation"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
 

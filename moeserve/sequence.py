@@ -22,13 +22,11 @@ class Sequence:
     seq_id: str
     prompt_ids: list[int]
     params: SamplingParams
-    arrival: float = 0.0
     output_ids: list[int] = field(default_factory=list)
     num_cached: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
     grammar: object | None = None  # per-request grammar matcher, when the request is constrained
-    num_spec: int = 0  # draft tokens to ask for this step (adaptive)
 
     @property
     def token_ids(self) -> list[int]:

@@ -1,14 +1,8 @@
 """Tokenizer loading, chat rendering, and incremental detokenization.
 
-`load_tokenizer` reads a Hugging Face tokenizer folder and insists on an EOS token.
-
-`render_chat` turns OpenAI-style messages into the prompt string through the tokenizer's chat
-template, else DEFAULT_CHAT_TEMPLATE (`<|user|>` ... `<|end|>` per message: the demo
-tokenizer's special tokens, plain but unambiguous text for others). Tools go as they are to
-templates that mention `tools` or `tool_calls` (Qwen, Mistral, Llama 3, ...); for others the
-conversation is rewritten Hermes-style: tools listed in the system message, earlier calls as
-`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, results as user messages inside
-`<tool_response>` ... `</tool_response>`.
+`render_chat` goes through the tokenizer's chat template, else DEFAULT_CHAT_TEMPLATE (the demo
+tokenizer's special tokens). Tools go as they are to templates that mention `tools` or
+`tool_calls`; for others the conversation is rewritten Hermes-style (`_in_plain_roles`).
 
 `IncrementalDetokenizer` streams text; two things make that harder than `decode(all_ids)`:
 
@@ -42,19 +36,11 @@ PROMPT_CONTEXT_TOKENS = 5
 
 
 class IncrementalDetokenizer:
-    """Per-request streaming decoder over a transformers tokenizer (fast ones via their Rust
-    backend); the last few `prompt_ids` serve as context, and the output ends just before the
-    first `stop` string to complete. `push(new_ids)` returns the newly final text; `stopped`
-    turns true once a stop string completed; `finish()` returns whatever was held back.
-    """
+    """Per-request streaming decoder; the last few `prompt_ids` serve as context, and the output ends
+    just before the first `stop` string to complete."""
 
-    def __init__(
-        self,
-        tokenizer: Any,
-        prompt_ids: Sequence[int],
-        stop: tuple[str, ...] = (),
-        skip_special_tokens: bool = True,
-    ) -> None:
+    def __init__(self, tokenizer: Any, prompt_ids: Sequence[int], stop: tuple[str, ...] = (),
+                 skip_special_tokens: bool = True) -> None:
         if any(not s for s in stop):
             raise ValueError("stop must not contain an empty string")
         self._decode = _decoder(tokenizer, skip_special_tokens)
@@ -187,12 +173,8 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
-def render_chat(
-    tokenizer: PreTrainedTokenizerBase,
-    messages: Sequence[Mapping[str, Any]],
-    add_generation_prompt: bool = True,
-    tools: Sequence[Mapping[str, Any]] | None = None,
-) -> str:
+def render_chat(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Mapping[str, Any]],
+                add_generation_prompt: bool = True, tools: Sequence[Mapping[str, Any]] | None = None) -> str:
     """Render chat messages ({"role": ..., "content": ...}; roles in CHAT_ROLES; an assistant
     message with `tool_calls` may lack content) and OpenAI function `tools` to the prompt text.
     Bad messages raise ValueError saying which and why. Tokenize the result without adding

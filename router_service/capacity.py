@@ -57,10 +57,8 @@ class Routed:
 
 
 def apply_capacity(gates: Gates, capacity: int | None, policy: OverflowPolicy = "drop") -> Routed:
-    """Enforce ``capacity`` routes per expert on ``gates`` under ``policy`` (None: no limit).
-
-    Priority when an expert is full: router probability ``probs[t, e]`` (as DeepSpeed; the
-    normalised weight is always 1.0 for top-1), then token index, then top-k slot.
+    """Enforce ``capacity`` routes per expert on ``gates`` under ``policy`` (None: no limit); priority
+    by router probability ``probs[t, e]`` (the normalised weight is always 1.0 for top-1).
 
     Reroute runs in rounds r = 0, 1, ...: each token with overflowing routes asks for its r-th
     best unchosen expert, which takes askers in priority order while it has room, one route per

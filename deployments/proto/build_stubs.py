@@ -2,8 +2,7 @@
 
     python deployments/proto/build_stubs.py [OUT_DIR]
 
-The stubs are written flat into deployments/proto/ (generate_pb2.py, generate_pb2_grpc.py) with the import rewritten to `deployments.proto`, so the proto's own
-path (moeserve/v1/...) never shadows the `moeserve` package.
+The stubs' import is rewritten to `deployments.proto`, so the proto's own path never shadows `moeserve`.
 """
 
 from __future__ import annotations

@@ -1,16 +1,10 @@
 """The engine core's two homes, behind one client: a thread of this process, or a process of its own.
 
-    client.send(GenerateRequest | Abort)   -> the core's inbox
-    on_message(list[GenerateChunk])        <- every step's new tokens, on a client thread
-    client.stats(timeout)                  -> the core's gauges (one round trip)
-
-`ProcessCore` (the served default) starts `python -m moeserve.engine.core_client FD`, which runs
-EngineCore.run on its own main thread, sharing no GIL with Serve's event loop. The channel is a
-Unix socket pair, each message pickled once. A dead core closes its end, so the client notices
-at once, tells `on_dead`, and starts a fresh core; messages sent meanwhile wait in a backlog.
-
-`InprocCore` runs the same loop on a thread over in-memory queues: the reference the tests
-drive, and the home of cores that need this process's Ray handles (an expert-parallel rank 0).
+`ProcessCore` (the served default) runs EngineCore.run in a child process, sharing no GIL with
+Serve's event loop, over a Unix socket pair. A dead core closes its end, so the client notices at
+once, tells `on_dead`, and starts a fresh core; messages sent meanwhile wait in a backlog.
+`InprocCore` runs the same loop on a thread: for tests, and for cores that need this process's Ray
+handles (an expert-parallel rank 0).
 """
 
 from __future__ import annotations

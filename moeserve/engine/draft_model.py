@@ -3,16 +3,10 @@
 Shapes: B rows drafting this step (sorted by k, longest first), K draft tokens (the widest
 row), V vocab, S rows that sample their drafts.
 
-One `propose` call per engine step, for the whole batch:
-
-1. sync: the draft's paged KV cache keeps the common prefix of what it holds and the request's
-   token ids (the rollback after a rejection; a rebuild for a new, evicted or unseen sequence).
-2. catch-up: every row's uncached tail is fed, batched; the logits after it give draft 1.
-3. K - 1 batched one-token forwards; the rows still drafting stay a prefix of the batch.
-
-Drafts are the draft's argmax (`Proposal.probs` None) unless the proposer and the request both
-sample: then each is drawn from the draft's processed probabilities, sent along as q (seeded
-requests with keyed noise, as the target draws).
+One `propose` call per engine step, for the whole batch, in three phases: sync (roll each cache
+back to its common prefix with the request's tokens), catch-up (feed every row's uncached tail,
+batched), then K - 1 batched one-token forwards. Drafts are the argmax unless the proposer and
+the request both sample: then they are drawn from the draft's processed probabilities, sent as q.
 """
 
 from __future__ import annotations
@@ -34,15 +28,10 @@ from moeserve.spec.proposer import Proposal, ProposalRequest, Proposer
 
 
 class DraftModelProposer(Proposer):
-    """A dense draft model proposing k tokens per sequence, with its own paged KV cache.
-
-    model: the draft (a CausalLM, or a checkpoint folder), sharing the target's tokenizer.
-    max_num_seqs: sequences held; when full (or out of KV blocks) the least recently used one
-        outside this step's batch is evicted, so a leaked id costs nothing.
-    max_model_len: tokens per sequence; rows that would pass it draft fewer tokens.
-    greedy: the draft's argmax for every request; False samples drafts for sampled requests (with q).
-    num_blocks, block_size, prefix_caching, compile: the runner's (see ModelRunner).
-    """
+    """A dense draft model (a CausalLM or a checkpoint folder, sharing the target's tokenizer)
+    proposing k tokens per sequence, with its own paged KV cache. When `max_num_seqs` are held (or
+    KV blocks run out) the least recently used one outside this step's batch is evicted, so a
+    leaked id costs nothing. greedy: the draft's argmax for every request."""
 
     def __init__(self, model: CausalLM | str | os.PathLike, max_num_seqs: int = default_of(EngineSection, "max_num_seqs"),
                  max_model_len: int = default_of(EngineSection, "max_model_len"), greedy: bool = True,

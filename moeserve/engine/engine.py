@@ -1,7 +1,5 @@
 """The in-process engine: continuous batching over a target model, optional speculation.
-
-One step = schedule -> (propose) -> run the target -> sample or verify -> postprocess;
-callers (CLI, the engine core) add requests and call `step()` in a loop.
+One step = schedule -> (propose) -> run the target -> sample or verify -> postprocess.
 
 Shapes: B rows, K draft tokens (widest row), V vocab.
 """
@@ -67,14 +65,8 @@ class LLMEngine:
         self._ids = itertools.count()
 
     # ---- requests ----------------------------------------------------------------------------
-    def add_request(
-        self,
-        prompt: str | Seq[int],
-        params: SamplingParams | None = None,
-        request_id: str | None = None,
-        grammar: CompiledGrammar | None = None,
-        resume_ids: Seq[int] = (),
-    ) -> str:
+    def add_request(self, prompt: str | Seq[int], params: SamplingParams | None = None, request_id: str | None = None,
+                    grammar: CompiledGrammar | None = None, resume_ids: Seq[int] = ()) -> str:
         """Queue a request, its output constrained by `grammar` (GrammarCompiler.compile) and continued
         after `resume_ids` (what an earlier attempt delivered; counted toward max_tokens)."""
         params = params or SamplingParams()
@@ -92,7 +84,7 @@ class LLMEngine:
         resume_ids = [int(t) for t in resume_ids]
         if len(prompt_ids) + len(resume_ids) >= limit or len(resume_ids) >= params.max_tokens:
             raise ValueError("nothing left to generate after the resumed output")
-        seq = Sequence(request_id, prompt_ids, params, arrival=time.monotonic(), output_ids=resume_ids)
+        seq = Sequence(request_id, prompt_ids, params, output_ids=resume_ids)
         if grammar is not None:
             seq.grammar = self.structured.new_request(grammar, resume_ids)
         self._seqs[request_id] = seq
@@ -297,10 +289,9 @@ class LLMEngine:
                 added += forced
         if reason:
             self._finish(seq, reason)
-        return RequestOutput(
-            seq.seq_id, added, seq.is_finished, seq.finish_reason, len(seq.prompt_ids), len(seq.output_ids), error,
-            None if logprobs is None else logprobs[: len(added)], None if trace is None else trace[: len(added)],
-        )
+        return RequestOutput(seq.seq_id, added, seq.is_finished, seq.finish_reason, len(seq.prompt_ids),
+                             len(seq.output_ids), error, None if logprobs is None else logprobs[: len(added)],
+                             None if trace is None else trace[: len(added)])
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq, reason)

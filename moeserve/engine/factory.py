@@ -69,11 +69,9 @@ def kv_blocks(cfg: AppConfig, lookahead: int = 0) -> int:
 def scheduler_config(cfg: AppConfig, lookahead: int = 0) -> SchedulerConfig:
     """The scheduler's limits; its KV budget is the cache's blocks (less the scratch one) in tokens."""
     e = cfg.engine
-    return SchedulerConfig(
-        e.max_num_seqs, e.max_num_batched_tokens, e.max_model_len,
-        kv_budget_tokens=(kv_blocks(cfg, lookahead) - 1) * e.block_size, lookahead=lookahead,
-        block_size=e.block_size, share_prefill=e.prefix_caching,
-    )
+    return SchedulerConfig(e.max_num_seqs, e.max_num_batched_tokens, e.max_model_len,
+                           kv_budget_tokens=(kv_blocks(cfg, lookahead) - 1) * e.block_size, lookahead=lookahead,
+                           block_size=e.block_size, share_prefill=e.prefix_caching)
 
 
 def same_tokenizer(model: str, draft: str) -> bool:

@@ -5,9 +5,7 @@
     outs = llm.generate(["Is the mawa cake eggless?", "Hi"], SamplingParams(max_tokens=32, temperature=0))
     print(outs[0].text, outs[0].finish_reason)
 
-All prompts go through the continuous-batching engine at once (as many run as
-`max_num_seqs` allows; the rest wait for a slot). Text is made as the server makes it: one
-incremental detokenizer per request that also ends it at a stop string.
+Text is made as the server makes it: one incremental detokenizer per request.
 """
 
 from __future__ import annotations
@@ -42,9 +40,8 @@ class LLM:
     "ngram", "model" (the demo draft) or a draft checkpoint folder (default: prompt lookup);
     `options`: any model, engine or speculative option by name (max_num_seqs=8, num_tokens=3, ...)."""
 
-    def __init__(
-        self, model: str | None = None, draft: str | None = None, *, config: AppConfig | None = None, **options: Any
-    ) -> None:
+    def __init__(self, model: str | None = None, draft: str | None = None, *, config: AppConfig | None = None,
+                 **options: Any) -> None:
         """`config`: a whole config tree to start from (e.g. `AppConfig.load(FILE)`); the other
         arguments override it."""
         if config is None:
@@ -59,12 +56,9 @@ class LLM:
         self.engine = build_engine(self.config)
         self.tokenizer = self.engine.tokenizer
 
-    def generate(
-        self,
-        prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
-        params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool | None = None,
-    ) -> list[CompletionOutput]:
+    def generate(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool | None = None) -> list[CompletionOutput]:
         """Generate for one prompt (text or token ids) or a list of them; results in prompt order.
         `params`: one SamplingParams for all, or one per prompt (default: SamplingParams())."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
@@ -79,9 +73,8 @@ class LLM:
                     bar.update(1)
         return results
 
-    def stream(
-        self, prompt: str | Sequence[int], params: SamplingParams | None = None
-    ) -> Iterator[tuple[str, CompletionOutput]]:
+    def stream(self, prompt: str | Sequence[int],
+               params: SamplingParams | None = None) -> Iterator[tuple[str, CompletionOutput]]:
         """One prompt as it is generated: (the new text, the output so far) after each step."""
         _, live = self._add([prompt], [params or SamplingParams()])
         for out, text in self._run(live):

@@ -2,11 +2,8 @@
 
 Shapes: B rows, Tq query tokens (the longest row; shorter rows are padded), V vocab.
 
-`add` is told the sequence's tokens and answers how many leading ones the prefix cache already
-holds: the engine then feeds only the rest. What a pass does to a sequence's blocks (commit
-before `start`, free rejected drafts' blocks, copy a shared block before writing it) is
-BlockManager.write's; a prefill's or plain decode's tokens are committed right after the pass,
-a verify pass's drafts only at the next one.
+A prefill's or plain decode's tokens are committed right after the pass, a verify pass's drafts
+only at the next one (BlockManager.write).
 """
 
 from __future__ import annotations

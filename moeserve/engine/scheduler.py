@@ -1,13 +1,11 @@
 """Continuous batching: which sequences run in the next step.
 
-A step is either a prefill (new sequences' whole prompts, padded into one batch) or a decode
-(every running sequence feeds its pending token plus any drafts). Waiting requests join between
-steps when the batch, KV and token budgets allow; prefill goes first so new requests start quickly.
+A step is either a prefill (new sequences' whole prompts) or a decode (every running sequence
+feeds its pending token plus any drafts); prefill goes first so new requests start quickly.
 
 KV budget: running sequences hold at most `kv_budget_tokens` of KV cache (their tokens plus
 `lookahead` drafts, in whole blocks). When growing sequences would overflow it, the newest are
-preempted: KV freed, back to the front of the queue with their output, which the next prefill
-recomputes (vLLM's recompute preemption).
+preempted: back to the front of the queue with their output (vLLM's recompute preemption).
 """
 
 from __future__ import annotations

@@ -1,18 +1,9 @@
 """Grammar-constrained decoding inside the engine step: masks, matcher advance, jump-forward.
 
-Per-request state is `Sequence.grammar` (a RequestGrammar: matcher + closing policy); this
-helper holds the per-engine parts (bitmask buffer, closing tables) and the three moments a
-step touches the grammar:
-
-1. before the target runs: `cut_and_fill` walks each constrained row's draft through its
-   matcher, cuts it at the first refused token (before it for a deterministic draft, after
-   it for a sampled one, whose rejection must draw from the residual max(0, p - q)), puts in
-   the text the grammar forces, and fills bitmask rows for every verification position;
-   plain steps fill one row per sequence (`fill_last`);
-2. before sampling: `apply` masks the logits and, near the end of a request's budget, biases
-   them toward closing the output (termination.py), so a weak model still ends complete;
-3. after sampling: `advance` moves the matcher over the emitted tokens, reports whether only
-   a stop token could follow, and returns the forced tokens the engine appends unsampled.
+Per-request state is `Sequence.grammar` (a RequestGrammar); this helper holds the per-engine parts
+(bitmask buffer, closing tables) and the three moments a step touches the grammar: before the
+target runs (`fill_last`, or `cut_and_fill` for drafts), before sampling (`apply`: masks, and near
+the end of a request's budget a bias toward closing the output), after sampling (`advance`).
 
 Shapes: B rows, K draft tokens (widest row), P = K + 1 positions, V vocab, W = ceil(V / 32).
 """
@@ -134,15 +125,11 @@ class StructuredOutput:
 
     def cut_and_fill(self, seqs: Seq[Sequence], proposals: list[Proposal], limits: Seq[int] | None = None) -> list[Proposal]:
         """Walk each constrained proposal through its matcher, cut it at its first refused token
-        (kept when the draft sampled it), put in forced text, then fill rows b * P + j for
-        j = 0..k (P = 1 + the widest proposal after this); limits[b]: most tokens row b keeps.
-
-        As plain decoding appends forced text after a token, forced tokens go into the proposal
-        after the draft token they follow (`Proposal.forced`), their mask rows allowing only
-        them, so they are accepted whenever the tokens before are. The draft goes on after them
-        only if it proposed them itself; else the proposal ends there. Greedy output matches
-        plain decoding exactly, sampled output in distribution: forcing depends only on verified
-        tokens, and a sampled proposal is never cut by its own value (see `_cut_at_budget`)."""
+        (kept when the draft sampled it: its rejection draws from the residual), put in forced text,
+        then fill rows b * P + j for j = 0..k (P = 1 + the widest proposal after this); limits[b]:
+        most tokens row b keeps. Forced tokens go after the draft token they follow, their mask rows
+        allowing only them; the draft goes on after them only if it proposed them itself. Greedy
+        output matches plain decoding exactly, sampled output in distribution."""
         walked = list(proposals)
         for b, seq in enumerate(seqs):
             if seq.grammar is not None and walked[b].token_ids:

@@ -1,13 +1,10 @@
 """Per-model grammar compilation: `GrammarCompiler` turns a `GrammarSpec` into a `CompiledGrammar`.
 
-One compiler per (tokenizer, model vocab size), shared by a process's requests (as vLLM v1 keeps
-one grammar backend per engine). Two backends, chosen per request: xgrammar for what it enforces
-(JSON schemas after schema_support.py's rewriting, regex, EBNF, choice), and llguidance for schemas
-that rewriting refuses for a feature llguidance enforces exactly (LLGUIDANCE_FEATURES); anything
-else is refused with the feature named. Compiling is bounded by spec length, wall time and an LRU
-cache, since the spec comes from the client. xgrammar's C++ compile cannot be interrupted, so it
-runs in a small thread pool and the caller stops waiting at the limit (GrammarTimeoutError); the
-job finishes in the background into the cache, and a repeat request waits on the same job.
+One compiler per (tokenizer, model vocab size), shared by a process's requests. Two backends,
+chosen per request: xgrammar for what it enforces, and llguidance for schemas that rewriting
+refuses for a feature llguidance enforces exactly (LLGUIDANCE_FEATURES). xgrammar's C++ compile
+cannot be interrupted, so it runs in a small thread pool and the caller stops waiting at the
+limit (GrammarTimeoutError); the job finishes into the cache, and a repeat request waits on it.
 """
 
 from __future__ import annotations
@@ -99,14 +96,8 @@ class GrammarCompiler:
     """Compiles and caches grammars for one tokenizer and model vocabulary. `vocab_size` is the
     model's (lm_head rows; ids past the tokenizer are never allowed); stop tokens default to EOS."""
 
-    def __init__(
-        self,
-        tokenizer: PreTrainedTokenizerBase,
-        vocab_size: int | None = None,
-        *,
-        config: GrammarConfig,
-        stop_token_ids: Sequence[int] | None = None,
-    ) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int | None = None, *, config: GrammarConfig,
+                 stop_token_ids: Sequence[int] | None = None) -> None:
         self.config = config
         if vocab_size is not None and vocab_size < len(tokenizer):
             raise ValueError(f"vocab_size {vocab_size} is smaller than the tokenizer ({len(tokenizer)} tokens)")

@@ -1,15 +1,8 @@
 """Per-request grammar state: `GrammarMatcher`, the request-level half of vLLM v1's split.
 
-Engine use per decode step (one bitmask row per sequence; k+1 rows when verifying k draft tokens):
-
-    matcher.fill_bitmask(bitmask, row)          # what may come next
-    apply_bitmask(logits, bitmask)              # bitmask.py
-    token = sample(logits)
-    matcher.accept_token(token)                 # never False for a token sampled under the mask
-    forced = matcher.forced_tokens()            # jump-forward: append, matcher.accept_tokens(forced)
-    if matcher.is_terminated(): finish          # the stop token was accepted
-
-Once the output is complete the mask also allows the stop tokens; once one is accepted, only them.
+Per decode step: `fill_bitmask` (what may come next), sample under the mask, `accept_token`, then
+`forced_tokens` (jump-forward). Once the output is complete the mask also allows the stop tokens;
+once one is accepted, only them.
 """
 
 from __future__ import annotations

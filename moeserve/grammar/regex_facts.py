@@ -67,13 +67,9 @@ def regex_shape(pattern: str) -> RegexShape | None:
         return None
     items = list(parsed)
     anchored = bool(items) and tuple(items[0]) == _BEGIN
-    return RegexShape(
-        first=None if parsed.state.flags & re.IGNORECASE else _first(items),
-        min_len=low,
-        max_len=math.inf if high >= sre_c.MAXREPEAT else high,
-        anchored=anchored,
-        anchored_end=anchored and tuple(items[-1]) == _END,
-    )
+    return RegexShape(first=None if parsed.state.flags & re.IGNORECASE else _first(items), min_len=low,
+                      max_len=math.inf if high >= sre_c.MAXREPEAT else high, anchored=anchored,
+                      anchored_end=anchored and tuple(items[-1]) == _END)
 
 
 def full_matches_never_search(full: str, search: str) -> bool:

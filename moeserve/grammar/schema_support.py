@@ -1,14 +1,10 @@
 """Which JSON schemas we can enforce exactly, and the rewrite that makes xgrammar enforce them.
 
-Every output produced under a schema validates against it (DESIGN.md, property 3), but xgrammar
-0.2.9 silently ignores some keywords (`not`, `if`, `dependencies*`, `uniqueItems`, `contains`,
-several `allOf` branches, siblings of `anyOf`/`oneOf`/`$ref`, ...). `prepare_json_schema` therefore
-validates the schema against its draft's metaschema, rewrites what it can exactly (`allOf` and
-siblings merged: schema_merge.py; draft quirks; `enum` values filtered by the real validator),
-narrows what it cannot to a schema whose every instance still validates (schema_narrowing.py,
-schema_node.py), and refuses the rest with a GrammarError naming the keyword. Every node is
-rebuilt from the keywords it handles, so an unknown keyword cannot slip through; `$ref` targets
-move under a fresh `$defs`.
+Every output produced under a schema must validate against it, but xgrammar 0.2.9 silently
+ignores some keywords (`not`, `if`, `uniqueItems`, several `allOf` branches, ...). So
+`prepare_json_schema` rewrites what it can exactly, narrows what it cannot to a schema whose every
+instance still validates, and refuses the rest with a GrammarError naming the keyword. Every node
+is rebuilt from the keywords it handles, so an unknown keyword cannot slip through.
 """
 
 from __future__ import annotations

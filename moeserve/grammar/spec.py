@@ -110,15 +110,10 @@ class GrammarSpec:
         return cls("choice", json.dumps(list(choices), ensure_ascii=False))
 
     @classmethod
-    def from_request(
-        cls,
-        *,
-        response_format: Mapping[str, Any] | None = None,
-        guided_json: Mapping[str, Any] | str | None = None,
-        guided_regex: str | None = None,
-        guided_grammar: str | None = None,
-        guided_choice: Sequence[str] | None = None,
-    ) -> GrammarSpec | None:
+    def from_request(cls, *, response_format: Mapping[str, Any] | None = None,
+                     guided_json: Mapping[str, Any] | str | None = None, guided_regex: str | None = None,
+                     guided_grammar: str | None = None,
+                     guided_choice: Sequence[str] | None = None) -> GrammarSpec | None:
         """The spec an OpenAI/vLLM-style request asks for, or None for free text. Raises GrammarError
         (-> HTTP 400) naming the field when a field is malformed or more than one grammar is requested."""
         fields = {"response_format": response_format, "guided_json": guided_json, "guided_regex": guided_regex,

@@ -7,9 +7,7 @@ the allowed tokens the one that closes most wins (ties keep the model's preferen
 
 A token's score is how many JSON levels it closes, from a tiny lexer run over its bytes (`"}`
 inside a string closes two); a lone comma ends a number that could grow forever (COMMA_BONUS).
-Masked logits stay -inf, so this never admits a refused token; it is greedy, not a proof (a schema
-with no finite instance still runs to max_tokens; bench/grammar_conformance.py measures it).
-Tables are per vocabulary (`ClosingTables`), the lexer state per request (`ClosingPolicy`).
+Masked logits stay -inf, so this never admits a refused token; it is greedy, not a proof.
 """
 
 from __future__ import annotations

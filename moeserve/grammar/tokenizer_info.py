@@ -1,10 +1,8 @@
 """The vocabulary as the grammar sees it: xgrammar `TokenizerInfo` built from a transformers tokenizer.
 
-Corrections over `xgr.TokenizerInfo.from_huggingface`, each a blanked (never allowed) token:
-special tokens, whose text xgrammar would allow inside a JSON string although the detokenizer
-drops them; tokens that cannot occur in valid UTF-8 (utf8.py); and for JSON grammars, tokens with
-a raw control byte, which xgrammar 0.2.9's `minLength`/`maxLength` strings admit but `json.loads`
-rejects. Stop tokens stay stop tokens.
+Blanked (never allowed) over `xgr.TokenizerInfo.from_huggingface`: special tokens (the detokenizer
+drops their text), tokens that cannot occur in valid UTF-8, and for JSON grammars tokens with a raw
+control byte (xgrammar 0.2.9's `minLength`/`maxLength` strings admit them, `json.loads` does not).
 """
 
 from __future__ import annotations
@@ -17,13 +15,9 @@ from transformers import PreTrainedTokenizerBase
 from moeserve.grammar.utf8 import is_valid_fragment
 
 
-def build_tokenizer_info(
-    tokenizer: PreTrainedTokenizerBase,
-    *,
-    vocab_size: int | None = None,
-    stop_token_ids: Sequence[int] | None = None,
-    forbid_control_bytes: bool = False,
-) -> xgr.TokenizerInfo:
+def build_tokenizer_info(tokenizer: PreTrainedTokenizerBase, *, vocab_size: int | None = None,
+                         stop_token_ids: Sequence[int] | None = None,
+                         forbid_control_bytes: bool = False) -> xgr.TokenizerInfo:
     """TokenizerInfo over `vocab_size` ids (the model's, which may exceed len(tokenizer))."""
     stop = list(stop_token_ids) if stop_token_ids is not None else _default_stop_ids(tokenizer)
     base = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop)

@@ -14,9 +14,7 @@ from moeserve.spec.proposer import DraftGrammar
 
 
 class GrammarMasks:
-    """The constrained rows' grammar masks on the draft's own logits, draft step by draft step.
-
-    grammars: each drafting row's matcher (None: unconstrained); vocab: the draft's logits width.
+    """grammars: each drafting row's matcher (None: unconstrained); vocab: the draft's logits width.
     Before draft j of a constrained row, its matcher accepts draft j - 1 and fills the row's mask,
     applied to the draft's logits (so the argmax, the draw and the sampled q all come from the
     masked distribution); `rollback` returns every matcher to where it stood. A row whose matcher

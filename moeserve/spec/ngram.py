@@ -1,7 +1,5 @@
-"""Prompt lookup: propose the tokens that followed the last time the current suffix occurred.
-
-No model: the draft is copied from the sequence itself (prompt + generated text), which
-pays off when the answer quotes its context (RAG, code edits, formulaic replies, JSON).
+"""Prompt lookup: propose the tokens that followed the last time the current suffix occurred; pays
+off when the answer quotes its context (RAG, code edits, formulaic replies, JSON).
 
 Shapes: L tokens in one sequence's history, P = max_n sentinel slots in front of them,
 C candidate match positions, n tokens compared per candidate.
@@ -50,10 +48,7 @@ class _History:
 class NgramProposer(Proposer):
     """Prompt lookup: matches the last n tokens (longest n in [min_n, max_n] first, the most recent
     occurrence among the longest) and proposes up to k tokens that followed. A copy that runs into
-    the end of the sequence continues with its own output ("a b a b ..."), as in LZ77. Per step:
-    one vectorised comparison over the history plus O(C * max_n) at the C candidate positions; only
-    new tokens are copied into the per-sequence history.
-    """
+    the end of the sequence continues with its own output ("a b a b ..."), as in LZ77."""
 
     def __init__(self, min_n: int = 1, max_n: int = 4) -> None:
         if not 1 <= min_n <= max_n:

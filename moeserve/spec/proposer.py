@@ -1,8 +1,4 @@
-"""Proposers: whatever guesses the draft tokens that the target then verifies.
-
-Two implementations: prompt lookup (ngram.py) and a small dense draft model (engine/draft_model.py,
-in-process or as its own deployment). The engine asks for a batch of proposals once per step and
-packs them for the rejection sampler with `pad_proposals`.
+"""Proposers: whatever guesses the draft tokens that the target then verifies (once per step, batched).
 
 Shapes: B sequences, K draft tokens (the widest row), k one sequence's draft tokens, V vocabulary.
 """
@@ -39,10 +35,8 @@ class ProposalRequest:
     """Ask for up to `num_tokens` (0: none) draft tokens continuing `token_ids`.
 
     token_ids: prompt + accepted tokens; between calls for one seq_id it only grows.
-    params: the request's sampling parameters; a sampling draft draws q with them (as the target
-        processes p). None or greedy: deterministic drafts.
-    grammar: the request's matcher, standing at the end of token_ids and left there; a draft
-        deployment drafts unconstrained and the engine cuts what the grammar refuses.
+    params: a sampling draft draws q with them; None or greedy: deterministic drafts.
+    grammar: the request's matcher, standing at the end of token_ids and left there.
     jump_forward: the engine appends forced text; a deterministic proposal puts it in after the
         draft token it follows and drafts on (num_tokens counts draft tokens only).
     """
@@ -65,10 +59,8 @@ class Proposal:
 
     probs: [k, V] the distributions the tokens were drawn from; None: deterministic (one-hot q).
     predrafted: drafted ahead while the target verified the step before (a draft deployment's hit).
-    forced: positions of tokens a grammar forces (jump-forward text, set by the engine): the target's
-        mask allows only that token there, so it is accepted whenever the tokens before it are.
-    bonus: the token the bonus position must be, where the token budget cut forced text off there
-        (set by the engine); None: the target samples it.
+    forced, bonus (set by the engine): positions of grammar-forced tokens, and the token the bonus
+        position must be where the budget cut forced text off (None: the target samples it).
     """
 
     token_ids: list[int]

@@ -29,24 +29,13 @@ class SpecOutput:
 
 
 class RejectionSampler:
-    """Keeps the longest prefix of the draft that the target agrees with, plus one token.
-
-    Vocabulary (as in vLLM):
-
-    - accepted tokens: draft tokens the target keeps, in order, up to the first rejection.
-    - recovered token: at the first rejected position j, a token sampled from the residual
-      max(0, p_j - q_j) renormalised (greedy: the target's argmax at j), replacing the draft.
-    - bonus token: when all k drafts are accepted, a token sampled from p_{k+1}, which the
-      target's pass computed already.
-
-    So every row emits 1 to k + 1 tokens per target pass.
+    """Keeps the longest prefix of the draft that the target agrees with (the accepted tokens), plus
+    one token: at the first rejected position a recovered token from the residual max(0, p - q)
+    (greedy: the target's argmax), or the bonus token from p after all k drafts were accepted.
 
     Exactness (Leviathan et al. 2023; Chen et al. 2023): accepting x ~ q with probability
-    min(1, p(x) / q(x)), else sampling the normalised residual max(0, p - q), yields a token
-    distributed exactly as p; the draft only changes how many tokens one pass yields.
-
-    p and q are taken as given (the caller applies temperature, top-k, top-p and grammar masks
-    to both). Through `sample`, one-hot target probabilities give what `greedy` gives.
+    min(1, p(x) / q(x)), else sampling the normalised residual, yields a token distributed exactly
+    as p. p and q are taken as given (the caller applies sampling parameters and grammar masks).
     """
 
     def greedy(self, target_argmax: Tensor, draft_ids: Tensor, num_draft: Tensor) -> SpecOutput:
@@ -62,21 +51,12 @@ class RejectionSampler:
         rows, counts = target_argmax.tolist(), num_accepted.tolist()
         return SpecOutput(token_ids=[row[: n + 1] for row, n in zip(rows, counts)], num_accepted=num_accepted)
 
-    def sample(
-        self,
-        target_probs: Tensor,
-        draft_ids: Tensor,
-        draft_probs: Tensor | None,
-        num_draft: Tensor,
-        generators: list[torch.Generator | None] | None = None,
-    ) -> SpecOutput:
-        """Sampled verification, exact in distribution.
-        target_probs: [B, K+1, V] after 0 .. K draft tokens (row b reads 0 .. num_draft[b]).
-        draft_ids: [B, K] right-padded; num_draft: [B] real proposals per row (0: one token from p_0).
-        draft_probs: [B, K, V] the drafts' distributions, or None for deterministic drafts (q
-            one-hot: x is accepted with probability p(x), the residual is p without x; still exact).
-        generators: one per row (None: the default); a row with its own draws exactly
-            num_draft[b] + 1 uniforms from it, so its output does not depend on the batch."""
+    def sample(self, target_probs: Tensor, draft_ids: Tensor, draft_probs: Tensor | None, num_draft: Tensor,
+               generators: list[torch.Generator | None] | None = None) -> SpecOutput:
+        """Sampled verification, exact in distribution. target_probs: [B, K+1, V]; draft_ids: [B, K]
+        right-padded; num_draft: [B] real proposals per row; draft_probs: [B, K, V], or None for
+        deterministic drafts (one-hot q). generators: one per row (None: the default); a row with
+        its own draws exactly num_draft[b] + 1 uniforms from it, whatever the batch."""
         batch, k_max = _check_common(draft_ids, num_draft, target_probs.shape[:2], "target_probs")
         if target_probs.dim() != 3:
             raise ValueError(f"target_probs must be [B, K+1, V], got {list(target_probs.shape)}")

@@ -15,22 +15,11 @@ from moeserve.spec.rejection_sampler import RejectionSampler, SpecOutput
 _GREEDY = SamplingParams(temperature=0.0)  # a placeholder for rows verified by rejection sampling
 
 
-def verify(
-    sampler: Sampler,
-    rejection: RejectionSampler,
-    seqs: list[Sequence],
-    logits: torch.Tensor,
-    draft_ids: torch.Tensor,
-    draft_probs: torch.Tensor | None,
-    num_draft: torch.Tensor,
-) -> SpecOutput:
+def verify(sampler: Sampler, rejection: RejectionSampler, seqs: list[Sequence], logits: torch.Tensor,
+           draft_ids: torch.Tensor, draft_probs: torch.Tensor | None, num_draft: torch.Tensor) -> SpecOutput:
     """logits [B, K+1, V] at the verification positions; drafts as `pad_proposals` packs them.
-
-    Greedy and seeded rows keep drafts while they equal the target's own token at each
-    position: its argmax, or its sample keyed by (seed, position) (moeserve/sampler.py), so a
-    seeded reply is the same with or without speculation. Other sampled rows: exact
-    rejection sampling, which accepts the most any exact scheme can.
-    """
+    Greedy and seeded rows keep drafts while they equal the target's own token (its argmax, or
+    its keyed sample: the same reply with or without speculation); other rows: rejection sampling."""
     params = [s.params for s in seqs]
     drawn = [i for i, p in enumerate(params) if not p.greedy and p.seed is None]
     own = [p if i not in drawn else _GREEDY for i, p in enumerate(params)]
@@ -49,10 +38,8 @@ def verify(
 
 
 def verify_window(logits: torch.Tensor, fed: list[int], k: int) -> torch.Tensor:
-    """The K+1 verification positions of each row: logits [B, Tq, V] -> [B, K+1, V].
-
-    Row b's drafts follow its fed tokens, so its window starts at its last fed token
-    (fed[b] - 1); usually 0, more after jump-forward appended forced tokens."""
+    """The K+1 verification positions of each row: logits [B, Tq, V] -> [B, K+1, V], starting at
+    its last fed token (fed[b] - 1; more than 0 after jump-forward appended forced tokens)."""
     if all(n == 1 for n in fed):
         return logits[:, : k + 1]
     start = torch.tensor(fed).unsqueeze(1) - 1  # [B, 1]
