@@ -2,19 +2,16 @@
 
 Ray places, starts and supervises the processes and carries a few calls per group lifetime; the
 per-step data plane is torch.distributed between the ranks (model_shards/shard_worker.py). The
-group changes between two steps, its ranks keeping the weights they hold: experts move
-(`replace`); after a failed step, the ranks still alive form the group again without the dead
-(`recover`), whose experts already have second homes with `shards.redundancy` 1 or are read
-from the checkpoint (those only) with 0; a rank joins once it has loaded its weights beside the
-serving group, or the last rank leaves (`resize`, deployments/elastic.py). Running requests
-recompute their KV in the new group. Only when no rank died, or re-forming fails, `restart()`
-forms a fresh group of the configured width.
+group changes only between two steps, every rank keeping its weights: experts move (`replace`);
+after a failed step the live ranks re-form without the dead (`recover`), whose experts have second
+homes (`shards.redundancy` 1) or are read from the checkpoint; a rank joins once loaded beside the
+serving group, or the last one leaves (`resize`, deployments/elastic.py). Running requests
+recompute their KV in the new group. `restart()` forms a fresh group of the configured width.
 
-The placement group holds a bundle per rank, rank 0's included: rank 0 already runs (in the
-engine replica, whose resources Serve reserved), so its bundle is a token pinned to that node by
-Ray's node-id label. `shards.strategy` then places every rank: STRICT_SPREAD puts each on a node
-of its own, STRICT_PACK all of them on the replica's node; a rank added later takes a dead
-rank's bundle, or else a node the strategy allows.
+The placement group holds a bundle per rank: rank 0's is a token pinned to the engine replica's
+node by Ray's node-id label. `shards.strategy` places every rank (STRICT_SPREAD: a node each;
+STRICT_PACK: all on the replica's node); a rank added later takes a dead rank's bundle, or else a
+node the strategy allows.
 """
 
 from __future__ import annotations
@@ -103,9 +100,8 @@ class ShardActor:
 
     def __init__(self, cfg: ShardGroupConfig) -> None:
         self.cfg = cfg
-        self.model = self.stats = self.thread = self.rank = None
+        self.model = self.stats = self.thread = self.rank = self.error = None
         self.node_id = ray.get_runtime_context().get_node_id()
-        self.error: str | None = None
 
     def load(self, placement: Placement, rank: int) -> None:
         """Read this rank's weights before it joins (a new rank does this while the group serves)."""
@@ -167,7 +163,7 @@ class ShardGroup:
         self.generation = 0  # how many times the group was (re)formed
         self.width = cfg.world_size  # ranks now
         self.rank_failures_survived = self.resizes = 0
-        self.last_recovery_s = 0.0  # the last re-form's pause: dead rank found to group serving again
+        self.last_recovery_s = 0.0  # the last re-form's pause: dead rank found to serving again
         self._joining: tuple | None = None  # a new rank loading its weights: (actor, bundle, load ref)
 
     def _homes(self, base: Placement) -> Placement:
@@ -281,13 +277,11 @@ class ShardGroup:
                     self.generation, sorted(dead), self.width, self.last_recovery_s)
         return self.runner
 
-    # ---- elastic width (deployments/elastic.py decides when) -----------------------------------
     def prepare_growth(self) -> bool:
         """Start a new rank loading its weights beside the serving group, in a free bundle of the
         placement group (a dead rank's) if there is one; True once it is loaded (`resize` may join it)."""
         if self._joining is None:
-            free = sorted(set(range(1, self.pg.bundle_count if self.pg else 1)) - set(self.bundles))
-            bundle = free[0] if free else None
+            bundle = min(set(range(1, self.pg.bundle_count if self.pg else 1)) - set(self.bundles), default=None)
             actor = self._new_actor(bundle)
             self._joining = (actor, bundle, actor.load.remote(self._homes(with_new_rank(self.base)), self.width))
         ref = self._joining[2]
