@@ -37,6 +37,10 @@ class ElasticGroup:
 
         return self.group.recover(lambda: proposed_placement(self.shards.num_shards))
 
+    @property
+    def rank_failures(self) -> int:
+        return self.group.rank_failures_survived
+
     def replace(self, rank_experts: tuple[tuple[int, ...], ...]) -> None:
         self.group.replace(Placement(rank_experts))
 

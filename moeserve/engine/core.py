@@ -128,7 +128,8 @@ class EngineCore:
         except StepError as e:  # nothing emitted: find the request that causes it, the rest carry on
             logger.warning("engine step failed with %d request(s) in it: %r", len(e.request_ids), e.__cause__)
             self.counters["step_errors"] += 1
-            self._reform()
+            if self._reform():  # a rank died: the group failed, not a request; all carry on
+                return []
             return self.isolation.failed(e.request_ids, e.__cause__)
         except Exception as e:  # failed after emitting tokens: nothing can be replayed here
             logger.exception("engine step failed; ending every live request")
@@ -157,10 +158,14 @@ class EngineCore:
             self.counters["step_errors"] += 1
             self._reform()
 
-    def _reform(self) -> None:
-        """After a failed step on a shard group: a new group, where running requests recompute."""
-        if self.group is not None:
-            self._regroup(self.group.recover)
+    def _reform(self) -> bool:
+        """After a failed step on a shard group: a new group, where running requests recompute.
+        True when the group had lost a rank."""
+        if self.group is None:
+            return False
+        lost = self.group.rank_failures
+        self._regroup(self.group.recover)
+        return self.group.rank_failures > lost
 
     def _regroup(self, form: Callable[[], Any]) -> None:
         self.engine.requeue([s.seq_id for s in self.engine.scheduler.running])

@@ -80,9 +80,10 @@ def test_moeserve_serve_answers_and_stops_on_ctrl_c():
     serve_and_stop([sys.executable, "-m", "deployments.cli"], ROOT, check)
 
 
-def test_a_plain_pip_install_serves_the_demo(tmp_path):
+def test_a_plain_pip_install_serves_the_demo(tmp_path, monkeypatch):
     """`pip install .` (not editable) into a fresh venv, then `moeserve serve --demo` from another
     folder: the demo checkpoints and the config come from the installed package, not the checkout."""
+    monkeypatch.delenv("PYTHONPATH", raising=False)  # the checkout's egg-info would read as "already installed"
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     site = next((venv / "lib").glob("python3*/site-packages"))

@@ -256,6 +256,9 @@ def test_the_group_widens_narrows_and_takes_a_replacement_rank_mid_generation(ra
         assert stats["shard_group"]["width"] == 2 and stats["shard_group"]["rank_failures_survived"] == 1
         assert stats["shard_group"]["resizes"] == 3 and stats["finished"].get("error", 0) == 0
         assert group.actors[0] is not first
+        core = server.core.core
+        assert stats["step_errors"] >= 1 and not core.isolation.suspects  # the group failed, no request was run alone
+        assert core.engine.scheduler.focus is None
     finally:
         server.shutdown()
         group.stop()
