@@ -8,10 +8,9 @@ homes (`shards.redundancy` 1) or are read from the checkpoint; a rank joins once
 serving group, or the last one leaves (`resize`, deployments/elastic.py). Running requests
 recompute their KV in the new group. `restart()` forms a fresh group of the configured width.
 
-The placement group holds a bundle per rank: rank 0's is a token pinned to the engine replica's
-node by Ray's node-id label. `shards.strategy` places every rank (STRICT_SPREAD: a node each;
-STRICT_PACK: all on the replica's node); a rank added later takes a dead rank's bundle, or else a
-node the strategy allows.
+A placement group holds a bundle per rank, rank 0's a token pinned to the replica's node by label.
+`shards.strategy` places every rank (STRICT_SPREAD: a node each; STRICT_PACK: all on the replica's
+node); a rank added later takes a dead rank's bundle, or else a node the strategy allows.
 """
 
 from __future__ import annotations
@@ -157,8 +156,7 @@ class ShardGroup:
         self.placement = self._homes(self.base)
         self.actors: list = []  # ranks 1.. in order
         self.bundles: list[int | None] = []  # each actor's bundle in `pg` (None: placed by node label)
-        self.pg = None
-        self.model = self.runner = self.stats = None  # rank 0's model outlives re-forms
+        self.pg = self.model = self.runner = self.stats = None  # rank 0's model outlives re-forms
         self.shard_info: list[dict] = []
         self.generation = 0  # how many times the group was (re)formed
         self.width = cfg.world_size  # ranks now
@@ -177,9 +175,11 @@ class ShardGroup:
         self.placement = self._homes(self.base)
         if world > 1:
             bundle = {"CPU": cfg.cpus_per_shard} | ({"GPU": cfg.gpus_per_shard} if cfg.gpus_per_shard else {})
-            here = {NODE_ID_LABEL_KEY: ray.get_runtime_context().get_node_id()}
+            node = ray.get_runtime_context().get_node_id()
+            # STRICT_SPREAD: else Ray may put another bundle on rank 0's node and leave rank 0's pending
+            away = {NODE_ID_LABEL_KEY: f"!in({node})"} if cfg.strategy == "STRICT_SPREAD" else {}
             self.pg = placement_group([RANK0_BUNDLE] + [bundle] * (world - 1), strategy=cfg.strategy,
-                                      bundle_label_selector=[here] + [{}] * (world - 1))
+                                      bundle_label_selector=[{NODE_ID_LABEL_KEY: node}] + [away] * (world - 1))
             ray.get(self.pg.ready(), timeout=cfg.start_timeout_s)
             self.bundles = list(range(1, world))
             self.actors = [self._new_actor(b) for b in self.bundles]
