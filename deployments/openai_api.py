@@ -299,7 +299,7 @@ async def full_response(merged: Merged, n: int, builder: ResponseBuilder, callin
     if calling is not None:
         for c in choices:
             c.text, c.tool_calls = calling.split(c.text)
-            c.finish_reason = "tool_calls" if c.tool_calls else c.finish_reason
+            c.finish_reason = "tool_calls" if c.tool_calls and c.finish_reason != "length" else c.finish_reason
     return builder.full(choices, _total(usage))
 
 
@@ -324,7 +324,7 @@ async def sse_events(merged: Merged, n: int, builder: ResponseBuilder, include_u
                 if text or chunk.logprobs or chunk.trace:
                     yield builder.chunk(text, index=i, logprobs=chunk.logprobs, trace=chunk.trace)
                 yield builder.tool_calls_chunk(calls, index=i)
-                yield builder.chunk("", "tool_calls", index=i)
+                yield builder.chunk("", "length" if chunk.finish_reason == "length" else "tool_calls", index=i)
             elif text or chunk.finished or chunk.logprobs or chunk.trace:
                 yield builder.chunk(text, chunk.finish_reason, index=i, logprobs=chunk.logprobs, trace=chunk.trace)
             usage[i] = chunk.usage

@@ -3,11 +3,13 @@
     tool_choice   what the model may write                      how
     "none"        text only                                     no grammar (tools still in the prompt)
     "auto"        text, or calls as <tool_call>{...}</tool_call>  parsed from the text (Hermes style)
-    "required"    one call (or a list, if parallel) of any tool  JSON-schema grammar: always valid
-    {function}    a call of that function                        JSON-schema grammar: always valid
+    "required"    one call of any tool (parallel: one or more)  JSON-schema grammar: always valid
+    {function}    exactly one call of that function             grammar: its arguments object
 
-Calls reach the client as `message.tool_calls` with finish_reason "tool_calls"; streamed, as one
-whole call per `delta.tool_calls` entry once complete.
+`parallel_tool_calls: false` keeps at most one call. Calls reach the client as `message.tool_calls`
+with finish_reason "tool_calls"; streamed, as one whole call per `delta.tool_calls` entry once
+complete. A call cut by `max_tokens` is still a call (finish_reason "length"; its arguments are as
+far as they got, a prefix of valid JSON), and the call syntax never reaches `content`.
 """
 
 from __future__ import annotations
@@ -22,7 +24,10 @@ from pydantic import BaseModel, ConfigDict, Field
 from moeserve.grammar.spec import GrammarSpec
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
-_CALL = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.DOTALL)
+# a call, closed or cut off by the end of the text
+_CALL = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*(?:" + re.escape(CLOSE) + r"|$)", re.DOTALL)
+# the start of a call object as the grammar writes it (name first), cut anywhere after the name
+_PARTIAL = re.compile(r'\{\s*"name"\s*:\s*"([^"\\]*)"\s*(?:,\s*"arguments"\s*:\s*(.*))?', re.DOTALL)
 _NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule for function names
 
 
@@ -57,12 +62,12 @@ class ToolCalling:
         elif choice == "required":
             if not tools:
                 raise ValueError("tool_choice 'required' needs tools")
-            self.mode, self.forced = "forced", names
+            self.mode, self.forced = "required", names
         elif isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
             name = choice["function"].get("name")
             if name not in self.tools:
                 raise ValueError(f"tool_choice names function {name!r}, which is not in tools")
-            self.mode, self.forced = "forced", [name]
+            self.mode, self.forced = "named", [name]
         else:
             raise ValueError("tool_choice must be 'none', 'auto', 'required' or "
                              "{'type': 'function', 'function': {'name': ...}}")
@@ -72,8 +77,10 @@ class ToolCalling:
         return [{"type": "function", "function": f.model_dump(exclude_none=True)} for f in self.tools.values()]
 
     def grammar(self) -> GrammarSpec | None:
-        """For a forced call: a JSON schema admitting exactly the allowed calls."""
-        if self.mode != "forced":
+        """For a forced call: a JSON schema admitting exactly the allowed calls (named: its arguments)."""
+        if self.mode == "named":
+            return GrammarSpec.json_schema(json.dumps(self.tools[self.forced[0]].parameters))
+        if self.mode != "required":
             return None
         calls = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
                   "properties": {"name": {"const": n}, "arguments": self.tools[n].parameters}} for n in self.forced]
@@ -82,26 +89,17 @@ class ToolCalling:
         return GrammarSpec.json_schema(json.dumps(schema))
 
     def split(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
-        """The finished text as (content, tool_calls in OpenAI's shape); no calls: (text, [])."""
+        """The text as (content, tool_calls in OpenAI's shape); no calls: (text, []). A call the
+        text cuts short comes back with the arguments written so far."""
         if self.mode == "none":
             return text, []
-        if self.mode == "forced":
-            try:
-                parsed = json.loads(text)
-            except ValueError:  # cut short (length): not a call
-                return text, []
-            return None, [_call(c) for c in (parsed if isinstance(parsed, list) else [parsed])]
-        calls = []
-        for body in _CALL.findall(text):
-            try:
-                c = json.loads(body)
-            except ValueError:
-                continue
-            if isinstance(c, dict) and c.get("name") in self.tools and isinstance(c.get("arguments", {}), dict):
-                calls.append(_call(c))
-        if not calls:
-            return text, []
-        content = _CALL.sub("", text).strip()
+        if self.mode == "named":  # the text is the arguments object
+            return None, [_call({"name": self.forced[0], "arguments": _tidy(text)})]
+        if self.mode == "required":
+            body = text.strip()
+            return None, _calls(body[1:] if self.parallel and body.startswith("[") else body, self.tools)
+        calls = [c for body in _CALL.findall(text) for c in _calls(body, self.tools)]
+        content = _without_calls(text).strip()
         return content or None, calls if self.parallel else calls[:1]
 
     def stream(self) -> ToolStream:
@@ -120,7 +118,7 @@ class ToolStream:
         """Content to stream now for this new text."""
         self.text += text
         mode = self.calling.mode
-        if mode == "forced":
+        if mode in ("required", "named"):
             return ""
         if mode == "none":
             out, self.sent = self.text[self.sent :], len(self.text)
@@ -138,12 +136,52 @@ class ToolStream:
     def finish(self) -> tuple[str, list[dict[str, Any]]]:
         """At the end: the content not yet streamed, and the calls."""
         _, calls = self.calling.split(self.text)
-        rest = self.text[self.sent :]
-        if not calls:
-            return rest, []
-        return ("" if self.calling.mode == "forced" else _CALL.sub("", rest)), calls
+        rest, mode = self.text[self.sent :], self.calling.mode
+        if mode in ("required", "named"):
+            return "", calls
+        return (rest if mode == "none" else _without_calls(rest)), calls
+
+
+def _calls(text: str, tools: dict[str, FunctionDef]) -> list[dict[str, Any]]:
+    """The call objects `text` holds one after another (`,` between them, a `]` after), the last
+    perhaps cut short; those naming an unknown function are dropped."""
+    out, pos, decoder = [], 0, json.JSONDecoder()
+    while (pos := _skip(text, pos)) < len(text) and text[pos] != "]":
+        try:
+            c, pos = decoder.raw_decode(text, pos)
+        except ValueError:  # cut short (or not JSON): the name and the arguments so far, if any
+            if (m := _PARTIAL.match(text, pos)) and m.group(1) in tools:
+                out.append(_call({"name": m.group(1), "arguments": (m.group(2) or "").strip()}))
+            break
+        if isinstance(c, dict) and c.get("name") in tools and isinstance(c.get("arguments", {}), dict):
+            out.append(_call(c))
+    return out
+
+
+def _without_calls(text: str) -> str:
+    """The text without its calls, nor the start of "<tool_call>" it was cut in (from "<t" on)."""
+    text = _CALL.sub("", text)
+    cut = next((k for k in range(len(OPEN) - 1, 1, -1) if text.endswith(OPEN[:k])), 0)
+    return text[: len(text) - cut]
+
+
+def _skip(text: str, pos: int) -> int:
+    while pos < len(text) and (text[pos].isspace() or text[pos] == ","):
+        pos += 1
+    return pos
+
+
+def _tidy(arguments: str) -> str:
+    """Arguments text as JSON with the usual separators, or as written when cut short."""
+    try:
+        return json.dumps(json.loads(arguments), ensure_ascii=False)
+    except ValueError:
+        return arguments.strip()
 
 
 def _call(c: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI's shape; arguments a dict, or (cut short) the text written so far."""
+    args = c.get("arguments", {})
     return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": c["name"], "arguments": json.dumps(c.get("arguments", {}), ensure_ascii=False)}}
+            "function": {"name": c["name"], "arguments": args if isinstance(args, str)
+                         else json.dumps(args, ensure_ascii=False)}}

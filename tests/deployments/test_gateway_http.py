@@ -234,6 +234,64 @@ def test_tool_calls_required_and_named_streamed_and_not_then_a_round_trip(long_g
     assert after.choices[0].message.role == "assistant"
 
 
+def _json_prefix(text: str, schema: dict) -> bool:
+    """Whether `text` starts a document valid under `schema` (xgrammar's string matcher)."""
+    import xgrammar as xgr
+
+    grammar = xgr.GrammarCompiler(xgr.TokenizerInfo(["a"])).compile_json_schema(json.dumps(schema))
+    return xgr.GrammarMatcher(grammar).accept_string(text)
+
+
+def test_tool_calls_named_required_and_auto_whole_and_cut_streamed_and_not(long_gateway):
+    """Named: exactly one call of that function; required, parallel off: one call; cut by max_tokens:
+    still a call, finish_reason "length", arguments a prefix of valid JSON; auto: never call syntax in
+    content. Each streamed and not."""
+    ask = [{"role": "user", "content": "Two rye loaves please"}]
+    named = {"type": "function", "function": {"name": "place_order"}}
+    cases = [(choice, parallel, max_tokens, stream)
+             for choice, parallel in ((named, True), ("required", False), ("required", True), ("auto", True))
+             for max_tokens in (6, 200) for stream in (False, True)]
+
+    async def run(choice, parallel, max_tokens, stream):
+        c = client(long_gateway)
+        r = await c.chat.completions.create(model=MODEL_NAME, messages=ask, tools=TOOLS, tool_choice=choice,
+                                            parallel_tool_calls=parallel, max_tokens=max_tokens, temperature=1.0,
+                                            seed=7, stream=stream)
+        if not stream:
+            m = r.choices[0]
+            return m.finish_reason, m.message.content, [(t.function.name, t.function.arguments)
+                                                          for t in m.message.tool_calls or []]
+        content, calls, finish = "", {}, None
+        async for ch in r:
+            d = ch.choices[0].delta
+            content += d.content or ""
+            for t in d.tool_calls or []:
+                name, args = calls.get(t.index, ("", ""))
+                calls[t.index] = (name + (t.function.name or ""), args + (t.function.arguments or ""))
+            finish = ch.choices[0].finish_reason or finish
+        return finish, content or None, [calls[i] for i in sorted(calls)]
+
+    async def main():
+        return [await run(*case) for case in cases]
+
+    for (choice, parallel, max_tokens, stream), (finish, content, calls) in zip(cases, asyncio.run(main())):
+        case = (choice, parallel, max_tokens, stream, finish, content, calls)
+        assert "<tool_call" not in (content or "") and "</tool_call>" not in (content or ""), case
+        if choice == "auto":
+            continue  # the tiny model writes no call syntax; tests/deployments/test_tools.py cuts calls
+        cut = max_tokens == 6
+        assert content is None and finish == ("length" if cut else "tool_calls"), case
+        if choice == named:
+            assert [name for name, _ in calls] == ["place_order"], case  # exactly one call, named or cut
+        elif not parallel:
+            assert len(calls) <= 1 and (cut or len(calls) == 1), case
+        for name, args in calls:
+            if cut:
+                assert _json_prefix(args, SCHEMAS[name]), case
+            else:
+                jsonschema.validate(json.loads(args), SCHEMAS[name])
+
+
 def test_tool_choice_errors_are_clear_400s(gateway):
     ask = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}]}
     cases = [

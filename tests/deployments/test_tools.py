@@ -17,14 +17,18 @@ TOOLS = [Tool.model_validate({"type": "function", "function": {"name": n, "param
          for n in ("get_price", "place_order")]
 
 
+NAMED = {"type": "function", "function": {"name": "place_order"}}
+
+
 def test_each_tool_choice_sets_the_grammar():
     assert ToolCalling(TOOLS, None, True).grammar() is None  # auto: free text
     assert ToolCalling(TOOLS, "none", True).mode == "none"
-    named = json.loads(ToolCalling(TOOLS, {"type": "function", "function": {"name": "place_order"}}, False)
-                       .grammar().value)
-    jsonschema.validate({"name": "place_order", "arguments": {"item": "rye"}}, named)
+    # a named function: the output is that function's arguments object, so exactly one call
+    assert json.loads(ToolCalling(TOOLS, NAMED, True).grammar().value) == PARAMS
+    one = json.loads(ToolCalling(TOOLS, "required", False).grammar().value)
+    jsonschema.validate({"name": "get_price", "arguments": {"item": "rye"}}, one)
     with pytest.raises(jsonschema.ValidationError):
-        jsonschema.validate({"name": "get_price", "arguments": {"item": "rye"}}, named)
+        jsonschema.validate([{"name": "get_price", "arguments": {"item": "rye"}}], one)  # not parallel: one call
     required = json.loads(ToolCalling(TOOLS, "required", True).grammar().value)
     jsonschema.validate([{"name": "get_price", "arguments": {"item": "a"}},
                          {"name": "place_order", "arguments": {"item": "b"}}], required)
@@ -38,15 +42,60 @@ def test_forced_and_auto_text_become_calls():
     content, calls = forced.split('[{"name":"get_price","arguments":{"item":"rye"}}]')
     assert content is None and [c["function"]["name"] for c in calls] == ["get_price"]
     assert json.loads(calls[0]["function"]["arguments"]) == {"item": "rye"}
-    assert forced.split('[{"name":"get_pr') == ('[{"name":"get_pr', [])  # cut short: no call
+    assert forced.split('[{"name":"get_pr') == (None, [])  # cut before the name is whole: no call, no content
+
+    content, calls = ToolCalling(TOOLS, NAMED, False).split('{"item": "rye"}')
+    assert content is None and len(calls) == 1 and calls[0]["function"]["name"] == "place_order"
+    assert json.loads(calls[0]["function"]["arguments"]) == {"item": "rye"}
 
     auto = ToolCalling(TOOLS, "auto", False)
     text = 'Let me check. <tool_call>{"name": "get_price", "arguments": {"item": "rye"}}</tool_call>' \
            '<tool_call>{"name": "place_order", "arguments": {"item": "rye"}}</tool_call>'
     content, calls = auto.split(text)
     assert content == "Let me check." and len(calls) == 1  # parallel_tool_calls false: the first
-    assert auto.split("<tool_call>{not json}</tool_call> hi")[1] == []
-    assert auto.split('<tool_call>{"name": "unknown", "arguments": {}}</tool_call>')[1] == []
+    assert ToolCalling(TOOLS, "auto", True).split(text)[1][1]["function"]["name"] == "place_order"
+    assert auto.split("<tool_call>{not json}</tool_call> hi") == ("hi", [])  # no call, and no call syntax
+    assert auto.split('<tool_call>{"name": "unknown", "arguments": {}}</tool_call>') == (None, [])
+
+
+def _cut_everywhere(calling: ToolCalling, full: str, expected: list[tuple[str, str]]):
+    """Every prefix of `full`, whole and streamed in pieces: never call syntax in the content, and
+    each call is one of `expected` (name, arguments text) with its arguments a prefix of theirs."""
+    for end in range(len(full) + 1):
+        text = full[:end]
+        stream = calling.stream()
+        shown = "".join(stream.feed(text[i : i + 3]) for i in range(0, len(text), 3))
+        rest, streamed = stream.finish()
+        for content, calls in (calling.split(text), (shown + rest, streamed)):
+            assert "<tool_call" not in (content or "") and "</tool_call>" not in (content or ""), text
+            assert len(calls) <= len(expected)
+            for call, (name, args) in zip(calls, expected):
+                assert call["function"]["name"] == name
+                assert args.startswith(call["function"]["arguments"]) or (
+                    json.loads(call["function"]["arguments"]) == json.loads(args)), (text, call)
+        yield text, calling.split(text)[1]
+
+
+def test_a_call_cut_short_is_still_a_call_with_the_arguments_so_far():
+    args = ['{"item": "rye \\"dark\\" loaf"}', '{"item": "b"}']
+    required = "[" + ", ".join(f'{{"name": "{n}", "arguments": {a}}}'
+                               for n, a in zip(["get_price", "place_order"], args)) + "]"
+    cuts = dict(_cut_everywhere(ToolCalling(TOOLS, "required", True), required,
+                                [("get_price", args[0]), ("place_order", args[1])]))
+    assert len(cuts[required]) == 2 and json.loads(cuts[required][0]["function"]["arguments"])["item"] == \
+        'rye "dark" loaf'
+    mid = required[: required.index("dark")]
+    assert [c["function"]["arguments"] for c in cuts[mid]] == ['{"item": "rye \\"']
+
+    named = dict(_cut_everywhere(ToolCalling(TOOLS, NAMED, True), args[1], [("place_order", args[1])]))
+    assert all(len(calls) == 1 for calls in named.values())  # a named call exists from the first token on
+
+    auto = "Sure. " + "".join(f'<tool_call>{{"name": "{n}", "arguments": {a}}}</tool_call>'
+                              for n, a in zip(["get_price", "place_order"], args))
+    cuts = dict(_cut_everywhere(ToolCalling(TOOLS, "auto", True), auto,
+                                [("get_price", args[0]), ("place_order", args[1])]))
+    assert len(cuts[auto]) == 2 and len(cuts[auto[:-20]]) == 2
+    assert ToolCalling(TOOLS, "auto", True).split(auto[:-20])[0] == "Sure."
 
 
 def test_streamed_auto_text_holds_back_a_possible_call():
