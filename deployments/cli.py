@@ -5,22 +5,27 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 
 from moeserve.config import AppConfig
 from moeserve.engine.factory import speculation
 from moeserve.engine.llm import LLM
-from moeserve.sampling_params import SamplingParams
+from moeserve.sampling_params import SamplingParams, StructuredOutputsParams
 from moeserve.tokenizer import render_chat
 
 
 def _generate(args: argparse.Namespace) -> int:
     draft = args.draft if args.draft != "model" or not args.draft_model else args.draft_model
     try:
+        structured = None
+        if args.json_schema or args.regex:
+            schema = Path(args.json_schema).read_text() if args.json_schema else None
+            structured = StructuredOutputsParams(json=schema, regex=args.regex)
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                                seed=args.seed)
+                                seed=args.seed, structured_outputs=structured)
         llm = LLM(args.model, draft, num_tokens=args.num_spec_tokens, max_model_len=args.max_model_len,
                   max_num_seqs=1, compile=args.compile)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     prompt = args.prompt if args.raw else render_chat(llm.tokenizer, [{"role": "user", "content": args.prompt}])
@@ -94,6 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--raw", action="store_true", help="send PROMPT as is, without the chat template")
     g.add_argument("--compile", action="store_true",
                    help="compile the decode step first (pays off for long outputs; tens of seconds the first time)")
+    g.add_argument("--json-schema", metavar="FILE", help="the reply is JSON valid under the schema in FILE")
+    g.add_argument("--regex", help="the reply matches this regular expression (one of --json-schema, --regex)")
     g.add_argument("-v", "--verbose", action="store_true", help="print throughput and speculation stats")
     g.set_defaults(func=_generate)
 

@@ -1,8 +1,9 @@
-"""moeserve: serving Mixture-of-Experts models. The offline API is `LLM` with `SamplingParams`."""
+"""moeserve: serving Mixture-of-Experts models. The offline API is `LLM` with `SamplingParams`
+(and `StructuredOutputsParams` for constrained output)."""
 
 from typing import Any
 
-__all__ = ["LLM", "SamplingParams"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams"]
 
 
 def __getattr__(name: str) -> Any:  # lazy: `import moeserve.sampling_params` need not load torch
@@ -10,8 +11,8 @@ def __getattr__(name: str) -> Any:  # lazy: `import moeserve.sampling_params` ne
         from moeserve.engine.llm import LLM
 
         return LLM
-    if name == "SamplingParams":
-        from moeserve.sampling_params import SamplingParams
+    if name in ("SamplingParams", "StructuredOutputsParams"):
+        from moeserve import sampling_params
 
-        return SamplingParams
+        return getattr(sampling_params, name)
     raise AttributeError(f"module 'moeserve' has no attribute {name!r}")

@@ -65,6 +65,30 @@ class TokenTrace:
 
 
 @dataclass(frozen=True)
+class StructuredOutputsParams:
+    """The offline API's structured output, as vLLM names it: exactly one of a JSON schema (a dict
+    or its text), a regex, an EBNF grammar, a list of choices, or any JSON object. The served API
+    takes the same through `response_format` and `guided_*`; both fail with the same GrammarError."""
+
+    json: dict | str | bool | None = None
+    regex: str | None = None
+    grammar: str | None = None
+    choice: tuple[str, ...] | list[str] | None = None
+    json_object: bool = False
+
+    def spec(self):
+        """The GrammarSpec (moeserve.grammar) this asks for; GrammarError (a ValueError) if malformed."""
+        from moeserve.grammar.spec import GrammarSpec
+
+        spec = GrammarSpec.from_request(response_format={"type": "json_object"} if self.json_object else None,
+                                        guided_json=self.json, guided_regex=self.regex, guided_grammar=self.grammar,
+                                        guided_choice=None if self.choice is None else list(self.choice))
+        if spec is None:
+            raise ValueError("structured_outputs: set one of json, regex, grammar, choice or json_object")
+        return spec
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """How one request samples tokens (temperature, then top-k, then top-p; temperature 0: greedy;
     top_k 0 or -1 and top_p 1: off) and when it stops.
@@ -75,6 +99,7 @@ class SamplingParams:
     logprobs: None (off), or each token's log-probability and this many alternatives, from the
         final distribution it was drawn from (greedy requests: the model's masked distribution).
     trace_experts, trace_speculation: see TokenTrace.
+    structured_outputs: constrains the output (the offline API, `LLM`; checked when the request is added).
     """
 
     max_tokens: int = 128
@@ -88,6 +113,7 @@ class SamplingParams:
     logprobs: int | None = None
     trace_experts: bool = False
     trace_speculation: bool = False
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -131,6 +157,8 @@ class SamplingParams:
 
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be null or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError("structured_outputs must be a StructuredOutputsParams")
         for name in ("ignore_eos", "trace_experts", "trace_speculation"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")

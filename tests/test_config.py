@@ -3,6 +3,8 @@ tree, every component's defaults are the tree's, and relative paths resolve besi
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -112,6 +114,32 @@ def test_moeserve_generate_runs_on_the_demo_pair():
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() and "tokens/s; speculation=ngram" in out.stderr
+
+
+def test_moeserve_generate_constrains_the_reply_to_a_schema_or_a_regex(tmp_path):
+    """`--json-schema FILE` and `--regex`: the streamed reply is valid; a bad regex is a clear error (exit 2)."""
+    import json
+    import subprocess
+    import sys
+
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"bread": {"enum": ["rye", "spelt"]}, "loaves": {"type": "integer"}},
+              "required": ["bread", "loaves"], "additionalProperties": False}
+    (tmp_path / "order.json").write_text(json.dumps(schema))
+
+    def generate(*flags: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "deployments.cli", "generate", "Two rye loaves, please.",
+                               "--max-tokens", "48", "--draft", "none", *flags], capture_output=True, text=True,
+                              timeout=300)
+
+    out = generate("--json-schema", str(tmp_path / "order.json"))
+    assert out.returncode == 0, out.stderr
+    jsonschema.validate(json.loads(out.stdout), schema)
+    out = generate("--regex", "(yes|no), [a-z ]{1,20}")
+    assert out.returncode == 0 and re.fullmatch("(yes|no), [a-z ]{1,20}", out.stdout.strip()), out
+    out = generate("--regex", "([")
+    assert out.returncode == 2 and "error: invalid regex" in out.stderr, out.stderr
 
 
 def test_the_overflow_policy_set_in_the_yaml_reaches_every_moe_layer_and_metrics():

@@ -202,8 +202,7 @@ class EngineCore:
             try:
                 refusal = self._start(req, job.result())
             except GrammarError as e:
-                msg = str(e) if str(e).startswith("invalid") else f"invalid {req.grammar.kind} grammar: {e}"
-                refusal = error_chunk(rid, ErrorCode.INVALID_ARGUMENT, msg, param="grammar")
+                refusal = error_chunk(rid, ErrorCode.INVALID_ARGUMENT, e.refusal(req.grammar.kind), param="grammar")
             except Exception as e:  # a compiler bug or a pathological grammar: refuse it, keep serving
                 logger.exception("grammar compile failed")
                 msg = f"could not compile the {req.grammar.kind} grammar: {type(e).__name__}: {e}"

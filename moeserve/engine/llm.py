@@ -16,7 +16,7 @@ from typing import Any
 
 from moeserve.config import AppConfig
 from moeserve.engine.factory import build_engine
-from moeserve.sampling_params import SamplingParams, TokenLogprob, TokenTrace
+from moeserve.sampling_params import SamplingParams, StructuredOutputsParams, TokenLogprob, TokenTrace
 from moeserve.tokenizer import IncrementalDetokenizer
 
 PROGRESS_FROM = 16  # show a progress bar for this many prompts or more
@@ -55,6 +55,7 @@ class LLM:
             torch.set_num_threads(self.config.engine.torch_threads)
         self.engine = build_engine(self.config)
         self.tokenizer = self.engine.tokenizer
+        self._compiler = None  # made on the first structured-output request
 
     def generate(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -81,13 +82,30 @@ class LLM:
             yield text, out
 
     def _add(self, prompts: Sequence, params: list[SamplingParams]) -> tuple[list[CompletionOutput], dict]:
+        # every grammar first: a bad one raises (GrammarError, as the server's 400) before anything is queued
+        grammars = [self._compile(p.structured_outputs) if p.structured_outputs is not None else None for p in params]
         results, live = [], {}
-        for prompt, p in zip(prompts, params):
+        for prompt, p, grammar in zip(prompts, params, grammars):
             ids = list(self.tokenizer.encode(prompt)) if isinstance(prompt, str) else [int(t) for t in prompt]
             out = CompletionOutput(ids)
-            live[self.engine.add_request(ids, p)] = (out, IncrementalDetokenizer(self.tokenizer, ids, p.stop))
+            request_id = self.engine.add_request(ids, p, grammar=grammar)
+            live[request_id] = (out, IncrementalDetokenizer(self.tokenizer, ids, p.stop))
             results.append(out)
         return results, live
+
+    def _compile(self, structured: StructuredOutputsParams) -> Any:
+        from moeserve.grammar import GrammarError
+
+        if self._compiler is None:
+            from moeserve.grammar import GrammarCompiler
+
+            self._compiler = GrammarCompiler(self.tokenizer, self.engine.runner.vocab_size,
+                                             config=self.config.grammar.grammar_config())
+        spec = structured.spec()
+        try:
+            return self._compiler.compile(spec)
+        except GrammarError as e:  # worded as the server's 400
+            raise type(e)(e.refusal(spec.kind), feature=e.feature) from None
 
     def _run(self, live: dict[str, tuple[CompletionOutput, IncrementalDetokenizer]]) -> Iterator[tuple]:
         """Step the engine until every request in `live` ends: (output, its new text) per request and step."""

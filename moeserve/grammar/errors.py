@@ -17,6 +17,10 @@ class GrammarError(ValueError):
     def __reduce__(self):  # keep `feature` when the error crosses a process boundary
         return (_rebuild, (self.message, self.feature, type(self)))
 
+    def refusal(self, kind: str) -> str:
+        """What the client reads (the served 400 and the offline API alike): the message, naming the grammar kind."""
+        return self.message if self.message.startswith("invalid") else f"invalid {kind} grammar: {self.message}"
+
 
 class GrammarTimeoutError(GrammarError):
     """Compiling took longer than the configured limit (not cached: a retry may succeed)."""

@@ -414,6 +414,31 @@ BAD_CHAT = [
 ]
 
 
+OFFLINE_BAD = [  # (the served request's grammar fields, the same as StructuredOutputsParams)
+    ({"guided_regex": "(["}, {"regex": "(["}),
+    ({"guided_grammar": "root ::= ("}, {"grammar": "root ::= ("}),
+    ({"guided_choice": []}, {"choice": []}),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "u", "schema": {
+        "type": "array", "uniqueItems": True, "minItems": 2}}}}, {"json": {"type": "array", "uniqueItems": True,
+                                                                           "minItems": 2}}),
+    ({"guided_json": {"type": "bogus"}}, {"json": {"type": "bogus"}}),
+]
+
+
+def test_the_offline_api_refuses_a_bad_grammar_with_the_servers_400_message(gateway, folder):
+    from moeserve import LLM, SamplingParams, StructuredOutputsParams
+    from moeserve.grammar import GrammarError
+
+    llm = LLM(str(folder), "none", max_model_len=MAX_LEN)
+    for served, offline in OFFLINE_BAD:
+        r = asyncio.run(_post(gateway, "/v1/completions", {"model": MODEL_NAME, "prompt": "x", **served}))
+        assert r.status_code == 400, r.text
+        with pytest.raises(GrammarError) as e:
+            llm.generate("x", SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(**offline)))
+        assert str(e.value) == r.json()["error"]["message"]
+    assert not llm.engine.has_unfinished()  # nothing was queued
+
+
 @pytest.mark.parametrize("route,body,status,needle", [("/v1/completions", *b) for b in BAD]
                          + [("/v1/chat/completions", *b) for b in BAD_CHAT])
 def test_bad_input_gets_a_4xx_with_a_message(gateway, route, body, status, needle):

@@ -367,3 +367,29 @@ def test_a_greedy_draft_drafts_through_the_text_its_grammar_forces(tiny):
     assert changed[True] == 0 and changed[False] > 0, changed
     assert through[True] > 0, through
     assert passes[True] < 0.5 * plain_steps, (passes, plain_steps)
+
+
+def test_the_offline_api_takes_each_structured_output_kind(tiny):
+    """`SamplingParams(structured_outputs=StructuredOutputsParams(...))` (vLLM's names) in `LLM.generate`
+    and `LLM.stream`: every kind, greedy and sampled, batched with a free request; each output
+    satisfies its grammar, and the free one is unconstrained."""
+    from moeserve import LLM, StructuredOutputsParams
+
+    folder, _, _ = tiny
+    kinds = {"json_schema": {"json": SCHEMA}, "json_object": {"json_object": True},
+             "regex": {"regex": SPECS["regex"].value}, "choice": {"choice": ["yes", "no", "maybe later"]},
+             "ebnf": {"grammar": SPECS["ebnf"].value}}
+    llm = LLM(str(folder), "none", max_model_len=512)
+    params = [SamplingParams(max_tokens=160, temperature=t, seed=3, structured_outputs=StructuredOutputsParams(**kw))
+              for kw in kinds.values() for t in (0.0, 1.0)]
+    outs = llm.generate([PROMPTS[0]] * (len(params) + 1), [*params, SamplingParams(max_tokens=8, temperature=0)])
+    for kind, out in zip([k for k in kinds for _ in (0, 1)], outs):
+        assert out.finish_reason == "stop", (kind, out.text)
+        assert check_output(SPECS[kind], out.text) is None, (kind, out.text)
+    assert len(outs[-1].token_ids) == 8  # the free request in the same batch ran its length
+    streamed = "".join(text for text, _ in llm.stream(PROMPTS[1], params[0]))
+    assert check_output(SPECS["json_schema"], streamed) is None and streamed == llm.generate(PROMPTS[1], params[0])[0].text
+    with pytest.raises(ValueError, match="set one of"):
+        llm.generate("x", SamplingParams(structured_outputs=StructuredOutputsParams()))
+    with pytest.raises(ValueError, match="at most one"):
+        StructuredOutputsParams(regex="a", choice=["a"]).spec()
