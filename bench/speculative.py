@@ -38,6 +38,7 @@ from moeserve.tokenizer import load_tokenizer
 
 NONE = "no speculation"
 CACHED = spec_report.CACHED  # in-process drafts that keep their prefix cache, like the deployment's
+COMPILED = "compiled draft"  # the draft's decode steps compiled (model_shards/compiled_step.py), the target eager
 
 
 class Bench:
@@ -57,10 +58,11 @@ class Bench:
         spec = SpecConfig(num_tokens=k, adaptive=adaptive)
         return LLMEngine(runner, self.tokenizer, SchedulerConfig(seqs, 1 << 16, 1024), proposer=proposer, spec=spec)
 
-    def drafter(self, seqs: int = 16, prefix_caching: bool = False) -> DraftModelProposer:
+    def drafter(self, seqs: int = 16, prefix_caching: bool = False, compile: bool = False) -> DraftModelProposer:
         """The draft in-process; without prefix caching it prefills every prompt every run, as the
-        target and transformers do."""
-        return DraftModelProposer(self.draft, seqs, 1024, prefix_caching=prefix_caching)
+        target and transformers do. compile: its decode steps as compiled graphs (`engine.compile`'s
+        draft), the target staying eager."""
+        return DraftModelProposer(self.draft, seqs, 1024, prefix_caching=prefix_caching, compile=compile)
 
     def ours(self, prompts, batch: int, proposer=None, k: int = 0, adaptive: bool = False) -> Case:
         engine = self.engine(proposer, k, adaptive, max(batch, 1))
@@ -105,6 +107,8 @@ def compare(b: Bench, prompts: list[list[int]], label: str) -> dict:
         f"prompt lookup k={k}": b.ours(prompts, 1, NgramProposer(), k),
         f"draft in-process k={k}": b.ours(prompts, 1, b.drafter(), k),
         "draft in-process adaptive k<=8": b.ours(prompts, 1, b.drafter(), 8, adaptive=True),
+        f"draft in-process k={k}, {COMPILED}": b.ours(prompts, 1, b.drafter(compile=True), k),
+        f"draft in-process adaptive k<=8, {COMPILED}": b.ours(prompts, 1, b.drafter(compile=True), 8, adaptive=True),
     }
     if b.draft_handle is not None:
         cases[f"draft in-process k={k}, {CACHED}"] = b.ours(prompts, 1, b.drafter(prefix_caching=True), k)
@@ -144,6 +148,7 @@ def batched(b: Bench, prompts: list[list[int]]) -> dict:
         NONE: b.ours(prompts, batch),
         f"prompt lookup k={k}": b.ours(prompts, batch, NgramProposer(), k),
         f"draft in-process k={k}": b.ours(prompts, batch, b.drafter(batch), k),
+        f"draft in-process k={k}, {COMPILED}": b.ours(prompts, batch, b.drafter(batch, compile=True), k),
     }
     runs = interleaved(cases, b.args.rounds, desc=f"batch {batch}")
     return {"summary": summarize(runs, NONE), "spec": spec_report.spec_medians(runs),
