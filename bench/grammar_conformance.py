@@ -1,6 +1,11 @@
 """Grammar-layer conformance and mask timings on JSONSchemaBench (all 254 schemas).
 
     python -m bench.grammar_conformance [--decodes 8] [--tokenizer checkpoints/demo-moe]
+    python -m bench.grammar_conformance --schemastore [--one-of as_any_of]
+
+`--schemastore`: instead, the real-world SchemaStore schemas that check-jsonschema vendors (CI
+configs, compose, dependabot, ...; the `bench` extra installs it), held out: never used to tune
+the narrowings. `--one-of`: the `grammar.one_of` setting to compile with.
 
 For each schema: compile it (or record the refusal and its feature), decode `--decodes` times
 with a random model under the mask, judge each output with the oracle (json + jsonschema with
@@ -35,12 +40,12 @@ from moeserve.grammar import GrammarCompiler, GrammarSpec, allocate_bitmask, app
 
 def main() -> None:
     args = parse_args()
-    folder = Path(args.data) if args.data else conformance_dir()
+    folder = schemastore_dir() if args.schemastore else Path(args.data) if args.data else conformance_dir()
     if folder is None or not folder.is_dir():
         sys.exit("conformance data not found: pass --data or set MOESERVE_CONFORMANCE_DIR")
     tokenizer = load_tokenizer(args.tokenizer)
-    compiler = GrammarCompiler(tokenizer, args.vocab_size, config=GrammarSection().grammar_config())
-    cases = load_cases(folder)[: args.limit]
+    compiler = GrammarCompiler(tokenizer, args.vocab_size, config=GrammarSection(one_of=args.one_of).grammar_config())
+    cases = (schemastore_cases(folder) if args.schemastore else load_cases(folder))[: args.limit]
     print(f"{len(cases)} schemas from {folder}; vocab {compiler.vocab_size}; {args.decodes} decodes each")
 
     started = time.perf_counter()
@@ -66,7 +71,9 @@ def main() -> None:
     ]  # fmt: skip
     print(json.dumps({k: v for k, v in summary.items() if k != "refusal_examples"}, indent=1))
     if not args.no_report:
-        path = write("grammar_conformance", {"summary": summary, "schemas": rows}, markdown(summary, folder, args))[1]
+        name = "grammar_conformance" + ("-schemastore" if args.schemastore else "") + (
+            f"-{args.one_of}" if args.one_of != "exact" else "")
+        path = write(name, {"summary": summary, "schemas": rows}, markdown(summary, folder, args))[1]
         print(f"wrote {path} and its .json")
     compiler.close()
     if summary["invalid_outputs"] or summary["errors"] or summary["unsound_instances"]:
@@ -83,7 +90,25 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--limit", type=int, default=None, help="only the first N schemas")
     p.add_argument("--no-report", action="store_true", help="print only; do not rewrite bench/reports/")
+    p.add_argument("--schemastore", action="store_true", help="the held-out SchemaStore schemas (check-jsonschema's)")
+    p.add_argument("--one-of", choices=("exact", "as_any_of"), default="exact", help="grammar.one_of")
     return p.parse_args()
+
+
+def schemastore_dir() -> Path | None:
+    try:
+        from importlib.resources import files
+
+        return Path(str(files("check_jsonschema.builtin_schemas") / "vendor"))
+    except ImportError:
+        sys.exit("--schemastore needs check-jsonschema (pip install -e '.[bench]')")
+
+
+def schemastore_cases(folder: Path) -> list:
+    """Each vendored schema as a case without test instances."""
+    from bench.conformance import Case
+
+    return [Case(path.stem, json.loads(path.read_text()), []) for path in sorted(folder.glob("*.json"))]
 
 
 def load_tokenizer(path: str | None):
@@ -143,10 +168,11 @@ def refusal_examples(results) -> dict:
 
 
 def markdown(s: dict, folder: Path, args: argparse.Namespace) -> str:
+    title = "SchemaStore schemas, held out (check-jsonschema's vendored copies)" if args.schemastore else "JSONSchemaBench"
     lines = [
-        "# Grammar conformance: JSONSchemaBench",
+        f"# Grammar conformance: {title}",
         "",
-        f"Data: `{folder.name}` ({s['schemas']} schemas). Random-model decodes per compiled schema: {args.decodes}, "
+        f"`grammar.one_of: {args.one_of}`. Data: `{folder.name}` ({s['schemas']} schemas). Random-model decodes per compiled schema: {args.decodes}, "
         f"max {args.max_tokens} tokens. Tokenizer: {args.tokenizer or 'tests tiny byte-level BPE (1000 tokens)'}.",
         "",
         "| schemas | compiled | refused (4xx) | errors | valid outputs | invalid outputs | unterminated | invalid test instances accepted | valid test instances refused |",

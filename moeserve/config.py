@@ -151,13 +151,17 @@ class GrammarSection(_Section):
     compile_timeout_s: float = Field(10.0, gt=0)
     # Longest schema, regex or grammar accepted (the largest JSONSchemaBench schema is ~158 k characters).
     max_spec_chars: int = Field(256 * 1024, ge=1)
+    # A oneOf whose branches may overlap: "exact" refuses it (400) unless a branch can be narrowed to
+    # exclude the others; "as_any_of" (opt-in) generates it as anyOf, so an output may match two
+    # branches and be invalid under the schema.
+    one_of: Literal["exact", "as_any_of"] = "exact"
 
     def grammar_config(self) -> Any:
         from moeserve.grammar import GrammarConfig
 
         separators = (", ", ": ") if self.json_style == "spaced" else (",", ":")
         return GrammarConfig(separators=separators, compile_timeout_s=self.compile_timeout_s,
-                             max_spec_chars=self.max_spec_chars)
+                             max_spec_chars=self.max_spec_chars, one_of=self.one_of)
 
 
 class GatewaySection(_Section):

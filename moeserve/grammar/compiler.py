@@ -44,6 +44,7 @@ class GrammarConfig:
     # (", ", ": ") spaced JSON, (",", ":") compact: no whitespace at all between tokens. A weak model
     # given `any_whitespace` spends tokens on spaces and newlines (a random model almost never stops).
     separators: tuple[str, str]
+    one_of: str  # "exact" or "as_any_of" (GrammarSection.one_of)
     max_threads: int = 2  # xgrammar threads per compile
     max_compiles_in_flight: int = 2  # compile jobs running at once (a runaway one holds a slot)
     cache_size: int = 256  # compiled grammars (and compile errors) kept, least recently used out
@@ -192,7 +193,7 @@ class GrammarCompiler:
             elif spec.kind == "json_schema":
                 schema = json.loads(spec.value)
                 try:
-                    prepared = prepare_json_schema(schema)
+                    prepared = prepare_json_schema(schema, one_of=self.config.one_of)
                 except GrammarError as refused:  # what xgrammar cannot enforce: llguidance may
                     return self._compile_llguidance(spec, schema, refused, start)
                 source = json.dumps(prepared, ensure_ascii=False)

@@ -81,7 +81,7 @@ def _rewrite_class(text: str) -> str:
     body = text[2:-1] if negated else text[1:-1]
     shorthands = set(re.findall(r"\\([sSdDwW])", body))
     if not shorthands:
-        return text
+        return "[" + ("^" if negated else "") + _spelled(body) + "]"  # raw control characters spelled out
     if shorthands <= {"s"} or (shorthands <= {"s", "d", "w"} and not negated):
         return "[" + ("^" if negated else "") + body.replace("\\s", _spelled(WS_ANY if negated else WS_BOTH)) + "]"
     # Anything else: the printable ASCII characters Python says the class matches (narrower, exact there).

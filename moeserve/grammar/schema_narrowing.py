@@ -124,6 +124,8 @@ class Narrowing(_Base):
                 kept.append(narrowed)
             elif first_overlap is None:
                 first_overlap = (i, next(j for j, bj in enumerate(branches) if j != i and not self.excludes(bi, bj)))
+        if not kept and self.one_of_as_any_of:  # opt-in: may match two branches (GrammarSection.one_of)
+            return branches
         if not kept:
             i, j = first_overlap
             raise GrammarError(f"oneOf: branch {i} may also match branch {j}; only oneOf with provably disjoint branches "

@@ -35,9 +35,10 @@ Schema = Any
 _DROPPED = ANNOTATIONS | {"$defs", "definitions"}
 
 
-def prepare_json_schema(schema: Schema) -> Schema:
-    """Validate `schema` and return an equivalent-or-narrower schema xgrammar enforces exactly.
-    Raises GrammarError naming the problem: an invalid schema, or the unsupported feature."""
+def prepare_json_schema(schema: Schema, one_of: str) -> Schema:
+    """Validate `schema` and return an equivalent-or-narrower schema xgrammar enforces exactly
+    (one_of "as_any_of": an overlapping oneOf as anyOf, GrammarSection.one_of). Raises GrammarError
+    naming the problem: an invalid schema, or the unsupported feature."""
     draft = schema_draft(schema)
     try:
         draft.validator.check_schema(schema)
@@ -45,7 +46,7 @@ def prepare_json_schema(schema: Schema) -> Schema:
         where = "/".join(str(p) for p in e.absolute_path) or "(root)"
         raise GrammarError(f"invalid JSON schema ({draft.name}) at {where}: {e.message}", feature="invalid-schema") from None
     try:
-        return SchemaNormalizer(schema, draft).run()
+        return SchemaNormalizer(schema, draft, one_of_as_any_of=one_of == "as_any_of").run()
     except RecursionError:
         raise GrammarError("schema nests too deeply to compile", feature="depth") from None
 
@@ -55,8 +56,9 @@ class SchemaNormalizer(Narrowing):
     quirks rewritten, annotations dropped); `origins` maps each fixed dict to the raw subschemas
     it means together, so `enum`/`oneOf` decisions can ask the draft's own validator."""
 
-    def __init__(self, root: Schema, draft: Draft) -> None:
+    def __init__(self, root: Schema, draft: Draft, one_of_as_any_of: bool = False) -> None:
         self.root = root
+        self.one_of_as_any_of = one_of_as_any_of
         self.draft = draft
         self.validator = draft.validator(root, format_checker=draft.validator.FORMAT_CHECKER)
         self.defs: dict[str, Schema] = {}

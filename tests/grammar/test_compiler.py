@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from dataclasses import replace
@@ -183,3 +184,28 @@ def test_custom_stop_tokens(tokenizer):
     assert not matcher.accept_token(tokenizer.eos_token_id)
     assert matcher.accept_token(tokenizer.pad_token_id) and matcher.is_terminated()
     compiler.close()
+
+
+def test_an_overlapping_oneof_is_refused_unless_asked_to_run_as_anyof(tokenizer):
+    """grammar.one_of: "exact" (default) refuses a oneOf no branch of which excludes the other;
+    "as_any_of" generates its branches as anyOf (documented: an output may match both)."""
+    import jsonschema
+
+    from moeserve.grammar import GrammarMatcher
+
+    schema = {"oneOf": [{"type": "array", "items": {"type": "integer"}}, {"type": "array", "items": {"type": "number"}}]}
+    exact = GrammarCompiler(tokenizer, MODEL_VOCAB, config=GrammarSection().grammar_config())
+    with pytest.raises(GrammarError) as refused:
+        exact.compile(GrammarSpec.json_schema(schema))
+    assert refused.value.feature == "oneOf" and GrammarSection().one_of == "exact"
+    loose = GrammarCompiler(tokenizer, MODEL_VOCAB, config=GrammarSection(one_of="as_any_of").grammar_config())
+    compiled = loose.compile(GrammarSpec.json_schema(schema))
+    any_of = {"anyOf": schema["oneOf"]}
+    for text, ok in (("[1, 2]", True), ("[1.5]", True), ("[]", True), ('["a"]', False), ("3", False)):
+        m = GrammarMatcher(compiled)
+        accepted = all(m.accept_token(t) for t in tokenizer.encode(text, add_special_tokens=False)) and m.is_completed()
+        assert accepted == ok, text
+        if accepted:
+            jsonschema.validate(json.loads(text), any_of)
+    exact.close()
+    loose.close()

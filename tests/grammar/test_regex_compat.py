@@ -16,6 +16,7 @@ TRICKY = ["a", "b", "0", "1", "_", " ", "-", ".", ":", "é", "\u0663", "\n", "\t
 PATTERNS = [
     r".", r"\s", r"\S", r"[^\s]", r"[^:\s]+", r"\w", r"\W", r"\d", r"\D", r"[^\d]", r"[^\w-]", r"[\w.-]+", r"[\S]",
     r"a(b[01]+)?", r"(ab)?[01]{1,2}", r"[^a]", r"(a|b0+)?1", r"\d+(\.\d+)?",
+    "(.|[\r\n])+", "[^\t\n]",  # raw control characters in a class (SchemaStore's github-actions has the first)
 ]
 
 
