@@ -27,7 +27,7 @@ from transformers import PreTrainedTokenizerBase
 
 from moeserve.grammar.errors import GrammarError, GrammarTimeoutError
 from moeserve.grammar.regex_compat import xgrammar_regex
-from moeserve.grammar.schema_support import LLGUIDANCE_FEATURES, prepare_json_schema
+from moeserve.grammar.schema_support import LLGUIDANCE_FEATURES, for_llguidance, prepare_json_schema
 from moeserve.grammar.spec import GrammarSpec
 from moeserve.grammar.termination import ClosingPolicy, ClosingTables
 from moeserve.grammar.tokenizer_info import build_tokenizer_info
@@ -217,24 +217,29 @@ class GrammarCompiler:
 
     def _compile_llguidance(self, spec: GrammarSpec, schema: object, refused: GrammarError,
                             start: float) -> CompiledGrammar:
-        """llguidance's JSON-schema grammar for a schema the xgrammar path refused; the refusal
-        stands (with llguidance's reason added) when llguidance cannot enforce it either."""
+        """llguidance's JSON-schema grammar for a schema the xgrammar path refused: as written, else
+        narrowed as for xgrammar (keywords llguidance lacks rewritten away); the refusal stands
+        (with llguidance's reason added) when llguidance takes neither."""
         if refused.feature not in LLGUIDANCE_FEATURES:
             raise refused
-        item, key = self.config.separators
-        options = {"whitespace_flexible": False, "item_separator": item, "key_separator": key}
-        try:
-            source = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)
-        except ValueError:
-            raise refused from None
         with self._lock:
             if self._llg_tokenizer is None:
                 self._llg_tokenizer = llguidance.hf.from_tokenizer(
                     self.tokenizer, n_vocab=self.vocab_size, eos_token=list(self.stop_token_ids))
-        probe = llguidance.LLMatcher(self._llg_tokenizer, source, log_level=0)
-        if probe.is_error():
-            raise GrammarError(f"{refused.message} (llguidance: {probe.get_error()})", feature=refused.feature) from None
-        return self._wrap(spec, None, source=source, start=start, llg_tokenizer=self._llg_tokenizer)
+        item, key = self.config.separators
+        options = {"whitespace_flexible": False, "item_separator": item, "key_separator": key}
+        why = "not a JSON schema it reads"
+        for attempt in (lambda: schema, lambda: for_llguidance(schema, self.config.one_of)):
+            try:
+                source = llguidance.LLMatcher.grammar_from_json_schema(attempt(), defaults=options)
+            except (ValueError, GrammarError) as e:
+                why = str(e)
+                continue
+            probe = llguidance.LLMatcher(self._llg_tokenizer, source, log_level=0)
+            if not probe.is_error():
+                return self._wrap(spec, None, source=source, start=start, llg_tokenizer=self._llg_tokenizer)
+            why = probe.get_error()
+        raise GrammarError(f"{refused.message} (llguidance: {why})", feature=refused.feature) from None
 
     def _wrap(self, spec: GrammarSpec, grammar: xgr.CompiledGrammar | None, *, source: str, start: float,
               llg_tokenizer: llguidance.LLTokenizer | None = None) -> CompiledGrammar:

@@ -62,8 +62,8 @@ def normalize_node(nz: SchemaNormalizer, s: dict) -> Any:
     types = type_set(rest) or inferred_types(rest)
     rest.pop("type", None)
     out: dict[str, Any] = {}
-    _numbers(rest, types, out)
-    _strings(rest, types, out)
+    _numbers(rest, types, out, nz.keep)
+    _strings(rest, types, out, nz.keep)
     _arrays(nz, rest, types, out)
     if not _objects(nz, rest, types, out):  # a required property no value satisfies: no object
         types = types - {"object"}
@@ -108,16 +108,16 @@ def _refuse_logic(s: dict) -> None:
             raise _refuse(key, "not supported here")
 
 
-def _numbers(s: dict, types: set[str], out: dict) -> None:
+def _numbers(s: dict, types: set[str], out: dict, keep: frozenset[str]) -> None:
     kw = {k: s.pop(k) for k in _KEYWORDS_OF["number"] if k in s}
     if not types & {"integer", "number"}:
         return
     step = kw.pop("multipleOf", None)
     if step is not None:
         # xgrammar enforces multipleOf only for integers ("not supported for type:number; ignoring").
-        if "number" in types or float(step) != int(step):
+        if ("number" in types or float(step) != int(step)) and "multipleOf" not in keep:
             raise _refuse("multipleOf", "multipleOf is enforced only on integer types with a whole-number step")
-        out["multipleOf"] = int(step)
+        out["multipleOf"] = int(step) if float(step) == int(step) else step
     if "number" in types:
         out.update(kw)
         return
@@ -134,7 +134,8 @@ def _numbers(s: dict, types: set[str], out: dict) -> None:
         out["maximum"] = min(highs)
 
 
-def _strings(s: dict, types: set[str], out: dict) -> None:
+def _strings(s: dict, types: set[str], out: dict, keep: frozenset[str]) -> None:
+    """`keep`: combinations to pass on as written (for llguidance) rather than refuse."""
     kw = {k: s.pop(k) for k in _KEYWORDS_OF["string"] if k in s}
     if "string" not in types:
         return
@@ -145,7 +146,10 @@ def _strings(s: dict, types: set[str], out: dict) -> None:
         raise _refuse(f"format:{fmt}", f"format {fmt!r} is not supported")
     if fmt in FORMAT_PATTERNS:
         if "pattern" in kw:
-            raise _refuse("format+pattern", "combining format and pattern on one string is not supported")
+            if "format+pattern" not in keep:
+                raise _refuse("format+pattern", "combining format and pattern on one string is not supported")
+            out.update(kw, format=fmt)
+            return
         kw["pattern"] = FORMAT_PATTERNS[fmt]
     elif fmt in SUPPORTED_FORMATS:
         kw["format"] = fmt
@@ -155,7 +159,10 @@ def _strings(s: dict, types: set[str], out: dict) -> None:
     kinds = sorted({"length" if k.endswith("Length") else k for k in kw})
     if len(kinds) > 1:
         # xgrammar keeps only one of format / pattern / length and silently drops the others.
-        raise _refuse("+".join(kinds), "combining format, pattern and minLength/maxLength on one string is not supported")
+        if "+".join(kinds) not in keep:
+            raise _refuse("+".join(kinds), "combining format, pattern and minLength/maxLength on one string is not supported")
+        out.update(kw)
+        return
     if "pattern" in kw:
         kw["pattern"] = xgrammar_regex(kw["pattern"], dot_excludes_newline=False)
     out.update(kw)
@@ -256,9 +263,12 @@ def _objects(nz: SchemaNormalizer, s: dict, types: set[str], out: dict) -> bool:
     if min_props > len(required):
         # xgrammar counts entries, and undeclared keys may repeat ({"b":1,"b":2} is one property
         # once parsed), so only distinct declared properties can be trusted to reach minProperties.
-        if min_props > len(props):
+        if "minProperties" in nz.keep:  # llguidance counts distinct keys
+            pass
+        elif min_props > len(props):
             raise _refuse("minProperties", f"minProperties {min_props} needs undeclared properties; duplicate keys could fake it")
-        extra, patterns, names = False, {}, None  # narrower: declared properties only
+        else:
+            extra, patterns, names = False, {}, None  # narrower: declared properties only
     if patterns:
         out["patternProperties"] = patterns
         extra = None  # xgrammar ignores additionalProperties next to patternProperties: narrower, sound

@@ -35,10 +35,11 @@ Schema = Any
 _DROPPED = ANNOTATIONS | {"$defs", "definitions"}
 
 
-def prepare_json_schema(schema: Schema, one_of: str) -> Schema:
+def prepare_json_schema(schema: Schema, one_of: str, keep: frozenset[str] = frozenset()) -> Schema:
     """Validate `schema` and return an equivalent-or-narrower schema xgrammar enforces exactly
     (one_of "as_any_of": an overlapping oneOf as anyOf, GrammarSection.one_of). Raises GrammarError
-    naming the problem: an invalid schema, or the unsupported feature."""
+    naming the problem: an invalid schema, or the unsupported feature. `keep`: features (of
+    LLGUIDANCE_FEATURES) to pass on as written, for llguidance (`for_llguidance`)."""
     draft = schema_draft(schema)
     try:
         draft.validator.check_schema(schema)
@@ -46,9 +47,31 @@ def prepare_json_schema(schema: Schema, one_of: str) -> Schema:
         where = "/".join(str(p) for p in e.absolute_path) or "(root)"
         raise GrammarError(f"invalid JSON schema ({draft.name}) at {where}: {e.message}", feature="invalid-schema") from None
     try:
-        return SchemaNormalizer(schema, draft, one_of_as_any_of=one_of == "as_any_of").run()
+        return SchemaNormalizer(schema, draft, one_of_as_any_of=one_of == "as_any_of", keep=keep).run()
     except RecursionError:
         raise GrammarError("schema nests too deeply to compile", feature="depth") from None
+
+
+def for_llguidance(schema: Schema, one_of: str) -> Schema:
+    """`schema` narrowed as for xgrammar, but with what llguidance enforces exactly kept as written,
+    and every object closed (additionalProperties false where absent), which the narrowings assume
+    (xgrammar's strict mode). GrammarError for what neither backend takes."""
+    return _closed(prepare_json_schema(schema, one_of, keep=LLGUIDANCE_FEATURES))
+
+
+def _closed(s: Schema) -> Schema:
+    if isinstance(s, list):
+        return [_closed(x) for x in s]
+    if not isinstance(s, dict):
+        return s
+    out = {k: v if k in ("enum", "const", "required") else
+           {name: _closed(x) for name, x in v.items()} if k in ("properties", "patternProperties", "$defs") else
+           _closed(v) for k, v in s.items()}
+    types = out.get("type")
+    is_object = types == "object" or (isinstance(types, list) and "object" in types) or "properties" in out
+    if is_object and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
 
 
 class SchemaNormalizer(Narrowing):
@@ -56,9 +79,9 @@ class SchemaNormalizer(Narrowing):
     quirks rewritten, annotations dropped); `origins` maps each fixed dict to the raw subschemas
     it means together, so `enum`/`oneOf` decisions can ask the draft's own validator."""
 
-    def __init__(self, root: Schema, draft: Draft, one_of_as_any_of: bool = False) -> None:
+    def __init__(self, root: Schema, draft: Draft, one_of_as_any_of: bool, keep: frozenset[str]) -> None:
         self.root = root
-        self.one_of_as_any_of = one_of_as_any_of
+        self.one_of_as_any_of, self.keep = one_of_as_any_of, keep
         self.draft = draft
         self.validator = draft.validator(root, format_checker=draft.validator.FORMAT_CHECKER)
         self.defs: dict[str, Schema] = {}

@@ -188,6 +188,16 @@ LLGUIDANCE = [
      ["ab", "axb"], ["a", "b", "ba"]),
     ("minProperties via undeclared keys", {"type": "object", "additionalProperties": {"type": "integer"},
                                            "minProperties": 2}, [{"a": 1, "b": 2}], [{"a": 1}, {}, {"a": "s", "b": 1}]),
+    # llguidance refuses these as written (`not`, `uniqueItems`): it gets them narrowed as for xgrammar
+    ("pattern + length beside a not", {"type": "object", "properties": {
+        "id": {"type": "string", "pattern": "^(a|bc)+$", "maxLength": 4},
+        "n": {"type": "integer", "not": {"const": 3}}}, "required": ["id", "n"]},
+     [{"id": "abc", "n": 4}, {"id": "aaaa", "n": 9}],
+     [{"id": "aaaaa", "n": 4}, {"id": "a", "n": 3}, {"id": "a", "n": 4, "more": 1}]),
+    ("pattern + length beside uniqueItems", {"type": "object", "properties": {
+        "id": {"type": "string", "pattern": "^(a|bc)+$", "maxLength": 4},
+        "tags": {"type": "array", "items": {"type": "string"}, "uniqueItems": True}}, "required": ["id"]},
+     [{"id": "bc", "tags": ["x"]}, {"id": "a"}], [{"id": "bcbca"}, {"id": "a", "tags": ["x", "x"]}]),
 ]
 
 REFUSED = [
