@@ -1,8 +1,8 @@
 """One plain schema node (no `$ref`/`allOf`/`anyOf`/`oneOf`/`enum` at its top), keyword by keyword.
 
-Each keyword is kept in a form xgrammar enforces exactly, rewritten to one, dropped where it
-cannot constrain what the node produces, or refused with a GrammarError naming it. What
-xgrammar 0.2.9 does with each keyword is measured in tests/grammar/test_schema_support.py.
+Each keyword is kept in a form xgrammar enforces exactly, rewritten to one, dropped where it cannot
+constrain what the node produces, kept as written for llguidance (`nz.keep`), or refused with a
+GrammarError naming it; tests/grammar/test_schema_support.py measures xgrammar 0.2.9 on each.
 """
 
 from __future__ import annotations
@@ -35,8 +35,7 @@ _INNER_ANCHOR = re.compile(r"(?<!\\)[$^](?![^\[]*\])")  # an unescaped ^ or $ ou
 _JSON_TYPES = {bool: "boolean", type(None): "null", int: "integer", float: "number", str: "string", list: "array", dict: "object"}
 
 
-def json_type(v: Any) -> str:
-    """The JSON type of a parsed JSON value."""
+def json_type(v: Any) -> str:  # of a parsed JSON value
     return _JSON_TYPES[type(v)]
 
 
@@ -134,8 +133,7 @@ def _numbers(s: dict, types: set[str], out: dict, keep: frozenset[str]) -> None:
         out["maximum"] = min(highs)
 
 
-def _strings(s: dict, types: set[str], out: dict, keep: frozenset[str]) -> None:
-    """`keep`: combinations to pass on as written (for llguidance) rather than refuse."""
+def _strings(s: dict, types: set[str], out: dict, keep: frozenset[str]) -> None:  # keep: combinations llguidance takes
     kw = {k: s.pop(k) for k in _KEYWORDS_OF["string"] if k in s}
     if "string" not in types:
         return
@@ -148,8 +146,7 @@ def _strings(s: dict, types: set[str], out: dict, keep: frozenset[str]) -> None:
         if "pattern" in kw:
             if "format+pattern" not in keep:
                 raise _refuse("format+pattern", "combining format and pattern on one string is not supported")
-            out.update(kw, format=fmt)
-            return
+            return out.update(kw, format=fmt)
         kw["pattern"] = FORMAT_PATTERNS[fmt]
     elif fmt in SUPPORTED_FORMATS:
         kw["format"] = fmt
@@ -161,18 +158,15 @@ def _strings(s: dict, types: set[str], out: dict, keep: frozenset[str]) -> None:
         # xgrammar keeps only one of format / pattern / length and silently drops the others.
         if "+".join(kinds) not in keep:
             raise _refuse("+".join(kinds), "combining format, pattern and minLength/maxLength on one string is not supported")
-        out.update(kw)
-        return
+        return out.update(kw)
     if "pattern" in kw:
         kw["pattern"] = xgrammar_regex(kw["pattern"], dot_excludes_newline=False)
     out.update(kw)
 
 
 def _fold_lengths_into_pattern(kw: dict) -> None:
-    """Drop length bounds every full match of the pattern meets; turn `^PX*$`/`^PX+$` plus bounds
-    into `^PX{m,n}$` (P: a prefix without top-level `|`, X: one character or class). The counts
-    hold for P's shortest and longest match (narrower where P varies), capped at MAX_FOLDED_REPEAT
-    because xgrammar compiles a bounded repetition state by state."""
+    """Drop length bounds every full match meets; `^PX*$`/`^PX+$` (P: no top-level `|`, X: one character
+    or class) plus bounds -> `^PX{m,n}$`, counted for P's extremes (narrower), at most MAX_FOLDED_REPEAT."""
     shape = regex_shape(kw["pattern"])
     if shape is None:
         return
@@ -263,11 +257,9 @@ def _objects(nz: SchemaNormalizer, s: dict, types: set[str], out: dict) -> bool:
     if min_props > len(required):
         # xgrammar counts entries, and undeclared keys may repeat ({"b":1,"b":2} is one property
         # once parsed), so only distinct declared properties can be trusted to reach minProperties.
-        if "minProperties" in nz.keep:  # llguidance counts distinct keys
-            pass
-        elif min_props > len(props):
+        if min_props > len(props) and "minProperties" not in nz.keep:  # (llguidance counts distinct keys)
             raise _refuse("minProperties", f"minProperties {min_props} needs undeclared properties; duplicate keys could fake it")
-        else:
+        if "minProperties" not in nz.keep:
             extra, patterns, names = False, {}, None  # narrower: declared properties only
     if patterns:
         out["patternProperties"] = patterns
