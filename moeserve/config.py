@@ -143,17 +143,15 @@ class ShardsSection(_Section):
 class GrammarSection(_Section):
     """Structured output: what grammar compilation gets (moeserve/grammar/compiler.py's GrammarConfig)."""
 
-    # How JSON under a schema is written: "spaced" {"a": 1, "b": 2} as json.dumps and most models
-    # write it, or "compact" {"a":1,"b":2}. Set it to the style the model learned: a model made to
-    # write the other style answers worse (the demo pair learned spaced JSON).
+    # How JSON under a schema is written: "spaced" {"a": 1} as json.dumps and most models write it, or
+    # "compact" {"a":1}: the style the model learned (the demo pair: spaced); the other answers worse.
     json_style: Literal["spaced", "compact"] = "spaced"
     # A grammar compiling longer than this is refused (400): room for JSONSchemaBench sp_0, the slowest.
     compile_timeout_s: float = Field(10.0, gt=0)
     # Longest schema, regex or grammar accepted (the largest JSONSchemaBench schema is ~158 k characters).
     max_spec_chars: int = Field(256 * 1024, ge=1)
-    # A oneOf whose branches may overlap: "exact" refuses it (400) unless a branch can be narrowed to
-    # exclude the others; "as_any_of" (opt-in) generates it as anyOf, so an output may match two
-    # branches and be invalid under the schema.
+    # A oneOf whose branches may overlap: "exact" refuses it unless narrowed apart; "as_any_of" runs it
+    # as anyOf (an output may then match two branches: invalid under the schema).
     one_of: Literal["exact", "as_any_of"] = "exact"
 
     def grammar_config(self) -> Any:
