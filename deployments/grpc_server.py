@@ -9,8 +9,10 @@ Generate needs `authorization: Bearer KEY` metadata; the health services stay op
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 import grpc
@@ -21,6 +23,7 @@ from deployments.frontend import Frontend, ServeRequest
 from deployments.http_edge import ApiKeys
 from deployments.proto import generate_pb2 as pb
 from deployments.proto import generate_pb2_grpc as pb_grpc
+from deployments.tools import Tool, ToolCalling, tool_calling
 from moeserve.config import GatewaySection
 from moeserve.errors import ErrorCode, ServingError, as_serving_error
 from moeserve.grammar.spec import GrammarSpec
@@ -49,10 +52,19 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
             if self.auth.enabled:
                 key = self.auth.admit(dict(context.invocation_metadata()).get("authorization"),
                                       "metadata authorization: Bearer KEY")
-            req = serve_request(request, self.frontend.cfg.model.name, context.time_remaining())
+            req, calling = serve_request(request, self.frontend.cfg.model.name, context.time_remaining())
             (prep,) = self.frontend.prepare(req, ROUTE)
+            tools = calling.stream() if calling is not None else None
             async for chunk in self.frontend.stream(prep):
-                yield _response(chunk)
+                calls = []
+                if tools is not None:  # text only outside calls; the calls whole, with the last response
+                    text = tools.feed(chunk.text)
+                    if chunk.finished:
+                        rest, calls = tools.finish()
+                        text += rest
+                    cut = chunk.finish_reason == "length"
+                    chunk = replace(chunk, text=text, finish_reason="tool_calls" if calls and not cut else chunk.finish_reason)
+                yield _response(chunk, calls)
         except Exception as e:
             error = as_serving_error(e)
             if error.code is ErrorCode.INTERNAL:
@@ -73,8 +85,10 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
         return pb.HealthResponse(status=pb.HealthResponse.SERVING, message="ok")
 
 
-def serve_request(req: pb.GenerateRequest, served_model: str, time_remaining: float | None) -> ServeRequest:
-    """The message as the serving layer's request; an unset model is the served one."""
+def serve_request(req: pb.GenerateRequest, served_model: str,
+                  time_remaining: float | None) -> tuple[ServeRequest, ToolCalling | None]:
+    """The message as the serving layer's request (an unset model is the served one), and what its
+    tools ask for (None without tools)."""
     which = req.WhichOneof("input")
     prompt, messages = None, None
     if which == "prompt":
@@ -84,7 +98,7 @@ def serve_request(req: pb.GenerateRequest, served_model: str, time_remaining: fl
             raise ServingError(ErrorCode.INVALID_ARGUMENT, "prompt_token_ids is empty", param="prompt_token_ids")
         prompt = list(req.prompt_token_ids.ids)
     elif which == "chat":
-        messages = [{"role": m.role, "content": m.content} for m in req.chat.messages]
+        messages = [{"role": m.role, "content": m.content} | _tool_fields(m) for m in req.chat.messages]
     else:
         raise ServingError(ErrorCode.INVALID_ARGUMENT, "one of prompt, prompt_token_ids or chat is required",
                            param="input")
@@ -98,9 +112,36 @@ def serve_request(req: pb.GenerateRequest, served_model: str, time_remaining: fl
         sampling["stop_token_ids"] = tuple(req.stop_token_ids)
     if req.HasField("trace"):
         sampling |= {"trace_experts": req.trace.experts, "trace_speculation": req.trace.speculation}
+    if (req.tools or req.tool_choice) and messages is None:
+        raise ServingError(ErrorCode.INVALID_ARGUMENT, "tools need a chat input", param="tools")
+    choice = req.tool_choice or None
+    if choice not in (None, "none", "auto", "required"):
+        choice = {"type": "function", "function": {"name": choice}}
+    parallel = req.parallel_tool_calls if req.HasField("parallel_tool_calls") else True
+    calling, grammar = tool_calling([_tool(t) for t in req.tools], choice, parallel, _grammar(req))
     return ServeRequest(req.model or served_model, prompt=prompt, messages=messages,
+                        tools=calling.template_tools() if calling is not None else None,
                         max_tokens=req.max_tokens if req.HasField("max_tokens") else None, sampling=sampling,
-                        grammar=_grammar(req), request_id=req.request_id or None, timeout_s=time_remaining)
+                        grammar=grammar, request_id=req.request_id or None, timeout_s=time_remaining), calling
+
+
+def _tool(t: pb.FunctionTool) -> Tool:
+    try:
+        parameters = json.loads(t.parameters) if t.parameters else {"type": "object", "properties": {}}
+    except ValueError as e:
+        raise ServingError(ErrorCode.INVALID_ARGUMENT, f"tools: parameters of {t.name!r} are not JSON: {e}",
+                           param="tools") from None
+    function = {"name": t.name, "parameters": parameters} | ({"description": t.description} if t.description else {})
+    return Tool.model_validate({"type": "function", "function": function})
+
+
+def _tool_fields(m: pb.ChatMessage) -> dict[str, Any]:
+    """An assistant's earlier calls and a tool message's call id, as the chat template takes them."""
+    out: dict[str, Any] = {"tool_call_id": m.tool_call_id} if m.tool_call_id else {}
+    if m.tool_calls:
+        out["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                             for c in m.tool_calls]
+    return out
 
 
 def _grammar(req: pb.GenerateRequest) -> GrammarSpec | None:
@@ -112,7 +153,7 @@ def _grammar(req: pb.GenerateRequest) -> GrammarSpec | None:
     return None if which is None else getattr(GrammarSpec, which)(getattr(req, which))
 
 
-def _response(chunk: GenerateChunk) -> pb.GenerateResponse:
+def _response(chunk: GenerateChunk, calls: list[dict[str, Any]] = ()) -> pb.GenerateResponse:
     u = chunk.usage
     return pb.GenerateResponse(
         request_id=chunk.request_id,
@@ -128,6 +169,8 @@ def _response(chunk: GenerateChunk) -> pb.GenerateResponse:
                              experts=[pb.LayerRouting(layer=layer, expert_ids=ids, weights=w)
                                       for layer, ids, w in e.experts or ()])
                for e in chunk.trace or ()],
+        tool_calls=[pb.ToolCall(id=c["id"], name=c["function"]["name"], arguments=c["function"]["arguments"])
+                    for c in calls],
     )
 
 

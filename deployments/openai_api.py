@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from deployments.frontend import ServeRequest
 from deployments.http_edge import error_body
-from deployments.tools import Tool, ToolCalling
+from deployments.tools import Tool, ToolCalling, tool_calling
 from moeserve.errors import ErrorCode, ServingError, as_serving_error
 from moeserve.grammar.spec import GrammarSpec
 from moeserve.protocol import GenerateChunk, Usage
@@ -126,18 +126,12 @@ def chat_request(body: ChatCompletionRequest, request_id: str) -> tuple[ServeReq
     _check_supported(body)
     if body.top_logprobs is not None and not body.logprobs:
         raise _invalid("top_logprobs needs logprobs: true", "top_logprobs")
-    wants_tools = body.tools or body.tool_choice not in (None, "none", "auto")
-    calling = ToolCalling(body.tools or [], body.tool_choice, body.parallel_tool_calls) if wants_tools else None
-    grammar = _grammar(body)
-    forced = calling.grammar() if calling is not None else None
-    if forced is not None and grammar is not None:
-        raise _invalid("a required or named tool_choice cannot be combined with response_format or guided_* (the "
-                       "call's arguments already follow the function's schema)", "tool_choice")
+    calling, grammar = tool_calling(body.tools, body.tool_choice, body.parallel_tool_calls, _grammar(body))
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     req = ServeRequest(body.model, messages=_messages(body.messages),
                        tools=calling.template_tools() if calling is not None else None, max_tokens=max_tokens,
-                       sampling=_sampling(body, logprobs), grammar=forced or grammar, n=body.n, request_id=request_id)
+                       sampling=_sampling(body, logprobs), grammar=grammar, n=body.n, request_id=request_id)
     return req, calling
 
 

@@ -21,6 +21,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from moeserve.errors import ErrorCode, ServingError
 from moeserve.grammar.spec import GrammarSpec
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -42,6 +43,21 @@ class Tool(BaseModel):
     model_config = ConfigDict(extra="ignore")
     type: Literal["function"]
     function: FunctionDef
+
+
+def tool_calling(tools: list[Tool] | None, choice: str | dict[str, Any] | None, parallel: bool,
+                 grammar: GrammarSpec | None) -> tuple[ToolCalling | None, GrammarSpec | None]:
+    """A chat request's ToolCalling (None without tools) and the grammar its output then needs
+    (a required or named call's, or the request's own, never both)."""
+    if not tools and choice in (None, "none", "auto"):
+        return None, grammar
+    calling = ToolCalling(tools or [], choice, parallel)
+    forced = calling.grammar()
+    if forced is not None and grammar is not None:
+        raise ServingError(ErrorCode.INVALID_ARGUMENT, "a required or named tool_choice cannot be combined with "
+                           "response_format or guided_* (the call's arguments already follow the function's schema)",
+                           param="tool_choice")
+    return calling, forced or grammar
 
 
 class ToolCalling:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1amoeserve/v1/generate.proto\x12\x0bmoeserve.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\":\n\x0c\x43hatMessages\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.moeserve.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xe1\x04\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12\x31\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x15.moeserve.v1.TokenIdsH\x00\x12)\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x19.moeserve.v1.ChatMessagesH\x00\x12\x17\n\nmax_tokens\x18\x05 \x01(\rH\x02\x88\x01\x01\x12\x18\n\x0btemperature\x18\x06 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05top_p\x18\x07 \x01(\x02H\x04\x88\x01\x01\x12\x12\n\x05top_k\x18\x08 \x01(\x05H\x05\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x03H\x06\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\r\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x15\n\x0bjson_schema\x18\r \x01(\tH\x01\x12\x15\n\x0bjson_object\x18\x0e \x01(\x08H\x01\x12\x0f\n\x05regex\x18\x0f \x01(\tH\x01\x12\x0e\n\x04\x65\x62nf\x18\x10 \x01(\tH\x01\x12&\n\x06\x63hoice\x18\x11 \x01(\x0b\x32\x14.moeserve.v1.ChoicesH\x01\x12\x12\n\nrequest_id\x18\x12 \x01(\t\x12\x15\n\x08logprobs\x18\x13 \x01(\rH\x07\x88\x01\x01\x12(\n\x05trace\x18\x14 \x01(\x0b\x32\x19.moeserve.v1.TraceOptionsB\x07\n\x05inputB\t\n\x07grammarB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x0b\n\t_logprobs\"4\n\x0cTraceOptions\x12\x0f\n\x07\x65xperts\x18\x01 \x01(\x08\x12\x13\n\x0bspeculation\x18\x02 \x01(\x08\"B\n\x0cLayerRouting\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x12\n\nexpert_ids\x18\x02 \x03(\r\x12\x0f\n\x07weights\x18\x03 \x03(\x02\"Z\n\nTokenTrace\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0e\n\x06source\x18\x02 \x01(\t\x12*\n\x07\x65xperts\x18\x03 \x03(\x0b\x32\x19.moeserve.v1.LayerRouting\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"W\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12$\n\x03top\x18\x03 \x03(\x0b\x32\x17.moeserve.v1.TopLogprob\"O\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\"\xd6\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12!\n\x05usage\x18\x05 \x01(\x0b\x32\x12.moeserve.v1.Usage\x12+\n\x08logprobs\x18\x06 \x03(\x0b\x32\x19.moeserve.v1.TokenLogprob\x12&\n\x05trace\x18\x07 \x03(\x0b\x32\x17.moeserve.v1.TokenTrace\"\x0f\n\rHealthRequest\"\x8a\x01\n\x0eHealthResponse\x12\x32\n\x06status\x18\x01 \x01(\x0e\x32\".moeserve.v1.HealthResponse.Status\x12\x0f\n\x07message\x18\x02 \x01(\t\"3\n\x06Status\x12\x0b\n\x07UNKNOWN\x10\x00\x12\x0b\n\x07SERVING\x10\x01\x12\x0f\n\x0bNOT_SERVING\x10\x02\x32\x9f\x01\n\x0fGenerateService\x12I\n\x08Generate\x12\x1c.moeserve.v1.GenerateRequest\x1a\x1d.moeserve.v1.GenerateResponse0\x01\x12\x41\n\x06Health\x12\x1a.moeserve.v1.HealthRequest\x1a\x1b.moeserve.v1.HealthResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1amoeserve/v1/generate.proto\x12\x0bmoeserve.v1\"m\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12)\n\ntool_calls\x18\x03 \x03(\x0b\x32\x15.moeserve.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\"E\n\x0c\x46unctionTool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\":\n\x0c\x43hatMessages\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.moeserve.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xda\x05\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12\x31\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x15.moeserve.v1.TokenIdsH\x00\x12)\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x19.moeserve.v1.ChatMessagesH\x00\x12\x17\n\nmax_tokens\x18\x05 \x01(\rH\x02\x88\x01\x01\x12\x18\n\x0btemperature\x18\x06 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05top_p\x18\x07 \x01(\x02H\x04\x88\x01\x01\x12\x12\n\x05top_k\x18\x08 \x01(\x05H\x05\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x03H\x06\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\r\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x15\n\x0bjson_schema\x18\r \x01(\tH\x01\x12\x15\n\x0bjson_object\x18\x0e \x01(\x08H\x01\x12\x0f\n\x05regex\x18\x0f \x01(\tH\x01\x12\x0e\n\x04\x65\x62nf\x18\x10 \x01(\tH\x01\x12&\n\x06\x63hoice\x18\x11 \x01(\x0b\x32\x14.moeserve.v1.ChoicesH\x01\x12\x12\n\nrequest_id\x18\x12 \x01(\t\x12\x15\n\x08logprobs\x18\x13 \x01(\rH\x07\x88\x01\x01\x12(\n\x05trace\x18\x14 \x01(\x0b\x32\x19.moeserve.v1.TraceOptions\x12(\n\x05tools\x18\x15 \x03(\x0b\x32\x19.moeserve.v1.FunctionTool\x12\x13\n\x0btool_choice\x18\x16 \x01(\t\x12 \n\x13parallel_tool_calls\x18\x17 \x01(\x08H\x08\x88\x01\x01\x42\x07\n\x05inputB\t\n\x07grammarB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x0b\n\t_logprobsB\x16\n\x14_parallel_tool_calls\"4\n\x0cTraceOptions\x12\x0f\n\x07\x65xperts\x18\x01 \x01(\x08\x12\x13\n\x0bspeculation\x18\x02 \x01(\x08\"B\n\x0cLayerRouting\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x12\n\nexpert_ids\x18\x02 \x03(\r\x12\x0f\n\x07weights\x18\x03 \x03(\x02\"Z\n\nTokenTrace\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0e\n\x06source\x18\x02 \x01(\t\x12*\n\x07\x65xperts\x18\x03 \x03(\x0b\x32\x19.moeserve.v1.LayerRouting\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"W\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12$\n\x03top\x18\x03 \x03(\x0b\x32\x17.moeserve.v1.TopLogprob\"O\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\"\x81\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12!\n\x05usage\x18\x05 \x01(\x0b\x32\x12.moeserve.v1.Usage\x12+\n\x08logprobs\x18\x06 \x03(\x0b\x32\x19.moeserve.v1.TokenLogprob\x12&\n\x05trace\x18\x07 \x03(\x0b\x32\x17.moeserve.v1.TokenTrace\x12)\n\ntool_calls\x18\x08 \x03(\x0b\x32\x15.moeserve.v1.ToolCall\"\x0f\n\rHealthRequest\"\x8a\x01\n\x0eHealthResponse\x12\x32\n\x06status\x18\x01 \x01(\x0e\x32\".moeserve.v1.HealthResponse.Status\x12\x0f\n\x07message\x18\x02 \x01(\t\"3\n\x06Status\x12\x0b\n\x07UNKNOWN\x10\x00\x12\x0b\n\x07SERVING\x10\x01\x12\x0f\n\x0bNOT_SERVING\x10\x02\x32\x9f\x01\n\x0fGenerateService\x12I\n\x08Generate\x12\x1c.moeserve.v1.GenerateRequest\x1a\x1d.moeserve.v1.GenerateResponse0\x01\x12\x41\n\x06Health\x12\x1a.moeserve.v1.HealthRequest\x1a\x1b.moeserve.v1.HealthResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,35 +32,39 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'moeserve.v1.generate_pb2', 
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_CHATMESSAGE']._serialized_start=43
-  _globals['_CHATMESSAGE']._serialized_end=87
-  _globals['_CHATMESSAGES']._serialized_start=89
-  _globals['_CHATMESSAGES']._serialized_end=147
-  _globals['_TOKENIDS']._serialized_start=149
-  _globals['_TOKENIDS']._serialized_end=172
-  _globals['_CHOICES']._serialized_start=174
-  _globals['_CHOICES']._serialized_end=200
-  _globals['_GENERATEREQUEST']._serialized_start=203
-  _globals['_GENERATEREQUEST']._serialized_end=812
-  _globals['_TRACEOPTIONS']._serialized_start=814
-  _globals['_TRACEOPTIONS']._serialized_end=866
-  _globals['_LAYERROUTING']._serialized_start=868
-  _globals['_LAYERROUTING']._serialized_end=934
-  _globals['_TOKENTRACE']._serialized_start=936
-  _globals['_TOKENTRACE']._serialized_end=1026
-  _globals['_TOPLOGPROB']._serialized_start=1028
-  _globals['_TOPLOGPROB']._serialized_end=1075
-  _globals['_TOKENLOGPROB']._serialized_start=1077
-  _globals['_TOKENLOGPROB']._serialized_end=1164
-  _globals['_USAGE']._serialized_start=1166
-  _globals['_USAGE']._serialized_end=1245
-  _globals['_GENERATERESPONSE']._serialized_start=1248
-  _globals['_GENERATERESPONSE']._serialized_end=1462
-  _globals['_HEALTHREQUEST']._serialized_start=1464
-  _globals['_HEALTHREQUEST']._serialized_end=1479
-  _globals['_HEALTHRESPONSE']._serialized_start=1482
-  _globals['_HEALTHRESPONSE']._serialized_end=1620
-  _globals['_HEALTHRESPONSE_STATUS']._serialized_start=1569
-  _globals['_HEALTHRESPONSE_STATUS']._serialized_end=1620
-  _globals['_GENERATESERVICE']._serialized_start=1623
-  _globals['_GENERATESERVICE']._serialized_end=1782
+  _globals['_CHATMESSAGE']._serialized_end=152
+  _globals['_FUNCTIONTOOL']._serialized_start=154
+  _globals['_FUNCTIONTOOL']._serialized_end=223
+  _globals['_TOOLCALL']._serialized_start=225
+  _globals['_TOOLCALL']._serialized_end=280
+  _globals['_CHATMESSAGES']._serialized_start=282
+  _globals['_CHATMESSAGES']._serialized_end=340
+  _globals['_TOKENIDS']._serialized_start=342
+  _globals['_TOKENIDS']._serialized_end=365
+  _globals['_CHOICES']._serialized_start=367
+  _globals['_CHOICES']._serialized_end=393
+  _globals['_GENERATEREQUEST']._serialized_start=396
+  _globals['_GENERATEREQUEST']._serialized_end=1126
+  _globals['_TRACEOPTIONS']._serialized_start=1128
+  _globals['_TRACEOPTIONS']._serialized_end=1180
+  _globals['_LAYERROUTING']._serialized_start=1182
+  _globals['_LAYERROUTING']._serialized_end=1248
+  _globals['_TOKENTRACE']._serialized_start=1250
+  _globals['_TOKENTRACE']._serialized_end=1340
+  _globals['_TOPLOGPROB']._serialized_start=1342
+  _globals['_TOPLOGPROB']._serialized_end=1389
+  _globals['_TOKENLOGPROB']._serialized_start=1391
+  _globals['_TOKENLOGPROB']._serialized_end=1478
+  _globals['_USAGE']._serialized_start=1480
+  _globals['_USAGE']._serialized_end=1559
+  _globals['_GENERATERESPONSE']._serialized_start=1562
+  _globals['_GENERATERESPONSE']._serialized_end=1819
+  _globals['_HEALTHREQUEST']._serialized_start=1821
+  _globals['_HEALTHREQUEST']._serialized_end=1836
+  _globals['_HEALTHRESPONSE']._serialized_start=1839
+  _globals['_HEALTHRESPONSE']._serialized_end=1977
+  _globals['_HEALTHRESPONSE_STATUS']._serialized_start=1926
+  _globals['_HEALTHRESPONSE_STATUS']._serialized_end=1977
+  _globals['_GENERATESERVICE']._serialized_start=1980
+  _globals['_GENERATESERVICE']._serialized_end=2139
 # @@protoc_insertion_point(module_scope)

@@ -94,11 +94,9 @@ class LLM:
         return results, live
 
     def _compile(self, structured: StructuredOutputsParams) -> Any:
-        from moeserve.grammar import GrammarError
+        from moeserve.grammar import GrammarCompiler, GrammarError
 
         if self._compiler is None:
-            from moeserve.grammar import GrammarCompiler
-
             self._compiler = GrammarCompiler(self.tokenizer, self.engine.runner.vocab_size,
                                              config=self.config.grammar.grammar_config())
         spec = structured.spec()

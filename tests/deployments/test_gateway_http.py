@@ -292,6 +292,50 @@ def test_tool_calls_named_required_and_auto_whole_and_cut_streamed_and_not(long_
                 jsonschema.validate(json.loads(args), SCHEMAS[name])
 
 
+def test_grpc_tool_calls_named_whole_and_cut_then_a_round_trip(long_gateway):
+    """gRPC Generate with tools: a named tool_choice gives one call whose arguments validate (finish
+    "tool_calls"); cut by max_tokens, one call with a JSON-prefix of arguments (finish "length");
+    the call goes back in a chat and renders; text never carries call syntax."""
+    import grpc
+
+    from deployments.grpc_server import start_grpc_server
+    from deployments.proto import generate_pb2 as pb
+    from deployments.proto import generate_pb2_grpc as pb_grpc
+
+    tools = [pb.FunctionTool(name=t["function"]["name"], description=t["function"].get("description", ""),
+                             parameters=json.dumps(t["function"]["parameters"])) for t in TOOLS]
+    chat = pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="Two rye loaves please")])
+
+    def ask(max_tokens: int, choice: str, messages=chat) -> pb.GenerateRequest:
+        return pb.GenerateRequest(chat=messages, tools=tools, tool_choice=choice, max_tokens=max_tokens,
+                                  temperature=1.0, seed=5)
+
+    async def main():
+        server, port = await start_grpc_server(long_gateway.frontend, "127.0.0.1", 0)
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                stub = pb_grpc.GenerateServiceStub(channel)
+                out = []
+                for req in (ask(200, "place_order"), ask(6, "place_order"), ask(6, "auto")):
+                    out.append([r async for r in stub.Generate(req, timeout=60)])
+                (call,) = out[0][-1].tool_calls
+                follow = pb.ChatMessages(messages=[*chat.messages, pb.ChatMessage(role="assistant", tool_calls=[call]),
+                                                   pb.ChatMessage(role="tool", tool_call_id=call.id, content="ok")])
+                out.append([r async for r in stub.Generate(ask(4, "auto", follow), timeout=60)])
+                return out
+        finally:
+            await server.stop(None)
+
+    whole, cut, auto, after = asyncio.run(main())
+    (call,) = whole[-1].tool_calls
+    assert whole[-1].finish_reason == "tool_calls" and call.name == "place_order" and call.id.startswith("call_")
+    jsonschema.validate(json.loads(call.arguments), ORDER)
+    assert all(not r.tool_calls for r in whole[:-1]) and not "".join(r.text for r in whole)
+    (call,) = cut[-1].tool_calls
+    assert cut[-1].finish_reason == "length" and call.name == "place_order" and _json_prefix(call.arguments, ORDER)
+    assert "<tool_call" not in "".join(r.text for r in auto) and after[-1].finish_reason in ("stop", "length")
+
+
 def test_tool_choice_errors_are_clear_400s(gateway):
     ask = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}]}
     cases = [

@@ -158,6 +158,9 @@ def test_the_trace_travels_both_ways(frontend):
     assert not plain[-1].trace
 
 
+CHAT = pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="hi")])
+
+
 @pytest.mark.parametrize("request_,status,needle", [
     (pb.GenerateRequest(model="gpt-4", prompt="fine"), grpc.StatusCode.NOT_FOUND, "does not exist"),
     (pb.GenerateRequest(prompt="fine", temperature=-1), grpc.StatusCode.INVALID_ARGUMENT, "temperature"),
@@ -167,6 +170,13 @@ def test_the_trace_travels_both_ways(frontend):
     (pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=[10**6])), grpc.StatusCode.INVALID_ARGUMENT, "token ids"),
     (pb.GenerateRequest(), grpc.StatusCode.INVALID_ARGUMENT, "one of prompt"),
     (pb.GenerateRequest(prompt="fine", json_schema="{not json"), grpc.StatusCode.INVALID_ARGUMENT, "json_schema"),
+    (pb.GenerateRequest(prompt="fine", tool_choice="required"), grpc.StatusCode.INVALID_ARGUMENT, "chat input"),
+    (pb.GenerateRequest(chat=CHAT, tools=[pb.FunctionTool(name="f")], tool_choice="g"),
+     grpc.StatusCode.INVALID_ARGUMENT, "not in tools"),
+    (pb.GenerateRequest(chat=CHAT, tools=[pb.FunctionTool(name="f", parameters="{x")]),
+     grpc.StatusCode.INVALID_ARGUMENT, "not JSON"),
+    (pb.GenerateRequest(chat=CHAT, tools=[pb.FunctionTool(name="f")], tool_choice="f", regex="a"),
+     grpc.StatusCode.INVALID_ARGUMENT, "cannot be combined"),
 ])
 def test_bad_requests_are_mapped_with_a_message(frontend, request_, status, needle):
     async def main():
