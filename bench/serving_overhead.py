@@ -106,9 +106,14 @@ def itl_ms(run: dict) -> float:
     return 1000 * (run["e2e"] - run["ttft"]) / max(1, run["tokens"] - 1)
 
 
-def start_server(cfg, http_port: int) -> str:
+def start_server(cfg, http_port: int, direct: bool) -> tuple[str, str | None]:
+    """The app behind Serve's proxy; with `direct` (Ray Serve's direct ingress), also the gateway
+    replica's own HTTP port, which Serve's controller hands out as the app's target."""
+    if direct:
+        os.environ["RAY_SERVE_ENABLE_DIRECT_INGRESS"] = "1"  # read by every Serve process Ray starts
     import ray
     from ray import serve
+    from ray.serve.context import _get_global_client
 
     from bench.serve_app import wait_healthy
     from deployments.app import APP_NAME, build
@@ -118,7 +123,18 @@ def start_server(cfg, http_port: int) -> str:
     serve.run(build(cfg), name=APP_NAME, route_prefix="/")
     base = f"http://127.0.0.1:{http_port}"
     wait_healthy(base, timeout=300)
-    return base
+    if not direct:
+        return base, None
+    deadline = time.monotonic() + 120
+    while True:  # the replica's port is allocated once it runs
+        groups = ray.get(_get_global_client()._controller.get_target_groups.remote(APP_NAME))
+        ports = [t.port for g in groups if g.protocol.name == "HTTP" for t in g.targets if t.port != http_port]
+        if ports or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    direct_base = f"http://127.0.0.1:{ports[0]}"
+    wait_healthy(direct_base, timeout=60)
+    return base, direct_base
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -130,12 +146,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--http-port", type=int, default=8123)
     p.add_argument("--report", default=None, help="report name in bench/reports/ (default: serving_overhead, "
                    "or serving_overhead-quick)")
+    p.add_argument("--direct-ingress", action="store_true",
+                   help="Ray Serve's direct ingress on: each run also streams straight to the gateway replica's "
+                        "own port, beside the proxy path (report: serving_overhead-direct)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="a config override for both sides, e.g. engine.torch_threads=1 (YAML value)")
     args = p.parse_args(argv)
     if args.quick:
         args.streams, args.max_tokens, args.runs = 8, 16, 3
-    args.report = args.report or ("serving_overhead-quick" if args.quick else "serving_overhead")
+    args.report = args.report or ("serving_overhead" + ("-direct" if args.direct_ingress else "")
+                                  + ("-quick" if args.quick else ""))
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
     from demo.prompts import formulaic
@@ -154,20 +174,22 @@ def main(argv: list[str] | None = None) -> int:
     med = statistics.median
     prompts = formulaic(llm.tokenizer, args.streams)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
-    base = start_server(cfg, args.http_port)
+    base, direct = start_server(cfg, args.http_port, args.direct_ingress)
     name = cfg.model.name
 
     offline(llm, prompts[:4], params)  # warm both sides up
     asyncio.run(served(base, name, prompts[:4], args.max_tokens))
     # in-process at torch's default threads, and at the core process's (all but one core)
     threads = sorted({torch.get_num_threads(), cfg.engine.torch_threads or max(1, torch.get_num_threads() - 1)})
-    runs: dict[str, list[dict]] = {"served": [], "served_1": [], "offline_1": []}
+    runs: dict[str, list[dict]] = {"served": [], "served_1": [], "offline_1": [], "direct": [], "direct_1": []}
     runs |= {f"offline_{t}t": [] for t in threads}
     for i in range(args.runs):  # which side goes first alternates by run
         for side in (("served", "offline") if i % 2 == 0 else ("offline", "served")):
             if side == "served":
-                runs["served"].append(asyncio.run(served(base, name, prompts, args.max_tokens)))
-                runs["served_1"].append(asyncio.run(served_single(base, name, prompts[0], args.max_tokens)))
+                for key, url in (("served", base), ("direct", direct))[:: 1 if i % 4 < 2 else -1]:
+                    if url is not None:  # the two HTTP paths alternate which goes first too
+                        runs[key].append(asyncio.run(served(url, name, prompts, args.max_tokens)))
+                        runs[f"{key}_1"].append(asyncio.run(served_single(url, name, prompts[0], args.max_tokens)))
                 continue
             for t in threads:
                 torch.set_num_threads(t)
@@ -198,6 +220,8 @@ def main(argv: list[str] | None = None) -> int:
                                                            [r["ttft"] for r in runs["offline_1"]])
     result["itl_served_over_offline"] = ratio_over_rounds([itl_ms(r) for r in runs["served_1"]],
                                                           [itl_ms(r) for r in runs["offline_1"]])
+    if direct is not None:
+        result["direct_ingress"] = direct_summary(runs, f"offline_{best}t")
     md = markdown(result, args)
     print(md)
     print("report:", write(args.report, result, md, {"throughput": figure(result, args)})[1])
@@ -238,7 +262,42 @@ def markdown(r: dict, args) -> str:
         f"Served greedy text identical to `LLM.generate`: {r['same_text']}.", "",
         "## CPU per streamed token outside the engine core (goal: <= 150 us)", "",
         markdown_table(["process", "CPU us / token"], cpu),
-    ])
+    ] + (direct_markdown(r["direct_ingress"]) if "direct_ingress" in r else []))
+
+
+def direct_summary(runs: dict[str, list[dict]], offline_key: str) -> dict:
+    """Direct ingress against the proxy path, run by run (both served by the same app)."""
+    med = statistics.median
+    return {
+        "direct_over_offline": ratio_over_rounds([r["tokens_per_s"] for r in runs["direct"]],
+                                                 [r["tokens_per_s"] for r in runs[offline_key]]),
+        "tokens_per_s": {k: med(r["tokens_per_s"] for r in runs[k]) for k in ("served", "direct")},
+        "direct_over_proxy": ratio_over_rounds([r["tokens_per_s"] for r in runs["direct"]],
+                                               [r["tokens_per_s"] for r in runs["served"]]),
+        "ttft_direct_over_proxy": ratio_over_rounds([r["ttft"] for r in runs["direct_1"]],
+                                                    [r["ttft"] for r in runs["served_1"]]),
+        "ttft_ms": {k: 1000 * med(r["ttft"] for r in runs[f"{k}_1"]) for k in ("served", "direct")},
+        "cpu_us_per_token": {k: {role: med(r["cpu_us_per_token"][role] for r in runs[k]) for role in SERVING_PROCESSES}
+                             for k in ("served", "direct")},
+        "same_text": runs["direct"][0]["texts"] == runs["served"][0]["texts"],
+    }
+
+
+def direct_markdown(d: dict) -> list[str]:
+    roles = list(SERVING_PROCESSES)
+    cpu = [[path] + [d["cpu_us_per_token"][key][role] for role in roles]
+           + [sum(d["cpu_us_per_token"][key].values())] for path, key in (("proxy", "served"), ("direct", "direct"))]
+    return ["", "## Ray Serve's direct ingress against the proxy", "",
+            "`--direct-ingress`: Serve started with `RAY_SERVE_ENABLE_DIRECT_INGRESS=1`, so the gateway replica "
+            "also listens on a port of its own (the controller's target for the app); each run streams through the "
+            "proxy and straight to that port, in turn.", "",
+            markdown_table(["", "proxy", "direct", "direct / proxy [90% interval]"], [
+                ["tokens/s", d["tokens_per_s"]["served"], d["tokens_per_s"]["direct"], d["direct_over_proxy"]],
+                ["1 stream, TTFT (ms)", d["ttft_ms"]["served"], d["ttft_ms"]["direct"], d["ttft_direct_over_proxy"]],
+            ]), "",
+            markdown_table(["path, CPU us / token", *roles, "all"], cpu), "",
+            f"Direct ingress / in-process, all streams: {d['direct_over_offline']}. Same greedy text on both "
+            f"paths: {d['same_text']}."]
 
 
 def figure(r: dict, args):
