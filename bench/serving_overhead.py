@@ -26,6 +26,7 @@ import asyncio
 import os
 import statistics
 import time
+from pathlib import Path
 
 import httpx
 import psutil
@@ -36,16 +37,18 @@ from bench.report import environment, markdown_table, write
 from bench.serve_latency import stream_completion
 from bench.timing import format_ratio, ratio_over_rounds
 
-SERVING_PROCESSES = {"proxy": "ProxyActor", "gateway": "moeserve:gateway", "engine replica": "moeserve:engine"}
+SERVING_PROCESSES = {"proxy": "ProxyActor", "gateway": "moeserve:gateway", "engine replica": "moeserve:engine",
+                     "haproxy": "haproxy"}
 
 
 def serving_pids() -> dict[str, list[int]]:
     """Ray worker processes by role, found by their process titles."""
     found: dict[str, list[int]] = {role: [] for role in SERVING_PROCESSES}
     for p in psutil.process_iter(["cmdline"]):
-        title = " ".join(p.info["cmdline"] or [])
+        cmd = p.info["cmdline"] or [""]
+        title = " ".join(cmd)
         for role, needle in SERVING_PROCESSES.items():
-            if title.startswith("ray::") and needle in title:
+            if (title.startswith("ray::") and needle in title) or (role == "haproxy" and Path(cmd[0]).name == needle):
                 found[role].append(p.pid)
     return found
 
@@ -106,11 +109,14 @@ def itl_ms(run: dict) -> float:
     return 1000 * (run["e2e"] - run["ttft"]) / max(1, run["tokens"] - 1)
 
 
-def start_server(cfg, http_port: int, direct: bool) -> tuple[str, str | None]:
-    """The app behind Serve's proxy; with `direct` (Ray Serve's direct ingress), also the gateway
-    replica's own HTTP port, which Serve's controller hands out as the app's target."""
+def start_server(cfg, http_port: int, direct: bool, haproxy: str | None) -> tuple[str, str | None]:
+    """The app behind Serve's proxy (`haproxy`: Serve's HAProxy mode, that binary in front instead);
+    with `direct` (Ray Serve's direct ingress), also the gateway replica's own HTTP port, which Serve's
+    controller hands out as the app's target."""
     if direct:
         os.environ["RAY_SERVE_ENABLE_DIRECT_INGRESS"] = "1"  # read by every Serve process Ray starts
+    if haproxy:
+        os.environ |= {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_HAPROXY_BINARY_PATH": haproxy}
     import ray
     from ray import serve
     from ray.serve.context import _get_global_client
@@ -119,7 +125,7 @@ def start_server(cfg, http_port: int, direct: bool) -> tuple[str, str | None]:
     from deployments.app import APP_NAME, build
 
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    serve.start(http_options={"host": "127.0.0.1", "port": http_port})
+    serve.start(http_options={"port": http_port} | ({} if haproxy else {"host": "127.0.0.1"}))  # HAProxy: its default
     serve.run(build(cfg), name=APP_NAME, route_prefix="/")
     base = f"http://127.0.0.1:{http_port}"
     wait_healthy(base, timeout=300)
@@ -149,13 +155,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--direct-ingress", action="store_true",
                    help="Ray Serve's direct ingress on: each run also streams straight to the gateway replica's "
                         "own port, beside the proxy path (report: serving_overhead-direct)")
+    p.add_argument("--haproxy", metavar="BINARY", help="Serve's HAProxy mode with this haproxy binary in front of the "
+                   "gateway replicas instead of Serve's proxy (report: serving_overhead-haproxy)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="a config override for both sides, e.g. engine.torch_threads=1 (YAML value)")
     args = p.parse_args(argv)
     if args.quick:
         args.streams, args.max_tokens, args.runs = 8, 16, 3
     args.report = args.report or ("serving_overhead" + ("-direct" if args.direct_ingress else "")
-                                  + ("-quick" if args.quick else ""))
+                                  + ("-haproxy" if args.haproxy else "") + ("-quick" if args.quick else ""))
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
     from demo.prompts import formulaic
@@ -174,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     med = statistics.median
     prompts = formulaic(llm.tokenizer, args.streams)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
-    base, direct = start_server(cfg, args.http_port, args.direct_ingress)
+    base, direct = start_server(cfg, args.http_port, args.direct_ingress and not args.haproxy, args.haproxy)
     name = cfg.model.name
 
     offline(llm, prompts[:4], params)  # warm both sides up
@@ -248,12 +256,14 @@ def markdown(r: dict, args) -> str:
     cpu.append(["all of them", r["cpu_us_per_token_outside_core"]])
     return "\n".join([
         "# Serving overhead: the served stack vs the same engine in one process", "",
-        f"`python -m bench.serving_overhead{' --quick' if args.quick else ''}`"
+        f"`python -m bench.serving_overhead{' --quick' if args.quick else ''}"
+        f"{' --direct-ingress' if args.direct_ingress else ''}{' --haproxy ' + args.haproxy if args.haproxy else ''}`"
         + "".join(f" --set {s}" for s in args.set) + ". "
         f"Greedy, {args.max_tokens} tokens per request (EOS ignored), held-out demo prompts; {args.runs} runs "
         "alternating the sides: values are medians, each ratio the median of the per-run ratios with its 90% "
-        "bootstrap interval over the runs. Served: HTTP -> Serve proxy -> gateway -> engine replica -> engine "
-        "core process. In-process: `moeserve.LLM.generate` on the same engine settings, at the torch thread "
+        "bootstrap interval over the runs. Served: HTTP -> "
+        + (f"HAProxy (Serve's HAProxy mode, `--haproxy {args.haproxy}`)" if args.haproxy else "Serve proxy")
+        + " -> gateway -> engine replica -> engine core process. In-process: `moeserve.LLM.generate` on the same engine settings, at the torch thread "
         f"count that was fastest ({r['offline_threads']}; by threads: "
         + ", ".join(f"{t}: {v:.0f} tokens/s" for t, v in r["offline_tokens_per_s_by_threads"].items()) + "). "
         f"Both sides keep their prefix cache as configured (prefix caching {r['prefix_caching']}) and see the "
