@@ -58,12 +58,8 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
             async for chunk in self.frontend.stream(prep):
                 calls = []
                 if tools is not None:  # text only outside calls; the calls whole, with the last response
-                    text = tools.feed(chunk.text)
-                    if chunk.finished:
-                        rest, calls = tools.finish()
-                        text += rest
-                    cut = chunk.finish_reason == "length"
-                    chunk = replace(chunk, text=text, finish_reason="tool_calls" if calls and not cut else chunk.finish_reason)
+                    text, calls, finish = tools.push(chunk.text, chunk.finish_reason)
+                    chunk = replace(chunk, text=text, finish_reason=finish)
                 yield _response(chunk, calls)
         except Exception as e:
             error = as_serving_error(e)

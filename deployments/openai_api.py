@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from deployments.frontend import ServeRequest
 from deployments.http_edge import error_body
-from deployments.tools import Tool, ToolCalling, tool_calling
+from deployments.tools import Tool, ToolCalling, finish_reason_with, tool_calling
 from moeserve.errors import ErrorCode, ServingError, as_serving_error
 from moeserve.grammar.spec import GrammarSpec
 from moeserve.protocol import GenerateChunk, Usage
@@ -293,7 +293,7 @@ async def full_response(merged: Merged, n: int, builder: ResponseBuilder, callin
     if calling is not None:
         for c in choices:
             c.text, c.tool_calls = calling.split(c.text)
-            c.finish_reason = "tool_calls" if c.tool_calls and c.finish_reason != "length" else c.finish_reason
+            c.finish_reason = finish_reason_with(c.tool_calls, c.finish_reason)
     return builder.full(choices, _total(usage))
 
 
@@ -308,19 +308,16 @@ async def sse_events(merged: Merged, n: int, builder: ResponseBuilder, include_u
             for i in range(n):
                 yield builder.chunk("", first=True, index=i)
         async for i, chunk in merged:
-            text, calls = chunk.text, []
+            text, calls, finish = chunk.text, [], chunk.finish_reason
             if tools is not None:  # content only outside tool calls; the calls once complete
-                text = tools[i].feed(text)
-                if chunk.finished:
-                    rest, calls = tools[i].finish()
-                    text += rest
+                text, calls, finish = tools[i].push(text, finish)
             if calls:
                 if text or chunk.logprobs or chunk.trace:
                     yield builder.chunk(text, index=i, logprobs=chunk.logprobs, trace=chunk.trace)
                 yield builder.tool_calls_chunk(calls, index=i)
-                yield builder.chunk("", "length" if chunk.finish_reason == "length" else "tool_calls", index=i)
+                yield builder.chunk("", finish, index=i)
             elif text or chunk.finished or chunk.logprobs or chunk.trace:
-                yield builder.chunk(text, chunk.finish_reason, index=i, logprobs=chunk.logprobs, trace=chunk.trace)
+                yield builder.chunk(text, finish, index=i, logprobs=chunk.logprobs, trace=chunk.trace)
             usage[i] = chunk.usage
         if include_usage:
             yield builder.usage_chunk(_total(usage))

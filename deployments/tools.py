@@ -149,6 +149,15 @@ class ToolStream:
         out, self.sent = self.text[self.sent : start], start
         return out
 
+    def push(self, text: str, finish_reason: str | None) -> tuple[str, list[dict[str, Any]], str | None]:
+        """One engine chunk's (text, finish_reason): the content to send now, the calls (whole, once
+        finished) and the finish reason to report."""
+        text = self.feed(text)
+        if finish_reason is None:
+            return text, [], None
+        rest, calls = self.finish()
+        return text + rest, calls, finish_reason_with(calls, finish_reason)
+
     def finish(self) -> tuple[str, list[dict[str, Any]]]:
         """At the end: the content not yet streamed, and the calls."""
         _, calls = self.calling.split(self.text)
@@ -156,6 +165,11 @@ class ToolStream:
         if mode in ("required", "named"):
             return "", calls
         return (rest if mode == "none" else _without_calls(rest)), calls
+
+
+def finish_reason_with(calls: list[dict[str, Any]], finish_reason: str | None) -> str | None:
+    """"tool_calls" once calls came, unless the output was cut ("length" stays)."""
+    return "tool_calls" if calls and finish_reason != "length" else finish_reason
 
 
 def _calls(text: str, tools: dict[str, FunctionDef]) -> list[dict[str, Any]]:
