@@ -8,13 +8,16 @@ adaptive k, chosen per batch-size bucket from measured step costs and acceptance
 utility rule, moeserve/spec/policy.py); and adaptive k with the draft in a worker process of
 its own (the draft deployment's worker and data channel, without Ray: `DraftProcess`), pinned
 to the last CPU and the engine to the others. Greedy, so every case writes the same tokens;
-ratios are medians of per-round ratios against no speculation. A run holds whole groups of the batch:
-at least --min-prompts prompts, and more groups (up to --max-prompts prompts) until a plain run takes
---min-seconds: a batch of JSON replies drains in ~20 steps, and in runs that short a fresh engine's
-first drafting steps (PayGuard measuring whether drafting pays) weighed a whole round.
+ratios are medians of per-round ratios against no speculation. A run queues all its prompts and the
+engine holds B sequences, refilling a finished row's place as a server does (--static-batches: groups
+of B, each drained before the next; its stragglers finish at batch 1-3, and speculation that ends some
+rows early leaves the rest to run at a smaller batch). A run holds at least --min-prompts prompts, and
+more (whole groups of B, up to --max-prompts) until a plain run takes --min-seconds: a batch of JSON
+replies drains in ~20 steps, and in runs that short a fresh engine's first drafting steps (PayGuard
+measuring whether drafting pays) weighed a whole round.
 
     python -m bench.spec_batch_sweep [--quick] [--rounds R] [--batches 1,2,4,8,16,32] [--sets formulaic,free-form,json]
-                                     [--min-seconds S] [--no-deployment]
+                                     [--min-seconds S] [--no-deployment] [--static-batches]
 """
 
 from __future__ import annotations
@@ -66,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--k", type=int, default=4, help="draft tokens per step of the fixed-k cases (adaptive: at most 8)")
     ap.add_argument("--disable-by-batch-size", type=int, default=12, help="the static rule's threshold")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--static-batches", action="store_true", help="drain each group of B before the next (no refill)")
     ap.add_argument("--no-deployment", dest="deployment", action="store_false",
                     help="skip the draft worker process (the draft deployment's case)")
     ap.add_argument("--target", default=demo_checkpoint("demo-moe"))
@@ -100,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
             proposer = None if spec is None else DraftModelProposer(draft, batch, 1024)
         engine = LLMEngine(ModelRunner(target, batch, 1024, prefix_caching=False), tokenizer, SchedulerConfig(batch, 1 << 16, 1024),
                            proposer=proposer, spec=spec or SpecConfig(num_tokens=0))
-        return workloads.ours(engine, prompts, args.new_tokens, batch, stop_at_eos=False, grammar=grammar)
+        return workloads.ours(engine, prompts, args.new_tokens, batch, stop_at_eos=False, grammar=grammar,
+                              continuous=not args.static_batches)
 
     def groups(prompts, batch: int, grammar) -> int:
         """Groups of `batch` per run: --min-prompts' worth, and more until a plain run takes --min-seconds."""
@@ -148,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
         return f"{r[c]:.2f} ({lo:.2f}-{hi:.2f})"
 
     # a quick run, or some of the sets, is written beside the full report, not over it
-    report_name = "spec_batch_sweep" + ("-quick" if args.quick else "") + ("" if len(sets) == len(SETS) else "-" + "-".join(wanted))
+    report_name = ("spec_batch_sweep" + ("-quick" if args.quick else "") + ("-static" if args.static_batches else "")
+                   + ("" if len(sets) == len(SETS) else "-" + "-".join(wanted)))
     table = ["| prompts | batch | prompts per run | " + " | ".join(cols) + " |", "|---|---|---|" + "---|" * len(cols)]
     table += [f"| {r['prompts']} | {r['batch']} | {r['prompts per run']} | " + " | ".join(cell(r, c) for c in cols)
               + " |" for r in rows]
@@ -159,8 +165,11 @@ def main(argv: list[str] | None = None) -> int:
              if r["intervals"][c][1] < 0.97]
     md = "\n".join([
         "# Speculation by batch size", "",
-        f"`python -m bench.spec_batch_sweep`: demo pair, greedy, {args.new_tokens} new tokens per "
-        f"prompt (EOS ignored), at least {args.min_prompts} prompts per run in groups of the batch, and more "
+        f"`python -m bench.spec_batch_sweep{' --static-batches' if args.static_batches else ''}`: demo pair, greedy, "
+        f"{args.new_tokens} new tokens per prompt (EOS ignored), "
+        + ("each group of B drained before the next" if args.static_batches else
+           "all of a run's prompts queued, B sequences running (a finished row's place refilled)")
+        + f", at least {args.min_prompts} prompts per run, and more "
         f"(up to {args.max_prompts}) until a plain run took {args.min_seconds:g} s, "
         f"{args.rounds} interleaved rounds; ratios are tokens/s against no speculation at the same batch "
         f"(median of per-round ratios; in brackets its 90% bootstrap interval over the rounds). torch threads: {args.threads}. The draft in the engine's process, except "

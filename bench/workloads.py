@@ -24,9 +24,11 @@ def greedy(new_tokens: int, stop_at_eos: bool = False) -> SamplingParams:
 
 
 def ours(engine: LLMEngine, prompts: list[list[int]], new_tokens: int, batch: int, stop_at_eos: bool = False,
-         grammar=None) -> Case:
+         grammar=None, continuous: bool = False) -> Case:
     """Our engine: prompts in groups of `batch` (each constrained by `grammar`, a CompiledGrammar,
-    when given: then a reply ends where its grammar completes). extra: this run's speculation
+    when given: then a reply ends where its grammar completes); `continuous`: all queued at once,
+    so an engine holding `batch` sequences refills a finished row's place as a server does (steps
+    then mix prefill and decode: extra has the total seconds only). extra: this run's speculation
     metrics, the time split into prefill (each group's first step) and decode steps, and with a
     draft deployment its pre-draft hit rate, share of steps answered from a push, wait per call and
     fallback steps."""
@@ -38,8 +40,8 @@ def ours(engine: LLMEngine, prompts: list[list[int]], new_tokens: int, batch: in
         engine.spec_metrics = SpecMetrics()  # this run's only
         before = stats() if stats else None
         tokens, prefill_s, decode_s, decode_steps = 0, 0.0, 0.0, 0
-        for i in range(0, len(prompts), batch):
-            for p in prompts[i : i + batch]:
+        for i in range(0, len(prompts), len(prompts) if continuous else batch):
+            for p in prompts[i : len(prompts) if continuous else i + batch]:
                 engine.add_request(p, params, grammar=grammar)
             t0 = time.perf_counter()
             tokens += sum(len(o.new_token_ids) for o in engine.step())  # prefill: the whole group at once
@@ -49,8 +51,9 @@ def ours(engine: LLMEngine, prompts: list[list[int]], new_tokens: int, batch: in
                 tokens += sum(len(o.new_token_ids) for o in engine.step())
                 decode_s += time.perf_counter() - t0
                 decode_steps += 1
-        extra = {"prefill_s": prefill_s, "decode_s": decode_s, "decode_steps": decode_steps,
-                 "decode_tokens": tokens - len(prompts)}
+        extra = ({"steps_s": prefill_s + decode_s} if continuous else
+                 {"prefill_s": prefill_s, "decode_s": decode_s, "decode_steps": decode_steps,
+                  "decode_tokens": tokens - len(prompts)})
         if engine.proposer is not None:
             extra["spec"] = engine.spec_metrics.to_dict()
         if stats:

@@ -124,14 +124,17 @@ class PayGuard:
     """Does drafting pay, as realized? Tokens per second of decode steps with and without drafts,
     per key (batch-size bucket, constrained or not). Until both kinds have min_steps steps they
     take turns (same text, same load); then drafting is refused where it emitted fewer per
-    second, and measured afresh after every `recheck` refused steps."""
+    second, and measured afresh after `recheck` refused steps; each recheck that loses again
+    doubles the wait before the next (up to `max_wait`), a win resets it."""
 
-    def __init__(self, decay: float = 0.97, min_steps: int = 8, recheck: int = 64) -> None:
-        if not 0.0 < decay <= 1.0 or min_steps < 1 or recheck < 1:
-            raise ValueError(f"need 0 < decay <= 1, min_steps >= 1, recheck >= 1; got {decay}, {min_steps}, {recheck}")
-        self.decay, self.min_steps, self.recheck = decay, min_steps, recheck
+    def __init__(self, decay: float = 0.97, min_steps: int = 8, recheck: int = 64, max_wait: int = 1024) -> None:
+        if not 0.0 < decay <= 1.0 or min_steps < 1 or not 1 <= recheck <= max_wait:
+            raise ValueError(f"need 0 < decay <= 1, min_steps >= 1, 1 <= recheck <= max_wait; got {decay}, "
+                             f"{min_steps}, {recheck}, {max_wait}")
+        self.decay, self.min_steps, self.recheck, self.max_wait = decay, min_steps, recheck, max_wait
         self._rates: dict[tuple, tuple[_Rate, _Rate]] = {}  # key -> (plain steps, drafting steps)
         self._refused: dict[tuple, int] = {}  # key -> refused steps since the last recheck
+        self._wait: dict[tuple, int] = {}  # key -> refused steps before the next recheck
         self._last = False  # whether the last step drafted
         self.num_refused = 0
 
@@ -146,11 +149,14 @@ class PayGuard:
         if min(plain.steps, drafting.steps) < self.min_steps:  # undecided: take turns
             return not self._last
         if drafting.per_s >= plain.per_s:
+            self._wait[key] = self.recheck
             return True
         self.num_refused += 1
         self._refused[key] = self._refused.get(key, 0) + 1
-        if self._refused[key] >= self.recheck:
+        wait = self._wait.setdefault(key, self.recheck)
+        if self._refused[key] >= wait:
             self._refused[key] = 0
+            self._wait[key] = min(2 * wait, self.max_wait)  # a loss again: the next recheck waits longer
             self._rates[key] = (plain, _Rate())  # measure drafting afresh
             return True
         return False

@@ -204,10 +204,11 @@ def test_a_batch_drafts_one_k_chosen_for_all_its_rows() -> None:
 def test_pay_guard_refuses_drafting_that_has_not_paid_and_rechecks():
     """Realized tokens per second with and without drafts, per key: while undecided, plain and
     drafting steps take turns; drafting is refused where it emitted fewer per second than plain
-    steps; every `recheck` refused steps it is measured afresh."""
+    steps; after `recheck` refused steps it is measured afresh, and each recheck that loses again
+    doubles the wait for the next, up to max_wait; a win resets it."""
     from moeserve.spec import PayGuard
 
-    guard = PayGuard(decay=1.0, min_steps=2, recheck=4)
+    guard = PayGuard(decay=1.0, min_steps=2, recheck=4, max_wait=8)
     key = (1, True)
     turns = []
     for _ in range(4):
@@ -218,15 +219,22 @@ def test_pay_guard_refuses_drafting_that_has_not_paid_and_rechecks():
     assert guard.num_refused == 4
     guard.record(key, True, 3, 0.010)
     guard.record(key, False, 2, 0.005)
-    guard.record(key, True, 3, 0.010)  # still 300/s: refused again until the next recheck
-    assert [guard.allows(key) for _ in range(4)] == [False] * 3 + [True]
+    guard.record(key, True, 3, 0.010)  # still 300/s: refused again, and the next recheck waits twice as long
+    assert [guard.allows(key) for _ in range(8)] == [False] * 7 + [True]
+    guard.record(key, True, 3, 0.010)
+    guard.record(key, True, 3, 0.010)  # lost again: the wait stays at max_wait
+    assert [guard.allows(key) for _ in range(8)] == [False] * 7 + [True]
     for _ in range(2):
         guard.record(key, True, 6, 0.010)  # 600/s: drafting pays now
     assert guard.allows(key) and guard.allows(key)
+    guard.record(key, True, 1, 0.010)
+    guard.record(key, True, 1, 0.010)  # loses again after a win: back to the first wait, 4
+    assert [guard.allows(key) for _ in range(4)] == [False] * 3 + [True]
     guard.record((2, True), False, 1, 0.010)
     assert guard.allows((2, True))  # another batch-size bucket, undecided: its turn to draft
-    with pytest.raises(ValueError):
-        PayGuard(min_steps=0)
+    for bad in ({"min_steps": 0}, {"recheck": 0}, {"recheck": 8, "max_wait": 4}):
+        with pytest.raises(ValueError):
+            PayGuard(**bad)
 
 
 def test_adaptive_k_drafts_only_where_its_guard_allows() -> None:
