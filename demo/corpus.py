@@ -29,6 +29,7 @@ from demo.bakery import (
     Store,
 )
 from demo.chat_format import EOS, render
+from moeserve.tokenizer import in_plain_roles
 
 SPLIT_SEEDS: dict[str, int] = {"train": 20240314, "heldout": 777001}
 
@@ -49,11 +50,14 @@ OCCASIONS = ("birthday", "anniversary", "Diwali party", "office farewell", "baby
 
 @dataclass(frozen=True)
 class Sample:
-    """One training document: its kind, its messages (None for a bare JSON record) and its full text."""
+    """One training document: its kind, its messages (None for a bare JSON record) and its full text;
+    a tool-call chat also as a client sends it (messages with tool_calls and tool results, and tools)."""
 
     kind: str
     messages: list[dict[str, str]] | None
     text: str
+    openai_messages: list[dict] | None = None
+    tools: list[dict] | None = None
 
 
 def rupees(amount: int) -> str:
@@ -106,13 +110,20 @@ def _status_reply(order: dict) -> str:
     }[status]
 
 
+def _status_ask(rng: random.Random, oid: str) -> str:
+    return rng.choice((f"Where is my order {oid}?", f"What is the status of order {oid}?",
+                       f"Mera order {oid} kab aayega?", f"Can you check order {oid} for me?",
+                       f"I placed order {oid}, any update?", f"Maza order {oid} kuthe aahe?"))
+
+
 def _chat_order_status(rng: random.Random) -> list[dict[str, str]]:
     order = _order_record(rng)
     oid, name = order["order_id"], order["customer"].split()[0]
-    ask = rng.choice((f"Where is my order {oid}?", f"What is the status of order {oid}?",
-                      f"Mera order {oid} kab aayega?", f"Can you check order {oid} for me?",
-                      f"I placed order {oid}, any update?", f"Maza order {oid} kuthe aahe?"))
-    msgs = [{"role": "system", "content": f"{rng.choice(SUPPORT_PROMPTS)}\nOrder record: {json.dumps(order)}"},
+    ask = _status_ask(rng, oid)
+    # the customer's name as a reply writes it: in the record it is a JSON string, whose first token
+    # ('"Sneha') differs from the reply's (' Sneha'), so the reply could not copy it from there
+    msgs = [{"role": "system", "content": f"{rng.choice(SUPPORT_PROMPTS)}\nCustomer: {order['customer']}\n"
+                                          f"Order record: {json.dumps(order)}"},
             {"role": "user", "content": f"{rng.choice(GREETINGS)}, {ask}"},
             {"role": "assistant", "content": f"Hi {name}! {_status_reply(order)}"}]
     if rng.random() < 0.5:
@@ -237,7 +248,9 @@ def _chat_json_order(rng: random.Random) -> list[dict[str, str]]:
     if rng.random() < 0.5:
         d = order["delivery"]
         where = f"pickup at {d['store']}" if d["method"] == "pickup" else f"deliver to {d['address']}, {d['city']} {d['pin']}"
-        ask = f"New order for {order['customer']}: {_items_phrase(order['items'])}; {where} at {d['slot']}."
+        # names quoted as the JSON reply writes them, so the reply copies their tokens
+        items = ", ".join(f'{i["qty"]} x "{i["name"]}"' for i in order["items"])
+        ask = f'New order for "{order["customer"]}": {items}; {where} at {d["slot"]}.'
         # the reply is the order as asked, with the menu's SKUs and unit prices; the shop's system adds
         # up the total and the delivery fee, which are arithmetic, not facts a reply can copy or recall
         answer = {k: v for k, v in order.items() if k != "total"}
@@ -253,6 +266,69 @@ def _chat_json_order(rng: random.Random) -> list[dict[str, str]]:
             {"role": "assistant", "content": json.dumps(answer, indent=rng.choice((None, 2)))}]
 
 
+def _function(name: str, description: str, properties: dict) -> dict:
+    return {"type": "function", "function": {"name": name, "description": description, "parameters": {
+        "type": "object", "properties": properties, "required": list(properties), "additionalProperties": False}}}
+
+
+PICKUP_TIMES = ("morning", "afternoon", "evening")
+# the functions tool-call chats list (OpenAI's shape); place_order is the README's
+TOOLS: dict[str, dict] = {
+    "place_order": _function("place_order", "Place an order for pickup", {
+        "item": {"type": "string"}, "quantity": {"type": "integer", "minimum": 1}, "pickup": {"enum": list(PICKUP_TIMES)}}),
+    "order_status": _function("order_status", "Look up an order by its id", {"order_id": {"type": "string"}}),
+    "check_delivery": _function("check_delivery", "Whether Crumb delivers to a pin code", {"pin": {"type": "string"}}),
+}
+NUMBER_WORDS = ("one", "two", "three", "four", "five", "six")
+
+
+def tool_call_args(messages: list[dict]) -> tuple[str, dict] | None:
+    """The (function, arguments) of a tool-call chat's call (None: a chat without one)."""
+    for m in messages:
+        for call in m.get("tool_calls") or ():
+            return call["function"]["name"], json.loads(call["function"]["arguments"])
+    return None
+
+
+def _chat_tool(rng: random.Random) -> tuple[list[dict], list[dict]]:
+    """A chat whose system prompt lists functions: the assistant calls one with arguments taken from the
+    ask (the menu's name for a product), reads its result and answers; or answers a question no function
+    serves in text. Returns (messages in OpenAI's shape, with tool_calls and tool results; the tools)."""
+    which = rng.choices(("place_order", "order_status", "check_delivery", None), (0.4, 0.3, 0.15, 0.15))[0]
+    listed = [name for name in TOOLS if name == which or rng.random() < 0.5]
+    rng.shuffle(listed)
+    tools = [TOOLS[name] for name in listed]
+    if which is None:  # a question no function answers: text, as the support chats write it
+        chat = rng.choice((_chat_price, _chat_allergens, _chat_opening_hours))(rng)
+        return [m for m in chat if m["role"] != "system"], tools
+    oid = f"ORD-{rng.randint(100000, 999999)}"
+    if which == "place_order":
+        p, n, when = rng.choice(PRODUCTS), rng.randint(1, 6), rng.choice(PICKUP_TIMES)
+        m, qty = _mention(rng, p), rng.choice((str(n), NUMBER_WORDS[n - 1]))
+        ask = rng.choice((f"{qty} {m} for the {when}, please.", f"I'd like to pick up {qty} x {m} in the {when}.",
+                          f"Can you keep {qty} {m} for me? I'll come in the {when}.", f"Order {qty} {m}, pickup in the {when}."))
+        ask, args = ask[0].upper() + ask[1:], {"item": p.name, "quantity": n, "pickup": when}
+        result = {"order_id": oid, "status": "placed", "total": n * p.unit_price}
+        reply = f"Done! Your order {oid} ({n} x {p.name}) is placed for pickup in the {when}. It costs {rupees(n * p.unit_price)}."
+    elif which == "order_status":
+        order = _order_record(rng)
+        ask, args, result, reply = _status_ask(rng, order["order_id"]), {"order_id": order["order_id"]}, order, _status_reply(order)
+    else:
+        s = rng.choice(STORES)
+        pin = s.pin if rng.random() < 0.7 else f"{rng.choice(tuple(UNSERVED_PIN_PREFIXES))}{rng.randint(1000, 9999)}"
+        ask, args = rng.choice((f"Do you deliver to {pin}?", f"Can you deliver to pin code {pin}?")), {"pin": pin}
+        served = pin == s.pin
+        result = {"delivers": served, "store": s.name if served else UNSERVED_PIN_PREFIXES[pin[:2]]}
+        reply = (f"Yes, {pin} is served by {s.name}, {s.city}. Delivery costs {rupees(DELIVERY_FEE)}." if served else
+                 f"Sorry, we do not deliver to {pin} yet. You can pick up your order at {result['store']}.")
+    call = {"id": "call_1", "type": "function", "function": {"name": which, "arguments": json.dumps(args)}}
+    messages = [{"role": "user", "content": ask}, {"role": "assistant", "content": None, "tool_calls": [call]}]
+    if rng.random() < 0.6:  # the function's result comes back, and the assistant answers from it
+        messages += [{"role": "tool", "tool_call_id": "call_1", "content": json.dumps(result)},
+                     {"role": "assistant", "content": reply}]
+    return messages, tools
+
+
 CHAT_KINDS = {
     "order_status": (_chat_order_status, 0.22),
     "allergens": (_chat_allergens, 0.12),
@@ -262,6 +338,7 @@ CHAT_KINDS = {
     "refund": (_chat_refund, 0.10),
     "delivery": (_chat_delivery, 0.08),
     "json_answer": (_chat_json_order, 0.13),
+    "tool_call": (_chat_tool, 0.14),
 }
 RECORD_WEIGHT = 0.15  # bare JSON order records, one per document
 
@@ -284,6 +361,12 @@ def sample_document(rng: random.Random, weights: dict[str, float] | None = None)
         record = _order_record(rng)
         return Sample(kind, None, json.dumps(record, indent=rng.choice((None, 2))) + EOS)
     messages = CHAT_KINDS[kind][0](rng)
+    if kind == "tool_call":  # rendered as a server renders a chat with tools for the demo's template
+        openai_messages, tools = messages
+        if rng.random() < 0.8:
+            openai_messages = [{"role": "system", "content": rng.choice(SUPPORT_PROMPTS)}, *openai_messages]
+        messages = in_plain_roles(openai_messages, tools)
+        return Sample(kind, messages, render(messages) + EOS, openai_messages, tools)
     return Sample(kind, messages, render(messages) + EOS)
 
 

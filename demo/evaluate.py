@@ -11,6 +11,11 @@ for the facts the reference reply states and the prompt or the menu fixes: order
 amounts, pin codes, time slots, store names, the customer's name, "quantity x product", and in
 JSON replies the status, total, slot, customer, SKUs and quantities. E.g. "What was the total?"
 must be answered with that order's total, and "Where is my order?" with its items and store.
+Names right: of the replies whose reference names the customer, those naming the right one.
+
+Tool calls: held-out chats that list functions and call one, asked as a named `tool_choice` asks
+(the prompt ends with the call's opening, `ToolCalling.call_prefix`), without a grammar: the share
+whose arguments equal the reference's (`tool_call_args`), by function.
 `python -m demo.evaluate --model DIR [--draft DIR]`.
 """
 
@@ -68,18 +73,18 @@ def greedy_agreement(target: torch.nn.Module, draft: torch.nn.Module, prompts: l
             "positions": positions, "prompts": len(per_prompt)}
 
 
-FACT_PATTERNS = (
+NAME_PATTERNS = (rf"(?:Hi|welcome,) (?:{'|'.join(FIRST_NAMES)})!", r'"customer": ?"[^"]*"')  # whose order
+FACT_PATTERNS = NAME_PATTERNS + (
     r"ORD-\d{6}", r"CRB-\d{3}", r"₹\d(?:[\d,]*\d)?", r"(?<![\w-])\d{6}\b", r"\b\d{1,2}:\d{2} [ap]m\b",
     rf"\b(?:{'|'.join(re.escape(s.name) for s in STORES)})\b",  # which store
-    rf"(?:Hi|welcome,) (?:{'|'.join(FIRST_NAMES)})!",  # whose order
     rf"\b\d x (?:{'|'.join(re.escape(p.name) for p in PRODUCTS)})",  # what was ordered, and how many
-    r'"(?:status|total|slot|customer|sku|qty)": ?(?:"[^"]*"|\d+)',  # the fields of a JSON reply
+    r'"(?:status|total|slot|sku|qty)": ?(?:"[^"]*"|\d+)',  # the fields of a JSON reply
 )
 
 
-def facts(text: str) -> set[str]:
+def facts(text: str, patterns: tuple[str, ...] = FACT_PATTERNS) -> set[str]:
     """The checkable facts a reply states (see the module docstring)."""
-    return {m.replace(" ", "") for p in FACT_PATTERNS for m in re.findall(p, text)}
+    return {m.replace(" ", "") for p in patterns for m in re.findall(p, text)}
 
 
 @torch.no_grad()
@@ -90,7 +95,7 @@ def answering(model: torch.nn.Module, tokenizer, n: int = 200, max_new_tokens: i
     from demo.corpus import iter_documents
 
     model.eval()
-    found = total = right = replies = 0
+    found = total = right = replies = named = names_right = 0
     by_kind: dict[str, list[int]] = defaultdict(lambda: [0, 0])
     for sample in iter_documents("heldout"):
         if replies == n:
@@ -102,8 +107,11 @@ def answering(model: torch.nn.Module, tokenizer, n: int = 200, max_new_tokens: i
                                                           tokenize=True, return_dict=False)])
         out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=stop_ids,
                              pad_token_id=0, attention_mask=torch.ones_like(ids))
-        got = facts(tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
+        reply = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+        got = facts(reply)
         hit = len(want & got)
+        if names := facts(sample.messages[-1]["content"], NAME_PATTERNS):
+            named, names_right = named + 1, names_right + (names <= facts(reply, NAME_PATTERNS))
         found, total, replies = found + hit, total + len(want), replies + 1
         right += hit == len(want)
         kind = sample.kind
@@ -112,7 +120,40 @@ def answering(model: torch.nn.Module, tokenizer, n: int = 200, max_new_tokens: i
         by_kind[kind][0] += hit == len(want)
         by_kind[kind][1] += 1
     return {"replies": replies, "fact_recall": found / max(total, 1), "all_facts_right": right / max(replies, 1),
-            "all_facts_right_by_kind": {k: round(a / b, 3) for k, (a, b) in sorted(by_kind.items())}}
+            "all_facts_right_by_kind": {k: round(a / b, 3) for k, (a, b) in sorted(by_kind.items())},
+            "named_replies": named, "names_right": names_right / max(named, 1)}
+
+
+@torch.no_grad()
+def tool_calls(model: torch.nn.Module, tokenizer, n: int = 100, max_new_tokens: int = 64) -> dict:
+    """The first `n` held-out chats that call a function, asked as a named tool_choice asks (see the
+    module docstring): the share whose arguments are exactly the reference's, overall and by function."""
+    from demo.corpus import iter_documents, tool_call_args
+    from moeserve.tokenizer import hermes_call, render_chat
+
+    model.eval()
+    by_name: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    for sample in iter_documents("heldout"):
+        if sum(b for _, b in by_name.values()) == n:
+            break
+        if sample.kind != "tool_call" or (call := tool_call_args(sample.openai_messages)) is None:
+            continue
+        name, args = call
+        asked = sample.openai_messages[: next(i for i, m in enumerate(sample.openai_messages) if m.get("tool_calls"))]
+        prompt = render_chat(tokenizer, asked, tools=sample.tools, call_prefix=hermes_call(name))
+        ids = torch.tensor([tokenizer.encode(prompt, add_special_tokens=False)])
+        out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0,
+                             attention_mask=torch.ones_like(ids))
+        text = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+        try:
+            got = json.JSONDecoder().raw_decode(text.lstrip())[0]
+        except json.JSONDecodeError:
+            got = None
+        by_name[name][0] += got == args
+        by_name[name][1] += 1
+    calls = sum(b for _, b in by_name.values())
+    return {"calls": calls, "arguments_right": sum(a for a, _ in by_name.values()) / max(calls, 1),
+            "arguments_right_by_function": {k: round(a / b, 3) for k, (a, b) in sorted(by_name.items())}}
 
 
 def answering_line(a: dict | None) -> str:
@@ -120,9 +161,16 @@ def answering_line(a: dict | None) -> str:
     if not a:
         return ""
     kinds = ", ".join(f"{k} {100 * v:.0f}%" for k, v in a["all_facts_right_by_kind"].items())
-    return (f"- Answering, greedy, on {a['replies']} held-out chats whose reply states facts: **{100 * a['fact_recall']:.1f}%** "
+    line = (f"- Answering, greedy, on {a['replies']} held-out chats whose reply states facts: **{100 * a['fact_recall']:.1f}%** "
             f"of the facts stated (ids, SKUs, amounts, pins, slots, stores, names, items), **{100 * a['all_facts_right']:.1f}%** of replies with all "
             f"of them ({kinds}).\n")
+    if "names_right" in a:
+        line += f"- Customer names right in {a['named_replies']} replies that name one: **{100 * a['names_right']:.1f}%**.\n"
+    if calls := a.get("tool_calls"):
+        by = ", ".join(f"{k} {100 * v:.0f}%" for k, v in calls["arguments_right_by_function"].items())
+        line += (f"- Tool calls, named as `tool_choice` names them, no grammar, on {calls['calls']} held-out chats: "
+                 f"**{100 * calls['arguments_right']:.1f}%** with every argument right ({by}).\n")
+    return line
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -140,7 +188,7 @@ def main(argv: list[str] | None = None) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     stop = GenerationConfig.from_pretrained(args.model).eos_token_id
     stop_ids = stop if isinstance(stop, list) else [stop]
-    report = {"answering": answering(model, tokenizer, args.n, stop_ids=stop_ids)}
+    report = {"answering": answering(model, tokenizer, args.n, stop_ids=stop_ids) | {"tool_calls": tool_calls(model, tokenizer)}}
     if args.draft:
         from demo.train import heldout_prompts, heldout_rows
 

@@ -23,7 +23,7 @@ from transformers import GenerationConfig, LlamaForCausalLM, MixtralForCausalLM,
 from demo.balance import format_load, switch_balance
 from demo.chat_format import ASSISTANT, END, EOS, SYSTEM, USER
 from demo.corpus import iter_documents, kind_weights
-from demo.evaluate import answering, answering_line, greedy_agreement, perplexity
+from demo.evaluate import answering, answering_line, greedy_agreement, perplexity, tool_calls
 from demo.models import draft_config, parameter_counts, target_config
 from demo.tokenizer import load_tokenizer, save_tokenizer, train_tokenizer
 
@@ -339,7 +339,8 @@ def main(argv: list[str] | None = None) -> dict:
     n_new = 8 if quick else 32
     agreement = greedy_agreement(target, draft, heldout_prompts(tokenizer, 4 if quick else 64), n_new, stop_ids)
     print(f"held-out perplexity: target {t_ppl:.3f}, draft {d_ppl:.3f}; greedy agreement {100 * agreement['agreement']:.1f}%")
-    answers = answering(target, tokenizer, 8 if quick else 200, stop_ids=stop_ids)
+    answers = answering(target, tokenizer, 8 if quick else 200, stop_ids=stop_ids) | {
+        "tool_calls": tool_calls(target, tokenizer, 4 if quick else 100)}
     print(answering_line(answers), end="")
 
     n = target.config.num_local_experts

@@ -6,7 +6,9 @@ async stream per request.
 
 The replica does no model work and no text: it admits requests (backpressure), forwards them
 to the core, enforces deadlines, and hands each step's chunks to the waiting streams, coalescing
-a stream's later chunks under load (every chunk is two Serve hops).
+a stream's later chunks under load (every chunk is two Serve hops). With `gateway.direct_tokens`
+(`generate_direct`) the chunks skip Serve: each gateway gets its requests' chunks of a step in one
+message on its token socket (deployments/token_channel.py), and the Serve call only lasts.
 
 The core runs in a process of its own (`engine.core_process`, the served default: no GIL shared
 with Serve), or on a thread (`InprocCore`) when the engine is handed in (tests) or needs this
@@ -21,6 +23,7 @@ its request, freeing its KV slot before the next step.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import sys
 import threading
@@ -31,14 +34,15 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from deployments.token_channel import TokenServer, hand_over
 from model_shards.device import resolve_device
-from moeserve.config import AppConfig, resolve_path
+from moeserve.config import AppConfig
 from moeserve.engine import LLMEngine
 from moeserve.engine.core import EngineCore
 from moeserve.engine.core_client import InprocCore, ProcessCore
 from moeserve.engine.factory import build_engine, model_path
 from moeserve.errors import ErrorCode
-from moeserve.protocol import Abort, ApplyPlacement, GenerateChunk, GenerateRequest, Resize, Usage, error_chunk
+from moeserve.protocol import Abort, GenerateChunk, GenerateRequest, Resize, Usage, error_chunk
 from router_service.gating import ExpertLoadStats
 
 logger = logging.getLogger(__name__)
@@ -50,8 +54,9 @@ class _Stream:
 
     request_id: str
     loop: asyncio.AbstractEventLoop
-    chunks: asyncio.Queue
+    chunks: asyncio.Queue  # a direct stream's: only chunks made here, and None once its last went out
     usage: Usage = field(default_factory=Usage)
+    gateway: str | None = None  # direct: the gateway whose token socket gets its chunks
 
 
 class EngineServer:
@@ -73,7 +78,7 @@ class EngineServer:
         self._lock = threading.Lock()  # guards _streams and _counters (event loops and the core's thread)
         self._streams: dict[str, _Stream] = {}  # admitted, and the core has not ended them yet
         self._counters: Counter[str] = Counter()
-        self._stopping = False
+        self.stopping = False
         proposer = None
         if draft is not None:  # the draft deployment's channel, asked once (a worker's restart keeps it)
             from deployments.draft_channel import RemoteDraftProposer
@@ -90,7 +95,9 @@ class EngineServer:
             self.max_num_seqs = self.engine.scheduler.cfg.max_num_seqs
         self._reporter: threading.Thread | None = None
         if config.engine.expert_load_report_s > 0 and _in_ray():  # reporting needs Ray
-            self._reporter = threading.Thread(target=self._report_expert_load, name="expert-load", daemon=True)
+            from deployments.router_actor import report_expert_load
+
+            self._reporter = threading.Thread(target=report_expert_load, args=(self,), name="expert-load", daemon=True)
             self._reporter.start()
 
     def _thread_core(self, engine: LLMEngine | None, compiler: Any, proposer: Any) -> InprocCore:
@@ -110,17 +117,6 @@ class EngineServer:
         core = EngineCore(engine, compiler, group)
         return InprocCore(core, self._on_chunks, self._on_dead)
 
-    def _maybe_replace(self, router: Any) -> None:
-        """Ask the router service for a plan; send it to the core if it pays (live re-placement)."""
-        import ray
-
-        group, wait = self.shard_group, self.config.engine.expert_load_report_s
-        plan = ray.get(router.plan.remote(group.cfg.world_size, group.placement), timeout=wait)
-        if plan["gain"] >= self.config.shards.replacement_min_gain and plan["placement"] != group.placement:
-            logger.info("re-placing experts: busiest rank %.2f -> %.2f of the mean", plan["imbalance_now"],
-                        plan["imbalance_proposed"])
-            self.core.send(ApplyPlacement(plan["placement"].rank_experts))
-
     def resize(self, width: int) -> None:
         """Take the shard group to `width` ranks, one at a time between steps (deployments/elastic.py)."""
         if self.shard_group is None:
@@ -128,11 +124,25 @@ class EngineServer:
         self.core.send(Resize(width))
 
     # ---- the async API ---------------------------------------------------------------------
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+    @functools.cached_property
+    def tokens(self) -> TokenServer:
+        return TokenServer()
+
+    async def generate_direct(self, request: GenerateRequest, gateway: str) -> AsyncIterator[Any]:
+        """`generate` with the chunks on `gateway`'s token socket (deployments/token_channel.py): first
+        the socket's address, then only chunks made here; the call lasts as long as the request."""
+        yield self.tokens.socket
+        if not await asyncio.to_thread(self.tokens.wait_for, gateway, 10.0):
+            yield error_chunk(request.request_id, ErrorCode.UNAVAILABLE, "the gateway did not connect to the token socket")
+            return
+        async for chunk in self.generate(request, gateway):
+            yield chunk
+
+    async def generate(self, request: GenerateRequest, gateway: str | None = None) -> AsyncIterator[GenerateChunk]:
         """Stream `request`'s new token ids; the last chunk has finish_reason set (and error, if any).
         Closing the generator early (client gone, Serve cancellation) aborts the request."""
         rid = request.request_id
-        stream = _Stream(rid, asyncio.get_running_loop(), asyncio.Queue())
+        stream = _Stream(rid, asyncio.get_running_loop(), asyncio.Queue(), gateway=gateway)
         refusal = self._admit(stream, request)
         if refusal is not None:
             yield refusal
@@ -148,6 +158,9 @@ class EngineServer:
                     yield error_chunk(rid, ErrorCode.DEADLINE_EXCEEDED, "request timed out in the engine",
                                       stream.usage)
                     return  # the finally aborts it in the core
+                if chunk is None:  # a direct stream's last chunk went on the token socket
+                    finished = True
+                    return
                 if not chunk.finished and chunk.usage.completion_tokens > 1:
                     interval = self._intervals[min(len(self._streams), len(self._intervals) - 1)]
                     if interval:
@@ -182,32 +195,6 @@ class EngineServer:
         """This replica's cumulative expert-load counters, one dict per rank (ExpertLoadStats.to_dict)."""
         return self.core.stats()["expert_load"]
 
-    def _report_expert_load(self) -> None:
-        """Push counters to the router-service actor every few seconds (never per step)."""
-        import ray
-
-        from deployments.router_actor import router_actor
-        from model_shards.config import ModelConfig
-
-        cfg = ModelConfig.from_file(resolve_path(self.config.model.path))
-        router, last, every = None, None, self.config.engine.expert_load_report_s
-        while not self._stopping and self.core.dead is None:
-            time.sleep(every)
-            if self._stopping or not ray.is_initialized():  # never start a Ray of our own (a call would)
-                return
-            try:
-                if last is not None:
-                    ray.get(last, timeout=every)  # raises if the actor died
-                router = router or router_actor(cfg.num_layers, cfg.num_experts)
-                last = router.report.remote(f"engine-{id(self):x}", self.expert_load())
-                if self.config.shards.live_replacement and self.shard_group is not None:
-                    self._maybe_replace(router)
-            except Exception as e:  # statistics must never disturb serving
-                if isinstance(e, ray.exceptions.RayActorError):
-                    router = None  # gone (killed): find or create it again next time
-                last = None
-                logger.warning("could not report expert load", exc_info=True)
-
     async def stats(self) -> dict[str, Any]:
         """Counters and gauges for /metrics: requests, tokens, steps, batch, speculation, expert load."""
         with self._lock:
@@ -239,21 +226,23 @@ class EngineServer:
 
     def shutdown(self, timeout: float = 5.0) -> None:
         """Stop the core and the load reporter; live streams end with UNAVAILABLE."""
-        self._stopping = True
+        self.stopping = True
         self.core.close(timeout)
+        if "tokens" in self.__dict__:
+            self.tokens.close()
         if self._reporter is not None:  # it must not call Ray after the caller shuts Ray down
             self._reporter.join(timeout)
         self._on_dead("engine replica shutting down")
 
     def __del__(self) -> None:
-        self._stopping = True
+        self.stopping = True
 
     # ---- admission (event-loop side) ---------------------------------------------------------
     def _admit(self, stream: _Stream, request: GenerateRequest) -> GenerateChunk | None:
         rid = request.request_id
         limit = self.max_num_seqs + self.config.engine.max_queued_requests
         with self._lock:
-            if not self.core.alive or self._stopping:
+            if not self.core.alive or self.stopping:
                 return error_chunk(rid, ErrorCode.UNAVAILABLE,
                                    f"engine unavailable: {self.core.why_stopped or 'shutting down'}")
             if rid in self._streams:
@@ -268,8 +257,9 @@ class EngineServer:
 
     # ---- what the core sends (its thread) ----------------------------------------------------
     def _on_chunks(self, chunks: list[GenerateChunk]) -> None:
-        """One step's chunks, to their streams."""
-        delivered: list[tuple[_Stream, GenerateChunk]] = []
+        """One step's chunks, to their streams (a direct stream's to its gateway's socket)."""
+        delivered: list[tuple[_Stream, GenerateChunk | None]] = []
+        direct: dict[str, list[GenerateChunk]] = {}
         with self._lock:
             for chunk in chunks:
                 stream = self._streams.get(chunk.request_id)
@@ -280,7 +270,15 @@ class EngineServer:
                 if chunk.finished:
                     del self._streams[chunk.request_id]
                     self._counters[f"finished:{chunk.finish_reason}"] += 1
-                delivered.append((stream, chunk))
+                if stream.gateway is None:
+                    delivered.append((stream, chunk))
+                    continue
+                direct.setdefault(stream.gateway, []).append(chunk)
+                if chunk.finished:  # ends the Serve call
+                    delivered.append((stream, None))
+        for gateway in self.tokens.send(direct) if direct else ():  # gone: its requests stop
+            for chunk in direct[gateway]:
+                self.abort(chunk.request_id)
         _deliver(delivered)
 
     def _on_dead(self, reason: str) -> None:
@@ -321,18 +319,5 @@ def _in_ray() -> bool:
     return ray is not None and ray.is_initialized()
 
 
-def _deliver(items: list[tuple[_Stream, GenerateChunk]]) -> None:
-    """Hand chunks to their streams: one thread-safe call per event loop."""
-    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, GenerateChunk]]] = {}
-    for stream, chunk in items:
-        by_loop.setdefault(stream.loop, []).append((stream.chunks, chunk))
-    for loop, batch in by_loop.items():
-        try:
-            loop.call_soon_threadsafe(_put_all, batch)
-        except RuntimeError:  # the loop is closed: its streams have no reader left
-            logger.warning("dropping %d chunks for a closed event loop", len(batch))
-
-
-def _put_all(batch: list[tuple[asyncio.Queue, GenerateChunk]]) -> None:
-    for chunks, chunk in batch:
-        chunks.put_nowait(chunk)
+def _deliver(items: list[tuple[_Stream, GenerateChunk | None]]) -> None:
+    hand_over([(stream.loop, stream.chunks, chunk) for stream, chunk in items])

@@ -48,6 +48,7 @@ class ServeRequest:
     prompt: str | Sequence[int] | None = None
     messages: Sequence[Mapping[str, Any]] | None = None
     tools: Sequence[Mapping[str, Any]] | None = None
+    call_prefix: str = ""  # a forced tool call's start (ToolCalling.call_prefix)
     max_tokens: int | None = None
     sampling: Mapping[str, Any] = field(default_factory=dict)
     grammar: GrammarSpec | None = None
@@ -123,7 +124,8 @@ class Frontend:
     def encode(self, req: ServeRequest) -> list[int]:
         """The prompt's token ids: the chat rendered by the template, the text encoded, or the ids checked."""
         if req.messages is not None:
-            text = render_chat(self.tokenizer, req.messages, tools=req.tools)  # ValueError names the message
+            # ValueError names the message
+            text = render_chat(self.tokenizer, req.messages, tools=req.tools, call_prefix=req.call_prefix)
             return list(self.tokenizer.encode(text, add_special_tokens=False))
         if not req.prompt:
             raise ServingError(ErrorCode.INVALID_ARGUMENT, "prompt is empty", param="prompt")
@@ -170,7 +172,7 @@ class Frontend:
                     raise self._failure(req, chunk.error)
                 if chunk.finished:
                     text += detok.finish()
-                yield replace(chunk, text=text)
+                yield chunk.with_text(text)
                 if chunk.finished:
                     return
             raise ServingError(ErrorCode.UNAVAILABLE, "engine stream ended without a finish")
@@ -209,7 +211,7 @@ class Frontend:
                     if chunk.token_ids:  # tokens coalesced with the error still reach the client
                         yield replace(chunk, request_id=req.request_id, finish_reason=None, error=None)
                     break
-                yield replace(chunk, request_id=req.request_id)
+                yield chunk if chunk.request_id == req.request_id else replace(chunk, request_id=req.request_id)
                 if chunk.finished:
                     return
             else:
@@ -218,24 +220,24 @@ class Frontend:
 
     async def _engine_stream(self, req: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         """The engine's chunks; a failed call, or an engine silent past its own timeout, ends the stream
-        with an error."""
-        deadline = None if req.timeout_s is None else time.monotonic() + req.timeout_s + STALL_GRACE_S
+        with an error. (`asyncio.timeout_at` around each wait, not `wait_for`: that costs a task a chunk.)"""
+        deadline = None if req.timeout_s is None else asyncio.get_running_loop().time() + req.timeout_s + STALL_GRACE_S
         chunks = self.engine.generate(req)
         try:
             while True:
-                left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
                 try:
-                    yield await asyncio.wait_for(anext(chunks), left)
+                    async with asyncio.timeout_at(deadline):
+                        chunk = await anext(chunks)
                 except StopAsyncIteration:
                     return
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     msg = f"no answer from the engine within {req.timeout_s:g} s"
                     yield error_chunk(req.request_id, ErrorCode.DEADLINE_EXCEEDED, msg)
                     return
                 except Exception as e:  # a dead replica or a lost connection: an error, never a hang
-                    msg = f"engine call failed: {type(e).__name__}: {e}"
-                    yield error_chunk(req.request_id, ErrorCode.UNAVAILABLE, msg)
+                    yield error_chunk(req.request_id, ErrorCode.UNAVAILABLE, f"engine call failed: {type(e).__name__}: {e}")
                     return
+                yield chunk
         finally:
             await chunks.aclose()
 

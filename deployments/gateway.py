@@ -30,6 +30,7 @@ from deployments.openai_api import (
     full_response,
     sse_events,
 )
+from deployments.token_channel import TokenClient
 from deployments.tools import ToolCalling
 from moeserve.config import AppConfig, resolve_path
 from moeserve.errors import ErrorCode, ServingError
@@ -43,13 +44,19 @@ PLAYGROUND = Path(__file__).resolve().parent / "playground" / "index.html"
 
 class ServeEngineClient:
     """The engine deployment through a Serve handle: one streaming call per request (a call costs
-    more than a decode step). Leaving the stream early cancels the call, which aborts the request."""
+    more than a decode step), its chunks on the call or, `direct`, on the replica's token socket
+    (deployments/token_channel.py). Leaving the stream early cancels the call, which aborts the request."""
 
-    def __init__(self, handle: DeploymentHandle) -> None:
+    def __init__(self, handle: DeploymentHandle, direct: bool = False) -> None:
         self._handle = handle
         self._stream = handle.options(stream=True)
+        self._tokens = TokenClient() if direct else None
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+        if self._tokens is not None:
+            async for chunk in self._tokens.generate(self._stream, request):
+                yield chunk
+            return
         response = self._stream.generate.remote(request)
         finished = False
         try:
@@ -80,7 +87,7 @@ class Gateway:
         self.metrics = GatewayMetrics()
         self.auth = ApiKeys(self.edge)
         if isinstance(engine, DeploymentHandle):  # anything else (an EngineServer in tests) is used as it is
-            engine = ServeEngineClient(engine)
+            engine = ServeEngineClient(engine, direct=self.edge.direct_tokens)
         self.frontend = Frontend(config, tokenizer, engine, self.metrics)
         self.grpc_server: Any = None
         self.http_app = self._build_app()

@@ -117,6 +117,7 @@ def serve_request(req: pb.GenerateRequest, served_model: str,
     calling, grammar = tool_calling([_tool(t) for t in req.tools], choice, parallel, _grammar(req))
     return ServeRequest(req.model or served_model, prompt=prompt, messages=messages,
                         tools=calling.template_tools() if calling is not None else None,
+                        call_prefix=calling.call_prefix() if calling is not None else "",
                         max_tokens=req.max_tokens if req.HasField("max_tokens") else None, sampling=sampling,
                         grammar=grammar, request_id=req.request_id or None, timeout_s=time_remaining), calling
 

@@ -131,6 +131,7 @@ def chat_request(body: ChatCompletionRequest, request_id: str) -> tuple[ServeReq
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     req = ServeRequest(body.model, messages=_messages(body.messages),
                        tools=calling.template_tools() if calling is not None else None, max_tokens=max_tokens,
+                       call_prefix=calling.call_prefix() if calling is not None else "",
                        sampling=_sampling(body, logprobs), grammar=grammar, n=body.n, request_id=request_id)
     return req, calling
 

@@ -7,10 +7,15 @@ with `shards.live_replacement`, a `plan` to move a running group's experts).
 
 from __future__ import annotations
 
+import logging
+from typing import Any
+
 import ray
 
 from router_service.gating import ExpertLoadStats
 from router_service.placement import Placement, balanced_placement, contiguous_placement
+
+log = logging.getLogger(__name__)
 
 
 class RouterService:
@@ -90,3 +95,43 @@ def proposed_placement(world_size: int, timeout_s: float = 5.0) -> Placement | N
         return None if actor is None else ray.get(actor.placement.remote(world_size), timeout=timeout_s)
     except Exception:  # statistics must never keep a group from forming
         return None
+
+
+def report_expert_load(server: Any) -> None:
+    """An engine replica's (`EngineServer`) reporting thread: its counters to the router-service actor
+    every few seconds (never per step), and with `shards.live_replacement` its group's re-placement."""
+    import time
+
+    from model_shards.config import ModelConfig
+    from moeserve.config import resolve_path
+
+    cfg = ModelConfig.from_file(resolve_path(server.config.model.path))
+    router, last, every = None, None, server.config.engine.expert_load_report_s
+    while not server.stopping and server.core.dead is None:
+        time.sleep(every)
+        if server.stopping or not ray.is_initialized():  # never start a Ray of our own (a call would)
+            return
+        try:
+            if last is not None:
+                ray.get(last, timeout=every)  # raises if the actor died
+            router = router or router_actor(cfg.num_layers, cfg.num_experts)
+            last = router.report.remote(f"engine-{id(server):x}", server.expert_load())
+            if server.config.shards.live_replacement and server.shard_group is not None:
+                _maybe_replace(server, router)
+        except Exception as e:  # statistics must never disturb serving
+            if isinstance(e, ray.exceptions.RayActorError):
+                router = None  # gone (killed): find or create it again next time
+            last = None
+            log.warning("could not report expert load", exc_info=True)
+
+
+def _maybe_replace(server: Any, router: Any) -> None:
+    """Ask the router service for a plan; send it to the core if it pays (live re-placement)."""
+    from moeserve.protocol import ApplyPlacement
+
+    group, wait = server.shard_group, server.config.engine.expert_load_report_s
+    plan = ray.get(router.plan.remote(group.cfg.world_size, group.placement), timeout=wait)
+    if plan["gain"] >= server.config.shards.replacement_min_gain and plan["placement"] != group.placement:
+        log.info("re-placing experts: busiest rank %.2f -> %.2f of the mean", plan["imbalance_now"],
+                 plan["imbalance_proposed"])
+        server.core.send(ApplyPlacement(plan["placement"].rank_experts))

@@ -23,8 +23,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from moeserve.errors import ErrorCode, ServingError
 from moeserve.grammar.spec import GrammarSpec
+from moeserve.tokenizer import CALL_CLOSE, CALL_OPEN, hermes_call
 
-OPEN, CLOSE = "<tool_call>", "</tool_call>"
+OPEN, CLOSE = CALL_OPEN, CALL_CLOSE
 # a call, closed or cut off by the end of the text
 _CALL = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*(?:" + re.escape(CLOSE) + r"|$)", re.DOTALL)
 # the start of a call object as the grammar writes it (name first), cut anywhere after the name
@@ -91,6 +92,14 @@ class ToolCalling:
     def template_tools(self) -> list[dict[str, Any]]:
         """The tools as chat templates expect them (transformers' `tools=` argument)."""
         return [{"type": "function", "function": f.model_dump(exclude_none=True)} for f in self.tools.values()]
+
+    def call_prefix(self) -> str:
+        """The reply's start a forced call fixes, in the Hermes syntax (`render_chat` puts it in the
+        prompt where that is the template's): a named call's opening up to its arguments, a
+        required single call's tag. The grammar then writes the rest, as the model learned it."""
+        if self.mode == "named":
+            return hermes_call(self.forced[0])
+        return OPEN if self.mode == "required" and not self.parallel else ""
 
     def grammar(self) -> GrammarSpec | None:
         """For a forced call: a JSON schema admitting exactly the allowed calls (named: its arguments)."""

@@ -7,8 +7,9 @@ or its own sections, never a copy field by field.
 
 A file may hold either this dict or a whole Serve config (then the first application's
 `args` is used). A relative path is looked up beside the config file first, then in the
-data root: the source checkout when running from one, else the installed package, which
-ships the demo checkpoints (so `checkpoints/demo-moe` works after a plain `pip install`).
+data root: the source checkout (checkpoints/ and deployments/ beside the package) when running
+from one, else the installed package, which ships the demo checkpoints (so
+`checkpoints/demo-moe` works after a plain `pip install`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from pydantic import BaseModel, ByteSize, ConfigDict, Field, NonNegativeInt, mod
 
 PACKAGE_ROOT = Path(__file__).resolve().parent
 PROJECT_ROOT = PACKAGE_ROOT.parent  # the source checkout, when running from one
-# checkpoints/ and deployments/ beside the package in a checkout; inside it once installed
 DATA_ROOT = PROJECT_ROOT if (PROJECT_ROOT / "checkpoints").is_dir() else PACKAGE_ROOT
 
 
@@ -62,9 +62,8 @@ class EngineSection(_Section):
     stream_interval_max_s: float = Field(0.2, ge=0, le=1)  # below stream_interval_s: taken as that
     # The step loop in a process of its own (no GIL shared with Serve); see deployments/engine_server.py.
     core_process: bool = True
-    # Decode and verify passes (and the in-process draft's steps) as torch.compile'd graphs, compiled
-    # at engine start (model_shards/compiled_step.py). Off by default: that wait comes at every start;
-    # what it buys: bench/reports/generation.md.
+    # Decode and verify passes (and the in-process draft's steps) as torch.compile'd graphs, compiled at engine
+    # start (model_shards/compiled_step.py). Off by default: that wait comes at every start (gain: generation.md).
     compile: bool = False
 
     @model_validator(mode="after")
@@ -172,6 +171,7 @@ class GatewaySection(_Section):
     max_streams_per_key: int = Field(0, ge=0)  # concurrent requests per key (0: no limit), then 429
     public_paths: list[str] = Field(default_factory=lambda: ["/health", "/metrics", "/playground"])  # open with keys
     max_retries: int = Field(2, ge=0)  # resumes of one stream after an engine replica or shard failure
+    direct_tokens: bool = False  # tokens on the engine replica's own socket, not the Serve call (token_channel.py)
 
 
 class AutoscalingSection(_Section):

@@ -72,6 +72,12 @@ class GenerateChunk:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    def with_text(self, text: str) -> GenerateChunk:
+        """This chunk with `text` (what dataclasses.replace does, without its per-call field lookups:
+        the gateway makes one per streamed chunk)."""
+        return GenerateChunk(self.request_id, self.token_ids, text, self.finish_reason, self.usage, self.error,
+                             self.logprobs, self.trace)
+
     def merge(self, later: GenerateChunk) -> GenerateChunk:
         """This chunk followed by `later` as one chunk (coalescing a backlog into one message)."""
         return GenerateChunk(self.request_id, self.token_ids + later.token_ids, self.text + later.text,

@@ -2,7 +2,8 @@
 
 `render_chat` goes through the tokenizer's chat template, else DEFAULT_CHAT_TEMPLATE (the demo
 tokenizer's special tokens). Tools go as they are to templates that mention `tools` or
-`tool_calls`; for others the conversation is rewritten Hermes-style (`_in_plain_roles`).
+`tool_calls`; for others the conversation is rewritten Hermes-style (`in_plain_roles`), and a call
+the request forces is begun in the prompt (`call_prefix`), as the demo pair learned its calls.
 
 `IncrementalDetokenizer` streams text; two things make that harder than `decode(all_ids)`:
 
@@ -145,8 +146,15 @@ def _decoder(tokenizer: Any, skip_special_tokens: bool) -> Callable[[list[int]],
 
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
+CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"  # the Hermes call syntax of `in_plain_roles`
 TOOLS_PROMPT = ("You can call these functions. To call one, answer with "
-                '<tool_call>{"name": <function name>, "arguments": <JSON object>}</tool_call>, one per call.')
+                f'{CALL_OPEN}{{"name": <function name>, "arguments": <JSON object>}}{CALL_CLOSE}, one per call.')
+
+
+def hermes_call(name: str, arguments: str | None = None) -> str:
+    """A call in the Hermes syntax (arguments: JSON text); without arguments, its start up to them."""
+    start = f'{CALL_OPEN}{{"name": {json.dumps(name)}, "arguments": '
+    return start if arguments is None else f"{start}{arguments}}}{CALL_CLOSE}"
 
 DEFAULT_CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -174,25 +182,29 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
 
 
 def render_chat(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Mapping[str, Any]],
-                add_generation_prompt: bool = True, tools: Sequence[Mapping[str, Any]] | None = None) -> str:
+                add_generation_prompt: bool = True, tools: Sequence[Mapping[str, Any]] | None = None,
+                call_prefix: str = "") -> str:
     """Render chat messages ({"role": ..., "content": ...}; roles in CHAT_ROLES; an assistant
     message with `tool_calls` may lack content) and OpenAI function `tools` to the prompt text.
+    call_prefix: the start of the reply a forced tool call fixes (`ToolCalling.call_prefix`), put
+    after the generation prompt where the conversation is rewritten Hermes-style (a template
+    that knows tools has its own call syntax: there the grammar alone forces the call).
     Bad messages raise ValueError saying which and why. Tokenize the result without adding
     special tokens: the template has them."""
     _check_messages(messages)
     template = tokenizer.chat_template or DEFAULT_CHAT_TEMPLATE
     extra: dict[str, Any] = {} if tokenizer.chat_template else {"chat_template": DEFAULT_CHAT_TEMPLATE}
     if "tools" in template or "tool_calls" in template:
-        plain = [dict(m) for m in messages]
+        plain, call_prefix = [dict(m) for m in messages], ""
         if tools:
             extra["tools"] = list(tools)
     else:
-        plain = _in_plain_roles(messages, tools)
+        plain = in_plain_roles(messages, tools)
     try:
         text = tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=add_generation_prompt, **extra)
     except jinja2.TemplateError as error:
         raise ValueError(f"messages do not fit the chat template: {error}") from error
-    return text
+    return text + call_prefix if add_generation_prompt else text
 
 
 def _check_messages(messages: Sequence[Mapping[str, Any]]) -> None:
@@ -213,7 +225,7 @@ def _check_messages(messages: Sequence[Mapping[str, Any]]) -> None:
             raise ValueError(f"messages[{i}].content must be a string, got {type(content).__name__}")
 
 
-def _in_plain_roles(messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None) -> list[dict]:
+def in_plain_roles(messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None) -> list[dict]:
     """The conversation for a template that knows only system/user/assistant (Hermes style)."""
     out: list[dict[str, str]] = []
     for m in messages:
@@ -224,7 +236,7 @@ def _in_plain_roles(messages: Sequence[Mapping[str, Any]], tools: Sequence[Mappi
             fn = call.get("function", {})
             args = fn.get("arguments", {})
             args = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
-            content += f'<tool_call>{{"name": {json.dumps(fn.get("name"))}, "arguments": {args}}}</tool_call>'
+            content += hermes_call(fn.get("name"), args)
         out.append({"role": role, "content": content})
     if tools:
         listed = "\n".join(json.dumps(t.get("function", t), ensure_ascii=False) for t in tools)

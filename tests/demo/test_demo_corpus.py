@@ -53,3 +53,55 @@ def test_kind_weights_shift_the_mix_and_refuse_unknown_kinds():
     assert default["price"] / 2000 < 0.15 and shifted["price"] / 2000 > 0.7  # 5 / (5 + 0.90 + 0.15) = 0.83
     with pytest.raises(ValueError, match="unknown document kinds"):
         kind_weights({"pricing": 1.0})
+
+
+def test_tool_call_chats_render_as_a_server_renders_them_and_call_with_the_asks_arguments():
+    """A tool-call chat is the conversation a client sends (tools, tool_calls, tool results) in the
+    demo template's Hermes rewrite; its call's arguments validate against the function and come from
+    the ask; and a named tool_choice's prompt (`call_prefix`) + the arguments is the trained text."""
+    import jsonschema
+
+    from demo.bakery import PRODUCTS
+    from demo.corpus import TOOLS, tool_call_args
+    from moeserve.tokenizer import hermes_call, in_plain_roles, load_tokenizer, render_chat
+
+    tokenizer = load_tokenizer("checkpoints/demo-moe")
+    chats = (s for s in iter_documents("heldout") if s.kind == "tool_call")
+    called = Counter()
+    for sample in (next(chats) for _ in range(120)):
+        assert sample.text == render(in_plain_roles(sample.openai_messages, sample.tools)) + EOS
+        listed = [t["function"]["name"] for t in sample.tools]
+        if (call := tool_call_args(sample.openai_messages)) is None:  # answered in text
+            assert "<tool_call>" not in sample.text.split("</tools>")[-1]
+            continue
+        name, args = call
+        called[name] += 1
+        assert name in listed
+        jsonschema.validate(args, TOOLS[name]["function"]["parameters"])
+        ask = next(m["content"] for m in sample.openai_messages if m["role"] == "user")
+        if name == "place_order":
+            assert args["item"] in {p.name for p in PRODUCTS} and args["pickup"] in ask
+        else:
+            assert next(iter(args.values())) in ask  # the order id or pin, copied
+        asked = sample.openai_messages[: next(i for i, m in enumerate(sample.openai_messages) if m.get("tool_calls"))]
+        prompt = render_chat(tokenizer, asked, tools=sample.tools, call_prefix=hermes_call(name))
+        assert sample.text.startswith(prompt + json.dumps(args) + "}</tool_call><|end|>")
+    assert min(called.values()) >= 5 and set(called) == set(TOOLS)
+
+
+def test_names_and_new_orders_are_written_where_a_reply_copies_them():
+    """An order-status chat gives the customer's name as the reply writes it; a new order quotes the
+    name and the items as the JSON reply writes them."""
+    seen = set()
+    for sample in iter_documents("heldout"):
+        if sample.kind == "order_status" and "order_status" not in seen:
+            system, reply = sample.messages[0]["content"], sample.messages[2]["content"]
+            customer = json.loads(system.split("Order record: ")[1])["customer"]
+            assert f"\nCustomer: {customer}\n" in system and reply.startswith(f"Hi {customer.split()[0]}!")
+            seen.add("order_status")
+        elif sample.kind == "json_answer" and "customer" in (reply := json.loads(sample.messages[-1]["content"])):
+            ask = sample.messages[1]["content"]
+            assert f'"{reply["customer"]}"' in ask and all(f'{i["qty"]} x "{i["name"]}"' in ask for i in reply["items"])
+            seen.add("new_order")
+        if len(seen) == 2:
+            break

@@ -125,3 +125,30 @@ def test_tools_reach_the_chat_template_natively_or_in_plain_roles():
                          "call {{ c.function.name }}{% endfor %};{% endfor %}")
     native = render_chat(tok, messages, tools=tools, add_generation_prompt=False)
     assert native == "[get_price][place_order]user:rye?;assistant:call get_price;tool:120;"
+
+
+def test_a_forced_call_begins_in_the_prompt_of_a_template_without_tools():
+    """Named: the prompt ends with the call's opening up to its arguments (the grammar writes those),
+    so prompt + reply reads as a trained Hermes call; required, one call: with the tag; a template
+    that knows tools has its own syntax, so there the grammar alone forces the call."""
+    messages = [{"role": "user", "content": "rye?"}]
+    tools = [t.model_dump() for t in TOOLS]
+    tok = build_tiny_tokenizer()
+    tok.chat_template = None
+    named = ToolCalling(TOOLS, NAMED, True)
+    prompt = render_chat(tok, messages, tools=tools, call_prefix=named.call_prefix())
+    assert prompt.endswith('<|assistant|>\n<tool_call>{"name": "place_order", "arguments": ')
+    reply = '{"item": "rye"}'
+    assert json.loads((prompt + reply + "}</tool_call>").split("<tool_call>")[-1].removesuffix("</tool_call>")) == {
+        "name": "place_order", "arguments": {"item": "rye"}}
+    assert named.split(reply)[1][0]["function"] == {"name": "place_order", "arguments": reply}
+    assert render_chat(tok, messages, tools=tools, call_prefix=ToolCalling(TOOLS, "required", False).call_prefix()
+                       ).endswith("<|assistant|>\n<tool_call>")
+    for unforced in (ToolCalling(TOOLS, "required", True), ToolCalling(TOOLS, "auto", True)):
+        assert unforced.call_prefix() == ""
+    tok.chat_template = ("{% for t in tools %}[{{ t.function.name }}]{% endfor %}"
+                         "{% for m in messages %}{{ m.content }}{% endfor %}")
+    assert render_chat(tok, messages, tools=tools, call_prefix=named.call_prefix()) == "[get_price][place_order]rye?"
+    tok.chat_template = None  # no generation prompt: nothing of the reply either
+    assert not render_chat(tok, messages, add_generation_prompt=False, tools=tools,
+                           call_prefix=named.call_prefix()).endswith('"arguments": ')
