@@ -47,10 +47,10 @@ class ServeEngineClient:
     more than a decode step), its chunks on the call or, `direct`, on the replica's token socket
     (deployments/token_channel.py). Leaving the stream early cancels the call, which aborts the request."""
 
-    def __init__(self, handle: DeploymentHandle, direct: bool = False) -> None:
+    def __init__(self, handle: DeploymentHandle, config: AppConfig) -> None:
         self._handle = handle
         self._stream = handle.options(stream=True)
-        self._tokens = TokenClient() if direct else None
+        self._tokens = TokenClient(config.engine.stream_interval) if config.gateway.direct_tokens else None
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         if self._tokens is not None:
@@ -87,7 +87,7 @@ class Gateway:
         self.metrics = GatewayMetrics()
         self.auth = ApiKeys(self.edge)
         if isinstance(engine, DeploymentHandle):  # anything else (an EngineServer in tests) is used as it is
-            engine = ServeEngineClient(engine, direct=self.edge.direct_tokens)
+            engine = ServeEngineClient(engine, config)
         self.frontend = Frontend(config, tokenizer, engine, self.metrics)
         self.grpc_server: Any = None
         self.http_app = self._build_app()

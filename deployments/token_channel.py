@@ -19,7 +19,7 @@ import pickle
 import socket
 import threading
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Client, Connection, Listener
 from typing import Any
@@ -103,10 +103,12 @@ class TokenServer:
 
 class TokenClient:
     """In the gateway: one connection per engine replica, read by a thread that hands each chunk to
-    its request's queue. `generate` runs one request over a streaming Serve handle."""
+    its request's queue. `generate` runs one request over a streaming Serve handle, pacing a stream
+    after its first token as the replica paces its own streams: `interval(live requests)` seconds
+    between chunks (`EngineSection.stream_interval`), the backlog coalesced into one."""
 
-    def __init__(self) -> None:
-        self.id = uuid.uuid4().hex
+    def __init__(self, interval: Callable[[int], float] = lambda live: 0.0) -> None:
+        self.id, self.interval = uuid.uuid4().hex, interval
         self._lock = threading.Lock()
         self._opening = threading.Lock()  # one connection at a time
         self._conns: dict[tuple[str, int], Connection] = {}
@@ -128,6 +130,8 @@ class TokenClient:
             serve_side = asyncio.ensure_future(self._serve_side(response, chunks, rid))
             while not finished:
                 chunk = await chunks.get()
+                if not chunk.finished and chunk.usage.completion_tokens > 1 and (pause := self.interval(len(self._waiting))):
+                    await asyncio.sleep(pause)  # after the first token: fewer, larger chunks
                 while not chunk.finished and not chunks.empty():  # coalesce a backlog into one message
                     chunk = chunk.merge(chunks.get_nowait())
                 finished = chunk.finished

@@ -4,7 +4,7 @@
     "none"        text only                                     no grammar (tools still in the prompt)
     "auto"        text, or calls as <tool_call>{...}</tool_call>  parsed from the text (Hermes style)
     "required"    one call of any tool (parallel: one or more)  JSON-schema grammar: always valid
-    {function}    exactly one call of that function             grammar: its arguments object
+    {function}    exactly one call of that function             grammar: a call object with its name
 
 `parallel_tool_calls: false` keeps at most one call. Calls reach the client as `message.tool_calls`
 with finish_reason "tool_calls"; streamed, as one whole call per `delta.tool_calls` entry once
@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from moeserve.errors import ErrorCode, ServingError
 from moeserve.grammar.spec import GrammarSpec
-from moeserve.tokenizer import CALL_CLOSE, CALL_OPEN, hermes_call
+from moeserve.tokenizer import CALL_CLOSE, CALL_OPEN
 
 OPEN, CLOSE = CALL_OPEN, CALL_CLOSE
 # a call, closed or cut off by the end of the text
@@ -84,7 +84,7 @@ class ToolCalling:
             name = choice["function"].get("name")
             if name not in self.tools:
                 raise ValueError(f"tool_choice names function {name!r}, which is not in tools")
-            self.mode, self.forced = "named", [name]
+            self.mode, self.forced, self.parallel = "named", [name], False
         else:
             raise ValueError("tool_choice must be 'none', 'auto', 'required' or "
                              "{'type': 'function', 'function': {'name': ...}}")
@@ -94,18 +94,14 @@ class ToolCalling:
         return [{"type": "function", "function": f.model_dump(exclude_none=True)} for f in self.tools.values()]
 
     def call_prefix(self) -> str:
-        """The reply's start a forced call fixes, in the Hermes syntax (`render_chat` puts it in the
-        prompt where that is the template's): a named call's opening up to its arguments, a
-        required single call's tag. The grammar then writes the rest, as the model learned it."""
-        if self.mode == "named":
-            return hermes_call(self.forced[0])
-        return OPEN if self.mode == "required" and not self.parallel else ""
+        """The reply's start a forced single call fixes in the Hermes syntax, its tag (`render_chat`
+        puts it in the prompt where that is the template's): the grammar writes the call object
+        after it, the name and the keys as forced text, so prompt + reply reads as a trained call."""
+        return OPEN if self.forced and not self.parallel else ""
 
     def grammar(self) -> GrammarSpec | None:
-        """For a forced call: a JSON schema admitting exactly the allowed calls (named: its arguments)."""
-        if self.mode == "named":
-            return GrammarSpec.json_schema(json.dumps(self.tools[self.forced[0]].parameters))
-        if self.mode != "required":
+        """For a forced call: a JSON schema admitting exactly the allowed calls, {"name", "arguments"}."""
+        if not self.forced:
             return None
         calls = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
                   "properties": {"name": {"const": n}, "arguments": self.tools[n].parameters}} for n in self.forced]
@@ -118,11 +114,12 @@ class ToolCalling:
         text cuts short comes back with the arguments written so far."""
         if self.mode == "none":
             return text, []
-        if self.mode == "named":  # the text is the arguments object
-            return None, [_call({"name": self.forced[0], "arguments": _tidy(text)})]
-        if self.mode == "required":
+        if self.forced:
             body = text.strip()
-            return None, _calls(body[1:] if self.parallel and body.startswith("[") else body, self.tools)
+            calls = _calls(body[1:] if self.parallel and body.startswith("[") else body, self.tools)
+            if not calls and self.mode == "named":  # cut before its (forced) name was whole: still the call
+                calls = [_call({"name": self.forced[0], "arguments": ""})]
+            return None, calls
         calls = [c for body in _CALL.findall(text) for c in _calls(body, self.tools)]
         content = _without_calls(text).strip()
         return content or None, calls if self.parallel else calls[:1]
@@ -208,14 +205,6 @@ def _skip(text: str, pos: int) -> int:
     while pos < len(text) and (text[pos].isspace() or text[pos] == ","):
         pos += 1
     return pos
-
-
-def _tidy(arguments: str) -> str:
-    """Arguments text as JSON with the usual separators, or as written when cut short."""
-    try:
-        return json.dumps(json.loads(arguments), ensure_ascii=False)
-    except ValueError:
-        return arguments.strip()
 
 
 def _call(c: dict[str, Any]) -> dict[str, Any]:

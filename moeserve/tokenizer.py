@@ -152,9 +152,10 @@ TOOLS_PROMPT = ("You can call these functions. To call one, answer with "
 
 
 def hermes_call(name: str, arguments: str | None = None) -> str:
-    """A call in the Hermes syntax (arguments: JSON text); without arguments, its start up to them."""
-    start = f'{CALL_OPEN}{{"name": {json.dumps(name)}, "arguments": '
-    return start if arguments is None else f"{start}{arguments}}}{CALL_CLOSE}"
+    """A call in the Hermes syntax (arguments: JSON text); without arguments, its start up to the
+    colon before them (the space is the first token of the arguments: ' {"')."""
+    start = f'{CALL_OPEN}{{"name": {json.dumps(name)}, "arguments":'
+    return start if arguments is None else f"{start} {arguments}}}{CALL_CLOSE}"
 
 DEFAULT_CHAT_TEMPLATE = (
     "{% for message in messages %}"

@@ -85,7 +85,7 @@ def test_tool_call_chats_render_as_a_server_renders_them_and_call_with_the_asks_
             assert next(iter(args.values())) in ask  # the order id or pin, copied
         asked = sample.openai_messages[: next(i for i, m in enumerate(sample.openai_messages) if m.get("tool_calls"))]
         prompt = render_chat(tokenizer, asked, tools=sample.tools, call_prefix=hermes_call(name))
-        assert sample.text.startswith(prompt + json.dumps(args) + "}</tool_call><|end|>")
+        assert sample.text.startswith(prompt + " " + json.dumps(args) + "}</tool_call><|end|>")
     assert min(called.values()) >= 5 and set(called) == set(TOOLS)
 
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from bench.tiny_checkpoint import MODEL_NAME, save_tiny_checkpoint
+from bench.tool_calls import json_prefix
 from deployments.engine_server import EngineServer
 from deployments.frontend import ServeRequest
 from deployments.gateway import Gateway
@@ -234,14 +235,6 @@ def test_tool_calls_required_and_named_streamed_and_not_then_a_round_trip(long_g
     assert after.choices[0].message.role == "assistant"
 
 
-def _json_prefix(text: str, schema: dict) -> bool:
-    """Whether `text` starts a document valid under `schema` (xgrammar's string matcher)."""
-    import xgrammar as xgr
-
-    grammar = xgr.GrammarCompiler(xgr.TokenizerInfo(["a"])).compile_json_schema(json.dumps(schema))
-    return xgr.GrammarMatcher(grammar).accept_string(text)
-
-
 def test_tool_calls_named_required_and_auto_whole_and_cut_streamed_and_not(long_gateway):
     """Named: exactly one call of that function; required, parallel off: one call; cut by max_tokens:
     still a call, finish_reason "length", arguments a prefix of valid JSON; auto: never call syntax in
@@ -289,7 +282,7 @@ def test_tool_calls_named_required_and_auto_whole_and_cut_streamed_and_not(long_
             assert len(calls) <= 1 and (cut or len(calls) == 1), case
         for name, args in calls:
             if cut:
-                assert _json_prefix(args, SCHEMAS[name]), case
+                assert json_prefix(args, SCHEMAS[name]), case
             else:
                 jsonschema.validate(json.loads(args), SCHEMAS[name])
 
@@ -334,7 +327,7 @@ def test_grpc_tool_calls_named_whole_and_cut_then_a_round_trip(long_gateway):
     jsonschema.validate(json.loads(call.arguments), ORDER)
     assert all(not r.tool_calls for r in whole[:-1]) and not "".join(r.text for r in whole)
     (call,) = cut[-1].tool_calls
-    assert cut[-1].finish_reason == "length" and call.name == "place_order" and _json_prefix(call.arguments, ORDER)
+    assert cut[-1].finish_reason == "length" and call.name == "place_order" and json_prefix(call.arguments, ORDER)
     assert "<tool_call" not in "".join(r.text for r in auto) and after[-1].finish_reason in ("stop", "length")
 
 

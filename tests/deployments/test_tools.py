@@ -10,7 +10,7 @@ import pytest
 
 from bench.tiny_tokenizer import build_tiny_tokenizer
 from deployments.tools import Tool, ToolCalling
-from moeserve.tokenizer import render_chat
+from moeserve.tokenizer import hermes_call, render_chat
 
 PARAMS = {"type": "object", "properties": {"item": {"type": "string"}}, "required": ["item"]}
 TOOLS = [Tool.model_validate({"type": "function", "function": {"name": n, "parameters": PARAMS}})
@@ -23,8 +23,13 @@ NAMED = {"type": "function", "function": {"name": "place_order"}}
 def test_each_tool_choice_sets_the_grammar():
     assert ToolCalling(TOOLS, None, True).grammar() is None  # auto: free text
     assert ToolCalling(TOOLS, "none", True).mode == "none"
-    # a named function: the output is that function's arguments object, so exactly one call
-    assert json.loads(ToolCalling(TOOLS, NAMED, True).grammar().value) == PARAMS
+    # a named function: one call object with that name (parallel or not), so exactly one call
+    named = json.loads(ToolCalling(TOOLS, NAMED, True).grammar().value)
+    jsonschema.validate({"name": "place_order", "arguments": {"item": "rye"}}, named)
+    for bad in ({"name": "get_price", "arguments": {"item": "rye"}}, [{"name": "place_order", "arguments": {"item": "a"}}],
+                {"name": "place_order", "arguments": {}}):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, named)
     one = json.loads(ToolCalling(TOOLS, "required", False).grammar().value)
     jsonschema.validate({"name": "get_price", "arguments": {"item": "rye"}}, one)
     with pytest.raises(jsonschema.ValidationError):
@@ -44,7 +49,7 @@ def test_forced_and_auto_text_become_calls():
     assert json.loads(calls[0]["function"]["arguments"]) == {"item": "rye"}
     assert forced.split('[{"name":"get_pr') == (None, [])  # cut before the name is whole: no call, no content
 
-    content, calls = ToolCalling(TOOLS, NAMED, False).split('{"item": "rye"}')
+    content, calls = ToolCalling(TOOLS, NAMED, True).split('{"name": "place_order", "arguments": {"item": "rye"}}')
     assert content is None and len(calls) == 1 and calls[0]["function"]["name"] == "place_order"
     assert json.loads(calls[0]["function"]["arguments"]) == {"item": "rye"}
 
@@ -87,7 +92,8 @@ def test_a_call_cut_short_is_still_a_call_with_the_arguments_so_far():
     mid = required[: required.index("dark")]
     assert [c["function"]["arguments"] for c in cuts[mid]] == ['{"item": "rye \\"']
 
-    named = dict(_cut_everywhere(ToolCalling(TOOLS, NAMED, True), args[1], [("place_order", args[1])]))
+    whole = f'{{"name": "place_order", "arguments": {args[1]}}}'
+    named = dict(_cut_everywhere(ToolCalling(TOOLS, NAMED, True), whole, [("place_order", args[1])]))
     assert all(len(calls) == 1 for calls in named.values())  # a named call exists from the first token on
 
     auto = "Sure. " + "".join(f'<tool_call>{{"name": "{n}", "arguments": {a}}}</tool_call>'
@@ -128,20 +134,19 @@ def test_tools_reach_the_chat_template_natively_or_in_plain_roles():
 
 
 def test_a_forced_call_begins_in_the_prompt_of_a_template_without_tools():
-    """Named: the prompt ends with the call's opening up to its arguments (the grammar writes those),
-    so prompt + reply reads as a trained Hermes call; required, one call: with the tag; a template
-    that knows tools has its own syntax, so there the grammar alone forces the call."""
+    """A forced single call (named, or required without parallel calls): the prompt ends with the
+    call's tag and the grammar writes the call object, so prompt + reply reads as a trained Hermes
+    call; a template that knows tools has its own syntax, so there the grammar alone forces the call."""
     messages = [{"role": "user", "content": "rye?"}]
     tools = [t.model_dump() for t in TOOLS]
     tok = build_tiny_tokenizer()
     tok.chat_template = None
     named = ToolCalling(TOOLS, NAMED, True)
     prompt = render_chat(tok, messages, tools=tools, call_prefix=named.call_prefix())
-    assert prompt.endswith('<|assistant|>\n<tool_call>{"name": "place_order", "arguments": ')
-    reply = '{"item": "rye"}'
-    assert json.loads((prompt + reply + "}</tool_call>").split("<tool_call>")[-1].removesuffix("</tool_call>")) == {
-        "name": "place_order", "arguments": {"item": "rye"}}
-    assert named.split(reply)[1][0]["function"] == {"name": "place_order", "arguments": reply}
+    assert prompt.endswith("<|assistant|>\n<tool_call>")
+    reply = '{"name": "place_order", "arguments": {"item": "rye"}}'
+    assert (prompt + reply + "</tool_call>").endswith(hermes_call("place_order", '{"item": "rye"}'))
+    assert named.split(reply)[1][0]["function"] == {"name": "place_order", "arguments": '{"item": "rye"}'}
     assert render_chat(tok, messages, tools=tools, call_prefix=ToolCalling(TOOLS, "required", False).call_prefix()
                        ).endswith("<|assistant|>\n<tool_call>")
     for unforced in (ToolCalling(TOOLS, "required", True), ToolCalling(TOOLS, "auto", True)):
@@ -151,4 +156,4 @@ def test_a_forced_call_begins_in_the_prompt_of_a_template_without_tools():
     assert render_chat(tok, messages, tools=tools, call_prefix=named.call_prefix()) == "[get_price][place_order]rye?"
     tok.chat_template = None  # no generation prompt: nothing of the reply either
     assert not render_chat(tok, messages, add_generation_prompt=False, tools=tools,
-                           call_prefix=named.call_prefix()).endswith('"arguments": ')
+                           call_prefix=named.call_prefix()).endswith("<tool_call>")
