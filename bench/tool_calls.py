@@ -44,7 +44,7 @@ def json_prefix(text: str, schema: dict) -> bool:
 
 
 def _tool_chats(n: int) -> list:
-    chats = (s for s in iter_documents("heldout") if s.kind == "tool_call")
+    chats = (s for s in iter_documents("heldout") if s.kind == "tool_call" and s.tools)
     return [next(chats) for _ in range(n)]
 
 
@@ -78,7 +78,10 @@ def main(argv: list[str] | None = None) -> int:
     transport = httpx.ASGITransport(app=Gateway(server, tree).http_app)
     client = openai.AsyncOpenAI(base_url="http://gateway/v1", api_key="none", max_retries=0, http_client=httpx.AsyncClient(
         transport=transport, base_url="http://gateway", timeout=300))
-    counts, by_choice = Counter(), Counter()
+    # the failures counted, listed even when none happened
+    counts = Counter(dict.fromkeys(("syntax in content", "too many calls", "calls where none allowed",
+                                    "no call where forced, not cut", "invalid arguments", "cut calls not a JSON prefix"), 0))
+    by_choice, examples = Counter(), []
     named_right = named = 0
 
     async def run() -> None:
@@ -97,10 +100,12 @@ def main(argv: list[str] | None = None) -> int:
             content, calls, finish = await _ask(client, body)
             by_choice[choice] += 1
             counts["requests"] += 1
-            counts["syntax in content"] += any(s in (content or "") for s in SYNTAX)
+            if any(s in (content or "") for s in SYNTAX):
+                counts["syntax in content"] += 1
+                examples.append((choice, body["max_tokens"], content[:160]))
             counts["too many calls"] += len(calls) > 1 and not body["parallel_tool_calls"]
             counts["calls where none allowed"] += choice == "none" and bool(calls)
-            counts["no call where forced"] += choice in ("required", "named") and not calls
+            counts["no call where forced, not cut"] += choice in ("required", "named") and not calls and finish != "length"
             for name, arguments in calls:
                 counts["calls"] += 1
                 if finish == "length":
@@ -110,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
                 try:
                     jsonschema.validate(json.loads(arguments), functions[name])
                 except (json.JSONDecodeError, jsonschema.ValidationError):
-                    counts[f"invalid arguments ({choice})"] += 1
+                    counts["invalid arguments"] += 1
+                    examples.append((choice, body["max_tokens"], arguments[:160]))
                 if choice == "named":
                     named += 1
                     named_right += json.loads(arguments) == call[1]
@@ -122,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     result = {"counts": dict(counts), "by_choice": dict(by_choice), "named_whole": named,
               "named_arguments_right": named_right / max(named, 1)}
     print(json.dumps(result, indent=1))
+    for example in examples[:5]:
+        print("failed:", example)
     rows = [[k, v] for k, v in sorted(counts.items())]
     md = "\n".join([
         "# Tool calls, randomized", "",

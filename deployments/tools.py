@@ -1,7 +1,7 @@
 """Tool calling for chat completions: `tools`, `tool_choice` and `parallel_tool_calls`, as OpenAI's.
 
     tool_choice   what the model may write                      how
-    "none"        text only                                     no grammar (tools still in the prompt)
+    "none"        text only                                     tools left out of the prompt, calls dropped
     "auto"        text, or calls as <tool_call>{...}</tool_call>  parsed from the text (Hermes style)
     "required"    one call of any tool (parallel: one or more)  JSON-schema grammar: always valid
     {function}    exactly one call of that function             grammar: a call object with its name
@@ -90,7 +90,10 @@ class ToolCalling:
                              "{'type': 'function', 'function': {'name': ...}}")
 
     def template_tools(self) -> list[dict[str, Any]]:
-        """The tools as chat templates expect them (transformers' `tools=` argument)."""
+        """The tools as chat templates expect them (transformers' `tools=` argument); none for "none",
+        as vLLM's --exclude-tools-when-tool-choice-none: a model shown tools may call one anyway."""
+        if self.mode == "none":
+            return []
         return [{"type": "function", "function": f.model_dump(exclude_none=True)} for f in self.tools.values()]
 
     def call_prefix(self) -> str:
@@ -112,8 +115,8 @@ class ToolCalling:
     def split(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
         """The text as (content, tool_calls in OpenAI's shape); no calls: (text, []). A call the
         text cuts short comes back with the arguments written so far."""
-        if self.mode == "none":
-            return text, []
+        if self.mode == "none":  # whatever calls the model writes anyway are dropped
+            return _without_calls(text), []
         if self.forced:
             body = text.strip()
             calls = _calls(body[1:] if self.parallel and body.startswith("[") else body, self.tools)
@@ -142,9 +145,6 @@ class ToolStream:
         mode = self.calling.mode
         if mode in ("required", "named"):
             return ""
-        if mode == "none":
-            out, self.sent = self.text[self.sent :], len(self.text)
-            return out
         start = self.text.find(OPEN, self.sent)
         if start < 0:  # hold back a tail that may be the start of "<tool_call>"
             start = len(self.text)
@@ -170,7 +170,7 @@ class ToolStream:
         rest, mode = self.text[self.sent :], self.calling.mode
         if mode in ("required", "named"):
             return "", calls
-        return (rest if mode == "none" else _without_calls(rest)), calls
+        return _without_calls(rest), calls
 
 
 def finish_reason_with(calls: list[dict[str, Any]], finish_reason: str | None) -> str | None:

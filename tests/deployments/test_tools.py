@@ -22,7 +22,13 @@ NAMED = {"type": "function", "function": {"name": "place_order"}}
 
 def test_each_tool_choice_sets_the_grammar():
     assert ToolCalling(TOOLS, None, True).grammar() is None  # auto: free text
-    assert ToolCalling(TOOLS, "none", True).mode == "none"
+    none = ToolCalling(TOOLS, "none", True)
+    assert none.mode == "none" and none.grammar() is None and none.template_tools() == []  # not in the prompt
+    text = 'Sure. <tool_call>{"name": "get_price", "arguments": {"item": "rye"}}</tool_call> Bye.'
+    assert none.split(text) == ("Sure.  Bye.", [])  # a call written anyway is dropped, never content
+    stream = none.stream()
+    shown = "".join(stream.feed(text[i : i + 4]) for i in range(0, len(text), 4))
+    assert "<tool" not in shown and stream.finish() == (" Bye.", [])
     # a named function: one call object with that name (parallel or not), so exactly one call
     named = json.loads(ToolCalling(TOOLS, NAMED, True).grammar().value)
     jsonschema.validate({"name": "place_order", "arguments": {"item": "rye"}}, named)
