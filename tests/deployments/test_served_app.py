@@ -1,6 +1,7 @@
 """The whole app on a local Ray Serve: the official openai client over HTTP, a grpcio client built
 from the shipped proto, every grammar kind end to end, bad input, cancellation. One Ray instance
-for the module (4 logical CPUs, 1 gateway + 1 engine replica), shut down at the end."""
+for the module (4 logical CPUs, 1 gateway + 1 engine replica), shut down at the end. The tokens come
+on the engine replica's token socket (`gateway.direct_tokens`); other Serve tests use the Serve call."""
 
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ def app(tmp_path_factory):
             "model": {"path": str(folder), "name": MODEL_NAME},
             "engine": {"max_num_seqs": 8, "max_model_len": 256, "max_queued_requests": 16, "expert_load_report_s": 1},
             "speculative": {"draft": "ngram", "num_tokens": 3},
-            "gateway": {"grpc_port": grpc_port, "grpc_host": "127.0.0.1"},
+            "gateway": {"grpc_port": grpc_port, "grpc_host": "127.0.0.1", "direct_tokens": True},
             "deployments": {"gateway": {**one, "max_ongoing_requests": 64},
                             "engine": {**one, "max_ongoing_requests": 24}},
         }
