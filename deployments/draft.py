@@ -24,6 +24,7 @@ from ray.serve import Application
 
 from deployments.draft_channel import RemoteDraftProposer
 from deployments.draft_worker import DraftServerConfig
+from deployments.token_channel import node_ip
 from moeserve.config import DeploymentsSection
 
 __all__ = ["DraftProcess", "DraftServer", "DraftServerConfig", "RemoteDraftProposer", "bind_draft"]
@@ -40,7 +41,7 @@ class DraftProcess:
 
     def __init__(self, config: DraftServerConfig, start_timeout_s: float = START_TIMEOUT_S) -> None:
         self.config, self.start_timeout_s = config, start_timeout_s
-        self.address: tuple[str, int] = (_node_ip(), 0)  # port 0: the first child picks one
+        self.address: tuple[str, int] = (node_ip(), 0)  # port 0: the first child picks one
         self.authkey = os.urandom(16)
         self.restarts = 0
         self.dead: str | None = None
@@ -152,15 +153,3 @@ def bind_draft(config: DraftServerConfig, serve_options: dict[str, Any] | None =
     config's `deployments.draft` (replicas or autoscaling, admission, resources)."""
     options = serve_options or DeploymentsSection().draft.serve_options()
     return serve.deployment(DraftServer, name=name, **options).bind(config)
-
-
-def _node_ip() -> str:
-    """This node's address as Ray knows it (other nodes can reach it), else loopback."""
-    try:
-        import ray
-
-        if ray.is_initialized():
-            return ray.util.get_node_ip_address()
-    except Exception:  # not on Ray
-        pass
-    return socket.gethostbyname("localhost")

@@ -8,9 +8,7 @@ for the channel's address and secret, every step is one `DraftCall` and one list
 from __future__ import annotations
 
 import logging
-import os
 import pickle
-import socket
 import threading
 import time
 import uuid
@@ -19,6 +17,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Client, Connection, Listener
 from typing import Any
 
+from deployments.token_channel import no_delay
 from moeserve.protocol import DraftCall
 from moeserve.spec.proposer import Proposal, ProposalRequest, Proposer
 
@@ -51,7 +50,7 @@ class ChannelServer:
             threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
 
     def _serve(self, conn: Connection) -> None:
-        _no_delay(conn)
+        no_delay(conn)
         with conn:
             while True:
                 try:
@@ -64,13 +63,6 @@ class ChannelServer:
                 except Exception:  # a bug in the handler: drop this engine's connection (it falls back)
                     log.exception("draft channel: a call failed; closing the connection")
                     return
-
-
-def _no_delay(conn: Connection) -> None:
-    """Small messages go out at once (TCP_NODELAY), not after the peer's delayed acknowledgement."""
-    with socket.socket(fileno=os.dup(conn.fileno())) as sock:
-        if sock.family in (socket.AF_INET, socket.AF_INET6):
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
 class RemoteDraftProposer(Proposer):
@@ -102,7 +94,7 @@ class RemoteDraftProposer(Proposer):
             if self._conn is None:
                 channel = self._channel if isinstance(self._channel, tuple) else self._channel(timeout_s)
                 self._conn = Client(tuple(channel[0]), authkey=channel[1])
-                _no_delay(self._conn)
+                no_delay(self._conn)
         except Exception as e:
             log.warning("draft channel not open yet (%s: %s); trying again on a later step", type(e).__name__, e)
         return self._conn is not None
