@@ -124,6 +124,10 @@ def test_a_removed_node_takes_its_rank_and_a_replacement_joins_on_another(nodes,
 
         step()
         nodes.remove(lost)
+        deadline = time.monotonic() + 30
+        while _alive(group.actors[0]):  # the node's processes die a moment later: until then steps succeed
+            assert time.monotonic() < deadline, "rank 1 outlived its node"
+            time.sleep(0.1)
         deadline = time.monotonic() + 60
         while group.generation == 1:  # a step fails (at once, or at the collective timeout): re-formed
             assert time.monotonic() < deadline and engine.has_unfinished()
@@ -147,3 +151,13 @@ def test_a_removed_node_takes_its_rank_and_a_replacement_joins_on_another(nodes,
         assert [tokens[i] for i in ids] == expected
     finally:
         group.stop()
+
+
+def _alive(actor) -> bool:
+    import ray
+
+    try:
+        ray.get(actor.health.remote(), timeout=1.0)
+        return True
+    except Exception:  # dead (or not answering: as good as dead to a collective)
+        return False
