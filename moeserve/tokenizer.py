@@ -157,6 +157,7 @@ def hermes_call(name: str, arguments: str | None = None) -> str:
     start = f'{CALL_OPEN}{{"name": {json.dumps(name)}, "arguments":'
     return start if arguments is None else f"{start} {arguments}}}{CALL_CLOSE}"
 
+
 DEFAULT_CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|' + message['role'] + '|>\n' + message['content'] + '<|end|>\n' }}"
