@@ -27,14 +27,13 @@ import functools
 import logging
 import sys
 import threading
-import time
 from collections import Counter
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from deployments.token_channel import TokenServer, hand_over
+from deployments.token_channel import TokenServer, hand_over, paced
 from model_shards.device import resolve_device
 from moeserve.config import AppConfig
 from moeserve.engine import LLMEngine
@@ -147,26 +146,22 @@ class EngineServer:
         if refusal is not None:
             yield refusal
             return
-        deadline = None if request.timeout_s is None else time.monotonic() + request.timeout_s
+        deadline = None if request.timeout_s is None else asyncio.get_running_loop().time() + request.timeout_s
         finished, first = False, True
         try:
             while not finished:
-                try:
-                    left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                    chunk = await asyncio.wait_for(stream.chunks.get(), left)
-                except asyncio.TimeoutError:
+                try:  # a timeout around each wait (asyncio.wait_for would cost a task per chunk)
+                    async with asyncio.timeout_at(deadline):
+                        chunk = await stream.chunks.get()
+                except TimeoutError:
                     yield error_chunk(rid, ErrorCode.DEADLINE_EXCEEDED, "request timed out in the engine",
                                       stream.usage)
                     return  # the finally aborts it in the core
                 if chunk is None:  # a direct stream's last chunk went on the token socket
                     finished = True
                     return
-                if not chunk.finished and chunk.usage.completion_tokens > 1:
-                    interval = self._intervals[min(len(self._streams), len(self._intervals) - 1)]
-                    if interval:
-                        await asyncio.sleep(interval)  # after the first token: fewer, larger messages
-                while not first and not chunk.finished and not stream.chunks.empty():  # coalesce a backlog
-                    chunk = chunk.merge(stream.chunks.get_nowait())  # (never into the first: TTFT)
+                interval = self._intervals[min(len(self._streams), len(self._intervals) - 1)]
+                chunk = await paced(chunk, stream.chunks, interval, first)
                 finished, first = chunk.finished, False
                 yield chunk
         finally:

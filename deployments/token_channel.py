@@ -119,7 +119,7 @@ class TokenClient:
         with self._lock:
             self._waiting[rid] = (loop, chunks, None)
         response = stream_handle.generate_direct.remote(request, self.id)
-        finished, serve_side = False, None
+        finished, first, serve_side = False, True, None
         try:
             first = await anext(response)
             if isinstance(first, GenerateChunk):  # refused at admission
@@ -129,12 +129,8 @@ class TokenClient:
             await self._connect(first, rid)
             serve_side = asyncio.ensure_future(self._serve_side(response, chunks, rid))
             while not finished:
-                chunk = await chunks.get()
-                if not chunk.finished and chunk.usage.completion_tokens > 1 and (pause := self.interval(len(self._waiting))):
-                    await asyncio.sleep(pause)  # after the first token: fewer, larger chunks
-                while not chunk.finished and not chunks.empty():  # coalesce a backlog into one message
-                    chunk = chunk.merge(chunks.get_nowait())
-                finished = chunk.finished
+                chunk = await paced(await chunks.get(), chunks, self.interval(len(self._waiting)), first)
+                finished, first = chunk.finished, False
                 yield chunk
         finally:
             with self._lock:
@@ -202,6 +198,17 @@ class TokenClient:
             conns, self._conns = list(self._conns.values()), {}
         for conn in conns:
             conn.close()
+
+
+async def paced(chunk: GenerateChunk, chunks: asyncio.Queue, interval: float, first: bool) -> GenerateChunk:
+    """A stream's next message from `chunk` and its queue: after the first token, `interval` seconds'
+    wait (fewer, larger messages under load), then the backlog coalesced into it (never into the
+    first: time to first token). The engine replica's streams and the direct ones pace alike."""
+    if not chunk.finished and chunk.usage.completion_tokens > 1 and interval:
+        await asyncio.sleep(interval)
+    while not first and not chunk.finished and not chunks.empty():
+        chunk = chunk.merge(chunks.get_nowait())
+    return chunk
 
 
 def hand_over(items: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue, Any]]) -> None:
