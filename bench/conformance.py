@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench.grammar_decoding import random_decode
-from moeserve.grammar import GrammarCompiler, GrammarError, GrammarMatcher, GrammarSpec, check_output
+from bench.oracle import check_output
+from moeserve.grammar import GrammarCompiler, GrammarError, GrammarMatcher, GrammarSpec
 
 CONFORMANCE_ENV = "MOESERVE_CONFORMANCE_DIR"
 

@@ -28,8 +28,9 @@ from pathlib import Path
 import httpx
 
 from bench.conformance import conformance_dir, load_cases
+from bench.oracle import check_output
 from bench.report import write
-from moeserve.grammar import GrammarSpec, check_output
+from moeserve.grammar import GrammarSpec
 
 
 async def run(base_url: str, model: str, transport: httpx.AsyncBaseTransport | None, args) -> dict:

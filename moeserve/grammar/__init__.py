@@ -9,10 +9,9 @@ from moeserve.grammar.bitmask import allocate_bitmask, apply_bitmask, apply_bitm
 from moeserve.grammar.compiler import CompiledGrammar, GrammarCompiler, GrammarConfig
 from moeserve.grammar.errors import GrammarError, GrammarTimeoutError
 from moeserve.grammar.matcher import GrammarMatcher
-from moeserve.grammar.oracle import check_output
 from moeserve.grammar.spec import GRAMMAR_KINDS, GrammarKind, GrammarSpec
 from moeserve.grammar.termination import ClosingPolicy, bias_toward_closing
 
 __all__ = ["GRAMMAR_KINDS", "ClosingPolicy", "CompiledGrammar", "GrammarCompiler", "GrammarConfig", "GrammarError",
            "GrammarKind", "GrammarMatcher", "GrammarSpec", "GrammarTimeoutError", "allocate_bitmask", "apply_bitmask",
-           "apply_bitmask_torch", "bias_toward_closing", "check_output", "reset_bitmask"]
+           "apply_bitmask_torch", "bias_toward_closing", "reset_bitmask"]

@@ -8,6 +8,7 @@ import os
 
 import pytest
 
+from bench.oracle import check_output
 from bench.tiny_checkpoint import save_tiny_checkpoint
 from deployments.engine_server import EngineServer
 from deployments.frontend import Frontend, ServeRequest
@@ -15,7 +16,7 @@ from deployments.metrics import GatewayMetrics
 from moeserve.config import AppConfig
 from moeserve.engine.llm import LLM
 from moeserve.errors import ErrorCode
-from moeserve.grammar import GrammarSpec, check_output
+from moeserve.grammar import GrammarSpec
 from moeserve.protocol import GenerateRequest
 from moeserve.sampling_params import SamplingParams
 from moeserve.tokenizer import load_tokenizer

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from bench.oracle import check_output
 from bench.tiny_checkpoint import save_tiny_checkpoint
 from deployments.engine_server import EngineServer
 from deployments.token_channel import TokenClient
@@ -16,7 +17,7 @@ from model_shards import load_checkpoint
 from moeserve.config import AppConfig, EngineSection
 from moeserve.engine import LLMEngine, ModelRunner
 from moeserve.errors import ErrorCode
-from moeserve.grammar import GrammarSpec, check_output
+from moeserve.grammar import GrammarSpec
 from moeserve.protocol import GenerateChunk, GenerateRequest
 from moeserve.sampling_params import SamplingParams
 from moeserve.tokenizer import load_tokenizer

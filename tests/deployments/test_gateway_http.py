@@ -13,6 +13,7 @@ import openai
 import pytest
 import torch
 
+from bench.oracle import check_output
 from bench.tiny_checkpoint import MODEL_NAME, save_tiny_checkpoint
 from bench.tool_calls import json_prefix
 from deployments.engine_server import EngineServer
@@ -21,7 +22,7 @@ from deployments.gateway import Gateway
 from model_shards import load_checkpoint
 from moeserve.config import AppConfig
 from moeserve.engine import LLMEngine, ModelRunner, SpecConfig
-from moeserve.grammar import GrammarSpec, check_output
+from moeserve.grammar import GrammarSpec
 from moeserve.spec.ngram import NgramProposer
 from moeserve.tokenizer import load_tokenizer
 

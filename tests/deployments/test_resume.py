@@ -8,6 +8,7 @@ import asyncio
 
 import pytest
 
+from bench.oracle import check_output
 from bench.tiny_checkpoint import save_tiny_checkpoint
 from deployments.engine_server import EngineServer
 from deployments.frontend import Frontend, ServeRequest
@@ -17,7 +18,7 @@ from moeserve.config import AppConfig
 from moeserve.engine import LLMEngine, ModelRunner
 from moeserve.engine.core import EngineCore
 from moeserve.errors import ErrorCode, ServingError
-from moeserve.grammar import GrammarSpec, check_output
+from moeserve.grammar import GrammarSpec
 from moeserve.protocol import GenerateRequest, Shutdown
 from moeserve.sampling_params import SamplingParams
 from moeserve.tokenizer import load_tokenizer

@@ -14,11 +14,12 @@ import jsonschema
 import openai
 import pytest
 
+from bench.oracle import check_output
 from bench.serve_app import serve_app
 from bench.tiny_checkpoint import MODEL_NAME, save_tiny_checkpoint
 from deployments.proto import generate_pb2 as pb
 from deployments.proto import generate_pb2_grpc as pb_grpc
-from moeserve.grammar import GrammarSpec, check_output
+from moeserve.grammar import GrammarSpec
 
 SCHEMA = {
     "type": "object",

@@ -21,11 +21,12 @@ from contextlib import contextmanager
 import pytest
 import torch
 
+from bench.oracle import check_output
 from model_shards.local_group import LocalShardGroup
 from moeserve.config import AppConfig, GrammarSection
 from moeserve.engine import LLMEngine
 from moeserve.engine.factory import build_engine, demo_checkpoint
-from moeserve.grammar import GrammarCompiler, GrammarMatcher, check_output
+from moeserve.grammar import GrammarCompiler, GrammarMatcher
 from tests.engine.seeded_cases import PARAMS, QUESTIONS, SCHEMA_SPEC, Result, Runs, run_matrix
 
 RUNNERS = ("paged", "compiled", "sharded", "drafted")  # drafted: the paged runner + the demo draft model

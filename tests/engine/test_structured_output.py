@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import pytest
 
+from bench.oracle import check_output
 from bench.tiny_checkpoint import save_tiny_checkpoint
 from model_shards import load_checkpoint
 from moeserve.config import GrammarSection
 from moeserve.engine import LLMEngine, ModelRunner, SpecConfig
 from moeserve.engine.structured import StructuredConfig
-from moeserve.grammar import GrammarCompiler, GrammarMatcher, GrammarSpec, check_output
+from moeserve.grammar import GrammarCompiler, GrammarMatcher, GrammarSpec
 from moeserve.sampling_params import SamplingParams
 from moeserve.spec.ngram import NgramProposer
 from moeserve.spec.proposer import Proposal, ProposalRequest, Proposer
