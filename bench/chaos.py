@@ -10,6 +10,8 @@ replicas so that one can die while the other serves):
 - `sharded`: an expert-parallel group of 2 shards and the draft model as its own deployment
   (the engine core then runs on a thread of the replica). Faults: a shard actor, the draft
   worker.
+- `direct` (`--stacks direct`): the core stack with `gateway.direct_tokens` on, so tokens come
+  on the engine replica's own socket; the core stack's faults.
 
 1. a fault-free pass: every ask of the pool (greedy and seeded-sampled chats) once, 4 at a time:
    the reference replies;
@@ -80,6 +82,8 @@ STACKS: dict[str, dict[str, Any]] = {
     "sharded": {"overrides": {"deployments": TWO_GATEWAYS, "shards": {"num_shards": 2},
                               "speculative": {"draft": "model", "placement": "deployment"}},
                 "faults": ["shard actor", "draft worker"]},
+    "direct": {"overrides": {"deployments": TWO_GATEWAYS, "gateway": {"direct_tokens": True}},
+               "faults": ["engine core", "engine replica", "gateway replica"]},
 }
 
 
@@ -250,9 +254,11 @@ def run_stack(name: str, users: int, spawn_rate: float, gap_s: float, items: lis
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer users, shorter gaps (a smoke run)")
-    ap.add_argument("--stacks", nargs="+", default=list(STACKS), choices=list(STACKS))
+    ap.add_argument("--stacks", nargs="+", default=["core", "sharded"], choices=list(STACKS),
+                    help="direct: the core stack with tokens on the engine replica's socket (gateway.direct_tokens)")
     ap.add_argument("--users", type=int, default=None)
     ap.add_argument("--gap-s", type=float, default=None, help="seconds between faults (and before the first)")
+    ap.add_argument("--name", default=None, help="report name (default: chaos, or chaos-quick)")
     args = ap.parse_args(argv)
     users = args.users or (3 if args.quick else 6)
     gap = args.gap_s or (30.0 if args.quick else 45.0)
@@ -274,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     md = markdown(data)
     print(md)
-    name = "chaos-quick" if args.quick else "chaos"
+    name = args.name or ("chaos-quick" if args.quick else "chaos")
     for p in report.write(name, data, md, {"timeline": timeline(runs)}):
         print("wrote", p.relative_to(ROOT))
     return 0

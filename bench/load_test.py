@@ -267,11 +267,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def app_config():
+def app_config(direct_tokens: bool = False):
     from moeserve.config import AppConfig
 
     # gRPC off: nothing here uses it, and port 9000 may belong to another server on this box.
-    return AppConfig.load(SERVE_CONFIG, {"gateway": {"grpc_port": 0}, "deployments": LOAD_TEST_SCALING})
+    gateway = {"grpc_port": 0, "direct_tokens": direct_tokens}
+    return AppConfig.load(SERVE_CONFIG, {"gateway": gateway, "deployments": LOAD_TEST_SCALING})
 
 
 def start_server(cfg, num_cpus: int, port: int) -> float:
@@ -898,6 +899,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-cpus", type=int, default=4, help="logical CPUs for ray.init")
     ap.add_argument("--hf-runs", type=int, default=3)
     ap.add_argument("--max-requests", type=int, default=20000, help="a hard cap on requests sent")
+    ap.add_argument("--direct-tokens", action="store_true",
+                    help="tokens on the engine replica's socket (gateway.direct_tokens), not the Serve call")
     ap.add_argument("--name", default=None)
     args = ap.parse_args(argv)
     if args.quick:
@@ -908,7 +911,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     env = report.environment(torch.get_num_threads())
-    cfg = app_config()
+    cfg = app_config(args.direct_tokens)
     from moeserve.config import resolve_path
     from moeserve.tokenizer import load_tokenizer
 

@@ -89,7 +89,7 @@ class TokenServer:
             except OSError:
                 lost.append(gateway)
                 with self._lock:
-                    if self._conns.get(gateway) is conn:
+                    if conn is not None and self._conns.get(gateway) is conn:
                         del self._conns[gateway]
         return lost
 

@@ -78,7 +78,11 @@ class CoreClient(ABC):
         elif isinstance(msg, CoreStopped):
             self._stopped(msg.reason)
         elif msg:
-            self.on_message(msg)
+            try:
+                self.on_message(msg)
+            except Exception as e:  # a broken handler must not wedge the replica quietly: it fails health, restarts
+                logger.exception("handling the engine core's output failed")
+                self._stopped(f"handling the engine core's output failed: {type(e).__name__}: {e}")
 
     def _stopped(self, reason: str) -> None:
         self.dead = reason

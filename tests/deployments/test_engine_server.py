@@ -161,6 +161,25 @@ def test_a_dead_engine_loop_fails_streams_and_health(server, tokenizer, monkeypa
     assert late.error.code is ErrorCode.UNAVAILABLE
 
 
+def test_a_broken_output_handler_fails_streams_and_health_instead_of_wedging(server, tokenizer, monkeypatch):
+    """The core's output goes through `_on_chunks` on the core client's thread; if that raises, the
+    replica reports its core dead (Serve restarts it) and every stream ends UNAVAILABLE, rather
+    than nothing reading the core's output any more while health still passes."""
+    real = server._on_chunks
+
+    def breaks_once_running(chunks):
+        if any(c.usage.completion_tokens >= 3 for c in chunks):
+            raise KeyError("handler bug")
+        real(chunks)
+
+    monkeypatch.setattr(server, "_on_chunks", breaks_once_running)
+    server.core.on_message = breaks_once_running
+    chunks = asyncio.run(collect(server, request("b", "Order: ", tokenizer, LONG), timeout=30))
+    assert chunks[-1].error.code is ErrorCode.UNAVAILABLE and "handler bug" in chunks[-1].error.message
+    with pytest.raises(RuntimeError, match="handler bug"):
+        asyncio.run(server.health())
+
+
 def test_backpressure_and_deadline(folder, tokenizer):
     srv = make_server(folder, tokenizer, max_num_seqs=1, queued=0)
     try:
@@ -295,3 +314,41 @@ def test_a_refusal_comes_on_the_serve_call_and_a_closed_socket_ends_streams_unav
     assert len(full) == 1 and full[0].error.code is ErrorCode.RESOURCE_EXHAUSTED
     assert 0 < len(tokens(cut)) < LONG.max_tokens
     assert cut[-1].error.code is ErrorCode.UNAVAILABLE and cut[-1].error.retryable
+
+
+def test_a_gateway_that_dies_mid_stream_leaves_the_replica_serving_the_others(folder, tokenizer):
+    """Gateway A's process dies mid-stream (its connection drops): the replica aborts A's requests
+    when their chunks cannot be sent, and gateway B's streams, before and after, get every token."""
+    server, a, b = make_server(folder, tokenizer, max_num_seqs=4, queued=8), TokenClient(), TokenClient()
+    h = handle(server)
+
+    async def main():
+        async def on_a():
+            got = []
+            async for chunk in a.generate(h, request("a", "Order: ", tokenizer, LONG)):
+                got.append(chunk)
+                if len(tokens(got)) >= 3 and a._conns:
+                    a.close()  # as if A's process died: its socket closes, nobody reads A's chunks
+            return got
+
+        task = asyncio.ensure_future(on_a())
+        during = [c async for c in b.generate(h, request("b1", "Hello my", tokenizer))]
+        cut = await asyncio.wait_for(task, 30)
+        await asyncio.sleep(0.2)
+        after = [c async for c in b.generate(h, request("b2", "The bakery sells", tokenizer))]
+        return cut, during, after
+
+    try:
+        reference = [tokens(asyncio.run(collect(server, request(f"r{i}", p, tokenizer))))
+                     for i, p in enumerate(["Hello my", "The bakery sells"])]
+        cut, during, after = asyncio.run(asyncio.wait_for(main(), 60))
+        wait_idle(server)
+        assert not server.engine.has_unfinished()
+        assert asyncio.run(server.stats())["finished"].get("abort") == 1
+        assert asyncio.run(server.health())["status"] == "ok"
+    finally:
+        server.shutdown()
+        a.close()
+        b.close()
+    assert cut[-1].error.code is ErrorCode.UNAVAILABLE and tokens(cut)
+    assert tokens(during) == reference[0] and tokens(after) == reference[1]
