@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from types import SimpleNamespace
 
 import pytest
 
@@ -13,6 +12,7 @@ from bench.oracle import check_output
 from bench.tiny_checkpoint import save_tiny_checkpoint
 from deployments.engine_server import EngineServer
 from deployments.token_channel import TokenClient
+from tests.deployments.serve_stand_in import handle
 from model_shards import load_checkpoint
 from moeserve.config import AppConfig, EngineSection
 from moeserve.engine import LLMEngine, ModelRunner
@@ -227,26 +227,6 @@ def test_chunks_coalesce_after_the_first_token(folder, tokenizer):
     assert len(coalesced[0].token_ids) == 1
     assert [t for c in coalesced for t in c.token_ids] == [t for c in plain for t in c.token_ids]
     assert coalesced[-1].usage.completion_tokens == 60 and coalesced[-1].finish_reason == "length"
-
-
-class _Call:
-    """A streaming Serve call's response: iterate it; `cancel()` closes the replica's generator."""
-
-    def __init__(self, agen) -> None:
-        self.agen = agen
-
-    def __aiter__(self):
-        return self
-
-    async def __anext__(self):
-        return await anext(self.agen)
-
-    def cancel(self) -> None:
-        asyncio.ensure_future(self.agen.aclose())
-
-
-def handle(server):
-    return SimpleNamespace(generate_direct=SimpleNamespace(remote=lambda *args: _Call(server.generate_direct(*args))))
 
 
 def tokens(chunks) -> list[int]:

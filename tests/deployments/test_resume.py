@@ -13,6 +13,7 @@ from bench.tiny_checkpoint import save_tiny_checkpoint
 from deployments.engine_server import EngineServer
 from deployments.frontend import Frontend, ServeRequest
 from deployments.metrics import GatewayMetrics
+from deployments.token_channel import TokenClient
 from model_shards import load_checkpoint
 from moeserve.config import AppConfig
 from moeserve.engine import LLMEngine, ModelRunner
@@ -22,6 +23,7 @@ from moeserve.grammar import GrammarSpec
 from moeserve.protocol import GenerateRequest, Shutdown
 from moeserve.sampling_params import SamplingParams
 from moeserve.tokenizer import load_tokenizer
+from tests.deployments.serve_stand_in import handle
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}  # and max_tokens 24
 
@@ -61,6 +63,28 @@ class DroppingReplica:
             await chunks.aclose()
 
 
+class DroppingSocket:
+    """The engine replica as a gateway with `gateway.direct_tokens` reaches it: a Serve call admits
+    the request and the tokens come on the replica's token socket, which drops after the first
+    call's `fail_at` chunks, as when the replica's process dies mid-stream."""
+
+    def __init__(self, server: EngineServer, fail_at: int) -> None:
+        self.server, self.fail_at, self.calls = server, fail_at, 0
+        self.client, self.handle = TokenClient(), handle(server)
+
+    def __getattr__(self, name):
+        return getattr(self.server, name)
+
+    async def generate(self, request):
+        self.calls += 1
+        n = 0
+        async for chunk in self.client.generate(self.handle, request):
+            yield chunk
+            n += 1
+            if self.calls == 1 and n == self.fail_at:
+                self.client.close()  # the connection drops; the reader ends the stream UNAVAILABLE
+
+
 class PoisonRunner:
     """A model runner whose every forward with the token POISON in its rows raises: one request
     breaks any batch it is in."""
@@ -79,11 +103,11 @@ class PoisonRunner:
         return self.inner.forward(rows, logits)
 
 
-def run(folder, fail_at: int | None, grammar: GrammarSpec | None = None, retries: int = 2):
+def run(folder, fail_at: int | None, grammar: GrammarSpec | None = None, retries: int = 2, drop=DroppingReplica):
     tokenizer = load_tokenizer(folder)
     server = EngineServer(tree("tiny", 256), engine=LLMEngine(ModelRunner(load_checkpoint(folder), 4, 256), tokenizer))
     metrics = GatewayMetrics()
-    replica = DroppingReplica(server, fail_at) if fail_at else server
+    replica = drop(server, fail_at) if fail_at else server
     frontend = Frontend(tree("tiny", 256, max_retries=retries), tokenizer, replica, metrics)
 
     async def go():
@@ -110,11 +134,13 @@ async def collect(stream) -> tuple[list, ServingError | None]:
     return chunks, None
 
 
+@pytest.mark.parametrize("drop", [DroppingReplica, DroppingSocket])
 @pytest.mark.parametrize("grammar", [None, GrammarSpec.regex("[a-z]{3,20}( [a-z]{2,9}){2,6}")])
-def test_failed_step_mid_stream_is_resumed_without_loss(folder, grammar):
+def test_failed_step_mid_stream_is_resumed_without_loss(folder, grammar, drop):
+    """On the Serve call (DroppingReplica) and on the direct token socket (DroppingSocket)."""
     expected, text, _, error, _ = run(folder, None, grammar)
     assert error is None and len(expected) > 6
-    tokens, text2, last2, error2, metrics = run(folder, fail_at=5, grammar=grammar)  # 5 chunks, then the replica is gone
+    tokens, text2, last2, error2, metrics = run(folder, fail_at=5, grammar=grammar, drop=drop)  # 5 chunks, then gone
     assert tokens == expected and text2 == text
     assert error2 is None and last2.usage.completion_tokens == len(expected)
     assert metrics.retries._value.get() == 1
