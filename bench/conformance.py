@@ -30,7 +30,7 @@ CONFORMANCE_ENV = "MOESERVE_CONFORMANCE_DIR"
 def conformance_dir() -> Path | None:
     """The jsonschemabench folder, or None when absent."""
     root = os.environ.get(CONFORMANCE_ENV)
-    base = Path(root) if root else Path(__file__).resolve().parents[2].parent / "shared" / "conformance"
+    base = Path(root) if root else Path(__file__).resolve().parents[1].parent / "shared" / "conformance"
     folder = base / "jsonschemabench" if (base / "jsonschemabench").is_dir() else base
     return folder if folder.is_dir() and any(folder.glob("*.json")) else None
 

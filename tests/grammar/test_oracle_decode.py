@@ -15,7 +15,7 @@ import pytest
 from bench.grammar_decoding import random_decode
 from bench.oracle import check_output
 from moeserve.grammar import GrammarSpec
-from moeserve.grammar.formats import SUPPORTED_FORMATS
+from moeserve.grammar.formats import FORMAT_PATTERNS, SUPPORTED_FORMATS
 
 SEEDS = range(30)
 
@@ -74,6 +74,15 @@ SCHEMAS = {
                        "app": {"type": "string"}},
         "not": {"allOf": [{"required": ["site"]}, {"required": ["app"]}]},
         "required": ["tags", "any"],
+    },
+    # narrowed: contains by the first items (2020-12: minContains), a regex as literal text
+    "contains / format regex": {
+        "type": "object",
+        "properties": {"steps": {"type": "array", "items": {"type": "integer", "maximum": 9},
+                                 "contains": {"minimum": 5}, "minContains": 2},
+                       "tags": {"type": "array", "contains": {"const": "x"}},
+                       "match": {"type": "string", "format": "regex"}},
+        "required": ["steps", "tags", "match"],
     },
 }
 
@@ -172,7 +181,7 @@ def test_the_oracle_rejects(compiler):
     assert check_output(GrammarSpec.choice(["a"]), "b") is not None
 
 
-@pytest.mark.parametrize("fmt", sorted(SUPPORTED_FORMATS))
+@pytest.mark.parametrize("fmt", sorted(SUPPORTED_FORMATS | FORMAT_PATTERNS.keys()))
 def test_every_accepted_format_produces_valid_strings(compiler, tokenizer, fmt):
     # Early, middle and late closing: random strings of every length the format allows.
     spec = GrammarSpec.json_schema({"type": "string", "format": fmt})
