@@ -5,15 +5,12 @@ that the CLI never imports Ray until `serve` runs).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
-from typing import Any
 
 from moeserve.config import AppConfig
 
@@ -109,31 +106,3 @@ def demo_request(base_url: str, model: str) -> None:
                 sys.stdout.write(choice["delta"].get("content") or "")
                 sys.stdout.flush()
     print("\n")
-
-
-@contextlib.contextmanager
-def gateway_in_thread(engine: Any, model_name: str, model_path: str, max_model_len: int) -> Iterator[str]:
-    """The gateway's HTTP app on a free local port (uvicorn on a thread) over `engine` (an LLMEngine,
-    run by an in-process EngineServer); yields its base URL, stops both on exit."""
-    import uvicorn
-
-    from deployments.engine_server import EngineServer
-    from deployments.gateway import Gateway
-    from model_shards.local_group import free_port
-
-    tree = AppConfig.from_dict({"model": {"name": model_name, "path": model_path},
-                                "engine": {"max_model_len": max_model_len}, "gateway": {"grpc_port": None}})
-    server = EngineServer(tree, engine=engine)
-    gateway = Gateway(server, tree)
-    port = free_port()
-    http = uvicorn.Server(uvicorn.Config(gateway.http_app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=http.run, daemon=True)
-    thread.start()
-    while not http.started:
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        http.should_exit = True
-        thread.join(10)
-        server.shutdown()

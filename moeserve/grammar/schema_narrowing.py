@@ -243,6 +243,22 @@ class Narrowing(_Base):
             return {**gen, "exclusiveMaximum": min(gen.get("exclusiveMaximum", math.inf), high)}
         return None
 
+    def contains_first(self, kw: dict, prefix: list, items: Any) -> tuple[list, Any]:
+        """Array keywords `kw` with `contains` (at least minContains items match it) made to hold by the
+        first items (narrower): the first minContains positions take their schema and `contains` too, and
+        the array is at least that long; maxContains only where maxItems already bounds the array by it.
+        Returns (prefixItems, items), items True where absent (strict mode would end the array)."""
+        items = True if items is None else items
+        need, most = kw.get("minContains", 1), kw.get("maxItems", math.inf)
+        if need > min(most, kw.get("maxContains", math.inf)):
+            raise GrammarError("contains: no array has minContains matches within maxItems and maxContains",
+                               feature="contains")
+        if kw.get("maxContains", math.inf) < most:
+            raise GrammarError("contains: maxContains below maxItems is not supported", feature="contains")
+        own = [*prefix, *[items] * max(need - len(prefix), 0)]
+        kw["minItems"] = max(kw.get("minItems", 0), need)
+        return [{"allOf": [x, kw["contains"]]} if i < need else x for i, x in enumerate(own)] if need else prefix, items
+
     def negation(self, s: dict) -> Schema | None:
         """`s` without its `not`, narrowed until the negated schema rejects it; None if not found."""
         neg = self.deref(s["not"])

@@ -209,8 +209,7 @@ def _arrays(nz: SchemaNormalizer, s: dict, types: set[str], out: dict) -> None:
     items = kw.get("items", kw.get("unevaluatedItems"))  # with no adjacent applicator they mean the same
     prefix = kw.get("prefixItems") or []
     if "contains" in kw:
-        items = True if items is None else items  # (strict mode would end the array after the prefix)
-        prefix = _contains_first(kw, prefix, items)
+        prefix, items = nz.contains_first(kw, prefix, items)
     if prefix:
         out["prefixItems"] = [nz.norm(x) for x in prefix]
     if items is not None:
@@ -218,20 +217,6 @@ def _arrays(nz: SchemaNormalizer, s: dict, types: set[str], out: dict) -> None:
     elif not prefix or kw.get("minItems", 0) > len(prefix):
         out["items"] = True  # xgrammar's strict mode would otherwise allow no items beyond prefixItems
     out.update({k: kw[k] for k in ("minItems", "maxItems") if k in kw})
-
-
-def _contains_first(kw: dict, prefix: list, items: Any) -> list:
-    """contains (at least minContains items match it) made to hold by its first items (narrower): the
-    first minContains positions take their schema and `contains` too, and the array at least that
-    long. maxContains only where maxItems already bounds the array by it."""
-    need, most = kw.get("minContains", 1), kw.get("maxItems", math.inf)
-    if need > min(most, kw.get("maxContains", math.inf)):
-        raise _refuse("contains", "no array has minContains matches within maxItems and maxContains")
-    if kw.get("maxContains", math.inf) < most:
-        raise _refuse("contains", "maxContains below maxItems is not supported")
-    own = [*prefix, *[items] * max(need - len(prefix), 0)]
-    kw["minItems"] = max(kw.get("minItems", 0), need)
-    return [{"allOf": [x, kw["contains"]]} if i < need else x for i, x in enumerate(own)] if need else prefix
 
 
 def _objects(nz: SchemaNormalizer, s: dict, types: set[str], out: dict) -> bool:
