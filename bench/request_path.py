@@ -2,7 +2,7 @@
 
     python -m bench.request_path [--draft none|ngram|model] [--schema] [--report]
 
-Runs the gateway and an engine in this process (deployments/local.py's `gateway_in_thread`: the
+Runs the gateway and an engine in this process (bench/serve_app.py's `gateway_in_thread`: the
 same gateway, serving layer, engine replica and engine core as the served app; the Serve handle's
 client is in gateway.py and the core's socket in core_client.py, both crossed here too), sends
 one streamed chat request to warm every lazy path, then traces a second one: every function that
@@ -58,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--report", action="store_true", help="write bench/reports/request_path.md")
     args = ap.parse_args(argv)
 
-    from deployments.local import DEMO_MESSAGES, DEMO_SCHEMA, gateway_in_thread
+    from bench.serve_app import gateway_in_thread
+    from deployments.local import DEMO_MESSAGES, DEMO_SCHEMA
     from moeserve.config import AppConfig, resolve_path
     from moeserve.engine.factory import build_engine
 

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import httpx
 
 from model_shards.local_group import free_port
+from moeserve.config import AppConfig
 
 
 def wait_healthy(base: str, timeout: float = 60) -> None:
@@ -78,3 +81,30 @@ def serve_on_ray(build: Callable[[int], tuple], *, proxy_location: str | None = 
         yield {"http": base, "grpc": f"127.0.0.1:{grpc_port}"}
     finally:
         serve.shutdown()
+
+
+@contextlib.contextmanager
+def gateway_in_thread(engine: Any, model_name: str, model_path: str, max_model_len: int) -> Iterator[str]:
+    """The gateway and an engine in this process, no Ray: the gateway's HTTP app on a free local port (uvicorn on a thread) over `engine` (an LLMEngine,
+    run by an in-process EngineServer); yields its base URL, stops both on exit."""
+    import uvicorn
+
+    from deployments.engine_server import EngineServer
+    from deployments.gateway import Gateway
+
+    tree = AppConfig.from_dict({"model": {"name": model_name, "path": model_path},
+                                "engine": {"max_model_len": max_model_len}, "gateway": {"grpc_port": None}})
+    server = EngineServer(tree, engine=engine)
+    gateway = Gateway(server, tree)
+    port = free_port()
+    http = uvicorn.Server(uvicorn.Config(gateway.http_app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=http.run, daemon=True)
+    thread.start()
+    while not http.started:
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        http.should_exit = True
+        thread.join(10)
+        server.shutdown()

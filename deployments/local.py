@@ -1,6 +1,5 @@
-"""`moeserve serve`: an embedded local Ray, the app deployed on it, URLs printed, Ctrl-C stops it.
-And `gateway_in_thread`: the gateway and an engine in this process, no Ray (kept out of cli.py so
-that the CLI never imports Ray until `serve` runs).
+"""`moeserve serve`: an embedded local Ray, the app deployed on it, URLs printed, Ctrl-C stops it
+(kept out of cli.py so that the CLI never imports Ray until `serve` runs).
 """
 
 from __future__ import annotations

@@ -11,52 +11,20 @@ live panels, colours the tokens by their experts at the last layer, and saves th
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import shutil
-import threading
 import time
-from collections.abc import Iterator
-from typing import Any
 
 from playwright.sync_api import sync_playwright
 
+from bench.serve_app import gateway_in_thread
 from deployments.local import DEMO_MESSAGES, DEMO_SCHEMA
 from model_shards import load_checkpoint
-from moeserve.config import AppConfig
 from moeserve.engine import LLMEngine, SpecConfig
 from moeserve.engine.draft_model import DraftModelProposer
 from moeserve.engine.factory import demo_checkpoint
 from moeserve.engine.model_runner import ModelRunner
 from moeserve.tokenizer import load_tokenizer
-
-
-@contextlib.contextmanager
-def gateway_in_thread(engine: Any, model_name: str, model_path: str, max_model_len: int) -> Iterator[str]:
-    """The gateway's HTTP app on a free local port (uvicorn on a thread) over `engine` (an LLMEngine,
-    run by an in-process EngineServer); yields its base URL, stops both on exit."""
-    import uvicorn
-
-    from deployments.engine_server import EngineServer
-    from deployments.gateway import Gateway
-    from model_shards.local_group import free_port
-
-    tree = AppConfig.from_dict({"model": {"name": model_name, "path": model_path},
-                                "engine": {"max_model_len": max_model_len}, "gateway": {"grpc_port": None}})
-    server = EngineServer(tree, engine=engine)
-    gateway = Gateway(server, tree)
-    port = free_port()
-    http = uvicorn.Server(uvicorn.Config(gateway.http_app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=http.run, daemon=True)
-    thread.start()
-    while not http.started:
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        http.should_exit = True
-        thread.join(10)
-        server.shutdown()
 
 
 def main() -> None:

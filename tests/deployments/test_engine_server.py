@@ -12,7 +12,6 @@ from bench.oracle import check_output
 from bench.tiny_checkpoint import save_tiny_checkpoint
 from deployments.engine_server import EngineServer
 from deployments.token_channel import TokenClient
-from tests.deployments.serve_stand_in import handle
 from model_shards import load_checkpoint
 from moeserve.config import AppConfig, EngineSection
 from moeserve.engine import LLMEngine, ModelRunner
@@ -21,6 +20,7 @@ from moeserve.grammar import GrammarSpec
 from moeserve.protocol import GenerateChunk, GenerateRequest
 from moeserve.sampling_params import SamplingParams
 from moeserve.tokenizer import load_tokenizer
+from tests.deployments.serve_stand_in import handle
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 LONG = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)

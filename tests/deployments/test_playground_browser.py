@@ -10,8 +10,8 @@ import shutil
 import jsonschema
 import pytest
 
+from bench.serve_app import gateway_in_thread
 from bench.tiny_checkpoint import MODEL_NAME, save_tiny_checkpoint
-from deployments.local import gateway_in_thread
 from model_shards import load_checkpoint
 from moeserve.engine import LLMEngine, SpecConfig
 from moeserve.engine.model_runner import ModelRunner
