@@ -19,6 +19,9 @@ except ImportError:  # pragma: no cover - Python < 3.11
     import sre_constants as sre_c  # type: ignore[no-redef]
     import sre_parse  # type: ignore[no-redef]
 
+MAX_FOLDED_REPEAT = 1024
+# A prefix, then one character class or escaped/plain character, repeated: ^ab[a-z0-9-]*$, ^\d+$
+_TAIL_STAR_PATTERN = re.compile(r"\^(.*?)(\[(?:\\.|[^\]\\])+\]|\\[dDwWsS]|\.|[A-Za-z0-9 _-])([*+])\$")
 _MAX_CLASS_SPAN = 4096  # a wider range makes a first-character set "unknown"
 _BEGIN, _END = (sre_c.AT, sre_c.AT_BEGINNING), (sre_c.AT, sre_c.AT_END)
 
@@ -228,3 +231,38 @@ def key_matches(pattern: str, name: str) -> bool:
         return re.search(pattern, name) is not None
     except re.error as e:
         raise GrammarError(f"invalid regular expression {pattern!r}: {e}", feature="patternProperties") from None
+
+
+def fold_lengths_into_pattern(kw: dict) -> None:
+    """A string schema's `kw` (pattern, minLength, maxLength): drop the bounds every full match meets;
+    `^PX*$`/`^PX+$` (P: no top-level `|`, X: one character or class) plus bounds -> `^PX{m,n}$`,
+    counted for P's extremes (narrower), at most MAX_FOLDED_REPEAT."""
+    shape = regex_shape(kw["pattern"])
+    if shape is None:
+        return
+    if kw.get("minLength", 0) <= shape.min_len:
+        kw.pop("minLength", None)
+    if "maxLength" in kw and shape.max_len <= kw["maxLength"]:
+        kw.pop("maxLength")
+    m = _TAIL_STAR_PATTERN.fullmatch(kw["pattern"])
+    if not m or ("minLength" not in kw and "maxLength" not in kw):
+        return
+    prefix, atom, plus = m.group(1), m.group(2), m.group(3) == "+"
+    try:
+        parsed = sre_parse.parse(prefix)
+        p_low, p_high = parsed.getwidth()
+    except (re.error, OverflowError, RecursionError):
+        return
+    if any(op is sre_parse.BRANCH for op, _ in parsed):
+        return
+    lo = max(kw.get("minLength", 0) - p_low, 1 if plus else 0)
+    hi = ""
+    if "maxLength" in kw:
+        if p_high >= sre_parse.MAXREPEAT:
+            return
+        hi = min(kw["maxLength"] - p_high, lo + MAX_FOLDED_REPEAT)
+        if hi < lo:
+            return
+    kw.pop("minLength", None)
+    kw.pop("maxLength", None)
+    kw["pattern"] = f"^{prefix}{atom}{{{lo},{hi}}}$"

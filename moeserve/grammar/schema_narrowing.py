@@ -251,8 +251,7 @@ class Narrowing(_Base):
         items = True if items is None else items
         need, most = kw.get("minContains", 1), kw.get("maxItems", math.inf)
         if need > min(most, kw.get("maxContains", math.inf)):
-            raise GrammarError("contains: no array has minContains matches within maxItems and maxContains",
-                               feature="contains")
+            raise GrammarError("contains: minContains is more than maxItems or maxContains allow", feature="contains")
         if kw.get("maxContains", math.inf) < most:
             raise GrammarError("contains: maxContains below maxItems is not supported", feature="contains")
         own = [*prefix, *[items] * max(need - len(prefix), 0)]

@@ -14,7 +14,12 @@ from typing import TYPE_CHECKING, Any
 from moeserve.grammar.errors import GrammarError
 from moeserve.grammar.formats import FORMAT_PATTERNS, SUPPORTED_FORMATS, UNSUPPORTED_FORMATS
 from moeserve.grammar.regex_compat import xgrammar_regex
-from moeserve.grammar.regex_facts import finite_language, full_matches_never_search, key_matches, regex_shape, sre_parse
+from moeserve.grammar.regex_facts import (
+    finite_language,
+    fold_lengths_into_pattern,
+    full_matches_never_search,
+    key_matches,
+)
 from moeserve.grammar.schema_merge import ALL_TYPES, listed, type_set
 
 if TYPE_CHECKING:
@@ -28,9 +33,6 @@ _KEYWORDS_OF = {
     "number": ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"),
 }  # fmt: skip
 _NAME_KEYWORDS = {"type", "minLength", "maxLength", "pattern", "format", "enum"}
-MAX_FOLDED_REPEAT = 1024
-# A prefix, then one character class or escaped/plain character, repeated: ^ab[a-z0-9-]*$, ^\d+$
-_TAIL_STAR_PATTERN = re.compile(r"\^(.*?)(\[(?:\\.|[^\]\\])+\]|\\[dDwWsS]|\.|[A-Za-z0-9 _-])([*+])\$")
 _INNER_ANCHOR = re.compile(r"(?<!\\)[$^](?![^\[]*\])")  # an unescaped ^ or $ outside a character class
 _JSON_TYPES = {bool: "boolean", type(None): "null", int: "integer", float: "number", str: "string", list: "array", dict: "object"}
 
@@ -152,7 +154,7 @@ def _strings(s: dict, types: set[str], out: dict, keep: frozenset[str]) -> None:
         kw["format"] = fmt
     # Unknown formats (int32, non-blank, ...) are annotations: validators ignore them, so do we.
     if "pattern" in kw:
-        _fold_lengths_into_pattern(kw)
+        fold_lengths_into_pattern(kw)
     kinds = sorted({"length" if k.endswith("Length") else k for k in kw})
     if len(kinds) > 1:
         # xgrammar keeps only one of format / pattern / length and silently drops the others.
@@ -162,40 +164,6 @@ def _strings(s: dict, types: set[str], out: dict, keep: frozenset[str]) -> None:
     if "pattern" in kw:
         kw["pattern"] = xgrammar_regex(kw["pattern"], dot_excludes_newline=False)
     out.update(kw)
-
-
-def _fold_lengths_into_pattern(kw: dict) -> None:
-    """Drop length bounds every full match meets; `^PX*$`/`^PX+$` (P: no top-level `|`, X: one character
-    or class) plus bounds -> `^PX{m,n}$`, counted for P's extremes (narrower), at most MAX_FOLDED_REPEAT."""
-    shape = regex_shape(kw["pattern"])
-    if shape is None:
-        return
-    if kw.get("minLength", 0) <= shape.min_len:
-        kw.pop("minLength", None)
-    if "maxLength" in kw and shape.max_len <= kw["maxLength"]:
-        kw.pop("maxLength")
-    m = _TAIL_STAR_PATTERN.fullmatch(kw["pattern"])
-    if not m or ("minLength" not in kw and "maxLength" not in kw):
-        return
-    prefix, atom, plus = m.group(1), m.group(2), m.group(3) == "+"
-    try:
-        parsed = sre_parse.parse(prefix)
-        p_low, p_high = parsed.getwidth()
-    except (re.error, OverflowError, RecursionError):
-        return
-    if any(op is sre_parse.BRANCH for op, _ in parsed):
-        return
-    lo = max(kw.get("minLength", 0) - p_low, 1 if plus else 0)
-    hi = ""
-    if "maxLength" in kw:
-        if p_high >= sre_parse.MAXREPEAT:
-            return
-        hi = min(kw["maxLength"] - p_high, lo + MAX_FOLDED_REPEAT)
-        if hi < lo:
-            return
-    kw.pop("minLength", None)
-    kw.pop("maxLength", None)
-    kw["pattern"] = f"^{prefix}{atom}{{{lo},{hi}}}$"
 
 
 def _arrays(nz: SchemaNormalizer, s: dict, types: set[str], out: dict) -> None:
@@ -254,6 +222,8 @@ def _objects(nz: SchemaNormalizer, s: dict, types: set[str], out: dict) -> bool:
             raise _refuse("required", f"required property {name!r} is forbidden by additionalProperties: false")
         props[name] = nz.norm(extra) if isinstance(extra, dict) else True
     min_props = kw.get("minProperties", 0)
+    if min_props > len(props) and names is not None and extra is not False and "minProperties" not in nz.keep:
+        props.update(_fresh_properties(nz, min_props - len(props), props, names, extra))  # (llguidance: no propertyNames)
     if min_props > len(required):
         # xgrammar counts entries, and undeclared keys may repeat ({"b":1,"b":2} is one property
         # once parsed), so only distinct declared properties can be trusted to reach minProperties.
@@ -274,6 +244,18 @@ def _objects(nz: SchemaNormalizer, s: dict, types: set[str], out: dict) -> bool:
     if extra is not None:
         out["additionalProperties"] = extra if isinstance(extra, bool) else nz.norm(extra)
     return True
+
+
+def _fresh_properties(nz: SchemaNormalizer, count: int, taken: dict, names: Any, extra: Any) -> dict[str, Any]:
+    """`count` properties named apart from `taken` as propertyNames allows (its listed names, then key1, key2,
+    ...), each of the additionalProperties schema: minProperties met by distinct declared keys (narrower)."""
+    rule = nz.deref(True if names is None else names)
+    pool = [v for v in listed(rule) or [] if isinstance(v, str)] if isinstance(rule, dict) else []
+    fresh = [n for n in dict.fromkeys(pool + [f"key{i}" for i in range(1, count + 64)])
+             if n not in taken and nz.validator.evolve(schema=rule).is_valid(n)][:count]
+    if len(fresh) < count:
+        raise _refuse("minProperties", f"minProperties {count + len(taken)} needs names propertyNames does not allow")
+    return dict.fromkeys(fresh, nz.norm(extra) if isinstance(extra, dict) else True)
 
 
 def _pattern_keys(nz: SchemaNormalizer, patterns: dict, declared: dict, required: list) -> dict[str, Any]:

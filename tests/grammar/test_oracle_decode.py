@@ -75,14 +75,17 @@ SCHEMAS = {
         "not": {"allOf": [{"required": ["site"]}, {"required": ["app"]}]},
         "required": ["tags", "any"],
     },
-    # narrowed: contains by the first items (2020-12: minContains), a regex as literal text
+    # narrowed: contains by the first items (2020-12: minContains), a regex as literal text, minProperties
+    # beside propertyNames by fresh declared names
     "contains / format regex": {
         "type": "object",
         "properties": {"steps": {"type": "array", "items": {"type": "integer", "maximum": 9},
                                  "contains": {"minimum": 5}, "minContains": 2},
                        "tags": {"type": "array", "contains": {"const": "x"}},
-                       "match": {"type": "string", "format": "regex"}},
-        "required": ["steps", "tags", "match"],
+                       "match": {"type": "string", "format": "regex"},
+                       "layout": {"type": "object", "propertyNames": {"enum": ["symlink", "bind"]},
+                                  "additionalProperties": {"type": "string"}, "minProperties": 1}},
+        "required": ["steps", "tags", "match", "layout"],
     },
 }
 

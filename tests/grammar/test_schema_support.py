@@ -65,6 +65,10 @@ OK = [
                                           "contains": {"type": "integer", "maximum": 5}, "minContains": 2},
      [[4, 5], [3, 0, "x"]], [[6, 5], [4], [4, "x"]]),
     ("format regex: literal text", {"type": "string", "format": "regex"}, ["ab c", "", "a-b_1"], ["a(", "a*", 1]),
+    # with propertyNames (which llguidance lacks), minProperties over undeclared keys: fresh declared names
+    ("minProperties by propertyNames' names", {"type": "object", "propertyNames": {"enum": ["a", "b", "c"]},
+                                                "additionalProperties": {"type": "string"}, "minProperties": 2},
+     [{"a": "x", "b": "y"}], [{"a": "x"}, {"a": 1, "b": "y"}, {"a": "x", "d": "y"}]),
     ("uniqueItems trivially true", {"type": "array", "items": {"type": "integer"}, "uniqueItems": True, "maxItems": 1}, [[1]], [[1, 1]]),
     # narrowed (sound: what the grammar accepts validates; some valid instances are no longer produced)
     ("uniqueItems: at most one item", {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, [[], [1]], [[1, 1]]),
