@@ -9,11 +9,13 @@ bias near the budget), minus the model.
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import torch
 
 from moeserve.grammar import (
+    ClosingPolicy,
     CompiledGrammar,
     GrammarCompiler,
     GrammarMatcher,
@@ -21,6 +23,7 @@ from moeserve.grammar import (
     apply_bitmask,
     bias_toward_closing,
 )
+from moeserve.grammar.termination import ClosingTables
 
 
 @dataclass
@@ -33,6 +36,17 @@ class Decoded:
     forced: int = 0  # tokens appended by jump-forward
     fill_s: list[float] = field(default_factory=list)
     apply_s: list[float] = field(default_factory=list)
+
+
+def closing_policy(compiler: GrammarCompiler, compiled: CompiledGrammar) -> ClosingPolicy:
+    """A fresh policy steering `compiled`'s output to an end, as the engine's (its tables built once per compiler)."""
+    tables = _CLOSING_TABLES.get(compiler)
+    if tables is None:  # a Python pass over the vocabulary
+        tables = _CLOSING_TABLES[compiler] = ClosingTables(compiler.decoded_vocab, compiler.stop_token_ids)
+    return ClosingPolicy(tables, json=compiled.spec.kind in ("json_object", "json_schema"))
+
+
+_CLOSING_TABLES: weakref.WeakKeyDictionary[GrammarCompiler, ClosingTables] = weakref.WeakKeyDictionary()
 
 
 def random_decode(
@@ -50,7 +64,7 @@ def random_decode(
     gen = torch.Generator().manual_seed(seed)
     matcher = GrammarMatcher(compiled)
     bitmask = allocate_bitmask(1, compiler.vocab_size)  # [1, W]
-    closing = compiler.closing_policy(compiled)
+    closing = closing_policy(compiler, compiled)
     out = Decoded([], "", "", False)
     while len(out.token_ids) < max_tokens and not matcher.is_terminated():
         if jump_forward:

@@ -33,7 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from deployments.token_channel import TokenServer, hand_over, paced
+from deployments.token_channel import TokenServer
 from model_shards.device import resolve_device
 from moeserve.config import AppConfig
 from moeserve.engine import LLMEngine
@@ -41,7 +41,7 @@ from moeserve.engine.core import EngineCore
 from moeserve.engine.core_client import InprocCore, ProcessCore
 from moeserve.engine.factory import build_engine, model_path
 from moeserve.errors import ErrorCode
-from moeserve.protocol import Abort, GenerateChunk, GenerateRequest, Resize, Usage, error_chunk
+from moeserve.protocol import Abort, GenerateChunk, GenerateRequest, Resize, Usage, error_chunk, hand_over, paced
 from router_service.gating import ExpertLoadStats
 
 logger = logging.getLogger(__name__)

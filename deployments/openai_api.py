@@ -126,7 +126,9 @@ def chat_request(body: ChatCompletionRequest, request_id: str) -> tuple[ServeReq
     _check_supported(body)
     if body.top_logprobs is not None and not body.logprobs:
         raise _invalid("top_logprobs needs logprobs: true", "top_logprobs")
-    calling, grammar = tool_calling(body.tools, body.tool_choice, body.parallel_tool_calls, _grammar(body))
+    calling, grammar = None, _grammar(body)
+    if body.tools or body.tool_choice not in (None, "none", "auto"):  # (a plain chat never reaches tools.py)
+        calling, grammar = tool_calling(body.tools, body.tool_choice, body.parallel_tool_calls, grammar)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     req = ServeRequest(body.model, messages=_messages(body.messages),

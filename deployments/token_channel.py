@@ -25,7 +25,7 @@ from multiprocessing.connection import Client, Connection, Listener
 from typing import Any
 
 from moeserve.errors import ErrorCode
-from moeserve.protocol import GenerateChunk, error_chunk
+from moeserve.protocol import GenerateChunk, error_chunk, hand_over, paced
 
 log = logging.getLogger(__name__)
 
@@ -198,34 +198,6 @@ class TokenClient:
             conns, self._conns = list(self._conns.values()), {}
         for conn in conns:
             conn.close()
-
-
-async def paced(chunk: GenerateChunk, chunks: asyncio.Queue, interval: float, first: bool) -> GenerateChunk:
-    """A stream's next message from `chunk` and its queue: after the first token, `interval` seconds'
-    wait (fewer, larger messages under load), then the backlog coalesced into it (never into the
-    first: time to first token). The engine replica's streams and the direct ones pace alike."""
-    if not chunk.finished and chunk.usage.completion_tokens > 1 and interval:
-        await asyncio.sleep(interval)
-    while not first and not chunk.finished and not chunks.empty():
-        chunk = chunk.merge(chunks.get_nowait())
-    return chunk
-
-
-def hand_over(items: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue, Any]]) -> None:
-    """Put each item in its asyncio queue from another thread: one thread-safe call per event loop."""
-    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
-    for loop, queue, item in items:
-        by_loop.setdefault(loop, []).append((queue, item))
-    for loop, batch in by_loop.items():
-        try:
-            loop.call_soon_threadsafe(_put_all, batch)
-        except RuntimeError:  # the loop is closed: nobody reads these any more
-            log.warning("dropping %d items for a closed event loop", len(batch))
-
-
-def _put_all(batch: list[tuple[asyncio.Queue, Any]]) -> None:
-    for queue, item in batch:
-        queue.put_nowait(item)
 
 
 def no_delay(conn: Connection) -> None:

@@ -3,16 +3,21 @@ dataclasses (no tensors, no tokenizer, no compiled grammar).
 
 One request is one stream: a `GenerateRequest` in, `GenerateChunk`s of new token ids out until one
 is `finished`; the core sends one list of chunks per step. Errors travel in-band: a chunk with
-`error` set ends its stream.
+`error` set ends its stream. `paced` and `hand_over`: how a stream's chunks reach its reader.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from dataclasses import dataclass, field
+from typing import Any
 
 from moeserve.errors import ErrorCode
 from moeserve.grammar.spec import GrammarSpec
 from moeserve.sampling_params import SamplingParams, TokenLogprob, TokenTrace
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -155,3 +160,31 @@ class DraftCall:
 
     requests: list  # [ProposalRequest] (moeserve/spec/proposer.py, which imports this package)
     finished: list[str] = field(default_factory=list)
+
+
+async def paced(chunk: GenerateChunk, chunks: asyncio.Queue, interval: float, first: bool) -> GenerateChunk:
+    """A stream's next message from `chunk` and its queue: after the first token, `interval` seconds'
+    wait (fewer, larger messages under load), then the backlog coalesced into it (never into the
+    first: time to first token). The engine replica's streams and the direct ones pace alike."""
+    if not chunk.finished and chunk.usage.completion_tokens > 1 and interval:
+        await asyncio.sleep(interval)
+    while not first and not chunk.finished and not chunks.empty():
+        chunk = chunk.merge(chunks.get_nowait())
+    return chunk
+
+
+def hand_over(items: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue, Any]]) -> None:
+    """Put each item in its asyncio queue from another thread: one thread-safe call per event loop."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
+    for loop, queue, item in items:
+        by_loop.setdefault(loop, []).append((queue, item))
+    for loop, batch in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_put_all, batch)
+        except RuntimeError:  # the loop is closed: nobody reads these any more
+            logger.warning("dropping %d items for a closed event loop", len(batch))
+
+
+def _put_all(batch: list[tuple[asyncio.Queue, Any]]) -> None:
+    for queue, item in batch:
+        queue.put_nowait(item)

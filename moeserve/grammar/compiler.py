@@ -29,7 +29,6 @@ from moeserve.grammar.errors import GrammarError, GrammarTimeoutError
 from moeserve.grammar.regex_compat import xgrammar_regex
 from moeserve.grammar.schema_support import LLGUIDANCE_FEATURES, for_llguidance, prepare_json_schema
 from moeserve.grammar.spec import GrammarSpec
-from moeserve.grammar.termination import ClosingPolicy, ClosingTables
 from moeserve.grammar.tokenizer_info import build_tokenizer_info
 from moeserve.grammar.utf8 import second_byte_rows
 
@@ -123,7 +122,6 @@ class GrammarCompiler:
         for t in self.stop_token_ids:
             stop_row[t // 32] |= 1 << (t % 32)
         self._vocab = VocabRows(self.decoded_vocab, stop_row, second_byte_rows(self.decoded_vocab, self.vocab_size))
-        self._closing_tables: ClosingTables | None = None
 
     def compile(self, spec: GrammarSpec) -> CompiledGrammar:
         """The compiled grammar for `spec`, from the cache when possible. Raises GrammarError naming
@@ -157,12 +155,6 @@ class GrammarCompiler:
         with self._lock:
             return {"hits": self.hits, "misses": self.misses, "size": len(self._cache), "bytes": self._cache_bytes,
                     "in_flight": len(self._in_flight)}
-
-    def closing_policy(self, compiled: CompiledGrammar) -> ClosingPolicy:
-        """A fresh per-request policy for steering `compiled`'s output to an end (termination.py)."""
-        if self._closing_tables is None:  # built on first use: a Python pass over the vocabulary
-            self._closing_tables = ClosingTables(self.decoded_vocab, self.stop_token_ids)
-        return ClosingPolicy(self._closing_tables, json=compiled.spec.kind in ("json_object", "json_schema"))
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

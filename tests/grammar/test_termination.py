@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from bench.grammar_decoding import closing_policy
 from moeserve.grammar import GrammarSpec, bias_toward_closing
 from moeserve.grammar.termination import OUT, STOP_SCORE, STR, ClosingPolicy, ClosingTables
 
@@ -34,6 +35,6 @@ def test_bias_never_unmasks():
 
 
 def test_policy_kind_follows_the_grammar(compiler):
-    assert compiler.closing_policy(compiler.compile(GrammarSpec.json_object())).json
-    plain = compiler.closing_policy(compiler.compile(GrammarSpec.regex("a+")))
+    assert closing_policy(compiler, compiler.compile(GrammarSpec.json_object())).json
+    plain = closing_policy(compiler, compiler.compile(GrammarSpec.regex("a+")))
     assert not plain.json and float(plain.scores().max()) == STOP_SCORE
