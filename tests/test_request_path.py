@@ -1,6 +1,6 @@
 """The request path stays short (DESIGN: one execution path): a streamed chat request, traced through
 the gateway and an engine in one process (`python -m bench.request_path`), runs code in at most 20
-product files, and the README lists exactly those, in order."""
+product files, and the README lists exactly those."""
 
 from __future__ import annotations
 

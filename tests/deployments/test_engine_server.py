@@ -172,8 +172,7 @@ def test_a_broken_output_handler_fails_streams_and_health_instead_of_wedging(ser
             raise KeyError("handler bug")
         real(chunks)
 
-    monkeypatch.setattr(server, "_on_chunks", breaks_once_running)
-    server.core.on_message = breaks_once_running
+    monkeypatch.setattr(server.core, "on_message", breaks_once_running)
     chunks = asyncio.run(collect(server, request("b", "Order: ", tokenizer, LONG), timeout=30))
     assert chunks[-1].error.code is ErrorCode.UNAVAILABLE and "handler bug" in chunks[-1].error.message
     with pytest.raises(RuntimeError, match="handler bug"):
