@@ -54,13 +54,6 @@ class Placement:
                 ranks[e].append(rank)
         return tuple(tuple(r) for r in ranks)
 
-    def local_index(self, rank: int, expert: int) -> int:
-        """Slot of ``expert`` on ``rank``; ValueError if the rank does not hold it."""
-        try:
-            return self.rank_experts[rank].index(expert)
-        except ValueError:
-            raise ValueError(f"expert: rank {rank} does not hold expert {expert}") from None
-
     def ranks_of(self, expert_ids: Tensor, token_index: Tensor) -> Tensor:
         """Rank that serves each route: replica ``token_index % replicas(e)`` of its expert
         (expert_ids, token_index: same shape); expert id -1 (a dropped route) gives rank -1."""
@@ -71,7 +64,7 @@ class Placement:
         return torch.where(valid, replicas[e, choice], -1)
 
     def local_slots(self, expert_ids: Tensor, ranks: Tensor) -> Tensor:
-        """Vectorised ``local_index``: slot of each expert on its rank (-1 where rank is -1)."""
+        """Slot of each expert on its rank, its index in ``rank_experts[rank]`` (-1 where rank is -1)."""
         table = self.tables(ranks.device)[2]  # [W, E]
         valid = ranks >= 0
         return torch.where(valid, table[ranks.clamp_min(0), expert_ids.clamp_min(0)], -1)

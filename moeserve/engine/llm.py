@@ -109,6 +109,9 @@ class LLM:
         """Step the engine until every request in `live` ends: (output, its new text) per request and step."""
         while live:
             for step_out in self.engine.step():
+                if step_out.request_id not in live:  # a stream whose reader left early: nobody wants the rest
+                    self.engine.abort(step_out.request_id)
+                    continue
                 out, detok = live[step_out.request_id]
                 out.token_ids += step_out.new_token_ids
                 if step_out.logprobs is not None:

@@ -394,3 +394,20 @@ def test_the_offline_api_takes_each_structured_output_kind(tiny):
         llm.generate("x", SamplingParams(structured_outputs=StructuredOutputsParams()))
     with pytest.raises(ValueError, match="at most one"):
         StructuredOutputsParams(regex="a", choice=["a"]).spec()
+
+
+def test_a_stream_left_early_does_not_break_the_next_call(tiny):
+    """Breaking out of `LLM.stream` leaves its request in the engine: the next call drops it (an abort)
+    instead of failing on its outputs, and writes what it writes alone."""
+    from moeserve import LLM
+
+    folder, _, _ = tiny
+    llm = LLM(str(folder), "none", max_model_len=512)
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    alone = llm.generate(PROMPTS[1], params)[0].text
+    for i, _ in enumerate(llm.stream(PROMPTS[0], params)):
+        if i == 2:
+            break
+    assert llm.generate(PROMPTS[1], params)[0].text == alone
+    assert "".join(text for text, _ in llm.stream(PROMPTS[1], params)) == alone
+    assert not llm.engine.has_unfinished()

@@ -23,16 +23,14 @@ def test_lookups_and_replicas():
     placement = Placement(((0, 1, 2), (2, 3), (3, 0)))
     assert (placement.world_size, placement.num_experts) == (3, 4)
     assert placement.expert_to_ranks() == ((0, 2), (0,), (0, 1), (1, 2))
-    assert placement.local_index(2, 0) == 1 and placement.local_index(1, 3) == 1
-    with pytest.raises(ValueError, match="expert"):
-        placement.local_index(1, 0)
     experts = torch.tensor([0, 0, 0, 1, 2, 2, 3, -1])
     tokens = torch.tensor([0, 1, 2, 5, 6, 7, 9, 4])
     ranks = placement.ranks_of(experts, tokens)
     # replica = token % replicas: expert 0 on (0, 2); expert 2 on (0, 1); expert 3 on (1, 2)
     assert ranks.tolist() == [0, 2, 0, 0, 0, 1, 2, -1]
     slots = placement.local_slots(experts, ranks)
-    expected = [placement.local_index(r, e) if r >= 0 else -1 for e, r in zip(experts.tolist(), ranks.tolist())]
+    # the slot is the expert's place in its rank's list (the reference, one route at a time)
+    expected = [placement.rank_experts[r].index(e) if r >= 0 else -1 for e, r in zip(experts.tolist(), ranks.tolist())]
     assert slots.tolist() == expected
 
 
