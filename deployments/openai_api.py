@@ -127,7 +127,7 @@ def chat_request(body: ChatCompletionRequest, request_id: str) -> tuple[ServeReq
     if body.top_logprobs is not None and not body.logprobs:
         raise _invalid("top_logprobs needs logprobs: true", "top_logprobs")
     calling, grammar = None, _grammar(body)
-    if body.tools or body.tool_choice not in (None, "none", "auto"):  # (a plain chat never reaches tools.py)
+    if body.tools or body.tool_choice is not None:  # (a plain chat never reaches tools.py)
         calling, grammar = tool_calling(body.tools, body.tool_choice, body.parallel_tool_calls, grammar)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     logprobs = (body.top_logprobs or 0) if body.logprobs else None

@@ -249,10 +249,11 @@ def _objects(nz: SchemaNormalizer, s: dict, types: set[str], out: dict) -> bool:
 def _fresh_properties(nz: SchemaNormalizer, count: int, taken: dict, names: Any, extra: Any) -> dict[str, Any]:
     """`count` properties named apart from `taken` as propertyNames allows (its listed names, then key1, key2,
     ...), each of the additionalProperties schema: minProperties met by distinct declared keys (narrower)."""
-    rule = nz.deref(True if names is None else names)
+    rule = nz.deref(names)
     pool = [v for v in listed(rule) or [] if isinstance(v, str)] if isinstance(rule, dict) else []
-    fresh = [n for n in dict.fromkeys(pool + [f"key{i}" for i in range(1, count + 64)])
-             if n not in taken and nz.validator.evolve(schema=rule).is_valid(n)][:count]
+    allowed = nz.validator.evolve(schema=rule).is_valid
+    fresh = [n for n in dict.fromkeys(pool + [f"key{i}" for i in range(1, count + 64)]) if n not in taken and allowed(n)]
+    fresh = fresh[:count]
     if len(fresh) < count:
         raise _refuse("minProperties", f"minProperties {count + len(taken)} needs names propertyNames does not allow")
     return dict.fromkeys(fresh, nz.norm(extra) if isinstance(extra, dict) else True)
