@@ -152,11 +152,9 @@ class CausalLM(nn.Module):
             return self._join_collectives_only(t, last_only)
         x = self.model.embed_tokens(input_ids)  # [B, T, D]
         if batch is None:
-            positions = torch.arange(t, device=input_ids.device).expand(b, t)
-            valid = None
+            positions, valid = torch.arange(t, device=input_ids.device).expand(b, t), None
         else:
-            batch.prepare(t)
-            positions, valid = batch.pos, batch.valid_mask  # [B, T] each
+            positions, valid = batch.prepare(t).pos, batch.valid_mask  # [B, T] each
         rope = self.model.rotary(positions, x.dtype)
         for i, layer in enumerate(self.model.layers):
             x = layer(x, rope, None if cache is None else cache.kv[i], None if batch is None else batch.index, valid)

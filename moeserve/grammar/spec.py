@@ -44,21 +44,18 @@ class GrammarSpec:
             return
         if not isinstance(self.value, str):
             raise GrammarError(f"a {self.kind} grammar needs its value as a string, got {type(self.value).__name__}")
-        if self.kind == "json_schema":
+        if self.kind in ("json_schema", "choice"):
             try:
-                schema = json.loads(self.value)
+                parsed = json.loads(self.value)
             except json.JSONDecodeError as e:
-                raise GrammarError(f"json_schema is not valid JSON: {e}") from None
-            if not isinstance(schema, (dict, bool)):
-                raise GrammarError(f"a JSON schema must be an object or a boolean, got {type(schema).__name__}")
-            if _depth(schema) > MAX_SCHEMA_DEPTH:
+                what = "json_schema is not valid JSON" if self.kind == "json_schema" else "choice value is not a JSON list"
+                raise GrammarError(f"{what}: {e}") from None
+            if self.kind == "choice":
+                _check_choices(parsed)
+            elif not isinstance(parsed, (dict, bool)):
+                raise GrammarError(f"a JSON schema must be an object or a boolean, got {type(parsed).__name__}")
+            elif _depth(parsed) > MAX_SCHEMA_DEPTH:
                 raise GrammarError(f"json_schema is nested more than {MAX_SCHEMA_DEPTH} levels deep", feature="depth")
-        elif self.kind == "choice":
-            try:
-                choices = json.loads(self.value)
-            except json.JSONDecodeError as e:
-                raise GrammarError(f"choice value is not a JSON list: {e}") from None
-            _check_choices(choices)
         elif self.value == "":
             raise GrammarError(f"empty {self.kind}")
         elif self.kind == "regex" and len(self.value) > MAX_REGEX_CHARS:
