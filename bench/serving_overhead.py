@@ -257,8 +257,8 @@ def markdown(r: dict, args) -> str:
     return "\n".join([
         "# Serving overhead: the served stack vs the same engine in one process", "",
         f"`python -m bench.serving_overhead{' --quick' if args.quick else ''}"
-        f"{' --direct-ingress' if args.direct_ingress else ''}{' --haproxy ' + args.haproxy if args.haproxy else ''}`"
-        + "".join(f" --set {s}" for s in args.set) + ". "
+        f"{' --direct-ingress' if args.direct_ingress else ''}{' --haproxy ' + args.haproxy if args.haproxy else ''}"
+        + "".join(f" --set {s}" for s in args.set) + "`. "
         f"Greedy, {args.max_tokens} tokens per request (EOS ignored), held-out demo prompts; {args.runs} runs "
         "alternating the sides: values are medians, each ratio the median of the per-run ratios with its 90% "
         "bootstrap interval over the runs. Served: HTTP -> "
