@@ -163,11 +163,17 @@ class DraftCall:
 
 
 async def paced(chunk: GenerateChunk, chunks: asyncio.Queue, interval: float, first: bool) -> GenerateChunk:
-    """A stream's next message from `chunk` and its queue: after the first token, `interval` seconds'
-    wait (fewer, larger messages under load), then the backlog coalesced into it (never into the
-    first: time to first token). The engine replica's streams and the direct ones pace alike."""
-    if not chunk.finished and chunk.usage.completion_tokens > 1 and interval:
-        await asyncio.sleep(interval)
+    """A stream's next message from `chunk` and its queue: after the first message, up to `interval`
+    seconds' wait (fewer, larger messages under load), ended by the stream's last chunk, with what
+    arrives coalesced into it (never into the first: time to first token). The engine replica's
+    streams and the direct ones pace alike."""
+    if not first and not chunk.finished and interval:
+        try:
+            async with asyncio.timeout(interval):
+                while not chunk.finished:
+                    chunk = chunk.merge(await chunks.get())
+        except TimeoutError:
+            pass
     while not first and not chunk.finished and not chunks.empty():
         chunk = chunk.merge(chunks.get_nowait())
     return chunk
