@@ -278,9 +278,9 @@ def main(argv: list[str] | None = None) -> int:
         "locust": {run["stack"]: run["locust"] for run in runs},
         "stack_start_s": {run["stack"]: run["start_s"] for run in runs},
     }
-    md = markdown(data)
-    print(md)
     name = args.name or ("chaos-quick" if args.quick else "chaos")
+    md = markdown(data, name)
+    print(md)
     for p in report.write(name, data, md, {"timeline": timeline(runs)}):
         print("wrote", p.relative_to(ROOT))
     return 0

@@ -94,7 +94,7 @@ def timeline(runs: list[dict[str, Any]]) -> Any:
     return fig
 
 
-def markdown(data: dict[str, Any]) -> str:
+def markdown(data: dict[str, Any], name: str) -> str:
     rows = data["rows"]
     lines = [
         "# Chaos under load",
@@ -138,6 +138,6 @@ def markdown(data: dict[str, Any]) -> str:
                                                            "Requests/s"))]
                                for s, st in data["locust"].items()]),
         "",
-        "![timeline](chaos" + ("-quick" if data["setup"]["quick"] else "") + "-timeline.png)",
+        f"![timeline]({name}-timeline.png)",
     ]
     return "\n".join(lines)

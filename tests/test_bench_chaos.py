@@ -57,8 +57,9 @@ def test_requests_count_under_the_last_fault_before_they_ended_and_damage_is_cou
     assert gateway["wrong_greedy"] == 0
     setup = {"quick": False, "max_retries": 2, "stop_timeout_s": 120.0, "read_timeout_s": 90.0,
              "whole_within_s": 120.0, "started": {"core": 6}}
-    md = markdown({"setup": setup, "rows": [before, core, gateway], "locust": {"core": {"Request Count": 9}}})
+    md = markdown({"setup": setup, "rows": [before, core, gateway], "locust": {"core": {"Request Count": 9}}}, "chaos-x")
     assert "| core | gateway replica | 3 | 1 | 1 | 1 | 1 | 5 |" in md and "| core | 9 | 9 |" in md
+    assert "![timeline](chaos-x-timeline.png)" in md  # the report's own plot
 
 
 def test_client_error_names_and_the_pool():
