@@ -167,14 +167,16 @@ async def paced(chunk: GenerateChunk, chunks: asyncio.Queue, interval: float, fi
     seconds' wait (fewer, larger messages under load), ended by the stream's last chunk, with what
     arrives coalesced into it (never into the first: time to first token). The engine replica's
     streams and the direct ones pace alike."""
-    if not first and not chunk.finished and interval:
+    if first or chunk.finished:
+        return chunk
+    if interval:
         try:
             async with asyncio.timeout(interval):
                 while not chunk.finished:
                     chunk = chunk.merge(await chunks.get())
         except TimeoutError:
             pass
-    while not first and not chunk.finished and not chunks.empty():
+    while not chunk.finished and not chunks.empty():
         chunk = chunk.merge(chunks.get_nowait())
     return chunk
 
