@@ -10,8 +10,9 @@ HTTP proxy per node would bind the same port three times).
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator
+
+from deployments.local import serve_environment
 
 # name -> logical CPUs; the first is the head. Each node also gets the resource {name: 1}.
 NODES = {"node_head": 2, "node_w1": 2, "node_w2": 2}
@@ -41,7 +42,7 @@ class Nodes(dict):
 def local_cluster(nodes: dict[str, float] | None = None, wait_s: float = 120) -> Iterator[Nodes]:
     """Start the nodes, connect this process (a driver on the head node) and yield them
     ({node name: Ray node id}); Serve, if something started it, Ray and the nodes are shut down after."""
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    serve_environment()
     import ray
     from ray import serve
     from ray.cluster_utils import Cluster

@@ -27,9 +27,9 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
+from bench.local_group import LocalShardGroup  # noqa: E402
 from bench.report import environment, write  # noqa: E402
 from bench.timing import format_ratio, ratio_over_rounds  # noqa: E402
-from model_shards.local_group import LocalShardGroup  # noqa: E402
 from model_shards.moe import TIMER  # noqa: E402
 from moeserve.engine import LLMEngine  # noqa: E402
 from moeserve.engine.factory import demo_checkpoint  # noqa: E402

@@ -51,7 +51,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from bench import report, workloads  # noqa: E402
 from bench.timing import Ratio, format_ratio  # noqa: E402
 from demo.prompts import formulaic  # noqa: E402
-from deployments.local import DEMO_SCHEMA  # noqa: E402
+from deployments.local import DEMO_SCHEMA, serve_environment  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 SERVE_CONFIG = ROOT / "deployments" / "serve_config.yaml"
@@ -277,7 +277,7 @@ def app_config(direct_tokens: bool = False):
 
 def start_server(cfg, num_cpus: int, port: int) -> float:
     """Local Ray + Serve with the app; returns seconds from ray.init to the app running."""
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    serve_environment()
     import ray
     from ray import serve
 

@@ -8,7 +8,6 @@ gateway's gRPC server, then fails to start); the whole start is retried on fresh
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -16,6 +15,7 @@ from typing import Any
 
 import httpx
 
+from deployments.local import serve_environment
 from model_shards.local_group import free_port
 from moeserve.config import AppConfig
 
@@ -36,7 +36,7 @@ def wait_healthy(base: str, timeout: float = 60) -> None:
 def local_ray() -> Iterator[None]:
     """Ray on this machine for one test module (4 logical CPUs, no token auth); Serve, if
     something started it, and Ray are shut down after."""
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    serve_environment()
     import ray
     from ray import serve
 

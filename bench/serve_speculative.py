@@ -24,6 +24,7 @@ import httpx
 from bench.report import environment, markdown_table, write
 from bench.serve_latency import stream_completion
 from bench.timing import LEVEL, format_ratio, interleaved, paired, summarize
+from deployments.local import serve_environment
 
 NONE = "no speculation"
 DEPLOYMENT_VS_IN_PROCESS = "draft deployment / draft in-process"
@@ -82,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-pin", dest="pin", action="store_false",
                     help="leave the draft deployment's worker unpinned (default: the last CPU, as speculative.draft_cpus)")
     args = ap.parse_args(argv)
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    serve_environment()
 
     from demo.prompts import formulaic, free_form
     from moeserve.tokenizer import load_tokenizer

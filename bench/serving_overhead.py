@@ -1,7 +1,11 @@
-"""What serving costs: the served stack (HTTP -> proxy -> gateway -> engine replica -> core process)
+"""What serving costs: the served stack (HTTP -> HAProxy or Serve's proxy -> gateway -> engine replica -> core process)
 against the same engine in this process (`moeserve.LLM`), side by side in one run.
 
-    python -m bench.serving_overhead [--streams 32] [--max-tokens 64] [--runs 15] [--report NAME] [--quick]
+    python -m bench.serving_overhead [--streams 32] [--max-tokens 64] [--runs 15] [--ingress haproxy|proxy|direct]
+                                     [--set SECTION.KEY=VALUE] [--report NAME] [--quick]
+
+Serve runs with deployments.local.SERVE_ENV (exported values win: RAY_SERVE_THROUGHPUT_OPTIMIZED=0
+measures without Serve's throughput-optimized mode).
 
 Three measurements over `--runs` alternating runs (values: medians; ratios: the median of the
 per-run ratios with its bootstrap interval, bench/timing.py):
@@ -36,6 +40,9 @@ import yaml
 from bench.report import environment, markdown_table, write
 from bench.serve_latency import stream_completion
 from bench.timing import format_ratio, ratio_over_rounds
+from deployments.local import serve_environment
+
+INGRESS = ("haproxy", "proxy", "direct")
 
 SERVING_PROCESSES = {"proxy": "ProxyActor", "gateway": "moeserve:gateway", "engine replica": "moeserve:engine",
                      "haproxy": "haproxy"}
@@ -109,14 +116,15 @@ def itl_ms(run: dict) -> float:
     return 1000 * (run["e2e"] - run["ttft"]) / max(1, run["tokens"] - 1)
 
 
-def start_server(cfg, http_port: int, direct: bool, haproxy: str | None) -> tuple[str, str | None]:
-    """The app behind Serve's proxy (`haproxy`: Serve's HAProxy mode, that binary in front instead);
-    with `direct` (Ray Serve's direct ingress), also the gateway replica's own HTTP port, which Serve's
-    controller hands out as the app's target."""
-    if direct:
-        os.environ["RAY_SERVE_ENABLE_DIRECT_INGRESS"] = "1"  # read by every Serve process Ray starts
-    if haproxy:
-        os.environ |= {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_HAPROXY_BINARY_PATH": haproxy}
+def start_server(cfg, http_port: int, ingress: str) -> tuple[str, str | None]:
+    """The app as `moeserve serve` runs it (`ingress` "haproxy": Serve's HAProxy mode), or behind Serve's
+    proxy ("proxy"), or ("direct") behind the proxy and also on the gateway replica's own HTTP port (Ray
+    Serve's direct ingress), which Serve's controller hands out as the app's target."""
+    if ingress != "haproxy":
+        os.environ["RAY_SERVE_ENABLE_HA_PROXY"] = "0"
+    if ingress == "direct":
+        os.environ["RAY_SERVE_ENABLE_DIRECT_INGRESS"] = "1"
+    serve_environment()  # read by every Serve process Ray starts
     import ray
     from ray import serve
     from ray.serve.context import _get_global_client
@@ -125,11 +133,11 @@ def start_server(cfg, http_port: int, direct: bool, haproxy: str | None) -> tupl
     from deployments.app import APP_NAME, build
 
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    serve.start(http_options={"port": http_port} | ({} if haproxy else {"host": "127.0.0.1"}))  # HAProxy: its default
+    serve.start(http_options={"host": "127.0.0.1", "port": http_port})
     serve.run(build(cfg), name=APP_NAME, route_prefix="/")
     base = f"http://127.0.0.1:{http_port}"
     wait_healthy(base, timeout=300)
-    if not direct:
+    if ingress != "direct":
         return base, None
     deadline = time.monotonic() + 120
     while True:  # the replica's port is allocated once it runs
@@ -152,19 +160,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--http-port", type=int, default=8123)
     p.add_argument("--report", default=None, help="report name in bench/reports/ (default: serving_overhead, "
                    "or serving_overhead-quick)")
-    p.add_argument("--direct-ingress", action="store_true",
-                   help="Ray Serve's direct ingress on: each run also streams straight to the gateway replica's "
-                        "own port, beside the proxy path (report: serving_overhead-direct)")
-    p.add_argument("--haproxy", metavar="BINARY", help="Serve's HAProxy mode with this haproxy binary in front of the "
-                   "gateway replicas instead of Serve's proxy (report: serving_overhead-haproxy)")
+    p.add_argument("--ingress", choices=INGRESS, default="haproxy",
+                   help="haproxy: as `moeserve serve` runs (Serve's HAProxy mode); proxy: Serve's proxy; direct: "
+                        "each run also streams straight to the gateway replica's own port (Serve's direct ingress), "
+                        "beside the proxy path. Report suffix: -proxy, -direct")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="a config override for both sides, e.g. engine.torch_threads=1 (YAML value)")
     args = p.parse_args(argv)
     if args.quick:
         args.streams, args.max_tokens, args.runs = 8, 16, 3
-    args.report = args.report or ("serving_overhead" + ("-direct" if args.direct_ingress else "")
-                                  + ("-haproxy" if args.haproxy else "") + ("-quick" if args.quick else ""))
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    args.report = args.report or ("serving_overhead" + ("" if args.ingress == "haproxy" else f"-{args.ingress}")
+                                  + ("-quick" if args.quick else ""))
 
     from demo.prompts import formulaic
     from moeserve.config import AppConfig
@@ -182,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     med = statistics.median
     prompts = formulaic(llm.tokenizer, args.streams)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
-    base, direct = start_server(cfg, args.http_port, args.direct_ingress and not args.haproxy, args.haproxy)
+    base, direct = start_server(cfg, args.http_port, args.ingress)
     name = cfg.model.name
 
     offline(llm, prompts[:4], params)  # warm both sides up
@@ -208,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
 
     result = {
         "settings": vars(args), "environment": environment(best),
+        "serve_env": {k: v for k, v in os.environ.items() if k.startswith("RAY_SERVE_")},
         "prefix_caching": "on" if cfg.engine.prefix_caching else "off",
         "served_tokens_per_s": med(r["tokens_per_s"] for r in runs["served"]),
         "offline_tokens_per_s": offline_tps[best], "offline_threads": best,
@@ -257,15 +264,16 @@ def markdown(r: dict, args) -> str:
     return "\n".join([
         "# Serving overhead: the served stack vs the same engine in one process", "",
         f"`python -m bench.serving_overhead{' --quick' if args.quick else ''}"
-        f"{' --direct-ingress' if args.direct_ingress else ''}{' --haproxy ' + args.haproxy if args.haproxy else ''}"
+        f"{'' if args.ingress == 'haproxy' else ' --ingress ' + args.ingress}"
         + "".join(f" --set {s}" for s in args.set) + "`. "
         f"Greedy, {args.max_tokens} tokens per request (EOS ignored), held-out demo prompts; {args.runs} runs "
         "alternating the sides: values are medians, each ratio the median of the per-run ratios with its 90% "
         "bootstrap interval over the runs. Served: HTTP -> "
-        + (f"HAProxy (Serve's HAProxy mode, `--haproxy {args.haproxy}`)" if args.haproxy else "Serve proxy")
+        + ("HAProxy (Serve's HAProxy mode)" if args.ingress == "haproxy" else "Serve proxy")
         + " -> gateway -> engine replica -> engine core process. In-process: `moeserve.LLM.generate` on the same engine settings, at the torch thread "
         f"count that was fastest ({r['offline_threads']}; by threads: "
         + ", ".join(f"{t}: {v:.0f} tokens/s" for t, v in r["offline_tokens_per_s_by_threads"].items()) + "). "
+        "Serve's environment: " + ", ".join(f"`{k}={v}`" for k, v in sorted(r["serve_env"].items())) + ". "
         f"Both sides keep their prefix cache as configured (prefix caching {r['prefix_caching']}) and see the "
         "same prompts every run, so both reuse the same cached prompt blocks.", "",
         markdown_table(["", "served", "in-process", "ratio [90% interval]", "goal"], rows), "",

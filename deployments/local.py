@@ -15,6 +15,21 @@ from moeserve.config import AppConfig
 
 SERVE_SHUTDOWN_S = 10.0  # how long Ctrl-C waits for Serve to drain before Ray is stopped
 
+# Set before a local Ray starts (its processes read them then); an exported value wins. HAProxy (the
+# binary ray[serve] installs) instead of Serve's proxy and Serve's throughput-optimized mode: see the
+# README's serving table. Local Ray 2.60 turns token auth on.
+SERVE_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
+# HAProxy's own listeners (Ray's defaults: 8404, 9101) get free ports, so two local Rays do not collide.
+HAPROXY_PORTS = [k for k in ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT") if k not in os.environ]
+
+
+def serve_environment() -> None:
+    from model_shards.local_group import free_port
+
+    os.environ.update({k: v for k, v in SERVE_ENV.items() if k not in os.environ}
+                      | {k: str(free_port()) for k in HAPROXY_PORTS})
+
+
 # The demo asks what the demo pair was trained to answer (demo/corpus.py): an order's status,
 # from the order record in the system message, as one JSON object bound by a schema.
 DEMO_ORDER = {
@@ -46,7 +61,7 @@ DEMO_SCHEMA = {
 
 def serve_locally(cfg: AppConfig, *, host: str, http_port: int, num_cpus: int, demo: bool = False) -> int:
     """Start Ray (num_cpus logical CPUs, token auth off), deploy, print URLs, block until Ctrl-C."""
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    serve_environment()
     import ray
     from ray import serve
 

@@ -256,7 +256,7 @@ def build_core(spec: Any) -> EngineCore:
 
     config, torch_threads, *rest = spec
     proposer = rest[0] if rest else None
-    # unset: leave a core to the serving processes (the replica, the gateway, Serve's proxy)
+    # unset: leave a core to the serving processes (the replica, the gateway, HAProxy)
     torch.set_num_threads(torch_threads or max(1, torch.get_num_threads() - 1))
     engine = build_engine(config, proposer=proposer)
     grammar = config.grammar.grammar_config()

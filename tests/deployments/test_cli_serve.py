@@ -58,7 +58,7 @@ def serve_and_stop(command: list[str], cwd: Path, check: Callable[[int, Callable
         check(http_port, read)
         t0 = time.monotonic()
         os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
-        assert proc.wait(timeout=60) == 0
+        assert proc.wait(timeout=60) == 0, "".join(output + [lines.get() for _ in range(lines.qsize())])
         assert time.monotonic() - t0 < 30
         while not lines.empty():
             output.append(lines.get())

@@ -18,6 +18,7 @@ from deployments.draft import DraftProcess, RemoteDraftProposer, bind_draft  # n
 from deployments.draft_channel import ChannelServer  # noqa: E402
 from deployments.draft_worker import DraftServerConfig, DraftWorker  # noqa: E402
 from model_shards import load_checkpoint  # noqa: E402
+from model_shards.local_group import free_port  # noqa: E402
 from moeserve.engine.draft_model import DraftModelProposer  # noqa: E402
 from moeserve.protocol import DraftCall  # noqa: E402
 from moeserve.sampling_params import SamplingParams  # noqa: E402
@@ -50,7 +51,8 @@ def ckpts(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    with local_ray():
+    with local_ray():  # the apps here are called by handle; HTTP on a free port, not another worker's 8000
+        serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
         yield
 
 

@@ -21,8 +21,8 @@ from contextlib import contextmanager
 import pytest
 import torch
 
+from bench.local_group import LocalShardGroup
 from bench.oracle import check_output
-from model_shards.local_group import LocalShardGroup
 from moeserve.config import AppConfig, GrammarSection
 from moeserve.engine import LLMEngine
 from moeserve.engine.factory import build_engine, demo_checkpoint

@@ -160,8 +160,8 @@ def test_compiled_step_captures_cuda_graphs_and_matches_eager(reference, dtype):
 def test_nccl_shard_groups_match_one_process(demo, world):
     if torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} CUDA GPUs for an NCCL shard group of {world}")
+    from bench.local_group import LocalShardGroup
     from model_shards import load_checkpoint
-    from model_shards.local_group import LocalShardGroup
     from moeserve.engine import LLMEngine, ModelRunner
 
     prompts = [[5, 9, 13, 9], [7, 7, 8, 1, 2], [3, 4], [11, 12, 13, 14, 15, 16]]

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from bench.local_group import LocalShardGroup
 from model_shards import load_checkpoint
-from model_shards.local_group import LocalShardGroup
 from moeserve.config import RoutingSection
 from moeserve.engine import LLMEngine, ModelRunner
 from moeserve.engine.model_runner import Row

@@ -9,9 +9,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from bench.local_group import LocalShardGroup
 from model_shards import load_checkpoint
 from model_shards.all_to_all import AllToAllDispatch, init_shard_group
-from model_shards.local_group import LocalShardGroup, free_port, load_shard
+from model_shards.local_group import free_port, load_shard
 from model_shards.moe import LocalDispatch, LocalExperts
 from moeserve.engine import LLMEngine, ModelRunner
 from moeserve.sampling_params import SamplingParams
