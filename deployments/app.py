@@ -8,10 +8,12 @@ so autoscaling the engine scales whole groups.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from ray import serve
 from ray.serve import Application
+from ray.serve.handle import DeploymentHandle
 
 from deployments.engine_server import EngineServer
 from deployments.gateway import Gateway
@@ -30,10 +32,20 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
 def build(cfg: AppConfig) -> Application:
     """Bind gateway -> engine (-> draft deployment)."""
     draft = _bind_draft(cfg)
-    engine = serve.deployment(EngineServer, name="engine", **cfg.deployments.engine.serve_options()).bind(cfg, draft=draft)
+    engine = serve.deployment(EngineReplica, name="engine", **cfg.deployments.engine.serve_options()).bind(cfg, draft=draft)
     ingress = serve.ingress()(Gateway)  # the app comes from Gateway.__serve_build_asgi_app__ per replica
     gateway = serve.deployment(ingress, name="gateway", **cfg.deployments.gateway.serve_options())
     return gateway.bind(engine, cfg)
+
+
+class EngineReplica(EngineServer):
+    """The engine deployment. With a draft deployment, it first asks that once for its worker's
+    channel, awaiting the answer: the constructor runs on the replica's event loop, where Serve's
+    router for the handle runs too (Serve's throughput-optimized mode), so it must not block there."""
+
+    async def __init__(self, config: AppConfig, draft: DeploymentHandle | None = None) -> None:  # Serve awaits it
+        channel = None if draft is None else await asyncio.wait_for(draft.options(method_name="channel").remote(), 60)
+        super().__init__(config, draft=channel)
 
 
 def _bind_draft(cfg: AppConfig) -> Application | None:

@@ -29,7 +29,6 @@ import sys
 import threading
 from collections import Counter
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,10 +60,11 @@ class _Stream:
 class EngineServer:
     """Serves one engine core to many concurrent async streams. `config`: the whole tree. Hand in
     a ready `engine` (tests: its core runs on a thread) or let the replica start the core (Serve);
-    `compiler` compiles grammars for a handed-in engine; `draft`: the draft deployment's handle."""
+    `compiler` compiles grammars for a handed-in engine; `draft`: the draft worker's channel, (address,
+    secret) as the draft deployment's `channel` answers (deployments/app.py asks it)."""
 
     def __init__(self, config: AppConfig, engine: LLMEngine | None = None, compiler: Any | None = None,
-                 draft: Any | None = None) -> None:
+                 draft: tuple[tuple[str, int], bytes] | None = None) -> None:
         self.config = config
         # seconds between chunks by live requests (the load saturates at max_num_seqs)
         self._intervals = [config.engine.stream_interval(n) for n in range(config.engine.max_num_seqs + 1)]
@@ -79,12 +79,10 @@ class EngineServer:
         self._counters: Counter[str] = Counter()
         self.stopping = False
         proposer = None
-        if draft is not None:  # the draft deployment's channel, asked once (a worker's restart keeps it)
+        if draft is not None:  # the draft deployment's channel (a worker's restart keeps it)
             from deployments.draft_channel import RemoteDraftProposer
 
-            ask = draft.options(method_name="channel").remote  # a blocking call may not run on the replica's
-            with ThreadPoolExecutor(1) as pool:  # event loop (Serve refuses it there): it runs beside it
-                proposer = RemoteDraftProposer(pool.submit(lambda: ask().result(timeout_s=60.0)).result())
+            proposer = RemoteDraftProposer(draft)
         if engine is None and config.engine.core_process and config.shards.num_shards == 1:
             spec = (config, config.engine.torch_threads, proposer)
             self.core = ProcessCore(spec, self._on_chunks, self._on_dead)

@@ -51,9 +51,11 @@ def ckpts(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    with local_ray():  # the apps here are called by handle; HTTP on a free port, not another worker's 8000
-        serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
-        yield
+    """Yields the HTTP base URL (a free port: not another test worker's 8000)."""
+    with local_ray():
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        yield f"http://127.0.0.1:{port}"
 
 
 def config(path: str) -> DraftServerConfig:
@@ -324,3 +326,34 @@ def _stats_or_none(stats) -> dict | None:
         return stats.remote().result(timeout_s=30)
     except Exception:  # the worker is restarting
         return None
+
+
+def test_the_app_with_a_draft_deployment_answers_with_the_targets_tokens(ray_cluster, tmp_path):
+    """`speculative.placement: deployment` through the whole app over HTTP: the engine replica asks
+    the draft deployment for its worker's channel without blocking its event loop (Serve runs the
+    constructor and the handle's router there), drafts on it, and answers the target's greedy text."""
+    import httpx
+
+    from bench.tiny_checkpoint import MODEL_NAME, save_tiny_checkpoint
+    from deployments.app import APP_NAME, build_app
+    from moeserve import LLM
+    from moeserve.config import AppConfig
+
+    folder = str(save_tiny_checkpoint(tmp_path))  # its own draft: every draft is accepted
+    one = {"num_replicas": 1, "num_cpus": 0.5, "max_ongoing_requests": 16}
+    config = {"model": {"path": folder, "name": MODEL_NAME}, "engine": {"max_num_seqs": 4, "max_model_len": 256},
+              "speculative": {"draft": "model", "draft_path": folder, "num_tokens": 3, "placement": "deployment"},
+              "gateway": {"grpc_port": 0}, "deployments": {"gateway": one, "engine": one, "draft": one}}
+    serve.run(build_app(config), name=APP_NAME, route_prefix="/app")
+    try:
+        body = {"model": MODEL_NAME, "prompt": "the bread and the butter", "max_tokens": 12, "temperature": 0,
+                "ignore_eos": True}
+        r = httpx.post(f"{ray_cluster}/app/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        stats = serve.get_deployment_handle("engine", APP_NAME).stats.remote().result(timeout_s=60)
+        assert stats["draft"]["calls"] > 0 and stats["draft"]["fallback_steps"] == 0, stats["draft"]
+    finally:
+        serve.delete(APP_NAME)
+    expected = LLM(config=AppConfig.from_dict({**config, "speculative": {"draft": "none"}})).generate(
+        [body["prompt"]], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True), use_tqdm=False)[0].text
+    assert r.json()["choices"][0]["text"] == expected
