@@ -306,7 +306,7 @@ def direct_markdown(d: dict) -> list[str]:
     cpu = [[path] + [d["cpu_us_per_token"][key][role] for role in roles]
            + [sum(d["cpu_us_per_token"][key].values())] for path, key in (("proxy", "served"), ("direct", "direct"))]
     return ["", "## Ray Serve's direct ingress against the proxy", "",
-            "`--direct-ingress`: Serve started with `RAY_SERVE_ENABLE_DIRECT_INGRESS=1`, so the gateway replica "
+            "`--ingress direct`: Serve started with `RAY_SERVE_ENABLE_DIRECT_INGRESS=1`, so the gateway replica "
             "also listens on a port of its own (the controller's target for the app); each run streams through the "
             "proxy and straight to that port, in turn.", "",
             markdown_table(["", "proxy", "direct", "direct / proxy [90% interval]"], [
