@@ -24,6 +24,7 @@ HAPROXY_PORTS = [k for k in ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_
 
 
 def serve_environment() -> None:
+    """SERVE_ENV where not exported, and fresh ports for HAProxy's listeners; call before ray.init."""
     from model_shards.local_group import free_port
 
     os.environ.update({k: v for k, v in SERVE_ENV.items() if k not in os.environ}
