@@ -5,7 +5,8 @@ formulaic chats constrained to the demo's JSON schema), side by side in one run,
 round by round: no speculation; the draft in-process with a fixed k; the
 same with speculation paused from `disable_by_batch_size` sequences (the old static rule);
 adaptive k, chosen per batch-size bucket from measured step costs and acceptance (the
-utility rule, moeserve/spec/policy.py); and adaptive k with the draft in a worker process of
+utility rule, moeserve/spec/policy.py); the same without its PayGuard (what the guard buys); and
+adaptive k with the draft in a worker process of
 its own (the draft deployment's worker and data channel, without Ray: `DraftProcess`), pinned
 to the last CPU and the engine to the others. Greedy, so every case writes the same tokens;
 ratios are medians of per-round ratios against no speculation. A run queues all its prompts and the
@@ -46,12 +47,19 @@ from moeserve.engine import LLMEngine, ModelRunner, SchedulerConfig, SpecConfig 
 from moeserve.engine.draft_model import DraftModelProposer  # noqa: E402
 from moeserve.engine.factory import demo_checkpoint  # noqa: E402
 from moeserve.grammar import GrammarCompiler, GrammarSpec  # noqa: E402
+from moeserve.spec import AdaptiveK, AdaptiveKConfig, PayGuard  # noqa: E402
 from moeserve.tokenizer import load_tokenizer  # noqa: E402
 
 NONE = "no speculation"
 AGAIN = "no speculation again (A/A)"  # a second plain engine: how far two identical cases differ here
 SETS = {"formulaic": "formulaic", "free-form": "free-form", "json": "formulaic, JSON schema"}  # --sets: row labels
 DEPLOYMENT = "deployment, adaptive k<=8"
+UNGUARDED = "adaptive k<=8, no PayGuard"  # the policy's cost model alone: what the guard buys
+
+
+class _AlwaysPays(PayGuard):
+    def allows(self, key: tuple) -> bool:
+        return True
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -97,13 +105,17 @@ def main(argv: list[str] | None = None) -> int:
         if split:
             os.sched_setaffinity(0, split[0])
 
-    def case(prompts, batch: int, spec: SpecConfig | None, grammar, remote: bool = False):
+    def case(prompts, batch: int, spec: SpecConfig | None, grammar, remote: bool = False, guarded: bool = True):
+        adaptive = None
+        if not guarded:
+            adaptive = AdaptiveK(AdaptiveKConfig(spec.num_tokens))
+            adaptive.guard = _AlwaysPays()
         if remote:
             proposer = RemoteDraftProposer((worker.address, worker.authkey), timeout_s=5.0)
         else:
             proposer = None if spec is None else DraftModelProposer(draft, batch, 1024)
         engine = LLMEngine(ModelRunner(target, batch, 1024, prefix_caching=False), tokenizer, SchedulerConfig(batch, 1 << 16, 1024),
-                           proposer=proposer, spec=spec or SpecConfig(num_tokens=0))
+                           proposer=proposer, spec=spec or SpecConfig(num_tokens=0), adaptive=adaptive)
         return workloads.ours(engine, prompts, args.new_tokens, batch, stop_at_eos=False, grammar=grammar,
                               continuous=not args.static_batches)
 
@@ -129,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"k={k}, off from {off} rows": case(ps, batch, SpecConfig(num_tokens=k, disable_by_batch_size=off),
                                                         grammar),
                     "adaptive k<=8": case(ps, batch, SpecConfig(num_tokens=8, adaptive=True), grammar),
+                    UNGUARDED: case(ps, batch, SpecConfig(num_tokens=8, adaptive=True), grammar, guarded=False),
                 }
                 if worker is not None:
                     cases[DEPLOYMENT] = case(ps, batch, SpecConfig(num_tokens=8, adaptive=True), grammar, remote=True)

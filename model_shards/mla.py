@@ -17,10 +17,10 @@ from torch import nn
 
 from model_shards.config import ModelConfig
 from model_shards.kv_cache import PagedIndex
-from model_shards.layers import RMSNorm, apply_rotary, read_blocks, write_entries, yarn_mscale
+from model_shards.layers import Direct, Linear, RMSNorm, apply_rotary, read_blocks, write_entries, yarn_mscale
 
 
-class LatentAttention(nn.Module):
+class LatentAttention(Direct, nn.Module):
     """transformers' DeepseekV3Attention, over the paged latent cache."""
 
     def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
@@ -31,15 +31,15 @@ class LatentAttention(nn.Module):
         self.nope, self.rope, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         qk = self.nope + self.rope
         if cfg.q_lora_rank:
-            self.q_a_proj = nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=bias)
+            self.q_a_proj = Linear(cfg.hidden_size, cfg.q_lora_rank, bias=bias)
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, 1e-6)  # transformers' default eps, not the config's
-            self.q_b_proj = nn.Linear(cfg.q_lora_rank, h * qk, bias=False)
+            self.q_b_proj = Linear(cfg.q_lora_rank, h * qk, bias=False)
         else:
-            self.q_proj = nn.Linear(cfg.hidden_size, h * qk, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(cfg.hidden_size, self.rank + self.rope, bias=bias)
+            self.q_proj = Linear(cfg.hidden_size, h * qk, bias=False)
+        self.kv_a_proj_with_mqa = Linear(cfg.hidden_size, self.rank + self.rope, bias=bias)
         self.kv_a_layernorm = RMSNorm(self.rank, 1e-6)
-        self.kv_b_proj = nn.Linear(self.rank, h * (self.nope + self.v_dim), bias=False)
-        self.o_proj = nn.Linear(h * self.v_dim, cfg.hidden_size, bias=bias)
+        self.kv_b_proj = Linear(self.rank, h * (self.nope + self.v_dim), bias=False)
+        self.o_proj = Linear(h * self.v_dim, cfg.hidden_size, bias=bias)
         self.scale = qk**-0.5
         y = cfg.rope_scaling
         if y is not None and y.mscale_all_dim:  # YaRN scales the softmax of every dimension too

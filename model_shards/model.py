@@ -15,14 +15,14 @@ from torch import nn
 
 from model_shards.config import ModelConfig
 from model_shards.kv_cache import PagedIndex, PagedKVCache, StepBatch
-from model_shards.layers import MLP, Attention, RMSNorm, RotaryEmbedding
+from model_shards.layers import MLP, Attention, Direct, Embedding, Linear, RMSNorm, RotaryEmbedding, inference
 from model_shards.mla import LatentAttention
 from model_shards.moe import Dispatch, MoEBlock, phase
 from moeserve.config import RoutingSection
 from router_service.gating import ExpertLoadStats
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(Direct, nn.Module):
     def __init__(self, cfg: ModelConfig, idx: int, local_experts: Sequence[int]) -> None:
         super().__init__()
         self.self_attn = LatentAttention(cfg, idx) if cfg.is_mla else Attention(cfg, idx)
@@ -52,10 +52,10 @@ class DecoderLayer(nn.Module):
         return x + out
 
 
-class Transformer(nn.Module):
+class Transformer(Direct, nn.Module):
     def __init__(self, cfg: ModelConfig, local_experts: Sequence[int]) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, local_experts) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg)
@@ -78,7 +78,7 @@ def split_routing(trace: list, lengths: list[int], tq: int) -> list[list[tuple]]
     return rows
 
 
-class CausalLM(nn.Module):
+class CausalLM(Direct, nn.Module):
     """`forward(input_ids)` -> logits [B, T, V]; with a PagedKVCache and StepBatch it runs one engine step."""
 
     routing_trace: list | None = None  # see record_routing
@@ -88,7 +88,7 @@ class CausalLM(nn.Module):
         self.config = cfg
         self.local_experts = tuple(range(cfg.num_experts) if local_experts is None else local_experts)
         self.model = Transformer(cfg, self.local_experts)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -128,7 +128,7 @@ class CausalLM(nn.Module):
         return self.lm_head.weight.device
 
     # ---- forward ---------------------------------------------------------------------------
-    @torch.inference_mode()
+    @inference
     def forward(self, input_ids: torch.Tensor, cache: PagedKVCache | None = None, batch: StepBatch | None = None,
                 logits: Literal["all", "last"] = "all") -> torch.Tensor:
         """input_ids: [B, T]. Without a cache: a full causal forward. With one: row b holds
@@ -141,7 +141,7 @@ class CausalLM(nn.Module):
     def lm_logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_head(h).float()  # [..., V]
 
-    @torch.inference_mode()
+    @inference
     def hidden_states(self, input_ids: torch.Tensor, cache: PagedKVCache | None = None,
                       batch: StepBatch | None = None, last_only: bool = False) -> torch.Tensor:
         """Final normed hidden states [B, T, D] (or [B, 1, D] at each row's last valid token)."""

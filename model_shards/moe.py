@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model_shards.config import ModelConfig
-from model_shards.layers import MLP
+from model_shards.layers import MLP, Direct, Linear
 from moeserve.config import RoutingSection
 from router_service.capacity import apply_capacity, expert_capacity
 from router_service.gating import ExpertLoadStats, GateConfig, Gates, topk_gate
@@ -80,7 +80,7 @@ def cuda_grouped_kernel(device: torch.device) -> bool:
     return torch.version.hip is None and torch.cuda.get_device_capability(device)[0] in (9, 10)
 
 
-class LocalExperts(nn.Module):
+class LocalExperts(Direct, nn.Module):
     """A subset of a layer's experts. `expert_ids[j]` is the global id of local expert j."""
 
     def __init__(self, expert_ids: Sequence[int], hidden: int, intermediate: int) -> None:
@@ -200,14 +200,14 @@ class LocalDispatch(Dispatch):
 ROUTED_MAX_EXPERT_BYTES = 16 << 20
 
 
-class MoEBlock(nn.Module):
+class MoEBlock(Direct, nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, local_experts: Sequence[int]) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.gate_cfg = GateConfig(cfg.num_experts, cfg.top_k, style=cfg.gate_style, norm_topk_prob=cfg.norm_topk_prob,
                                    routed_scaling_factor=cfg.routed_scaling_factor, n_group=cfg.n_group,
                                    topk_group=cfg.topk_group)
-        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.gate = Linear(cfg.hidden_size, cfg.num_experts, bias=False)
         if cfg.gate_style == "sigmoid_bias":  # the checkpoint's `gate.e_score_correction_bias`: for choosing only
             self.gate.e_score_correction_bias = nn.Parameter(torch.zeros(cfg.num_experts), requires_grad=False)
         self.experts = LocalExperts(local_experts, cfg.hidden_size, cfg.moe_intermediate_size)
@@ -215,7 +215,7 @@ class MoEBlock(nn.Module):
         if cfg.shared_expert_intermediate_size:  # DeepSeek's `shared_experts` load here (model_shards/loader.py)
             self.shared_expert = MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
             gated = cfg.shared_expert_gated
-            self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False) if gated else None
+            self.shared_expert_gate = Linear(cfg.hidden_size, 1, bias=False) if gated else None
         # Set by the owning model; plain attributes, not submodules or parameters.
         self.dispatch: Dispatch = LocalDispatch()
         self.routing = RoutingSection()

@@ -10,6 +10,7 @@ emits it), so `PayGuard` checks the realized rate and refuses drafting where it 
 
 from __future__ import annotations
 
+import statistics
 from collections import deque
 from dataclasses import dataclass
 
@@ -104,35 +105,20 @@ def _fit_line(points: list[tuple[int, float]], prior: tuple[float, float], per_u
     return max(0.0, my - slope * mx), slope
 
 
-@dataclass
-class _Rate:
-    """Decayed sums of tokens emitted and seconds spent by steps of one kind."""
-
-    tokens: float = 0.0
-    seconds: float = 0.0
-    steps: int = 0
-
-    def add(self, tokens: int, seconds: float, decay: float) -> None:
-        self.tokens, self.seconds, self.steps = decay * self.tokens + tokens, decay * self.seconds + seconds, self.steps + 1
-
-    @property
-    def per_s(self) -> float:
-        return self.tokens / self.seconds if self.seconds > 0 else 0.0
-
-
 class PayGuard:
-    """Does drafting pay, as realized? Tokens per second of decode steps with and without drafts,
-    per key (batch-size bucket, constrained or not). Until both kinds have min_steps steps they
-    take turns (same text, same load); then drafting is refused where it emitted fewer per
-    second, and measured afresh after `recheck` refused steps; each recheck that loses again
-    doubles the wait before the next (up to `max_wait`), a win resets it."""
+    """Does drafting pay, as realized? The median tokens per second of the last `window` decode
+    steps with drafts and of those without, per key (batch-size bucket, constrained or not): a
+    median, so one step stalled by something else (a collection, a busy neighbour) does not decide.
+    Until both kinds have min_steps steps they take turns (same text, same load); then drafting is
+    refused where its median is lower, and measured afresh after `recheck` refused steps; each
+    recheck that loses again doubles the wait before the next (up to `max_wait`), a win resets it."""
 
-    def __init__(self, decay: float = 0.97, min_steps: int = 8, recheck: int = 64, max_wait: int = 1024) -> None:
-        if not 0.0 < decay <= 1.0 or min_steps < 1 or not 1 <= recheck <= max_wait:
-            raise ValueError(f"need 0 < decay <= 1, min_steps >= 1, 1 <= recheck <= max_wait; got {decay}, "
-                             f"{min_steps}, {recheck}, {max_wait}")
-        self.decay, self.min_steps, self.recheck, self.max_wait = decay, min_steps, recheck, max_wait
-        self._rates: dict[tuple, tuple[_Rate, _Rate]] = {}  # key -> (plain steps, drafting steps)
+    def __init__(self, window: int = 32, min_steps: int = 8, recheck: int = 64, max_wait: int = 1024) -> None:
+        if not 1 <= min_steps <= window or not 1 <= recheck <= max_wait:
+            raise ValueError(f"need 1 <= min_steps <= window, 1 <= recheck <= max_wait; got {window}, {min_steps}, "
+                             f"{recheck}, {max_wait}")
+        self.window, self.min_steps, self.recheck, self.max_wait = window, min_steps, recheck, max_wait
+        self._rates: dict[tuple, tuple[deque, deque]] = {}  # key -> recent (plain, drafting) steps' tokens/s
         self._refused: dict[tuple, int] = {}  # key -> refused steps since the last recheck
         self._wait: dict[tuple, int] = {}  # key -> refused steps before the next recheck
         self._last = False  # whether the last step drafted
@@ -141,14 +127,15 @@ class PayGuard:
     def record(self, key: tuple, drafted: bool, tokens: int, seconds: float) -> None:
         """One decode step at `key`: whether it drafted, the tokens the target chose, its seconds."""
         self._last = drafted
-        self._rates.setdefault(key, (_Rate(), _Rate()))[drafted].add(tokens, seconds, self.decay)
+        if seconds > 0:
+            self._kinds(key)[drafted].append(tokens / seconds)
 
     def allows(self, key: tuple) -> bool:
         """Whether a step at `key` may draft (asked only where the model says k > 0)."""
-        plain, drafting = self._rates.setdefault(key, (_Rate(), _Rate()))
-        if min(plain.steps, drafting.steps) < self.min_steps:  # undecided: take turns
+        plain, drafting = self._kinds(key)
+        if min(len(plain), len(drafting)) < self.min_steps:  # undecided: take turns
             return not self._last
-        if drafting.per_s >= plain.per_s:
+        if statistics.median(drafting) >= statistics.median(plain):
             self._wait[key] = self.recheck
             return True
         self.num_refused += 1
@@ -157,9 +144,12 @@ class PayGuard:
         if self._refused[key] >= wait:
             self._refused[key] = 0
             self._wait[key] = min(2 * wait, self.max_wait)  # a loss again: the next recheck waits longer
-            self._rates[key] = (plain, _Rate())  # measure drafting afresh
+            drafting.clear()  # measure drafting afresh
             return True
         return False
+
+    def _kinds(self, key: tuple) -> tuple[deque, deque]:
+        return self._rates.setdefault(key, (deque(maxlen=self.window), deque(maxlen=self.window)))
 
 
 @dataclass(frozen=True)

@@ -208,7 +208,7 @@ def test_pay_guard_refuses_drafting_that_has_not_paid_and_rechecks():
     doubles the wait for the next, up to max_wait; a win resets it."""
     from moeserve.spec import PayGuard
 
-    guard = PayGuard(decay=1.0, min_steps=2, recheck=4, max_wait=8)
+    guard = PayGuard(window=8, min_steps=2, recheck=4, max_wait=8)
     key = (1, True)
     turns = []
     for _ in range(4):
@@ -232,9 +232,25 @@ def test_pay_guard_refuses_drafting_that_has_not_paid_and_rechecks():
     assert [guard.allows(key) for _ in range(4)] == [False] * 3 + [True]
     guard.record((2, True), False, 1, 0.010)
     assert guard.allows((2, True))  # another batch-size bucket, undecided: its turn to draft
-    for bad in ({"min_steps": 0}, {"recheck": 0}, {"recheck": 8, "max_wait": 4}):
+    for bad in ({"min_steps": 0}, {"window": 8, "min_steps": 9}, {"recheck": 0}, {"recheck": 8, "max_wait": 4}):
         with pytest.raises(ValueError):
             PayGuard(**bad)
+
+
+def test_pay_guard_is_not_decided_by_one_stalled_step():
+    """One drafting step stalled 60x (a collection, a busy neighbour) among steps that pay: the
+    medians still say drafting pays, where the steps' summed tokens over summed seconds (72/s
+    against 400/s) would refuse it for a whole recheck. Stalls in most of its steps do refuse it."""
+    from moeserve.spec import PayGuard
+
+    guard, key = PayGuard(min_steps=8), (1, False)
+    for i in range(8):
+        guard.record(key, False, 4, 0.010)  # 400/s
+        guard.record(key, True, 6, 0.600 if i == 3 else 0.010)  # 600/s, one step at 10/s
+    assert guard.allows(key) and guard.num_refused == 0
+    for _ in range(8):
+        guard.record(key, True, 6, 0.600)
+    assert not guard.allows(key)
 
 
 def test_adaptive_k_drafts_only_where_its_guard_allows() -> None:
