@@ -18,7 +18,10 @@ SERVE_SHUTDOWN_S = 10.0  # how long Ctrl-C waits for Serve to drain before Ray i
 # Set before a local Ray starts (its processes read them then); an exported value wins. HAProxy (the
 # binary ray[serve] installs) instead of Serve's proxy and Serve's throughput-optimized mode: see the
 # README's serving table. Local Ray 2.60 turns token auth on.
-SERVE_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
+SERVE_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
+             # An ingress replica that stops waits this long even when idle, for an external load
+             # balancer to let go of it (Ray's default: 30 s); here HAProxy is Ray's own, on this node.
+             "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2"}
 # HAProxy's own listeners (Ray's defaults: 8404, 9101) get free ports, so two local Rays do not collide.
 HAPROXY_PORTS = [k for k in ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT") if k not in os.environ]
 
