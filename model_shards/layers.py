@@ -39,7 +39,7 @@ def inference(fn):
 class Direct:
     """Mixin: calling the module runs its forward, without nn.Module's hook dispatch (the project
     registers no hooks). A small model's eager decode step on the CPU is Python overhead more than
-    arithmetic, and that dispatch was about a tenth of it (README, "Speculative decoding")."""
+    arithmetic, and that dispatch was about 8% of it (README, "Speculative decoding")."""
 
     def __call__(self, *args, **kwargs):
         return self.forward(*args, **kwargs)
