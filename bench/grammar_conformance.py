@@ -2,10 +2,12 @@
 
     python -m bench.grammar_conformance [--decodes 8] [--tokenizer checkpoints/demo-moe]
     python -m bench.grammar_conformance --schemastore [--one-of as_any_of]
+    python -m bench.grammar_conformance --installed [--one-of as_any_of]
 
 `--schemastore`: instead, the real-world SchemaStore schemas that check-jsonschema vendors (CI
-configs, compose, dependabot, ...; the `bench` extra installs it), held out: never used to tune
-the narrowings. `--one-of`: the `grammar.one_of` setting to compile with.
+configs, compose, dependabot, ...; the `bench` extra installs it); once held out, since tuned on.
+`--installed`: held out, never used to tune the narrowings: schemas installed packages ship
+(`installed_cases`). `--one-of`: the `grammar.one_of` setting to compile with.
 
 For each schema: compile it (or record the refusal and its feature), decode `--decodes` times
 with a random model under the mask, judge each output with the oracle (json + jsonschema with
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 import time
@@ -40,12 +43,14 @@ from moeserve.grammar import GrammarCompiler, GrammarSpec, allocate_bitmask, app
 
 def main() -> None:
     args = parse_args()
-    folder = schemastore_dir() if args.schemastore else Path(args.data) if args.data else conformance_dir()
-    if folder is None or not folder.is_dir():
+    folder = Path("installed packages") if args.installed else schemastore_dir() if args.schemastore else \
+        Path(args.data) if args.data else conformance_dir()
+    if not args.installed and (folder is None or not folder.is_dir()):
         sys.exit("conformance data not found: pass --data or set MOESERVE_CONFORMANCE_DIR")
     tokenizer = load_tokenizer(args.tokenizer)
     compiler = GrammarCompiler(tokenizer, args.vocab_size, config=GrammarSection(one_of=args.one_of).grammar_config())
-    cases = (schemastore_cases(folder) if args.schemastore else load_cases(folder))[: args.limit]
+    cases = installed_cases() if args.installed else schemastore_cases(folder) if args.schemastore else load_cases(folder)
+    cases = cases[: args.limit]
     print(f"{len(cases)} schemas from {folder}; vocab {compiler.vocab_size}; {args.decodes} decodes each")
 
     started = time.perf_counter()
@@ -71,7 +76,7 @@ def main() -> None:
     ]  # fmt: skip
     print(json.dumps({k: v for k, v in summary.items() if k != "refusal_examples"}, indent=1))
     if not args.no_report:
-        name = "grammar_conformance" + ("-schemastore" if args.schemastore else "") + (
+        name = "grammar_conformance" + ("-installed" if args.installed else "-schemastore" if args.schemastore else "") + (
             f"-{args.one_of}" if args.one_of != "exact" else "")
         path = write(name, {"summary": summary, "schemas": rows}, markdown(summary, folder, args))[1]
         print(f"wrote {path} and its .json")
@@ -90,7 +95,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--limit", type=int, default=None, help="only the first N schemas")
     p.add_argument("--no-report", action="store_true", help="print only; do not rewrite bench/reports/")
-    p.add_argument("--schemastore", action="store_true", help="the held-out SchemaStore schemas (check-jsonschema's)")
+    p.add_argument("--schemastore", action="store_true", help="the SchemaStore schemas (check-jsonschema's)")
+    p.add_argument("--installed", action="store_true", help="held out: schemas installed packages ship (installed_cases)")
     p.add_argument("--one-of", choices=("exact", "as_any_of"), default="exact", help="grammar.one_of")
     return p.parse_args()
 
@@ -109,6 +115,39 @@ def schemastore_cases(folder: Path) -> list:
     from bench.conformance import Case
 
     return [Case(path.stem, json.loads(path.read_text()), []) for path in sorted(folder.glob("*.json"))]
+
+
+INSTALLED = [("jsonschema_specifications", f"schemas/{d}/metaschema.json") for d in ("draft4", "draft6", "draft7")] + [
+    ("setuptools", "config/setuptools.schema.json"), ("setuptools", "config/distutils.schema.json"),
+    ("schemathesis", "config/schema.json"), ("schemathesis", "wfc/schema.json"), ("ray", "autoscaler/ray-schema.json")]
+K8S_SCHEMAS = "kubernetes-json-schema/v1.29.0-local-strict"
+_K8S_REF = re.compile(r'"/api/_definitions\.json#/\$defs/|"#/\$defs/')
+
+
+def installed_cases() -> list:
+    """Schemas that installed packages ship (metaschemas, pyproject's, Schemathesis' and Ray's configs) and
+    every 12th Kubernetes kind of kubernetes-validate's, its definitions bundled into it; never used to tune."""
+    from importlib.resources import files
+
+    from bench.conformance import Case
+
+    cases = [Case(f"{package}/{path}", json.loads((files(package) / path).read_text()), []) for package, path in INSTALLED]
+    folder = Path(str(files("kubernetes_validate") / K8S_SCHEMAS))
+    definitions = json.loads((folder / "_definitions.json").read_text())["$defs"]
+    kinds = [p for p in sorted(folder.glob("*.json")) if p.name not in ("_definitions.json", "all.json")]
+    return cases + [Case(f"k8s/{p.stem}", _bundled(p.read_text(), definitions), []) for p in kinds[::12]]
+
+
+def _bundled(text: str, definitions: dict) -> dict:
+    """A kubernetes-validate schema with the definitions it references (transitively) in its own $defs."""
+    schema, defs = json.loads(_K8S_REF.sub('"#/$defs/', text)), {}
+    need = re.findall(r'"#/\$defs/([^"]+)"', json.dumps(schema))
+    while need:
+        name = need.pop()
+        if name not in defs:
+            defs[name] = definitions[name]
+            need += re.findall(r'"#/\$defs/([^"]+)"', json.dumps(defs[name]))
+    return {**schema, "$defs": defs}
 
 
 def load_tokenizer(path: str | None):
@@ -168,7 +207,8 @@ def refusal_examples(results) -> dict:
 
 
 def markdown(s: dict, folder: Path, args: argparse.Namespace) -> str:
-    title = "SchemaStore schemas, held out (check-jsonschema's vendored copies)" if args.schemastore else "JSONSchemaBench"
+    title = ("schemas installed packages ship, held out" if args.installed else
+             "SchemaStore schemas (check-jsonschema's vendored copies)" if args.schemastore else "JSONSchemaBench")
     lines = [
         f"# Grammar conformance: {title}",
         "",

@@ -19,11 +19,9 @@ except ImportError:  # pragma: no cover - Python < 3.11
     import sre_constants as sre_c  # type: ignore[no-redef]
     import sre_parse  # type: ignore[no-redef]
 
-MAX_FOLDED_REPEAT = 1024
-# A prefix, then one character class or escaped/plain character, repeated: ^ab[a-z0-9-]*$, ^\d+$
-_TAIL_STAR_PATTERN = re.compile(r"\^(.*?)(\[(?:\\.|[^\]\\])+\]|\\[dDwWsS]|\.|[A-Za-z0-9 _-])([*+])\$")
 _MAX_CLASS_SPAN = 4096  # a wider range makes a first-character set "unknown"
 _BEGIN, _END = (sre_c.AT, sre_c.AT_BEGINNING), (sre_c.AT, sre_c.AT_END)
+_REPEATS = (sre_c.MAX_REPEAT, sre_c.MIN_REPEAT, getattr(sre_c, "POSSESSIVE_REPEAT", sre_c.MAX_REPEAT))
 
 
 @dataclass(frozen=True)
@@ -59,6 +57,8 @@ class RegexShape:
     max_len: float
     anchored: bool  # a search can only match at the start (leading ^, no top-level |)
     anchored_end: bool  # ... and only up to the end (trailing $), give or take a final newline
+    chars: CharSet | None  # every character a match may contain; None: not known
+    required: frozenset[str]  # characters every match contains
 
 
 @functools.lru_cache(maxsize=1024)
@@ -72,7 +72,9 @@ def regex_shape(pattern: str) -> RegexShape | None:
     anchored = bool(items) and tuple(items[0]) == _BEGIN
     return RegexShape(first=None if parsed.state.flags & re.IGNORECASE else _first(items), min_len=low,
                       max_len=math.inf if high >= sre_c.MAXREPEAT else high, anchored=anchored,
-                      anchored_end=anchored and tuple(items[-1]) == _END)
+                      anchored_end=anchored and tuple(items[-1]) == _END,
+                      chars=None if parsed.state.flags & re.IGNORECASE else _alphabet(items),
+                      required=frozenset() if parsed.state.flags & re.IGNORECASE else _required(items))
 
 
 def full_matches_never_search(full: str, search: str) -> bool:
@@ -85,7 +87,13 @@ def full_matches_never_search(full: str, search: str) -> bool:
         return True
     if s.anchored_end and f.min_len > s.max_len + 1:  # `$` also matches before a final newline
         return True
-    return s.anchored and s.min_len > 0 and f.first is not None and s.first is not None and f.first.disjoint(s.first)
+    if f.chars is not None and any(f.chars.disjoint(CharSet(frozenset(c))) for c in s.required):
+        return True  # a match needs a character the string never has
+    if s.min_len == 0 or s.first is None:
+        return False
+    if f.chars is not None and f.chars.disjoint(s.first):  # no character of the string can start a match
+        return True
+    return s.anchored and f.first is not None and f.first.disjoint(s.first)
 
 
 def _first(items: list) -> CharSet | None:
@@ -94,7 +102,7 @@ def _first(items: list) -> CharSet | None:
     for op, av in items:
         if op is sre_c.AT:
             continue
-        got = _first_of(op, av)
+        got = first_of(op, av)
         if got is None:
             return None
         first, may_be_empty = got
@@ -104,7 +112,47 @@ def _first(items: list) -> CharSet | None:
     return out
 
 
-def _first_of(op, av) -> tuple[CharSet, bool] | None:
+def _alphabet(items: list) -> CharSet | None:
+    """Every character a match of the sequence may contain (None: not known)."""
+    out = CharSet(frozenset())
+    for op, av in items:
+        if op is sre_c.AT:
+            continue
+        if op is sre_c.ANY:
+            got = CharSet(frozenset("\n"), True)
+        elif op in (sre_c.LITERAL, sre_c.NOT_LITERAL, sre_c.IN):
+            got = (first_of(op, av) or (None,))[0]
+        elif op is sre_c.SUBPATTERN:
+            got = None if av[1] & re.IGNORECASE else _alphabet(list(av[3]))
+        elif op is sre_c.BRANCH:
+            alts = [_alphabet(list(alt)) for alt in av[1]]
+            got = None if None in alts else functools.reduce(CharSet.__or__, alts, CharSet(frozenset()))
+        elif op in _REPEATS:
+            got = _alphabet(list(av[2]))
+        else:
+            return None
+        if got is None:
+            return None
+        out = out | got
+    return out
+
+
+def _required(items: list) -> frozenset[str]:
+    """Characters every match of the sequence contains (literals outside optional parts)."""
+    out: set[str] = set()
+    for op, av in items:
+        if op is sre_c.LITERAL:
+            out.add(chr(av))
+        elif op is sre_c.SUBPATTERN and not av[1] & re.IGNORECASE:
+            out |= _required(list(av[3]))
+        elif op in _REPEATS and av[0] >= 1:
+            out |= _required(list(av[2]))
+        elif op is sre_c.BRANCH:
+            out |= frozenset.intersection(*(_required(list(alt)) for alt in av[1]))
+    return frozenset(out)
+
+
+def first_of(op, av) -> tuple[CharSet, bool] | None:
     if op is sre_c.LITERAL:
         return CharSet(frozenset(chr(av))), False
     if op is sre_c.NOT_LITERAL:
@@ -135,7 +183,7 @@ def _first_of(op, av) -> tuple[CharSet, bool] | None:
                 return None
             out, empty = out | first, empty or alt.getwidth()[0] == 0
         return out, empty
-    if op in (sre_c.MAX_REPEAT, sre_c.MIN_REPEAT, getattr(sre_c, "POSSESSIVE_REPEAT", sre_c.MAX_REPEAT)):
+    if op in _REPEATS:
         low, _high, sub = av
         first = _first(list(sub))
         return None if first is None else (first, low == 0 or sub.getwidth()[0] == 0)
@@ -145,13 +193,6 @@ def _first_of(op, av) -> tuple[CharSet, bool] | None:
 @functools.cache
 def _unicode_spaces() -> frozenset[str]:
     return frozenset(chr(c) for c in range(0x110000) if chr(c).isspace())
-
-
-def class_outside(chars: CharSet) -> str | None:
-    """A regex character class matching what `chars` does not (None when not expressible)."""
-    if chars.negated or any(ord(c) > 0xFFFF for c in chars.chars):
-        return None
-    return "[^" + "".join(f"\\u{ord(c):04x}" for c in sorted(chars.chars)) + "]"
 
 
 @functools.lru_cache(maxsize=1024)
@@ -231,38 +272,3 @@ def key_matches(pattern: str, name: str) -> bool:
         return re.search(pattern, name) is not None
     except re.error as e:
         raise GrammarError(f"invalid regular expression {pattern!r}: {e}", feature="patternProperties") from None
-
-
-def fold_lengths_into_pattern(kw: dict) -> None:
-    """A string schema's `kw` (pattern, minLength, maxLength): drop the bounds every full match meets;
-    `^PX*$`/`^PX+$` (P: no top-level `|`, X: one character or class) plus bounds -> `^PX{m,n}$`,
-    counted for P's extremes (narrower), at most MAX_FOLDED_REPEAT."""
-    shape = regex_shape(kw["pattern"])
-    if shape is None:
-        return
-    if kw.get("minLength", 0) <= shape.min_len:
-        kw.pop("minLength", None)
-    if "maxLength" in kw and shape.max_len <= kw["maxLength"]:
-        kw.pop("maxLength")
-    m = _TAIL_STAR_PATTERN.fullmatch(kw["pattern"])
-    if not m or ("minLength" not in kw and "maxLength" not in kw):
-        return
-    prefix, atom, plus = m.group(1), m.group(2), m.group(3) == "+"
-    try:
-        parsed = sre_parse.parse(prefix)
-        p_low, p_high = parsed.getwidth()
-    except (re.error, OverflowError, RecursionError):
-        return
-    if any(op is sre_parse.BRANCH for op, _ in parsed):
-        return
-    lo = max(kw.get("minLength", 0) - p_low, 1 if plus else 0)
-    hi = ""
-    if "maxLength" in kw:
-        if p_high >= sre_parse.MAXREPEAT:
-            return
-        hi = min(kw["maxLength"] - p_high, lo + MAX_FOLDED_REPEAT)
-        if hi < lo:
-            return
-    kw.pop("minLength", None)
-    kw.pop("maxLength", None)
-    kw["pattern"] = f"^{prefix}{atom}{{{lo},{hi}}}$"

@@ -14,12 +14,9 @@ from typing import TYPE_CHECKING, Any
 from moeserve.grammar.errors import GrammarError
 from moeserve.grammar.formats import FORMAT_PATTERNS, SUPPORTED_FORMATS, UNSUPPORTED_FORMATS
 from moeserve.grammar.regex_compat import xgrammar_regex
-from moeserve.grammar.regex_facts import (
-    finite_language,
-    fold_lengths_into_pattern,
-    full_matches_never_search,
-    key_matches,
-)
+from moeserve.grammar.regex_facts import finite_language, full_matches_never_search, key_matches
+from moeserve.grammar.regex_rewrite import fold_lengths_into_pattern
+from moeserve.grammar.schema_drafts import ANNOTATIONS
 from moeserve.grammar.schema_merge import ALL_TYPES, listed, type_set
 
 if TYPE_CHECKING:
@@ -66,7 +63,7 @@ def normalize_node(nz: SchemaNormalizer, s: dict) -> Any:
     _numbers(rest, types, out, nz.keep)
     _strings(rest, types, out, nz.keep)
     _arrays(nz, rest, types, out)
-    if not _objects(nz, rest, types, out):  # a required property no value satisfies: no object
+    if not _objects(nz, rest, types, out):  # a required property no value satisfies, or none allowed: no object
         types = types - {"object"}
         if not types:
             return False
@@ -198,8 +195,8 @@ def _objects(nz: SchemaNormalizer, s: dict, types: set[str], out: dict) -> bool:
     declared = dict(kw.get("properties") or {})
     patterns = kw.get("patternProperties") or {}
     if patterns:
-        if names is not None:
-            raise _refuse("patternProperties", "patternProperties with propertyNames is not supported")
+        if names is not None:  # narrower: keys the patterns match and the names' length bounds allow
+            patterns, names, extra = _lengths_into_patterns(nz, patterns, names, declared), None, False
         patterns = _pattern_keys(nz, patterns, declared, required)
         if not patterns:
             extra = False  # narrower: declared properties only
@@ -219,18 +216,17 @@ def _objects(nz: SchemaNormalizer, s: dict, types: set[str], out: dict) -> bool:
         if names is not None:  # (a name a pattern matches is declared by now; others fall under additionalProperties)
             raise _refuse("required", f"required property {name!r} is not declared in properties (next to propertyNames)")
         if extra is False:
-            raise _refuse("required", f"required property {name!r} is forbidden by additionalProperties: false")
+            return False  # required, yet forbidden by additionalProperties: false
         props[name] = nz.norm(extra) if isinstance(extra, dict) else True
     min_props = kw.get("minProperties", 0)
     if min_props > len(props) and names is not None and extra is not False and "minProperties" not in nz.keep:
         props.update(_fresh_properties(nz, min_props - len(props), props, names, extra))  # (llguidance: no propertyNames)
-    if min_props > len(required):
-        # xgrammar counts entries, and undeclared keys may repeat ({"b":1,"b":2} is one property
-        # once parsed), so only distinct declared properties can be trusted to reach minProperties.
-        if min_props > len(props) and "minProperties" not in nz.keep:  # (llguidance counts distinct keys)
+    if min_props > max(len(required), 1) and "minProperties" not in nz.keep:
+        # xgrammar counts entries, and undeclared keys may repeat ({"b":1,"b":2} is one property once
+        # parsed): one entry is one property, but past one only distinct declared properties can be trusted.
+        if min_props > len(props):  # (llguidance counts distinct keys)
             raise _refuse("minProperties", f"minProperties {min_props} needs undeclared properties; duplicate keys could fake it")
-        if "minProperties" not in nz.keep:
-            extra, patterns, names = False, {}, None  # narrower: declared properties only
+        extra, patterns, names = False, {}, None  # narrower: declared properties only
     if patterns:
         out["patternProperties"] = patterns
         extra = None  # xgrammar ignores additionalProperties next to patternProperties: narrower, sound
@@ -257,6 +253,22 @@ def _fresh_properties(nz: SchemaNormalizer, count: int, taken: dict, names: Any,
     if len(fresh) < count:
         raise _refuse("minProperties", f"minProperties {count + len(taken)} needs names propertyNames does not allow")
     return dict.fromkeys(fresh, nz.norm(extra) if isinstance(extra, dict) else True)
+
+
+def _lengths_into_patterns(nz: SchemaNormalizer, patterns: dict, names: Any, declared: dict) -> dict[str, Any]:
+    """patternProperties whose key patterns also hold propertyNames' length bounds (the only rule taken here)."""
+    rule = nz.deref(names)
+    rule = {k: v for k, v in rule.items() if k not in ANNOTATIONS and (k, v) != ("type", "string")} if isinstance(rule, dict) else None
+    if declared or rule is None or not set(rule) <= {"minLength", "maxLength"}:
+        raise _refuse("patternProperties", "patternProperties with propertyNames beyond a length bound is not supported")
+    folded = {}
+    for pattern, sub in patterns.items():
+        kw = {"pattern": pattern, **rule}
+        fold_lengths_into_pattern(kw)
+        if set(kw) != {"pattern"}:
+            raise _refuse("patternProperties", f"cannot bound the length of keys matching {pattern!r}")
+        folded[kw["pattern"]] = sub
+    return folded
 
 
 def _pattern_keys(nz: SchemaNormalizer, patterns: dict, declared: dict, required: list) -> dict[str, Any]:
@@ -324,6 +336,8 @@ def _property_names(nz: SchemaNormalizer, names: Any, props: dict, out: dict) ->
     n = nz.norm(names)
     if n is True or n == {}:
         return
+    if isinstance(n, dict) and set(n) == {"anyOf"}:  # narrower: the names its first expressible branch allows
+        n = next((b for b in n["anyOf"] if isinstance(b, dict) and set(b) <= _NAME_KEYWORDS), n)
     if not isinstance(n, dict) or not set(n) <= _NAME_KEYWORDS or "string" not in (type_set(n) or {"string"}):
         raise _refuse("propertyNames", "only string constraints (pattern, length, format, enum) are supported")
     fixed = nz.deref(names)

@@ -41,3 +41,4 @@ def test_refusals_name_a_feature(results):
 def test_most_schemas_compile(results):
     # 217 of 254 compiled when this was written; a drop means a rewrite or a support check regressed.
     assert summarize(results)["compiled"] >= 205
+

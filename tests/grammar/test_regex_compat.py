@@ -78,6 +78,7 @@ def test_invalid_regex_is_a_grammar_error(compiler):
 SHAPE_PATTERNS = [
     r"^a$", r"^ab*$", r"^b+$", r"a", r"^\w$", r"_b", r"^(a|b)c$", r"^[ .-]+$", r"^[^ .-].*$", r"^u?int[0-9]*$",
     r"^uint[0-9]*$", r"^x(\[[0-9]*\])*$", r"^[a-c]{2,3}$", r"^.{1,2}$", r"c$", r"^\s*a", r"^(?:ab|ba)", r"^$",
+    r"^[^.a]*$", r"\.\.", r"^[a-c]*$", r"[.x]", r"u(n|i)*", r"^(b|c[^a])+$",
 ]
 SHAPE_ALPHABET = ["a", "b", "c", "_", " ", ".", "u", "i", "n", "t", "1", "x", "[", "]", "\n"]
 
@@ -103,6 +104,24 @@ def test_full_matches_never_search_is_never_wrong(short_strings):
         witness = next((s for s in short_strings if re.fullmatch(full, s) and re.search(search, s)), None)
         assert witness is None, f"{full!r} / {search!r}: {witness!r} matches both"
     assert proved >= 40  # the proof is not vacuous: it decides many of these pairs
+
+
+@pytest.mark.parametrize("chars", [{"a"}, {"."}, {" ", "b"}, {"]", "1"}])
+def test_pattern_without_only_narrows_and_leaves_the_characters_out(short_strings, chars):
+    from moeserve.grammar.regex_rewrite import pattern_without
+
+    narrowed = 0
+    for pattern in SHAPE_PATTERNS + [r"^[^]a]+$", r"^x[]a]*$", r"^[^.]+\.[^.]+$"]:
+        new = pattern_without(pattern, chars)
+        if new is None:
+            continue
+        narrowed += 1
+        for s in short_strings:
+            if re.fullmatch(new, s):
+                assert re.fullmatch(pattern, s) and not set(s) & chars, f"{pattern!r} -> {new!r} matches {s!r}"
+        kept = [s for s in short_strings if re.fullmatch(pattern, s) and not set(s) & chars]
+        assert all(re.fullmatch(new, s) for s in kept), f"{pattern!r} -> {new!r} lost more than {chars}"
+    assert narrowed >= 8
 
 
 def test_full_matches_never_search_examples():

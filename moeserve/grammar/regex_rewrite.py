@@ -1,0 +1,106 @@
+"""Regexes rewritten narrower: a pattern whose full matches leave some characters out (`pattern_without`),
+a class of what a set does not match (`class_outside`), length bounds folded into a pattern
+(`fold_lengths_into_pattern`). Each result fully matches only strings the original fully matches.
+"""
+
+from __future__ import annotations
+
+import re
+
+from moeserve.grammar.regex_facts import CharSet, first_of, regex_shape, sre_parse
+
+MAX_FOLDED_REPEAT = 1024
+# A prefix, then one character class or escaped/plain character, repeated: ^ab[a-z0-9-]*$, ^\d+$
+_TAIL_STAR_PATTERN = re.compile(r"\^(.*?)(\[(?:\\.|[^\]\\])+\]|\\[dDwWsS]|\.|[A-Za-z0-9 _-])([*+])\$")
+
+
+def pattern_without(pattern: str, chars: set[str]) -> str | None:
+    """`pattern` narrowed so its full matches never contain `chars`: its classes and `.` leave them out.
+    None when that is not shown (a literal or an escape may still produce one, or a class cannot be read)."""
+    out, i = [], 0
+    while i < len(pattern):
+        ch = pattern[i]
+        if ch == "\\":
+            out.append(pattern[i:i + 2])
+            i += 2
+            continue
+        if ch == "[":
+            j = i + 1 + pattern.startswith("^", i + 1)
+            j += pattern.startswith("]", j)  # a first `]` is literal
+            while j < len(pattern) and pattern[j] != "]":
+                j += 2 if pattern[j] == "\\" else 1
+            try:
+                (op, av), = sre_parse.parse(pattern[i:j + 1])
+            except (re.error, ValueError):
+                return None
+            got = first_of(op, av)
+            if got is None:
+                return None
+            kept = CharSet(got[0].chars | chars, True) if got[0].negated else CharSet(got[0].chars - chars)
+            ch, i = _class_text(kept), j
+        elif ch == ".":
+            ch = _class_text(CharSet(frozenset("\n") | chars, True))
+        if ch is None:
+            return None
+        out.append(ch)
+        i += 1
+    narrowed = "".join(out)
+    shape = regex_shape(narrowed)
+    if shape is None or shape.chars is None or not shape.chars.disjoint(CharSet(frozenset(chars))):
+        return None
+    return narrowed
+
+
+def _class_text(chars: CharSet) -> str | None:
+    """A regex class for `chars`, runs as ranges (None when empty or beyond \\uFFFF)."""
+    points = sorted(map(ord, chars.chars))
+    if (not points and not chars.negated) or any(c > 0xFFFF for c in points):
+        return None
+    runs: list[list[int]] = []
+    for c in points:
+        if runs and runs[-1][1] == c - 1:
+            runs[-1][1] = c
+        else:
+            runs.append([c, c])
+    spelled = "".join(f"\\u{a:04x}" + (f"-\\u{b:04x}" if b > a else "") for a, b in runs)
+    return ("[^" if chars.negated else "[") + spelled + "]"
+
+
+def class_outside(chars: CharSet) -> str | None:
+    """A regex character class matching what `chars` does not (None when not expressible)."""
+    return None if chars.negated else _class_text(CharSet(chars.chars, True))
+
+
+def fold_lengths_into_pattern(kw: dict) -> None:
+    """A string schema's `kw` (pattern, minLength, maxLength): drop the bounds every full match meets;
+    `^PX*$`/`^PX+$` (P: no top-level `|`, X: one character or class) plus bounds -> `^PX{m,n}$`,
+    counted for P's extremes (narrower), at most MAX_FOLDED_REPEAT."""
+    shape = regex_shape(kw["pattern"])
+    if shape is None:
+        return
+    if kw.get("minLength", 0) <= shape.min_len:
+        kw.pop("minLength", None)
+    if "maxLength" in kw and shape.max_len <= kw["maxLength"]:
+        kw.pop("maxLength")
+    m = _TAIL_STAR_PATTERN.fullmatch(kw["pattern"])
+    if not m or ("minLength" not in kw and "maxLength" not in kw):
+        return
+    prefix, atom, plus = m.group(1), m.group(2), m.group(3) == "+"
+    try:
+        parsed = sre_parse.parse(prefix)
+        p_low, p_high = parsed.getwidth()
+    except (re.error, OverflowError, RecursionError):
+        return
+    if any(op is sre_parse.BRANCH for op, _ in parsed):
+        return
+    lo = max(kw.get("minLength", 0) - p_low, 1 if plus else 0)
+    hi = ""
+    if "maxLength" in kw:
+        if p_high >= sre_parse.MAXREPEAT:
+            return
+        hi = min(kw["maxLength"] - p_high, lo + MAX_FOLDED_REPEAT)
+        if hi < lo:
+            return
+    kw.pop("minLength", None)
+    kw.pop("maxLength", None)
+    kw["pattern"] = f"^{prefix}{atom}{{{lo},{hi}}}$"
