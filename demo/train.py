@@ -134,7 +134,7 @@ def train_model(model: torch.nn.Module, batches: Iterator[torch.Tensor], *, name
         loss = (per_token * weights).sum() / weights.sum()
         if is_moe:
             balance, loads = switch_balance(out.router_logits, model.config.num_experts_per_tok)
-            loss = ce + alpha * balance
+            loss = loss + alpha * balance
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
