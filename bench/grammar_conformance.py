@@ -6,8 +6,8 @@
 
 `--schemastore`: instead, the real-world SchemaStore schemas that check-jsonschema vendors (CI
 configs, compose, dependabot, ...; the `bench` extra installs it); once held out, since tuned on.
-`--installed`: held out, never used to tune the narrowings: schemas installed packages ship
-(`installed_cases`). `--one-of`: the `grammar.one_of` setting to compile with.
+`--installed`: schemas installed packages ship (`installed_cases`), held out until its first run
+(12 of 57 refused; the README tells what was narrowed after). `--one-of`: the `grammar.one_of` setting to compile with.
 
 For each schema: compile it (or record the refusal and its feature), decode `--decodes` times
 with a random model under the mask, judge each output with the oracle (json + jsonschema with
@@ -96,7 +96,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--limit", type=int, default=None, help="only the first N schemas")
     p.add_argument("--no-report", action="store_true", help="print only; do not rewrite bench/reports/")
     p.add_argument("--schemastore", action="store_true", help="the SchemaStore schemas (check-jsonschema's)")
-    p.add_argument("--installed", action="store_true", help="held out: schemas installed packages ship (installed_cases)")
+    p.add_argument("--installed", action="store_true", help="schemas installed packages ship (installed_cases)")
     p.add_argument("--one-of", choices=("exact", "as_any_of"), default="exact", help="grammar.one_of")
     return p.parse_args()
 
@@ -126,7 +126,7 @@ _K8S_REF = re.compile(r'"/api/_definitions\.json#/\$defs/|"#/\$defs/')
 
 def installed_cases() -> list:
     """Schemas that installed packages ship (metaschemas, pyproject's, Schemathesis' and Ray's configs) and
-    every 12th Kubernetes kind of kubernetes-validate's, its definitions bundled into it; never used to tune."""
+    every 12th Kubernetes kind of kubernetes-validate's, its definitions bundled into it."""
     from importlib.resources import files
 
     from bench.conformance import Case
@@ -207,7 +207,7 @@ def refusal_examples(results) -> dict:
 
 
 def markdown(s: dict, folder: Path, args: argparse.Namespace) -> str:
-    title = ("schemas installed packages ship, held out" if args.installed else
+    title = ("schemas installed packages ship (held out until its first run)" if args.installed else
              "SchemaStore schemas (check-jsonschema's vendored copies)" if args.schemastore else "JSONSchemaBench")
     lines = [
         f"# Grammar conformance: {title}",
