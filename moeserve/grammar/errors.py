@@ -17,6 +17,11 @@ class GrammarError(ValueError):
     def __reduce__(self):  # keep `feature` when the error crosses a process boundary
         return (_rebuild, (self.message, self.feature, type(self)))
 
+    @classmethod
+    def refused(cls, feature: str, why: str) -> GrammarError:
+        """A refusal of `feature`, its message led by the feature's name."""
+        return cls(f"{feature}: {why}", feature=feature)
+
     def refusal(self, kind: str) -> str:
         """What the client reads (the served 400 and the offline API alike): the message, naming the grammar kind."""
         return self.message if self.message.startswith("invalid") else f"invalid {kind} grammar: {self.message}"

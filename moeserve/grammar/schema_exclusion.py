@@ -154,7 +154,7 @@ class Exclusion(_Base):
         if other.get("additionalProperties") is False and name not in other.get("properties", {}) \
                 and not any(key_matches(p, name) for p in patterns):
             return True  # undeclared where additionalProperties is false
-        return any(self.deref(sub) is False and key_matches(p, name) for p, sub in (other.get("patternProperties") or {}).items())
+        return any(self.deref(sub) is False and key_matches(p, name) for p, sub in patterns.items())
 
     def _exclude_patterns(self, gen: dict, others: list[Schema]) -> dict | None:
         """String `gen` narrowed to start with a character no match of the others' patterns starts with

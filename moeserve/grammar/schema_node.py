@@ -8,15 +8,13 @@ GrammarError naming it; tests/grammar/test_schema_support.py measures xgrammar 0
 from __future__ import annotations
 
 import math
-import re
 from typing import TYPE_CHECKING, Any
 
 from moeserve.grammar.errors import GrammarError
 from moeserve.grammar.formats import FORMAT_PATTERNS, SUPPORTED_FORMATS, UNSUPPORTED_FORMATS
 from moeserve.grammar.regex_compat import xgrammar_regex
-from moeserve.grammar.regex_facts import finite_language, full_matches_never_search, key_matches
 from moeserve.grammar.regex_rewrite import fold_lengths_into_pattern
-from moeserve.grammar.schema_drafts import ANNOTATIONS
+from moeserve.grammar.schema_keys import fresh_properties, lengths_into_patterns, pattern_keys, property_names
 from moeserve.grammar.schema_merge import ALL_TYPES, listed, type_set
 
 if TYPE_CHECKING:
@@ -29,8 +27,6 @@ _KEYWORDS_OF = {
     "string": ("minLength", "maxLength", "pattern", "format"),
     "number": ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"),
 }  # fmt: skip
-_NAME_KEYWORDS = {"type", "minLength", "maxLength", "pattern", "format", "enum"}
-_INNER_ANCHOR = re.compile(r"(?<!\\)[$^](?![^\[]*\])")  # an unescaped ^ or $ outside a character class
 _JSON_TYPES = {bool: "boolean", type(None): "null", int: "integer", float: "number", str: "string", list: "array", dict: "object"}
 
 
@@ -78,10 +74,6 @@ def normalize_node(nz: SchemaNormalizer, s: dict) -> Any:
     return out
 
 
-def _refuse(feature: str, why: str) -> GrammarError:
-    return GrammarError(f"{feature}: {why}", feature=feature)
-
-
 def _narrow_not(s: dict) -> None:
     """not {type: T}: the other types (exact). Other `not` forms are narrowed earlier (negation) or refused."""
     neg = s.get("not")
@@ -100,10 +92,10 @@ def _narrow_not(s: dict) -> None:
 def _refuse_logic(s: dict) -> None:
     """Keywords xgrammar ignores and we cannot rewrite (`if` and dependencies that `prep` did not rewrite)."""
     if "not" in s:
-        raise _refuse("not", "negated schemas are not supported")
+        raise GrammarError.refused("not", "negated schemas are not supported")
     for key in ("if", "$dynamicRef", "$recursiveRef", "dependencies", "dependentRequired", "dependentSchemas"):
         if key in s:
-            raise _refuse(key, "not supported here")
+            raise GrammarError.refused(key, "not supported here")
 
 
 def _numbers(s: dict, types: set[str], out: dict, keep: frozenset[str]) -> None:
@@ -114,7 +106,7 @@ def _numbers(s: dict, types: set[str], out: dict, keep: frozenset[str]) -> None:
     if step is not None:
         # xgrammar enforces multipleOf only for integers ("not supported for type:number; ignoring").
         if ("number" in types or float(step) != int(step)) and "multipleOf" not in keep:
-            raise _refuse("multipleOf", "multipleOf is enforced only on integer types with a whole-number step")
+            raise GrammarError.refused("multipleOf", "multipleOf is enforced only on integer types with a whole-number step")
         out["multipleOf"] = int(step) if float(step) == int(step) else step
     if "number" in types:
         out.update(kw)
@@ -140,11 +132,11 @@ def _strings(s: dict, types: set[str], out: dict, keep: frozenset[str]) -> None:
         del kw["minLength"]
     fmt = kw.pop("format", None)
     if fmt in UNSUPPORTED_FORMATS:
-        raise _refuse(f"format:{fmt}", f"format {fmt!r} is not supported")
+        raise GrammarError.refused(f"format:{fmt}", f"format {fmt!r} is not supported")
     if fmt in FORMAT_PATTERNS:
         if "pattern" in kw:
             if "format+pattern" not in keep:
-                raise _refuse("format+pattern", "combining format and pattern on one string is not supported")
+                raise GrammarError.refused("format+pattern", "combining format and pattern on one string is not supported")
             return out.update(kw, format=fmt)
         kw["pattern"] = FORMAT_PATTERNS[fmt]
     elif fmt in SUPPORTED_FORMATS:
@@ -156,7 +148,7 @@ def _strings(s: dict, types: set[str], out: dict, keep: frozenset[str]) -> None:
     if len(kinds) > 1:
         # xgrammar keeps only one of format / pattern / length and silently drops the others.
         if "+".join(kinds) not in keep:
-            raise _refuse("+".join(kinds), "combining format, pattern and minLength/maxLength on one string is not supported")
+            raise GrammarError.refused("+".join(kinds), "combining format, pattern and minLength/maxLength on one string is not supported")
         return out.update(kw)
     if "pattern" in kw:
         kw["pattern"] = xgrammar_regex(kw["pattern"], dot_excludes_newline=False)
@@ -169,7 +161,7 @@ def _arrays(nz: SchemaNormalizer, s: dict, types: set[str], out: dict) -> None:
         return
     if kw.get("uniqueItems") is True and kw.get("maxItems", 2) > 1:
         if kw.get("minItems", 0) > 1:
-            raise _refuse("uniqueItems", "unique array items are not supported (with minItems > 1)")
+            raise GrammarError.refused("uniqueItems", "unique array items are not supported (with minItems > 1)")
         kw["maxItems"] = 1  # narrower: an array of at most one item is unique
     items = kw.get("items", kw.get("unevaluatedItems"))  # with no adjacent applicator they mean the same
     prefix = kw.get("prefixItems") or []
@@ -196,8 +188,8 @@ def _objects(nz: SchemaNormalizer, s: dict, types: set[str], out: dict) -> bool:
     patterns = kw.get("patternProperties") or {}
     if patterns:
         if names is not None:  # narrower: keys the patterns match and the names' length bounds allow
-            patterns, names, extra = _lengths_into_patterns(nz, patterns, names, declared), None, False
-        patterns = _pattern_keys(nz, patterns, declared, required)
+            patterns, names, extra = lengths_into_patterns(nz, patterns, names, declared), None, False
+        patterns = pattern_keys(nz, patterns, declared, required)
         if not patterns:
             extra = False  # narrower: declared properties only
     props: dict[str, Any] = {}
@@ -207,31 +199,31 @@ def _objects(nz: SchemaNormalizer, s: dict, types: set[str], out: dict) -> bool:
             if name in required:
                 return False
             if extra not in (None, False):
-                raise _refuse("properties", f"property {name!r} is false while additionalProperties allows others")
+                raise GrammarError.refused("properties", f"property {name!r} is false while additionalProperties allows others")
             continue  # in strict mode an undeclared name is never produced
         props[name] = n
     for name in required:
         if name in props:
             continue
         if names is not None:  # (a name a pattern matches is declared by now; others fall under additionalProperties)
-            raise _refuse("required", f"required property {name!r} is not declared in properties (next to propertyNames)")
+            raise GrammarError.refused("required", f"required property {name!r} is not declared in properties (next to propertyNames)")
         if extra is False:
             return False  # required, yet forbidden by additionalProperties: false
         props[name] = nz.norm(extra) if isinstance(extra, dict) else True
     min_props = kw.get("minProperties", 0)
     if min_props > len(props) and names is not None and extra is not False and "minProperties" not in nz.keep:
-        props.update(_fresh_properties(nz, min_props - len(props), props, names, extra))  # (llguidance: no propertyNames)
+        props.update(fresh_properties(nz, min_props - len(props), props, names, extra))  # (llguidance: no propertyNames)
     if min_props > max(len(required), 1) and "minProperties" not in nz.keep:
         # xgrammar counts entries, and undeclared keys may repeat ({"b":1,"b":2} is one property once
         # parsed): one entry is one property, but past one only distinct declared properties can be trusted.
         if min_props > len(props):  # (llguidance counts distinct keys)
-            raise _refuse("minProperties", f"minProperties {min_props} needs undeclared properties; duplicate keys could fake it")
+            raise GrammarError.refused("minProperties", f"minProperties {min_props} needs undeclared properties; duplicate keys could fake it")
         extra, patterns, names = False, {}, None  # narrower: declared properties only
     if patterns:
         out["patternProperties"] = patterns
         extra = None  # xgrammar ignores additionalProperties next to patternProperties: narrower, sound
     if names is not None:
-        _property_names(nz, names, props, out)
+        property_names(nz, names, props, out)
     if props or "properties" in kw:
         out["properties"] = props
     if required:
@@ -240,108 +232,3 @@ def _objects(nz: SchemaNormalizer, s: dict, types: set[str], out: dict) -> bool:
     if extra is not None:
         out["additionalProperties"] = extra if isinstance(extra, bool) else nz.norm(extra)
     return True
-
-
-def _fresh_properties(nz: SchemaNormalizer, count: int, taken: dict, names: Any, extra: Any) -> dict[str, Any]:
-    """`count` properties named apart from `taken` as propertyNames allows (its listed names, then key1, key2,
-    ...), each of the additionalProperties schema: minProperties met by distinct declared keys (narrower)."""
-    rule = nz.deref(names)
-    pool = [v for v in listed(rule) or [] if isinstance(v, str)] if isinstance(rule, dict) else []
-    allowed = nz.validator.evolve(schema=rule).is_valid
-    fresh = [n for n in dict.fromkeys(pool + [f"key{i}" for i in range(1, count + 64)]) if n not in taken and allowed(n)]
-    fresh = fresh[:count]
-    if len(fresh) < count:
-        raise _refuse("minProperties", f"minProperties {count + len(taken)} needs names propertyNames does not allow")
-    return dict.fromkeys(fresh, nz.norm(extra) if isinstance(extra, dict) else True)
-
-
-def _lengths_into_patterns(nz: SchemaNormalizer, patterns: dict, names: Any, declared: dict) -> dict[str, Any]:
-    """patternProperties whose key patterns also hold propertyNames' length bounds (the only rule taken here)."""
-    rule = nz.deref(names)
-    rule = {k: v for k, v in rule.items() if k not in ANNOTATIONS and (k, v) != ("type", "string")} if isinstance(rule, dict) else None
-    if declared or rule is None or not set(rule) <= {"minLength", "maxLength"}:
-        raise _refuse("patternProperties", "patternProperties with propertyNames beyond a length bound is not supported")
-    folded = {}
-    for pattern, sub in patterns.items():
-        kw = {"pattern": pattern, **rule}
-        fold_lengths_into_pattern(kw)
-        if set(kw) != {"pattern"}:
-            raise _refuse("patternProperties", f"cannot bound the length of keys matching {pattern!r}")
-        folded[kw["pattern"]] = sub
-    return folded
-
-
-def _pattern_keys(nz: SchemaNormalizer, patterns: dict, declared: dict, required: list) -> dict[str, Any]:
-    """patternProperties as xgrammar gets them (key regex -> normalized schema): a pattern with a
-    few full matches becomes those names, declared; disjoint patterns keep their own schemas; the
-    others share one key regex."""
-    for pattern in patterns:
-        declared.update({name: True for name in finite_language(pattern) or () if name not in declared})
-    matching = _fold_patterns(nz, patterns, declared, required)
-    rest = {p: sub for p, sub in patterns.items() if finite_language(p) is None}
-    disjoint = all(full_matches_never_search(p, q) for p in rest for q in rest if p != q)
-    groups = [{p: sub} for p, sub in rest.items()] if disjoint else [rest] if rest else []
-    values = [(_key_regex(g), _key_schema(nz, g, declared, matching)) for g in groups]
-    return {regex: value for regex, value in values if value is not False}
-
-
-def _fold_patterns(nz: SchemaNormalizer, patterns: dict, declared: dict, required: list) -> dict[str, list[str]]:
-    """Merge into each declared or required name the patterns it matches; returns name -> those patterns."""
-    matching: dict[str, list[str]] = {}
-    for name in dict.fromkeys([*declared, *required]):
-        hits = [pattern for pattern in patterns if key_matches(pattern, name)]
-        if hits:
-            matching[name] = hits
-            merged = nz.deref(declared.get(name, True))
-            for pattern in hits:
-                merged = nz.merge(merged, nz.deref(patterns[pattern]))
-            declared[name] = merged
-    return matching
-
-
-def _key_schema(nz: SchemaNormalizer, group: dict, declared: dict, matching: dict[str, list[str]]) -> Any:
-    """The normalized schema of the keys one regex produces for `group` (False: none, narrower).
-    Such a key may repeat or be a declared name, so the schema is every pattern's and every
-    matching declared name's at once."""
-    subs = [*group.values(), *(declared[name] for name, hits in matching.items() if set(hits) & set(group))]
-    value: Any = subs[0]  # (one alone keeps its $ref: a recursive schema stays a reference)
-    why = "no value satisfies them all"
-    try:
-        with nz.attempt():
-            for sub in subs[1:]:
-                value = nz.merge(nz.deref(value), nz.deref(sub))
-            value = nz.norm(value)
-    except GrammarError as e:
-        value, why = False, e.message
-    if value is False and len(group) > 1 and not declared:  # nothing left to produce but {}
-        raise _refuse("patternProperties", f"a key may match several of the patterns, and {why}")
-    return value
-
-
-def _key_regex(patterns: dict) -> str:
-    """One regex whose full matches each search-match some pattern (an alternation without outer anchors)."""
-    if len(patterns) == 1:
-        return xgrammar_regex(next(iter(patterns)), dot_excludes_newline=False)
-    parts = []
-    for pattern in patterns:
-        body = pattern[1:] if pattern.startswith("^") else pattern
-        body = body[:-1] if body.endswith("$") and not body.endswith("\\$") else body
-        if _INNER_ANCHOR.search(body):
-            raise _refuse("patternProperties", f"pattern {pattern!r} has anchors inside it; cannot combine it with other patterns")
-        parts.append(f"(?:{body})")
-    return xgrammar_regex("^(?:" + "|".join(parts) + ")$", dot_excludes_newline=False)
-
-
-def _property_names(nz: SchemaNormalizer, names: Any, props: dict, out: dict) -> None:
-    n = nz.norm(names)
-    if n is True or n == {}:
-        return
-    if isinstance(n, dict) and set(n) == {"anyOf"}:  # narrower: the names its first expressible branch allows
-        n = next((b for b in n["anyOf"] if isinstance(b, dict) and set(b) <= _NAME_KEYWORDS), n)
-    if not isinstance(n, dict) or not set(n) <= _NAME_KEYWORDS or "string" not in (type_set(n) or {"string"}):
-        raise _refuse("propertyNames", "only string constraints (pattern, length, format, enum) are supported")
-    fixed = nz.deref(names)
-    bad = [name for name in props if not nz.accepts(fixed, name)]
-    if bad:
-        raise _refuse("propertyNames", f"declared properties {bad} do not satisfy propertyNames")
-    out["propertyNames"] = n
