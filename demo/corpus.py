@@ -329,6 +329,27 @@ def _chat_tool(rng: random.Random) -> tuple[list[dict], list[dict]]:
     return messages, tools
 
 
+def _chat_names(rng: random.Random) -> list[dict[str, str]]:
+    """A short chat whose reply greets the customer by the first name the prompt gives (in the system
+    prompt, as order chats give it, or in the customer's own words), and thanks them by it: the copy
+    every reply that names a customer needs, in a few tokens."""
+    full = _customer(rng)
+    first = full.split()[0]
+    chat = rng.choice((_chat_price, _chat_allergens, _chat_opening_hours, _chat_delivery))(rng)
+    ask, answer = chat[-2]["content"], chat[-1]["content"]
+    if rng.random() < 0.5:
+        msgs = [{"role": "system", "content": f"{rng.choice(SUPPORT_PROMPTS)}\nCustomer: {full}"},
+                {"role": "user", "content": ask}]
+    else:
+        intro = rng.choice((f"Hi, this is {full}.", f"Hello, I am {full}.", f"{full} here."))
+        msgs = [{"role": "user", "content": f"{intro} {ask}"}]
+    msgs.append({"role": "assistant", "content": f"Hi {first}! {answer}"})
+    if rng.random() < 0.5:
+        msgs += [{"role": "user", "content": rng.choice(THANKS)},
+                 {"role": "assistant", "content": f"You're welcome, {first}! Have a sweet day."}]
+    return msgs
+
+
 CHAT_KINDS = {
     "order_status": (_chat_order_status, 0.22),
     "allergens": (_chat_allergens, 0.12),
@@ -339,6 +360,9 @@ CHAT_KINDS = {
     "delivery": (_chat_delivery, 0.08),
     "json_answer": (_chat_json_order, 0.13),
     "tool_call": (_chat_tool, 0.14),
+    # last, with weight 0 by default: the held-out stream stays the one earlier pairs were measured on;
+    # training asks for it with --kind-weights names=W
+    "names": (_chat_names, 0.0),
 }
 RECORD_WEIGHT = 0.15  # bare JSON order records, one per document
 

@@ -196,6 +196,8 @@ def lineage_line(report: dict) -> str:
             f"peak learning rate {report.get('peak_lr', {}).get('target', 2e-3):g} (target), "
             f"{report.get('peak_lr', {}).get('draft', 3e-3):g} (draft); reply tokens weigh "
             f"{report.get('reply_weight', 1.0):g}x in the loss.\n")
+    if report.get("fresh_target"):
+        line += "- The target trained from random weights in this run; the earlier runs below are the draft's.\n"
     for run in report.get("continued_from", []):
         t, d = run["target"], run["draft"]
         line += (f"- Continued from an earlier run: target {t['steps']} x {t['tokens_per_step']} tokens, draft "
@@ -285,6 +287,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--kind-weights", type=_kind_weights, default=None, metavar="KIND=W,...",
                     help="how often each kind of training document is drawn, e.g. order_status=0.4 (demo/corpus.py's "
                          "kind_weights; the held-out set keeps the corpus' own mix)")
+    ap.add_argument("--fresh-target", action="store_true",
+                    help="with --init-from: the target starts from random weights (the tokenizer and draft continue)")
     ap.add_argument("--seed", type=int, default=0, help="0: the corpus' training stream; others: another stream")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args(argv)
@@ -310,13 +314,15 @@ def main(argv: list[str] | None = None) -> dict:
     heldout = heldout_rows(tokenizer, 8 if quick else 192, seq_len)
     alpha = 0.02
 
-    if args.init_from:
+    torch.manual_seed(args.seed)
+    if args.init_from and not args.fresh_target:
         target = MixtralForCausalLM.from_pretrained(src / "demo-moe")
+    else:
+        target = MixtralForCausalLM(target_config(vocab, quick))
+    torch.manual_seed(args.seed + 1)
+    if args.init_from:
         draft = LlamaForCausalLM.from_pretrained(src / "demo-draft")
     else:
-        torch.manual_seed(args.seed)
-        target = MixtralForCausalLM(target_config(vocab, quick))
-        torch.manual_seed(args.seed + 1)
         draft = LlamaForCausalLM(draft_config(vocab, quick))
     t_params, d_params = parameter_counts(target), parameter_counts(draft)
     ratio = t_params["active_per_token"] / d_params["active_per_token"]
@@ -353,7 +359,7 @@ def main(argv: list[str] | None = None) -> dict:
         "final_balance": [n * sum(f * p for f, p in zip(fs, ps)) for fs, ps in t_train["final_expert_load"]],
         "wall_seconds": time.perf_counter() - start, "peak_lr": {"target": args.moe_lr, "draft": args.draft_lr},
         "reply_weight": args.reply_weight, "kind_weights": stream["weights"],
-        "continued_from": _lineage(earlier),
+        "continued_from": _lineage(earlier), "fresh_target": bool(args.fresh_target),
     }
     write_report(out, report)
     return report

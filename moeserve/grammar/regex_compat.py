@@ -14,6 +14,7 @@ from __future__ import annotations
 import re
 
 from moeserve.grammar.errors import GrammarError
+from moeserve.grammar.regex_rewrite import class_end, lookarounds, without_negative_lookaheads
 
 # Whitespace to both Python's re and ECMA-262 (what `\s` may match) / to either (what `\S` must not).
 WS_BOTH = " \t\n\r\x0b\x0c\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000"
@@ -34,6 +35,12 @@ def xgrammar_regex(pattern: str, *, dot_excludes_newline: bool) -> str:
         re.compile(pattern)
     except re.error as e:
         raise GrammarError(f"invalid regular expression {pattern!r}: {e}", feature="pattern") from None
+    if lookarounds(pattern):  # xgrammar ignores lookarounds: each one has to hold by construction, or no pattern
+        narrowed = without_negative_lookaheads(pattern)
+        if narrowed is None:
+            raise GrammarError.refused("lookaround", f"pattern {pattern!r}: a lookaround that is not a negative "
+                                                     "lookahead needing some character is not supported")
+        pattern = narrowed
     out, i = [], 0
     while i < len(pattern):
         ch = pattern[i]
@@ -49,7 +56,7 @@ def xgrammar_regex(pattern: str, *, dot_excludes_newline: bool) -> str:
                 out.append(esc)
             i += 2
         elif ch == "[":
-            end = _class_end(pattern, i)
+            end = class_end(pattern, i)
             out.append(_rewrite_class(pattern[i : end + 1]))
             i = end + 1
         elif ch == ")" and pattern[i + 1 : i + 2] == "?":
@@ -62,18 +69,6 @@ def xgrammar_regex(pattern: str, *, dot_excludes_newline: bool) -> str:
             out.append(ch)
             i += 1
     return "".join(out)
-
-
-def _class_end(pattern: str, start: int) -> int:
-    """Index of the `]` closing the class opened at `start` (a leading `]` or `^]` is literal)."""
-    i = start + 1
-    if pattern[i : i + 1] == "^":
-        i += 1
-    if pattern[i : i + 1] == "]":
-        i += 1
-    while i < len(pattern) and pattern[i] != "]":
-        i += 2 if pattern[i] == "\\" else 1
-    return i
 
 
 def _rewrite_class(text: str) -> str:

@@ -1,6 +1,7 @@
 """Regexes rewritten narrower: a pattern whose full matches leave some characters out (`pattern_without`),
 a class of what a set does not match (`class_outside`), length bounds folded into a pattern
-(`fold_lengths_into_pattern`). Each result fully matches only strings the original fully matches.
+(`fold_lengths_into_pattern`), negative lookaheads made to hold everywhere (`without_negative_lookaheads`).
+Each result fully matches only strings the original fully matches.
 """
 
 from __future__ import annotations
@@ -25,10 +26,7 @@ def pattern_without(pattern: str, chars: set[str]) -> str | None:
             i += 2
             continue
         if ch == "[":
-            j = i + 1 + pattern.startswith("^", i + 1)
-            j += pattern.startswith("]", j)  # a first `]` is literal
-            while j < len(pattern) and pattern[j] != "]":
-                j += 2 if pattern[j] == "\\" else 1
+            j = class_end(pattern, i)
             try:
                 (op, av), = sre_parse.parse(pattern[i:j + 1])
             except (re.error, ValueError):
@@ -49,6 +47,73 @@ def pattern_without(pattern: str, chars: set[str]) -> str | None:
     if shape is None or shape.chars is None or not shape.chars.disjoint(CharSet(frozenset(chars))):
         return None
     return narrowed
+
+
+def class_end(pattern: str, start: int) -> int:
+    """Index of the `]` closing the class opened at `start` (a leading `]` or `^]` is literal)."""
+    i = start + 1 + pattern.startswith("^", start + 1)
+    i += pattern.startswith("]", i)
+    while i < len(pattern) and pattern[i] != "]":
+        i += 2 if pattern[i] == "\\" else 1
+    return i
+
+
+def lookarounds(pattern: str) -> list[tuple[int, int, str]]:
+    """The outermost lookaround groups of `pattern`: (start, end past the `)`, kind: "!", "=", "<!" or "<=")."""
+    found, i = [], 0
+    while i < len(pattern):
+        if pattern[i] == "\\":
+            i += 2
+        elif pattern[i] == "[":
+            i = class_end(pattern, i) + 1
+        elif (m := re.match(r"\(\?(<?[!=])", pattern[i:])):
+            end = _group_end(pattern, i)
+            found.append((i, end, m.group(1)))
+            i = end
+        else:
+            i += 1
+    return found
+
+
+def _group_end(pattern: str, start: int) -> int:
+    """Index past the `)` closing the group opened at `start`."""
+    depth, i = 0, start
+    while i < len(pattern):
+        if pattern[i] == "\\":
+            i += 1
+        elif pattern[i] == "[":
+            i = class_end(pattern, i)
+        elif pattern[i] == "(":
+            depth += 1
+        elif pattern[i] == ")":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+        i += 1
+    return len(pattern)
+
+
+def without_negative_lookaheads(pattern: str) -> str | None:
+    """`pattern` with its `(?!P)` groups dropped and, for each P, a character every match of P needs left out
+    of the rest (`pattern_without`): a string without that character holds no match of P anywhere, so
+    every one of those assertions holds. Punctuation is left out before letters and digits, one character
+    serving several P where it can. None when some P needs no character, or another lookaround is there."""
+    groups = lookarounds(pattern)
+    if any(kind != "!" for _, _, kind in groups):
+        return None
+    needs = []
+    for start, end, _ in groups:
+        inner = pattern[start + 3:end - 1]
+        shape = regex_shape(inner)
+        if shape is None or not shape.required or lookarounds(inner):
+            return None
+        needs.append(shape.required)
+    rest = "".join(pattern[a:b] for a, b in zip([0] + [e for _, e, _ in groups], [s for s, _, _ in groups] + [len(pattern)]))
+    left_out: set[str] = set()
+    for need in needs:
+        if not need & left_out:
+            left_out.add(min(need, key=lambda c: (-sum(c in n for n in needs), c.isalnum(), c)))
+    return pattern_without(rest, left_out) if left_out else rest
 
 
 def _class_text(chars: CharSet) -> str | None:

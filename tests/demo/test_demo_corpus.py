@@ -1,10 +1,12 @@
 """The demo corpus is deterministic per split, well-formed, and varied."""
 
 import json
+import re
 from collections import Counter
 
 import pytest
 
+from demo.bakery import FIRST_NAMES
 from demo.chat_format import EOS, render
 from demo.corpus import corpus_text, iter_documents, kind_weights
 
@@ -105,3 +107,19 @@ def test_names_and_new_orders_are_written_where_a_reply_copies_them():
             seen.add("new_order")
         if len(seen) == 2:
             break
+
+
+def test_name_chats_greet_by_the_name_the_prompt_gives_and_stay_out_of_the_default_mix():
+    assert kind_weights()["names"] == 0  # the held-out stream earlier pairs were measured on is unchanged
+    heldout = iter_documents("heldout")
+    assert not any(next(heldout).kind == "names" for _ in range(1000))
+    names = iter_documents("train", weights={"names": 1.0})
+    where = Counter()
+    for sample in (next(names) for _ in range(40)):
+        first_turn = sample.messages[0]["content"]
+        replies = [m["content"] for m in sample.messages if m["role"] == "assistant"]
+        first = replies[0].split("!")[0].removeprefix("Hi ")
+        assert first in FIRST_NAMES and re.search(rf"\b{first} [A-Z]", first_turn), (first, first_turn)
+        assert all(r == f"You're welcome, {first}! Have a sweet day." for r in replies[1:])
+        where[sample.messages[0]["role"]] += 1
+    assert where["system"] >= 10 and where["user"] >= 10

@@ -49,6 +49,14 @@ def test_training_continues_from_a_saved_pair(tmp_path):
                                          "reply_weight": 4.0}]
     assert "Continued from an earlier run" in (second / "TRAINING.md").read_text()
 
+    # --fresh-target: the same tokenizer and the draft continue, the target starts again from random weights
+    third = tmp_path / "third"
+    fresh = main(["--quick", "--out", str(third), "--threads", "1", "--init-from", str(first), "--fresh-target"])
+    assert (third / "demo-moe" / "tokenizer.json").read_text() == (first / "demo-moe" / "tokenizer.json").read_text()
+    assert fresh["target"]["train"]["loss_first"] > before["target"]["train"]["loss_last_50"] + 0.5
+    assert fresh["draft"]["train"]["loss_first"] < before["draft"]["train"]["loss_first"] - 0.1
+    assert fresh["fresh_target"] and "target trained from random weights" in (third / "TRAINING.md").read_text()
+
 
 def test_token_weights_mark_reply_tokens_and_their_end():
     from demo.train import token_weights

@@ -164,3 +164,33 @@ def test_pattern_intersection_is_never_wrong(short_strings):
             witness = next((s for s in short_strings if re.search(p, s) and re.search(q, s)), None)
             assert witness is None, f"{p!r} & {q!r}: {witness!r} matches both"
     assert decided >= 20
+
+
+LOOKAHEAD_PATTERNS = [r"^(?!ab)[a-c]+$", r"^(?!a.)(?!b1)[a-c1.]{1,3}$", r"^(?!.*\.\.)[a-c.]*$", r"^x(?!1)[0-9a]*$",
+                      r"^(?!ca)[a-c]+(?:x|1)?$"]
+
+
+@pytest.mark.parametrize("pattern", LOOKAHEAD_PATTERNS)
+def test_negative_lookaheads_hold_by_construction(short_strings, pattern):
+    """Dropping `(?!P)` and leaving out a character P needs only narrows, and keeps some matches."""
+    from moeserve.grammar.regex_rewrite import lookarounds, without_negative_lookaheads
+
+    new = without_negative_lookaheads(pattern)
+    assert new is not None and not lookarounds(new)
+    kept = [s for s in short_strings if re.fullmatch(new, s)]
+    assert kept and all(re.fullmatch(pattern, s) for s in kept), (pattern, new)
+
+
+@pytest.mark.parametrize("pattern", [r"^(?!\s*$).+$", r"^[a-z]+(?<!\.)$", r"^(?=a)\w+$", r"^(?!a)a$", r"^(?<=x)a$"])
+def test_lookarounds_that_cannot_hold_by_construction_are_refused(pattern):
+    """xgrammar ignores lookarounds (it would match more than the pattern): a pattern keeping one is refused."""
+    with pytest.raises(GrammarError) as e:
+        xgrammar_regex(pattern, dot_excludes_newline=False)
+    assert e.value.feature == "lookaround"
+
+
+def test_a_lookahead_is_not_read_inside_a_class_or_an_escape():
+    from moeserve.grammar.regex_rewrite import lookarounds
+
+    assert lookarounds(r"^[(?!]\(?!x$") == []
+    assert [kind for *_, kind in lookarounds(r"^(?!a(b))(?<=c)(?=[)])x$")] == ["!", "<=", "="]

@@ -213,6 +213,11 @@ OK = [
     ("unevaluatedProperties false", {"type": "object", "properties": {"a": {"type": "integer"}}, "unevaluatedProperties": False}, [{"a": 1}], [{"a": 1, "b": 1}]),
     ("unknown keyword ignored", {"type": "integer", "x-widget": "slider", "nullable": True}, [1], [None]),
     ("const in draft-04 is not a keyword", {"$schema": D4, "type": "integer", "const": 3}, [4], ["x"]),
+    # narrower: the ':' both lookaheads need is left out of the string
+    ("negative lookaheads", {"type": "string", "pattern": "^(?!aws:)(?!memorydb:)[a-z:]{1,12}$"},
+     ["a", "bws", "memory"], ["aws:x", "memorydb:a", ""]),
+    ("negative lookahead + length", {"type": "string", "pattern": "^(?!aws:)[a-z:]+$", "maxLength": 6},
+     ["abc", "bws"], ["aws:x", "abcdefg", ""]),
 ]
 
 LLGUIDANCE = [
@@ -266,6 +271,7 @@ REFUSED = [
                          "allOf": [{"$ref": "#/$defs/x"}, {"$ref": "#/$defs/y"}]}, "allOf:recursive"),
     ("allOf disjoint types", {"allOf": [{"type": "integer"}, {"type": "string"}]}, "unsatisfiable"),
     ("invalid schema", {"type": "strng"}, "invalid-schema"),
+    ("positive lookahead", {"type": "string", "pattern": "^(?=.*[0-9])[a-z0-9]+$"}, "lookaround"),
     ("unknown $schema", {"$schema": "http://example.com/my-draft", "type": "string"}, "$schema"),
     ("unsatisfiable", {"type": "integer", "minimum": 5, "maximum": 3}, "invalid-json_schema"),
 ]
