@@ -2,7 +2,8 @@
 
 Used by tests and benches, never by the serving path. It shares no code with xgrammar: JSON is
 parsed by `json`, schemas checked by `jsonschema` (the schema's own draft, formats asserted, with
-strict RFC-based format checks defined here), regexes by `re.fullmatch`. EBNF has no judge here.
+strict RFC-based format checks defined here; a schema's patterns by the `regex` package, which reads
+ECMA-262's Unicode property classes as Python's `re` does not), regexes by `re.fullmatch`. EBNF has no judge here.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from functools import lru_cache
 from typing import Any
 
 import jsonschema
+import regex
 
 from moeserve.grammar.schema_drafts import schema_draft
 from moeserve.grammar.spec import GrammarSpec
@@ -42,12 +44,13 @@ def check_output(spec: GrammarSpec, text: str) -> str | None:
 def _validator(schema_text: str) -> jsonschema.protocols.Validator:
     schema = json.loads(schema_text)
     cls = schema_draft(schema).validator
-    return _with_exact_multiple_of(cls)(schema, format_checker=FORMAT_CHECKER)
+    return _oracle_class(cls)(schema, format_checker=FORMAT_CHECKER)
 
 
 @lru_cache(maxsize=8)
-def _with_exact_multiple_of(cls: type) -> type:
-    """`cls` whose multipleOf uses exact arithmetic where jsonschema's float division overflows."""
+def _oracle_class(cls: type) -> type:
+    """`cls` whose multipleOf uses exact arithmetic where jsonschema's float division overflows, and whose
+    pattern keywords search with the `regex` package."""
     float_check = cls.VALIDATORS["multipleOf"]
 
     def multiple_of(validator, step, instance, schema):
@@ -57,7 +60,30 @@ def _with_exact_multiple_of(cls: type) -> type:
             if Fraction(str(instance)) % Fraction(str(step)):
                 yield jsonschema.ValidationError(f"{instance!r} is not a multiple of {step}")
 
-    return jsonschema.validators.extend(cls, {"multipleOf": multiple_of})
+    def pattern(validator, pat, instance, schema):
+        if validator.is_type(instance, "string") and not regex.search(pat, instance):
+            yield jsonschema.ValidationError(f"{instance!r} does not match {pat!r}")
+
+    def pattern_properties(validator, patterns, instance, schema):
+        if validator.is_type(instance, "object"):
+            for pat, sub in patterns.items():
+                for key in (k for k in instance if regex.search(pat, k)):
+                    yield from validator.descend(instance[key], sub, path=key, schema_path=pat)
+
+    def additional_properties(validator, extra, instance, schema):
+        if not validator.is_type(instance, "object"):
+            return
+        declared, patterns = schema.get("properties", {}), schema.get("patternProperties", {})
+        extras = [k for k in instance if k not in declared and not any(regex.search(p, k) for p in patterns)]
+        if validator.is_type(extra, "object"):
+            for key in extras:
+                yield from validator.descend(instance[key], extra, path=key)
+        elif extra is False and extras:
+            yield jsonschema.ValidationError(f"additional properties are not allowed ({sorted(extras)} unexpected)")
+
+    return jsonschema.validators.extend(cls, {"multipleOf": multiple_of, "pattern": pattern,
+                                              "patternProperties": pattern_properties,
+                                              "additionalProperties": additional_properties})
 
 
 def _reject_constant(name: str) -> Any:

@@ -4,17 +4,21 @@ A `pattern` or `guided_regex` is judged by Python's `re`. Measured against it, x
 narrower (ASCII `\\d`, `\\w`: safe) but wider in places: `.` matches a newline in `guided_regex`;
 `\\s` matches U+FEFF and `\\S`/`[^\\s]` match U+0085 and U+001C-U+001F; `\\D`, `\\W`, `[^\\d]`,
 `[^\\w]` match non-ASCII digits and letters; and in a pattern, `^a(b[01]+)?$` accepts "a0" (an
-optional group loses its leading literal). `xgrammar_regex` spells whitespace classes out, reduces
-classes with other shorthands to the printable ASCII characters Python says they match, and
-rewrites `.` to `[^\\n]` and `)?` to `){0,1}`.
+optional group loses its leading literal); it ignores lookarounds and reads `\\u` escapes only.
+`xgrammar_regex` spells whitespace classes out, reduces classes with other shorthands to the printable
+ASCII characters Python says they match and classes reaching past U+FFFF to their BMP part, rewrites `.`
+to `[^\\n]` and `)?` to `){0,1}`, makes negative lookaheads hold by construction
+(`regex_rewrite.without_negative_lookaheads`) and refuses other lookarounds.
 """
 
 from __future__ import annotations
 
+import functools
 import re
 
 from moeserve.grammar.errors import GrammarError
-from moeserve.grammar.regex_rewrite import class_end, lookarounds, without_negative_lookaheads
+from moeserve.grammar.regex_facts import CharSet
+from moeserve.grammar.regex_rewrite import class_end, class_text, lookarounds, without_negative_lookaheads
 
 # Whitespace to both Python's re and ECMA-262 (what `\s` may match) / to either (what `\S` must not).
 WS_BOTH = " \t\n\r\x0b\x0c\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000"
@@ -74,6 +78,8 @@ def xgrammar_regex(pattern: str, *, dot_excludes_newline: bool) -> str:
 def _rewrite_class(text: str) -> str:
     negated = text.startswith("[^")
     body = text[2:-1] if negated else text[1:-1]
+    if "\\U" in body:  # beyond the BMP (a spelled-out property class): xgrammar reads \uXXXX only
+        return _bmp_class(text)
     shorthands = set(re.findall(r"\\([sSdDwW])", body))
     if not shorthands:
         return "[" + ("^" if negated else "") + _spelled(body) + "]"  # raw control characters spelled out
@@ -84,3 +90,14 @@ def _rewrite_class(text: str) -> str:
     if not members:
         raise GrammarError(f"character class {text!r} matches no printable ASCII character", feature="pattern")
     return "[" + "".join("\\" + c if c in "\\]^-[" else c for c in members) + "]"
+
+
+@functools.lru_cache(maxsize=256)
+def _bmp_class(text: str) -> str:
+    """The class of the BMP characters (surrogates aside) `text` matches: narrower, exact there."""
+    matches = re.compile(text).fullmatch
+    members = frozenset(chr(c) for c in range(0x10000) if not 0xD800 <= c <= 0xDFFF and matches(chr(c)))
+    spelled = class_text(CharSet(members))
+    if spelled is None:
+        raise GrammarError(f"character class {text[:80]!r} matches no character below U+10000", feature="pattern")
+    return spelled

@@ -1,6 +1,7 @@
 """Regexes rewritten narrower: a pattern whose full matches leave some characters out (`pattern_without`),
 a class of what a set does not match (`class_outside`), length bounds folded into a pattern
-(`fold_lengths_into_pattern`), negative lookaheads made to hold everywhere (`without_negative_lookaheads`).
+(`fold_lengths_into_pattern`), negative lookaheads made to hold everywhere (`without_negative_lookaheads`), a
+leading lookahead that bounds the length read as length bounds (`lengths_from_lookahead`).
 Each result fully matches only strings the original fully matches.
 """
 
@@ -11,6 +12,7 @@ import re
 from moeserve.grammar.regex_facts import CharSet, first_of, regex_shape, sre_parse
 
 MAX_FOLDED_REPEAT = 1024
+MAX_FOLDED_CLASS = 256  # characters of class text; a wider class keeps its bounds (llguidance then)
 # A prefix, then one character class or escaped/plain character, repeated: ^ab[a-z0-9-]*$, ^\d+$
 _TAIL_STAR_PATTERN = re.compile(r"\^(.*?)(\[(?:\\.|[^\]\\])+\]|\\[dDwWsS]|\.|[A-Za-z0-9 _-])([*+])\$")
 
@@ -35,9 +37,9 @@ def pattern_without(pattern: str, chars: set[str]) -> str | None:
             if got is None:
                 return None
             kept = CharSet(got[0].chars | chars, True) if got[0].negated else CharSet(got[0].chars - chars)
-            ch, i = _class_text(kept), j
+            ch, i = class_text(kept), j
         elif ch == ".":
-            ch = _class_text(CharSet(frozenset("\n") | chars, True))
+            ch = class_text(CharSet(frozenset("\n") | chars, True))
         if ch is None:
             return None
         out.append(ch)
@@ -116,7 +118,31 @@ def without_negative_lookaheads(pattern: str) -> str | None:
     return pattern_without(rest, left_out) if left_out else rest
 
 
-def _class_text(chars: CharSet) -> str | None:
+_LENGTH = r"(\.|\[\\s\\S\]|\[\\S\\s\])\{(\d+),(\d+)\}"
+# ^(?=.{m,n}$)R and (?=^.{m,n}$)R; ^(?=^P$).{m,n}$
+_LENGTH_FIRST = re.compile(rf"(?:\^\(\?=\^?|\(\?=\^){_LENGTH}\$\)(.*)", re.S)
+_LENGTH_LAST = re.compile(rf"\^?\(\?=\^?(.*\$)\){_LENGTH}\$", re.S)
+
+
+def lengths_from_lookahead(pattern: str) -> tuple[str, int, int] | None:
+    """`^(?=.{m,n}$)R` -> ("^R", m, n) and `^(?=^P$).{m,n}$` -> ("^P$", m, n): the pattern left and the length
+    bounds the lookahead states; written with `.`, the pattern also leaves newlines out (`pattern_without`).
+    None for any other pattern, or when the newline cannot be left out."""
+    if m := _LENGTH_FIRST.fullmatch(pattern):
+        any_char, low, high, rest = m.groups()
+    elif m := _LENGTH_LAST.fullmatch(pattern):
+        rest, any_char, low, high = m.groups()
+    else:
+        return None
+    if regex_shape(rest) is None:  # the lookahead's end was misread
+        return None
+    rest = without_negative_lookaheads("^" + rest.removeprefix("^"))
+    if rest is not None and any_char == ".":
+        rest = pattern_without(rest, {"\n"})
+    return None if rest is None else (rest, int(low), int(high))
+
+
+def class_text(chars: CharSet) -> str | None:
     """A regex class for `chars`, runs as ranges (None when empty or beyond \\uFFFF)."""
     points = sorted(map(ord, chars.chars))
     if (not points and not chars.negated) or any(c > 0xFFFF for c in points):
@@ -133,16 +159,20 @@ def _class_text(chars: CharSet) -> str | None:
 
 def class_outside(chars: CharSet) -> str | None:
     """A regex character class matching what `chars` does not (None when not expressible)."""
-    return None if chars.negated else _class_text(CharSet(chars.chars, True))
+    return None if chars.negated else class_text(CharSet(chars.chars, True))
 
 
 def fold_lengths_into_pattern(kw: dict) -> None:
-    """A string schema's `kw` (pattern, minLength, maxLength): drop the bounds every full match meets;
+    """A string schema's `kw` (pattern, minLength, maxLength): the pattern anchored (narrower), drop the bounds
+    every match meets;
     `^PX*$`/`^PX+$` (P: no top-level `|`, X: one character or class) plus bounds -> `^PX{m,n}$`,
     counted for P's extremes (narrower), at most MAX_FOLDED_REPEAT."""
     shape = regex_shape(kw["pattern"])
     if shape is None:
         return
+    if not shape.anchored_end and ("minLength" in kw or "maxLength" in kw):
+        # full matches only, as xgrammar reads every pattern (llguidance would search, and the bounds then count)
+        kw["pattern"] = f"^(?:{kw['pattern']})$"
     if kw.get("minLength", 0) <= shape.min_len:
         kw.pop("minLength", None)
     if "maxLength" in kw and shape.max_len <= kw["maxLength"]:
@@ -151,6 +181,8 @@ def fold_lengths_into_pattern(kw: dict) -> None:
     if not m or ("minLength" not in kw and "maxLength" not in kw):
         return
     prefix, atom, plus = m.group(1), m.group(2), m.group(3) == "+"
+    if len(atom) > MAX_FOLDED_CLASS:  # xgrammar 0.2.9 lets a '"' through a wide class repeated {0,1000}
+        return
     try:
         parsed = sre_parse.parse(prefix)
         p_low, p_high = parsed.getwidth()

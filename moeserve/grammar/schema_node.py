@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from moeserve.grammar.errors import GrammarError
 from moeserve.grammar.formats import FORMAT_PATTERNS, SUPPORTED_FORMATS, UNSUPPORTED_FORMATS
 from moeserve.grammar.regex_compat import xgrammar_regex
-from moeserve.grammar.regex_rewrite import fold_lengths_into_pattern, without_negative_lookaheads
+from moeserve.grammar.regex_rewrite import fold_lengths_into_pattern, lengths_from_lookahead, without_negative_lookaheads
 from moeserve.grammar.schema_keys import fresh_properties, lengths_into_patterns, pattern_keys, property_names
 from moeserve.grammar.schema_merge import ALL_TYPES, listed, type_set
 
@@ -143,7 +143,12 @@ def _strings(s: dict, types: set[str], out: dict, keep: frozenset[str]) -> None:
         kw["format"] = fmt
     # Unknown formats (int32, non-blank, ...) are annotations: validators ignore them, so do we.
     if "pattern" in kw:
-        kw["pattern"] = without_negative_lookaheads(kw["pattern"]) or kw["pattern"]  # before either backend sees it
+        # lookarounds go before either backend sees the pattern
+        if (stated := lengths_from_lookahead(kw["pattern"])) is not None:
+            kw["pattern"], low, high = stated
+            kw["minLength"], kw["maxLength"] = max(kw.get("minLength", 0), low), min(kw.get("maxLength", high), high)
+        elif (narrowed := without_negative_lookaheads(kw["pattern"])) is not None:
+            kw["pattern"] = narrowed
         fold_lengths_into_pattern(kw)
     kinds = sorted({"length" if k.endswith("Length") else k for k in kw})
     if len(kinds) > 1:

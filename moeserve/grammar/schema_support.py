@@ -21,6 +21,7 @@ from moeserve.grammar.schema_drafts import ANNOTATIONS, Draft, schema_draft
 from moeserve.grammar.schema_merge import json_key, listed, merge_schemas, type_set
 from moeserve.grammar.schema_narrowing import Narrowing
 from moeserve.grammar.schema_node import normalize_node
+from moeserve.grammar.unicode_classes import with_python_patterns
 
 MAX_DEPTH = 200  # nesting/ref-chain depth; real schemas stay far below, recursive tricks do not
 # Refusals of the xgrammar path that llguidance enforces exactly and always lets finish (random
@@ -40,6 +41,7 @@ def prepare_json_schema(schema: Schema, one_of: str, keep: frozenset[str] = froz
     (one_of "as_any_of": an overlapping oneOf as anyOf, GrammarSection.one_of). Raises GrammarError
     naming the problem: an invalid schema, or the unsupported feature. `keep`: features (of
     LLGUIDANCE_FEATURES) to pass on as written, for llguidance (`for_llguidance`)."""
+    schema = with_python_patterns(schema)
     draft = schema_draft(schema)
     try:
         draft.validator.check_schema(schema)

@@ -194,3 +194,22 @@ def test_a_lookahead_is_not_read_inside_a_class_or_an_escape():
 
     assert lookarounds(r"^[(?!]\(?!x$") == []
     assert [kind for *_, kind in lookarounds(r"^(?!a(b))(?<=c)(?=[)])x$")] == ["!", "<=", "="]
+
+
+@pytest.mark.parametrize("pattern", [r"^(?=.{2,3}$)a.*", r"(?=^.{1,2}$)[a-c]+$", r"^(?=^[a-c1]+$).{2,4}$",
+                                     r"^(?=[\s\S]{1,3}$)(?!.*\.\.)[a-c.]*$", r"^(?=.{0,2}$)x?[ab\n]*$"])
+def test_a_leading_length_lookahead_becomes_length_bounds(short_strings, pattern):
+    """Full matches of the pattern left, within the bounds, are strings the original (a search) accepts."""
+    from moeserve.grammar.regex_rewrite import lengths_from_lookahead, lookarounds
+
+    new, low, high = lengths_from_lookahead(pattern)
+    assert not lookarounds(new)
+    kept = [s for s in short_strings if low <= len(s) <= high and re.fullmatch(new, s)]
+    assert kept and all(re.search(pattern, s) for s in kept), (pattern, new, low, high)
+
+
+def test_other_leading_lookaheads_are_not_read_as_lengths():
+    from moeserve.grammar.regex_rewrite import lengths_from_lookahead
+
+    for pattern in (r"(?=.{1,3}$)a", r"^(?=.*\d)[a-z0-9]+$", r"^a(?=.{1,3}$).*", r"^(?=.{1,3})a.*"):
+        assert lengths_from_lookahead(pattern) is None, pattern

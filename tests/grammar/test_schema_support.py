@@ -208,6 +208,9 @@ OK = [
     ("^X*$ pattern with lengths", {"type": "string", "pattern": "^[0-9a-z-]*$", "minLength": 2, "maxLength": 3}, ["ab", "a-1"], ["a", "abcd", "A1"]),
     ("prefix then ^X*$ with lengths", {"type": "string", "pattern": "^(id|key)-[0-9]*$", "minLength": 5, "maxLength": 6},
      ["id-12", "key-12"], ["id-1234", "key-123", "id-", "x-12"]),
+    # a search, anchored (narrower) before its bounds are dropped: llguidance would search, and write "abcdefgh"
+    ("unanchored pattern with bounds", {"type": "string", "pattern": "[a-z]{2}", "maxLength": 4},
+     ["ab"], ["abcdefgh", "1ab2x", "12"]),
     ("long maxLength folded and capped", {"type": "string", "pattern": "^[a-z]*$", "maxLength": 100000}, ["abc"], ["A"]),
     ("propertyNames", {"type": "object", "propertyNames": {"pattern": "^a"}, "additionalProperties": {"type": "integer"}}, [{"a": 1}], [{"b": 1}]),
     ("unevaluatedProperties false", {"type": "object", "properties": {"a": {"type": "integer"}}, "unevaluatedProperties": False}, [{"a": 1}], [{"a": 1, "b": 1}]),
@@ -218,10 +221,15 @@ OK = [
      ["a", "bws", "memory"], ["aws:x", "memorydb:a", ""]),
     ("negative lookahead + length", {"type": "string", "pattern": "^(?!aws:)[a-z:]+$", "maxLength": 6},
      ["abc", "bws"], ["aws:x", "abcdefg", ""]),
+    ("length lookahead", {"type": "string", "pattern": "^(?=.{2,4}$)[a-z]+$", "maxLength": 3},
+     ["ab", "abc"], ["a", "abcd", "A1"]),
 ]
 
 LLGUIDANCE = [
     # (name, schema, valid instances, invalid instances): refused by the xgrammar path
+    # xgrammar 0.2.9 lets a raw '"' through a wide class repeated {0,1000}: such bounds are not folded
+    ("wide class keeps its bounds", {"type": "string", "pattern": "^\\P{C}*$", "maxLength": 1000},
+     ["a b"], [Raw('"a"b"')]),
     ("multipleOf on numbers", {"type": "number", "multipleOf": 0.5}, [1.5, 2, -0.5], [1.25, 0.3]),
     ("multipleOf fractional step", {"type": "integer", "multipleOf": 2.5}, [5, 10, 0], [2, 7]),
     ("pattern + length", {"type": "string", "pattern": "^(a|bc)+$", "maxLength": 4}, ["abc", "bcbc", "aaaa"],
