@@ -13,7 +13,11 @@ from typing import TYPE_CHECKING, Any
 from moeserve.grammar.errors import GrammarError
 from moeserve.grammar.formats import FORMAT_PATTERNS, SUPPORTED_FORMATS, UNSUPPORTED_FORMATS
 from moeserve.grammar.regex_compat import xgrammar_regex
-from moeserve.grammar.regex_rewrite import fold_lengths_into_pattern, lengths_from_lookahead, without_negative_lookaheads
+from moeserve.grammar.regex_rewrite import (
+    fold_lengths_into_pattern,
+    lengths_from_lookahead,
+    without_negative_lookaheads,
+)
 from moeserve.grammar.schema_keys import fresh_properties, lengths_into_patterns, pattern_keys, property_names
 from moeserve.grammar.schema_merge import ALL_TYPES, listed, type_set
 
