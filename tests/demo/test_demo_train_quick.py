@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
@@ -53,7 +54,8 @@ def test_training_continues_from_a_saved_pair(tmp_path):
     third = tmp_path / "third"
     fresh = main(["--quick", "--out", str(third), "--threads", "1", "--init-from", str(first), "--fresh-target"])
     assert (third / "demo-moe" / "tokenizer.json").read_text() == (first / "demo-moe" / "tokenizer.json").read_text()
-    assert fresh["target"]["train"]["loss_first"] > before["target"]["train"]["loss_last_50"] + 0.5
+    # the same seed: the target starts from the first run's random weights, not where that run ended
+    assert fresh["target"]["train"]["loss_first"] == pytest.approx(before["target"]["train"]["loss_first"], abs=0.05)
     assert fresh["draft"]["train"]["loss_first"] < before["draft"]["train"]["loss_first"] - 0.1
     assert fresh["fresh_target"] and "target trained from random weights" in (third / "TRAINING.md").read_text()
 

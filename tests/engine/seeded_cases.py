@@ -29,7 +29,7 @@ SCHEMA = {
 }
 SCHEMA_SPEC = GrammarSpec.json_schema(SCHEMA)
 # replies the demo model is unsure of (order ids, names, items): different seeds, different replies
-QUESTIONS = ("Order two croissants for pickup, as JSON.", "Where is my order ORD-551273?",
+QUESTIONS = ("Order two croissants for pickup, as JSON.", "What should I bring to a party?",
              "Hi! Can you make a custom chocolate cake, 2 kg, for 14 March?")
 # temperature > 0 throughout; the second seed also cuts to a nucleus
 PARAMS = (SamplingParams(max_tokens=32, temperature=0.8, seed=11),
