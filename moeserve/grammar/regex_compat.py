@@ -56,6 +56,12 @@ def xgrammar_regex(pattern: str, *, dot_excludes_newline: bool) -> str:
                 out.append(f"[^{_spelled(WS_ANY)}]")
             elif esc[1:] in _NARROWED:
                 out.append(f"[{_spelled(_NARROWED[esc[1:]])}]")
+            elif esc == "\\U":  # xgrammar would read "U" and then the digits
+                point = int(pattern[i + 2 : i + 10], 16)
+                if point > 0xFFFF:
+                    raise GrammarError.refused("pattern", f"{pattern[i : i + 10]}: characters past U+FFFF are not supported")
+                out.append(f"\\u{point:04x}")
+                i += 8
             else:
                 out.append(esc)
             i += 2

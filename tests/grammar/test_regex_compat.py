@@ -213,3 +213,11 @@ def test_other_leading_lookaheads_are_not_read_as_lengths():
 
     for pattern in (r"(?=.{1,3}$)a", r"^(?=.*\d)[a-z0-9]+$", r"^a(?=.{1,3}$).*", r"^(?=.{1,3})a.*"):
         assert lengths_from_lookahead(pattern) is None, pattern
+
+
+def test_eight_digit_escapes_are_read_as_one_character():
+    """`\\U0000XXXX` is one character to Python's re; xgrammar would read a "U" and eight digits."""
+    assert xgrammar_regex(r"^a\U000000e9$", dot_excludes_newline=False) == r"^a\u00e9$"
+    with pytest.raises(GrammarError) as e:
+        xgrammar_regex(r"^\U0001F600$", dot_excludes_newline=False)
+    assert e.value.feature == "pattern"
